@@ -1,0 +1,206 @@
+"""Roles, the embedded local cluster, and connecting to an existing one.
+
+A Project Adam cluster has three roles, expressed as Dask worker resources:
+
+* ``PS``: parameter-server workers holding shard replicas (PSNode actors),
+* ``DATA``: data-serving workers (DataServer actors),
+* ``TRAIN``: model-training workers, one model replica each (a seceded long-running task).
+
+:func:`local` starts all of them on this machine. Each PS worker binds a distinct loopback host
+(127.0.0.2, 127.0.0.3, ...), so "three copies on distinct hosts" is real even on one box; the
+whole 127.0.0.0/8 range is loopback on Linux.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from distributed import Client, Nanny, Scheduler, SpecCluster
+
+from . import config
+from .errors import ClusterError, ConfigError
+
+logger = logging.getLogger(__name__)
+
+PS, DATA, TRAIN = "PS", "DATA", "TRAIN"
+ROLES = (PS, DATA, TRAIN)
+
+
+class EmbeddedClient(Client):
+    """A :class:`distributed.Client` that owns its cluster: closing it closes the cluster."""
+
+    def close(self, *args, **kwargs):
+        cluster = self.cluster
+        try:
+            return super().close(*args, **kwargs)
+        finally:
+            if cluster is not None and getattr(cluster, "status", None) is not None:
+                try:
+                    cluster.close()
+                except Exception:  # pragma: no cover - best effort at shutdown
+                    logger.exception("closing the embedded cluster failed")
+
+
+def local_spec(
+    ps_nodes: int | None = None,
+    data_nodes: int | None = None,
+    trainers: int | None = None,
+    *,
+    trainer_threads: int | None = None,
+    memory_limit: str | int | None = None,
+    dashboard_address: str | None = None,
+) -> tuple[dict, dict]:
+    """The scheduler and worker specs of the embedded cluster (for :class:`SpecCluster`).
+
+    PS worker ``i`` binds ``127.0.0.{2+i}``; DATA and TRAIN workers bind 127.0.0.1.
+    """
+    ps_nodes = int(config.get("cluster.ps-nodes", ps_nodes))
+    data_nodes = int(config.get("cluster.data-nodes", data_nodes))
+    trainers = int(config.get("cluster.trainers", trainers))
+    trainer_threads = int(config.get("cluster.trainer-threads", trainer_threads))
+    memory_limit = config.get("cluster.memory-limit", memory_limit)
+    dashboard_address = config.get("cluster.dashboard-address", dashboard_address)
+    for name, n in (("ps_nodes", ps_nodes), ("data_nodes", data_nodes), ("trainers", trainers)):
+        if n < 0:
+            raise ConfigError(f"{name}={n} is negative", "give a count of 0 or more")
+    if ps_nodes > 250:
+        raise ConfigError(f"ps_nodes={ps_nodes} exceeds the 250 loopback hosts available",
+                          "use a real cluster for more PS workers")
+    if ps_nodes + data_nodes + trainers == 0:
+        raise ConfigError("the cluster would have no workers", "ask for at least one worker")
+
+    scheduler = {
+        "cls": Scheduler,
+        "options": {"host": "127.0.0.1", "dashboard": dashboard_address is not None,
+                    "dashboard_address": dashboard_address or ":0"},
+    }
+    workers: dict[str, dict] = {}
+
+    def add(name: str, host: str, role: str, nthreads: int) -> None:
+        workers[name] = {
+            "cls": Nanny,
+            "options": {
+                "host": host,
+                "nthreads": nthreads,
+                "resources": {role: 1},
+                "memory_limit": memory_limit,
+                "name": name,
+                "dashboard": dashboard_address is not None,
+            },
+        }
+
+    for i in range(ps_nodes):
+        add(f"ps-{i}", f"127.0.0.{2 + i}", PS, 1)
+    for i in range(data_nodes):
+        add(f"data-{i}", "127.0.0.1", DATA, 1)
+    for i in range(trainers):
+        # one slot for the seceded replica task, the Hogwild threads run inside it
+        add(f"train-{i}", "127.0.0.1", TRAIN, max(1, trainer_threads))
+    return scheduler, workers
+
+
+def local(
+    ps_nodes: int | None = None,
+    data_nodes: int | None = None,
+    trainers: int | None = None,
+    *,
+    trainer_threads: int | None = None,
+    memory_limit: str | int | None = None,
+    dashboard_address: str | None = None,
+    timeout: float | None = None,
+) -> EmbeddedClient:
+    """Start the embedded Adam cluster on this machine and return a client that owns it.
+
+    Use it as a context manager; leaving the block closes client and cluster::
+
+        with adam_dask.cluster.local(ps_nodes=3, data_nodes=1, trainers=2) as client:
+            ...
+
+    Parameters default to the ``adam.cluster`` section of the configuration.
+    """
+    scheduler, workers = local_spec(
+        ps_nodes, data_nodes, trainers, trainer_threads=trainer_threads,
+        memory_limit=memory_limit, dashboard_address=dashboard_address,
+    )
+    timeout = float(config.get("cluster.start-timeout", timeout))
+    logger.info("starting the embedded cluster: %s", ", ".join(sorted(workers)))
+    cluster = SpecCluster(workers=workers, scheduler=scheduler, name="adam-local")
+    try:
+        client = EmbeddedClient(cluster, direct_to_workers=True)
+        client.wait_for_workers(len(workers), timeout=timeout)
+    except Exception as exc:
+        cluster.close()
+        raise ClusterError(f"the embedded cluster did not start: {exc}",
+                           "check free memory and that 127.0.0.x addresses are usable") from exc
+    return client
+
+
+def connect(address: str | None = None, *, gateway: str | None = None, **kwargs) -> Client:
+    """A client for an existing cluster: a scheduler ``address``, or a dask-gateway URL.
+
+    With ``gateway``, a new cluster is created on the gateway (``kwargs`` go to
+    ``Gateway.new_cluster``; ``workers=N`` scales it) and the client closes it on exit.
+    Roles are given to workers that have none with :func:`assign_roles`.
+    """
+    if (address is None) == (gateway is None):
+        raise ConfigError("give exactly one of a scheduler address or a gateway URL",
+                          "use --scheduler ADDRESS or --gateway URL")
+    if address is not None:
+        try:
+            return Client(address, timeout=config.get("cluster.start-timeout"))
+        except OSError as exc:
+            raise ClusterError(f"cannot reach the Dask scheduler at {address}: {exc}",
+                               "check the address and that the scheduler is running") from exc
+    try:
+        from dask_gateway import Gateway
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ConfigError("connecting to a gateway needs the dask-gateway package",
+                          "pip install 'adam_dask[gateway]'") from exc
+    n = kwargs.pop("workers", None)
+    gw = Gateway(gateway, **{k: kwargs.pop(k) for k in ("auth", "proxy_address") if k in kwargs})
+    cluster = gw.new_cluster(**kwargs)
+    if n:
+        cluster.scale(int(n))
+    client = cluster.get_client()
+    client._adam_gateway_cluster = cluster
+    return client
+
+
+def workers_with_role(client: Client, role: str) -> list[str]:
+    """Addresses of the workers that have the resource ``role``, sorted."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    return sorted(a for a, w in info.items() if w.get("resources", {}).get(role))
+
+
+async def _set_role(dask_worker, role: str) -> None:
+    await dask_worker.set_resources(**{role: 1})
+
+
+def assign_roles(client: Client, *, ps_nodes: int, data_nodes: int = 0,
+                 workers: Iterable[str] | None = None) -> dict[str, str]:
+    """Give roles to workers that have none (dask-gateway and plain ``dask worker`` clusters).
+
+    The first ``ps_nodes`` role-less workers (preferring distinct hosts) become PS, the next
+    ``data_nodes`` DATA, the rest TRAIN. Returns {address: role} for the workers relabelled.
+    """
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    free = [a for a in (workers or sorted(info)) if not set(info[a].get("resources", {})) & set(ROLES)]
+    # spread PS over hosts: round-robin by host
+    by_host: dict[str, list[str]] = {}
+    for a in free:
+        by_host.setdefault(info[a]["host"], []).append(a)
+    spread: list[str] = []
+    while any(by_host.values()):
+        for h in sorted(by_host):
+            if by_host[h]:
+                spread.append(by_host[h].pop(0))
+    if len(spread) < ps_nodes:
+        raise ClusterError(f"{len(spread)} role-less workers, but {ps_nodes} PS workers are needed",
+                           "scale the cluster up or ask for fewer PS nodes")
+    roles = {}
+    for i, addr in enumerate(spread):
+        roles[addr] = PS if i < ps_nodes else DATA if i < ps_nodes + data_nodes else TRAIN
+    for addr, role in roles.items():
+        client.run(_set_role, role=role, workers=[addr])
+    logger.info("assigned roles: %s", roles)
+    return roles
