@@ -112,7 +112,7 @@ def local_client():
     """A plain LocalCluster (2 workers, processes) for ingest and other role-free work."""
     from distributed import Client, LocalCluster
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
                       host="127.0.0.1") as cluster, Client(cluster) as client:
         yield client
 
