@@ -92,6 +92,47 @@ def read_idx(url: str, storage_options: dict | None = None) -> np.ndarray:
 
 # -- source discovery --------------------------------------------------------------------------------
 
+MNIST_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+               "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
+
+
+def mnist_location() -> str:
+    """Where the four MNIST files are: ``$ADAM_DASK_MNIST``, else a ``shared/datasets/mnist``
+    folder beside the working directory or the source checkout, else the public mirror
+    (``adam.data.mnist-mirror``)."""
+    if os.environ.get("ADAM_DASK_MNIST"):
+        return os.environ["ADAM_DASK_MNIST"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    for base in (os.getcwd(), os.path.join(here, "..", "..")):
+        cand = os.path.normpath(os.path.join(base, "..", "shared", "datasets", "mnist"))
+        if all(os.path.exists(os.path.join(cand, f)) for pair in MNIST_FILES.values() for f in pair):
+            return cand
+    return config.get("data.mnist-mirror")
+
+
+def _verify_md5sums(src: str, splits: list["SplitSource"], storage_options: dict | None) -> None:
+    """Check the files against an ``MD5SUMS`` file in the source folder, when there is one."""
+    fs, root = filesystem(src, storage_options)
+    sums_path = posixpath.join(root, "MD5SUMS") if "://" in src else os.path.join(root, "MD5SUMS")
+    try:
+        text = fs.cat_file(sums_path).decode()
+    except Exception:
+        return
+    expected = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            expected[parts[1].lstrip("*")] = parts[0].lower()
+    for s in splits:
+        for url in (s.images, s.labels):
+            name = posixpath.basename(url)
+            if name in expected:
+                fs2, path = filesystem(url, storage_options)
+                got = hashlib.md5(fs2.cat_file(path)).hexdigest()
+                if got != expected[name]:
+                    raise SourceError(f"{url} has MD5 {got}, but MD5SUMS says {expected[name]}",
+                                      "the file is damaged; download it again", path=url)
+
 @dataclass
 class SplitSource:
     """What one split of a source holds, before it is read."""
@@ -110,7 +151,16 @@ def _join(base: str, name: str) -> str:
 
 
 def discover(src: str, storage_options: dict | None = None) -> list[SplitSource]:
-    """Find the splits of an ingest source (IDX files or class folders)."""
+    """Find the splits of an ingest source (IDX files or class folders).
+
+    ``src="mnist"`` means the official MNIST files, found by :func:`mnist_location`.
+    """
+    if src == "mnist":
+        src = mnist_location()
+        if src.startswith(("http://", "https://")):  # a web mirror cannot be listed
+            base = src.rstrip("/")
+            return [SplitSource(name, "idx", images=f"{base}/{i}", labels=f"{base}/{l}")
+                    for name, (i, l) in MNIST_FILES.items()]
     src = normalize_url(src)
     fs, root = filesystem(src, storage_options)
     try:
@@ -146,6 +196,7 @@ def discover(src: str, storage_options: dict | None = None) -> list[SplitSource]
             split = _SPLIT_NAMES.get(prefix.lower(), "train" if len(idx) == 1 else prefix.lower())
             splits.append(SplitSource(split, "idx", images=url_of(files[name]["name"]),
                                       labels=url_of(files[label_name]["name"])))
+        _verify_md5sums(src, splits, storage_options)
         names = [s.name for s in splits]
         if len(set(names)) != len(names):
             raise SourceError(f"{src} holds several IDX image files for one split: {sorted(idx)}",
@@ -301,7 +352,8 @@ def ingest(src: str, dest: str, *, client=None, overwrite: bool = False,
     ``client`` (default: an in-process local cluster, closed afterwards).
     """
     t0 = time.perf_counter()
-    src, dest = normalize_url(src), normalize_url(dest)
+    src = src if src == "mnist" else normalize_url(src)
+    dest = normalize_url(dest)
     dest_storage_options = storage_options if dest_storage_options is None else dest_storage_options
     chunk = int(config.get("data.chunk-images", chunk_images))
     shard = int(config.get("data.shard-images", shard_images))
