@@ -1,0 +1,454 @@
+"""A convolutional network described by a spec string, its parameters in one flat float32 buffer.
+
+>>> net = Network.from_spec("conv5x5:10,maxpool2,conv5x5:20,maxpool2,fc400,fc400,fc10",
+...                         input_shape=(1, 28, 28), activation="tanh", seed=0)
+>>> sorted(net.parameters)[:2], net.parameters["0.weight"].shape, net.classes
+(['0.bias', '0.weight'], (10, 1, 5, 5), 10)
+
+Spec grammar, layers separated by commas; a layer's index is its position in the list:
+
+* ``conv<KH>x<KW>:<OC>`` (or ``conv<K>:<OC>``): valid 2-D convolution, stride 1, ``OC`` filters;
+  parameters ``<i>.weight`` (OC, C, KH, KW) and ``<i>.bias`` (OC,), torch's ``nn.Conv2d`` layout.
+* ``maxpool2``: 2x2 max-pooling, stride 2 (odd edges dropped, as torch's default). No parameters.
+* ``fc<O>``: dense layer, ``<i>.weight`` (O, I) and ``<i>.bias`` (O,), torch's ``nn.Linear``
+  layout; a convolutional input is flattened in (C, H, W) order, as ``torch.flatten``.
+
+Every conv and fc layer is followed by the activation (``tanh`` or ``relu``), except the last
+layer, which must be fc and gives the logits. Weights therefore move to and from a torch
+``nn.Sequential`` of the same layers by name (see ``benchmarks/engine.py``).
+
+A conv layer followed by max-pooling applies its activation *after* the pooling: tanh and relu
+are monotonic, so ``pool(act(z)) == act(pool(z))`` exactly, and the activation then runs on a
+quarter of the values.
+
+Work buffers live in a :class:`Context` (one per thread, sized for a batch), so the hot loop of a
+replica allocates nothing; the convenience methods (``forward``, ``loss_and_gradient``) keep a
+context per thread and batch size.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import config
+from ..errors import InputShapeError, ModelSpecError
+from . import kernels as K
+from .layout import ParameterLayout
+
+logger = logging.getLogger(__name__)
+
+ACTIVATIONS = ("tanh", "relu")
+_CONV = re.compile(r"^conv(\d+)(?:x(\d+))?:(\d+)$")
+_POOL = re.compile(r"^maxpool(\d+)$")
+_FC = re.compile(r"^fc(\d+)$")
+_ACT_FWD = {"tanh": K.tanh_forward, "relu": K.relu_forward}
+_ACT_BWD = {"tanh": K.tanh_backward, "relu": K.relu_backward}
+
+
+@dataclass(slots=True)
+class Layer:
+    """One layer of the plan; shapes are per image (no batch axis)."""
+
+    index: int
+    kind: str                    # "conv", "maxpool" or "fc"
+    token: str
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    kernel: tuple[int, int] = (0, 0)
+    act: str | None = None       # activation applied to this layer's output
+
+    @property
+    def has_params(self) -> bool:
+        return self.kind != "maxpool"
+
+    @property
+    def in_size(self) -> int:
+        return int(np.prod(self.in_shape))
+
+
+def parse_spec(spec: str, input_shape: tuple[int, ...], activation: str) -> list[Layer]:
+    """The layer plan of ``spec`` on images of ``input_shape`` (C, H, W); raises
+    :class:`ModelSpecError` naming the layer that does not parse or does not fit."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ModelSpecError(f"empty network spec {spec!r}",
+                             "give layers such as 'conv5x5:10,maxpool2,fc10'")
+    tokens = [t.strip().lower() for t in spec.split(",")]
+    shape = tuple(int(d) for d in input_shape)
+    layers: list[Layer] = []
+    for i, tok in enumerate(tokens):
+        where = f"layer {i} ({tok!r}) of spec {spec!r}"
+        if m := _CONV.match(tok):
+            kh, kw, oc = int(m[1]), int(m[2] or m[1]), int(m[3])
+            if len(shape) != 3:
+                raise ModelSpecError(f"{where}: a convolution needs a (C, H, W) input, got {shape}",
+                                     "put conv layers before fc layers", layer=i)
+            c, h, w = shape
+            if kh < 1 or kw < 1 or oc < 1:
+                raise ModelSpecError(f"{where}: kernel size and filters must be positive", layer=i)
+            if kh > h or kw > w:
+                raise ModelSpecError(f"{where}: a {kh}x{kw} kernel does not fit a {h}x{w} input",
+                                     "use a smaller kernel or fewer pooling layers", layer=i)
+            layers.append(Layer(i, "conv", tok, shape, (oc, h - kh + 1, w - kw + 1), (kh, kw)))
+        elif m := _POOL.match(tok):
+            if int(m[1]) != 2:
+                raise ModelSpecError(f"{where}: only 2x2 max-pooling is supported",
+                                     "write 'maxpool2'", layer=i)
+            if len(shape) != 3:
+                raise ModelSpecError(f"{where}: pooling needs a (C, H, W) input, got {shape}",
+                                     "put pooling layers before fc layers", layer=i)
+            c, h, w = shape
+            if h < 2 or w < 2:
+                raise ModelSpecError(f"{where}: cannot pool a {h}x{w} input", layer=i)
+            layers.append(Layer(i, "maxpool", tok, shape, (c, h // 2, w // 2), (2, 2)))
+        elif m := _FC.match(tok):
+            o = int(m[1])
+            if o < 1:
+                raise ModelSpecError(f"{where}: a dense layer needs at least one output", layer=i)
+            layers.append(Layer(i, "fc", tok, shape, (o,)))
+        else:
+            raise ModelSpecError(f"{where} does not parse",
+                                 "layers are conv<KH>x<KW>:<filters>, maxpool2 or fc<outputs>",
+                                 layer=i)
+        shape = layers[-1].out_shape
+    last = layers[-1]
+    if last.kind != "fc":
+        raise ModelSpecError(f"layer {last.index} ({last.token!r}) of spec {spec!r}: the last "
+                             "layer must be fc<classes> (it gives the logits)",
+                             "end the spec with e.g. 'fc10'", layer=last.index)
+    if last.out_shape[0] < 2:
+        raise ModelSpecError(f"layer {last.index} ({last.token!r}): a classifier needs at least "
+                             "2 classes", layer=last.index)
+    for j, L in enumerate(layers[:-1]):
+        if L.kind == "maxpool":
+            continue
+        nxt = layers[j + 1]
+        if L.kind == "conv" and nxt.kind == "maxpool":
+            nxt.act = activation            # act(pool(z)) == pool(act(z)): cheaper after the pool
+        else:
+            L.act = activation
+    return layers
+
+
+class Context:
+    """Pre-allocated work buffers for batches of up to ``batch_size`` images: activations, error
+    terms, im2col patches, pooling winners, and a flat gradient buffer with named views.
+    One per thread; never shared."""
+
+    def __init__(self, net: Network, batch_size: int):
+        B = self.batch_size = int(batch_size)
+        self.acts: list[np.ndarray] = []
+        self.errs: list[np.ndarray] = []
+        self.cols: dict[int, np.ndarray] = {}
+        self.dcols: dict[int, np.ndarray] = {}
+        self.argmax: dict[int, np.ndarray] = {}
+        for L in net.layers:
+            self.acts.append(np.zeros((B, *L.out_shape), np.float32))
+            self.errs.append(np.zeros((B, *L.out_shape), np.float32))
+            if L.kind == "conv":
+                c = L.in_shape[0]
+                kh, kw = L.kernel
+                p = L.out_shape[1] * L.out_shape[2]
+                self.cols[L.index] = np.zeros((B, c * kh * kw, p), np.float32)
+                self.dcols[L.index] = np.zeros((c * kh * kw, p), np.float32)
+            elif L.kind == "maxpool":
+                self.argmax[L.index] = np.zeros((B, *L.out_shape), np.int8)
+        k = net.classes
+        self.probs = np.zeros((B, k), np.float32)
+        self.losses = np.zeros(B, np.float32)
+        self.labels = np.zeros(B, np.int64)
+        self.grad = net.layout.allocate()
+        self.gviews = net.layout.views(self.grad)
+        self.dummy = np.zeros((1, 1), np.float32)
+
+
+class Network:
+    """A feed-forward conv net with every parameter in one flat float32 buffer.
+
+    Build with :meth:`from_spec`. Attributes: ``spec`` (str), ``input_shape`` (C, H, W),
+    ``activation``, ``classes``, ``layers`` (the plan), ``layout`` (:class:`ParameterLayout`),
+    ``flat`` (1-D float32, all parameters; assigning to it copies values in, so the views stay
+    valid) and ``parameters`` (name -> view into ``flat``).
+    """
+
+    def __init__(self, spec: str, input_shape: tuple[int, ...] = (1, 28, 28),
+                 activation: str | None = None):
+        activation = config.get("model.activation", activation)
+        if activation not in ACTIVATIONS:
+            raise ModelSpecError(f"unknown activation {activation!r}",
+                                 f"use one of {', '.join(ACTIVATIONS)} (argument activation= or "
+                                 "config adam.model.activation)")
+        input_shape = tuple(int(d) for d in input_shape)
+        if len(input_shape) == 2:
+            input_shape = (1, *input_shape)
+        if len(input_shape) != 3 or min(input_shape) < 1:
+            raise ModelSpecError(f"input_shape must be (C, H, W) with positive sizes, got "
+                                 f"{input_shape}")
+        self.spec = ",".join(t.strip().lower() for t in spec.split(",")) if isinstance(spec, str) \
+            else spec
+        self.input_shape = input_shape
+        self.activation = activation
+        self.layers = parse_spec(spec, input_shape, activation)
+        self.classes = self.layers[-1].out_shape[0]
+        entries = []
+        for L in self.layers:
+            if L.kind == "conv":
+                kh, kw = L.kernel
+                entries += [(f"{L.index}.weight", (L.out_shape[0], L.in_shape[0], kh, kw)),
+                            (f"{L.index}.bias", (L.out_shape[0],))]
+            elif L.kind == "fc":
+                entries += [(f"{L.index}.weight", (L.out_shape[0], L.in_size)),
+                            (f"{L.index}.bias", (L.out_shape[0],))]
+        self.layout = ParameterLayout(entries)
+        self._flat = self.layout.allocate()
+        self.parameters: dict[str, np.ndarray] = self.layout.views(self._flat)
+        self._local = threading.local()
+
+    # -- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_spec(cls, spec: str | None = None, input_shape: tuple[int, ...] = (1, 28, 28),
+                  activation: str | None = None, seed: int = 0) -> Network:
+        """Parse ``spec`` (default: config ``adam.model.spec``) and initialise the weights:
+        Glorot-uniform for tanh, He-normal for relu, zero biases, from ``seed``."""
+        net = cls(config.get("model.spec", spec), input_shape, activation)
+        net.initialize(seed)
+        return net
+
+    def initialize(self, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        for L in self.layers:
+            if not L.has_params:
+                continue
+            w = self.parameters[f"{L.index}.weight"]
+            fan_in = int(np.prod(w.shape[1:]))
+            fan_out = w.shape[0] * int(np.prod(w.shape[2:]))
+            if self.activation == "relu":
+                w[...] = rng.normal(0.0, np.sqrt(2.0 / fan_in), w.shape)
+            else:
+                a = np.sqrt(6.0 / (fan_in + fan_out))
+                w[...] = rng.uniform(-a, a, w.shape)
+            self.parameters[f"{L.index}.bias"][...] = 0.0
+
+    def to_dict(self) -> dict:
+        """A JSON-safe description (no weights), for checkpoint manifests."""
+        return {"spec": self.spec, "input_shape": list(self.input_shape),
+                "activation": self.activation, "classes": self.classes,
+                "parameters": self.layout.size}
+
+    @classmethod
+    def from_dict(cls, d: dict, seed: int = 0) -> Network:
+        """The network ``d`` (from :meth:`to_dict`) describes, freshly initialised from ``seed``."""
+        try:
+            net = cls.from_spec(d["spec"], tuple(d["input_shape"]), d["activation"], seed=seed)
+        except KeyError as e:
+            raise ModelSpecError(f"a network description lacks the key {e}",
+                                 "build it with Network.to_dict()") from None
+        if "classes" in d and d["classes"] != net.classes:
+            raise ModelSpecError(f"description says {d['classes']} classes, its spec gives "
+                                 f"{net.classes}")
+        return net
+
+    def copy(self) -> Network:
+        """A new network with the same spec and a copy of the weights."""
+        other = type(self)(self.spec, self.input_shape, self.activation)
+        other.flat = self._flat
+        return other
+
+    def __repr__(self) -> str:
+        return (f"Network({self.spec!r}, input_shape={self.input_shape}, "
+                f"activation={self.activation!r}, {self.layout.size} parameters)")
+
+    @property
+    def flat(self) -> np.ndarray:
+        return self._flat
+
+    @flat.setter
+    def flat(self, values: np.ndarray) -> None:
+        values = np.asarray(values)
+        if values.shape != self._flat.shape:
+            raise InputShapeError(f"expected {self._flat.shape[0]} parameter values, got shape "
+                                  f"{values.shape}")
+        self._flat[...] = values
+
+    # -- input checks -----------------------------------------------------------------------------
+
+    def check_input(self, x) -> np.ndarray:
+        """``x`` as a C-contiguous float32 (B, C, H, W) array, or :class:`InputShapeError`."""
+        if not isinstance(x, np.ndarray):
+            x = np.asarray(x)
+        want = self.input_shape
+        if x.ndim != 4 or tuple(x.shape[1:]) != want:
+            raise InputShapeError(f"expected images of shape (B, {', '.join(map(str, want))}), "
+                                  f"got {x.shape}",
+                                  "add the batch and channel axes, e.g. x[:, None]")
+        if x.shape[0] == 0:
+            raise InputShapeError("got an empty batch (0 images)")
+        if x.dtype != np.float32:
+            if not np.issubdtype(x.dtype, np.floating):
+                raise InputShapeError(f"expected float32 images, got dtype {x.dtype}",
+                                      "scale uint8 images to [0, 1] first (x / 255) or use "
+                                      "evaluate(), which accepts uint8")
+            x = x.astype(np.float32)
+        return np.ascontiguousarray(x)
+
+    def check_labels(self, y, n: int) -> np.ndarray:
+        """``y`` as int64 (n,) within [0, classes), or :class:`InputShapeError`."""
+        y = np.asarray(y)
+        if y.shape != (n,):
+            raise InputShapeError(f"expected {n} labels of shape ({n},), got shape {y.shape}")
+        if not np.issubdtype(y.dtype, np.integer):
+            raise InputShapeError(f"expected integer labels, got dtype {y.dtype}")
+        if n and (y.min() < 0 or y.max() >= self.classes):
+            raise InputShapeError(f"labels must lie in [0, {self.classes}), got "
+                                  f"[{y.min()}, {y.max()}]")
+        return np.ascontiguousarray(y, dtype=np.int64)
+
+    def as_images(self, x) -> np.ndarray:
+        """Images of any common form as float32 (N, C, H, W): uint8 (N, H, W) / (N, H, W, C) /
+        (N, C, H, W) scaled by 1/255, or float arrays as they are."""
+        x = np.asarray(x)
+        c, h, w = self.input_shape
+        if x.ndim == 3 and c == 1 and x.shape[1:] == (h, w):
+            x = x[:, None]
+        elif x.ndim == 4 and x.shape[1:] == (h, w, c) and x.shape[1:] != (c, h, w):
+            x = x.transpose(0, 3, 1, 2)
+        if x.dtype == np.uint8:
+            x = x.astype(np.float32) / np.float32(255.0)
+        return self.check_input(x)
+
+    # -- contexts ---------------------------------------------------------------------------------
+
+    def context(self, batch_size: int) -> Context:
+        """New work buffers for batches of up to ``batch_size`` images (one per thread)."""
+        return Context(self, batch_size)
+
+    def _thread_context(self, batch_size: int) -> Context:
+        cache = getattr(self._local, "contexts", None)
+        if cache is None:
+            cache = self._local.contexts = {}
+        ctx = cache.get(batch_size)
+        if ctx is None:
+            if len(cache) > 4:
+                cache.clear()
+            ctx = cache[batch_size] = Context(self, batch_size)
+        return ctx
+
+    # -- the passes (no checks: callers validated x and y) -------------------------------------
+
+    def forward_into(self, ctx: Context, x: np.ndarray, n: int | None = None) -> np.ndarray:
+        """Forward ``x[:n]`` through the net in ``ctx``; returns the logits view (n, classes)."""
+        n = x.shape[0] if n is None else n
+        inp = x[:n]
+        p = self.parameters
+        for L in self.layers:
+            i = L.index
+            out = ctx.acts[i][:n]
+            if L.kind == "conv":
+                K.conv2d_forward(out, ctx.cols[i][:n], inp, p[f"{i}.weight"], p[f"{i}.bias"])
+            elif L.kind == "maxpool":
+                K.maxpool2_forward(out, ctx.argmax[i][:n], inp)
+            else:
+                K.dense_forward(out, inp.reshape(n, -1), p[f"{i}.weight"], p[f"{i}.bias"])
+            if L.act is not None:
+                _ACT_FWD[L.act](out)
+            inp = out
+        return inp
+
+    def backward_into(self, ctx: Context, x: np.ndarray, y: np.ndarray, n: int | None = None,
+                      grads: dict[str, np.ndarray] | None = None,
+                      dense_terms: dict | None = None) -> float:
+        """Forward and backward ``x[:n]``, ``y[:n]`` in ``ctx``; *adds* the gradient of the mean
+        loss into ``grads`` (default ``ctx.gviews``) and returns the mean loss. When
+        ``dense_terms`` is a dict, fills it with name prefix -> (activations, errors) copies."""
+        n = x.shape[0] if n is None else n
+        logits = self.forward_into(ctx, x, n)
+        y = y[:n]
+        g = ctx.gviews if grads is None else grads
+        p = self.parameters
+        probs = ctx.probs[:n]
+        loss = K.softmax_cross_entropy_forward(probs, ctx.losses[:n], logits, y)
+        last = self.layers[-1].index
+        K.softmax_cross_entropy_backward(ctx.errs[last][:n], probs, y, np.float32(1.0 / n))
+        for j in range(len(self.layers) - 1, -1, -1):
+            L = self.layers[j]
+            i = L.index
+            dout = ctx.errs[i][:n]
+            if L.act is not None:
+                _ACT_BWD[L.act](dout, ctx.acts[i][:n])
+            inp = x[:n] if j == 0 else ctx.acts[i - 1][:n]
+            need_dx = j > 0
+            dinp = ctx.errs[i - 1][:n] if need_dx else None
+            if L.kind == "conv":
+                K.conv2d_backward_weights(g[f"{i}.weight"], g[f"{i}.bias"], dout, ctx.cols[i][:n])
+                if need_dx:
+                    K.conv2d_backward_input(dinp, ctx.dcols[i], dout, p[f"{i}.weight"])
+            elif L.kind == "maxpool":
+                if need_dx:
+                    K.maxpool2_backward(dinp, dout, ctx.argmax[i][:n])
+            else:
+                a2 = inp.reshape(n, -1)
+                if dense_terms is not None:
+                    dense_terms[str(i)] = (a2.copy(), dout.copy())
+                K.dense_backward(dinp.reshape(n, -1) if need_dx else ctx.dummy,
+                                 g[f"{i}.weight"], g[f"{i}.bias"], dout, a2, p[f"{i}.weight"],
+                                 need_dx)
+        return float(loss)
+
+    # -- the public passes ------------------------------------------------------------------------
+
+    def forward(self, x, batch_size: int = 256) -> np.ndarray:
+        """Logits (B, classes) float32 of images ``x`` (B, C, H, W) float32."""
+        x = self.check_input(x)
+        N = x.shape[0]
+        bs = min(int(batch_size), N)
+        ctx = self._thread_context(bs)
+        out = np.empty((N, self.classes), np.float32)
+        for s in range(0, N, bs):
+            chunk = x[s:s + bs]
+            out[s:s + len(chunk)] = self.forward_into(ctx, chunk)
+        return out
+
+    def loss_and_gradient(self, x, y, dense_terms: bool = False):
+        """Mean softmax cross-entropy of the batch and its gradient wrt ``flat``.
+
+        Parameters
+        ----------
+        x : float32 (B, C, H, W)
+        y : integer (B,) in [0, classes)
+        dense_terms : bool
+            Also return the paper's dense-layer offload terms.
+
+        Returns
+        -------
+        ``(loss, grad)``: loss a float, grad a new float32 array like ``flat``. With
+        ``dense_terms=True``, ``(loss, grad, terms)`` where ``terms`` maps each fc layer's name
+        prefix (e.g. ``"5"``) to ``(activations (B, I), errors (B, O))`` float32: the layer's
+        input and the gradient of the *mean* loss wrt its pre-activation output (the 1/B of the
+        mean is already inside the errors), so that ``grad["5.weight"] == errors.T @
+        activations`` and ``grad["5.bias"] == errors.sum(0)``. A parameter server applying
+        ``w -= lr * errors.T @ activations`` therefore makes the same step as ``flat -= lr *
+        grad``.
+        """
+        x = self.check_input(x)
+        y = self.check_labels(y, x.shape[0])
+        ctx = self._thread_context(x.shape[0])
+        ctx.grad[...] = 0.0
+        terms: dict | None = {} if dense_terms else None
+        loss = self.backward_into(ctx, x, y, dense_terms=terms)
+        grad = ctx.grad.copy()
+        return (loss, grad, terms) if dense_terms else (loss, grad)
+
+    def predict(self, x, batch_size: int = 256) -> np.ndarray:
+        """Class labels (B,) int64 of images ``x`` (any form :meth:`as_images` accepts)."""
+        return self.forward(self.as_images(x), batch_size).argmax(axis=1)
+
+    def evaluate(self, x, y, batch_size: int = 256) -> float:
+        """Accuracy in [0, 1] on images ``x`` (float32 (N, C, H, W), or uint8 (N, H, W) /
+        (N, H, W, C) scaled by 1/255) with labels ``y`` (N,)."""
+        x = self.as_images(x)
+        y = self.check_labels(y, x.shape[0])
+        return float((self.predict(x, batch_size) == y).mean())

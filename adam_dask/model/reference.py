@@ -1,0 +1,121 @@
+"""Slow, obvious numpy versions of every kernel in :mod:`adam_dask.model.kernels`; tests only.
+
+They return new arrays (no output buffers) and compute in float64, so a test can compare a kernel
+with its reference and with finite differences. Shapes follow the legend in ``kernels.py``.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+def conv2d_forward(x, w, bias):
+    """x (B, C, H, W), w (OC, C, KH, KW), bias (OC,) -> (B, OC, OH, OW), valid, stride 1."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    B, C, H, W = x.shape
+    OC, _, KH, KW = w.shape
+    OH, OW = H - KH + 1, W - KW + 1
+    out = np.zeros((B, OC, OH, OW))
+    for oy in range(OH):
+        for ox in range(OW):
+            patch = x[:, :, oy:oy + KH, ox:ox + KW]            # (B, C, KH, KW)
+            out[:, :, oy, ox] = np.einsum("bckl,ockl->bo", patch, w)
+    return out + np.asarray(bias, np.float64)[None, :, None, None]
+
+
+def conv2d_backward_input(dout, w, H, W):
+    """dout (B, OC, OH, OW), w (OC, C, KH, KW) -> dx (B, C, H, W)."""
+    dout, w = np.asarray(dout, np.float64), np.asarray(w, np.float64)
+    B, OC, OH, OW = dout.shape
+    _, C, KH, KW = w.shape
+    dx = np.zeros((B, C, H, W))
+    for oy in range(OH):
+        for ox in range(OW):
+            dx[:, :, oy:oy + KH, ox:ox + KW] += np.einsum("bo,ockl->bckl", dout[:, :, oy, ox], w)
+    return dx
+
+
+def conv2d_backward_weights(dout, x, KH, KW):
+    """dout (B, OC, OH, OW), x (B, C, H, W) -> (dw (OC, C, KH, KW), dbias (OC,))."""
+    dout, x = np.asarray(dout, np.float64), np.asarray(x, np.float64)
+    B, OC, OH, OW = dout.shape
+    C = x.shape[1]
+    dw = np.zeros((OC, C, KH, KW))
+    for oy in range(OH):
+        for ox in range(OW):
+            dw += np.einsum("bo,bckl->ockl", dout[:, :, oy, ox], x[:, :, oy:oy + KH, ox:ox + KW])
+    return dw, dout.sum(axis=(0, 2, 3))
+
+
+def maxpool2_forward(x):
+    """x (B, C, H, W) -> (out (B, C, H//2, W//2), argmax int8 0..3 = dy*2+dx); first max wins."""
+    x = np.asarray(x)
+    B, C, H, W = x.shape
+    PH, PW = H // 2, W // 2
+    win = x[:, :, :2 * PH, :2 * PW].reshape(B, C, PH, 2, PW, 2).transpose(0, 1, 2, 4, 3, 5)
+    win = win.reshape(B, C, PH, PW, 4)
+    return win.max(axis=-1), win.argmax(axis=-1).astype(np.int8)
+
+
+def maxpool2_backward(dout, argmax, H, W):
+    """dout (B, C, PH, PW), argmax -> dx (B, C, H, W)."""
+    B, C, PH, PW = dout.shape
+    dx = np.zeros((B, C, H, W))
+    for py in range(PH):
+        for px in range(PW):
+            a = argmax[:, :, py, px]
+            for k in range(4):
+                sel = a == k
+                dx[:, :, 2 * py + k // 2, 2 * px + k % 2] += np.where(sel, dout[:, :, py, px], 0.0)
+    return dx
+
+
+def dense_forward(x, w, bias):
+    """x (B, I), w (O, I), bias (O,) -> (B, O)."""
+    return np.asarray(x, np.float64) @ np.asarray(w, np.float64).T + np.asarray(bias, np.float64)
+
+
+def dense_backward_input(dout, w):
+    """dout (B, O), w (O, I) -> dx (B, I)."""
+    return np.asarray(dout, np.float64) @ np.asarray(w, np.float64)
+
+
+def dense_backward_weights(dout, x):
+    """dout (B, O), x (B, I) -> (dw (O, I), dbias (O,))."""
+    dout = np.asarray(dout, np.float64)
+    return dout.T @ np.asarray(x, np.float64), dout.sum(axis=0)
+
+
+def tanh_forward(z):
+    return np.tanh(np.asarray(z, np.float64))
+
+
+def tanh_backward(dy, y):
+    return np.asarray(dy, np.float64) * (1.0 - np.asarray(y, np.float64) ** 2)
+
+
+def relu_forward(z):
+    return np.maximum(np.asarray(z, np.float64), 0.0)
+
+
+def relu_backward(dy, y):
+    return np.where(np.asarray(y) > 0, np.asarray(dy, np.float64), 0.0)
+
+
+def softmax_cross_entropy_forward(logits, labels):
+    """logits (B, K), labels (B,) -> (probs (B, K), mean loss)."""
+    z = np.asarray(logits, np.float64)
+    z = z - z.max(axis=1, keepdims=True)
+    p = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+    loss = -np.log(p[np.arange(len(labels)), labels]).mean()
+    return p, float(loss)
+
+
+def softmax_cross_entropy_backward(probs, labels):
+    """-> dlogits (B, K) of the mean loss: (probs - onehot) / B."""
+    d = np.array(probs, np.float64)
+    d[np.arange(len(labels)), labels] -= 1.0
+    return d / len(labels)

@@ -1,0 +1,168 @@
+"""HogwildReplica: threads learn lock-free, the delta is exact, callbacks and stop work."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from adam_dask.errors import ConfigError, InputShapeError
+from adam_dask.model import Network
+from adam_dask.train.replica import HogwildReplica, TrainStats
+
+SPEC = "conv3x3:4,maxpool2,fc16,fc4"
+SHAPE = (1, 10, 10)
+
+
+def synthetic(n, seed=0):
+    """4 learnable classes: a bright bar in one of four places, plus noise."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 4, n)
+    x = rng.normal(0, 0.2, (n, *SHAPE)).astype(np.float32)
+    for i, c in enumerate(y):
+        if c < 2:
+            x[i, 0, 2 + 5 * c: 4 + 5 * c, 1:9] += 1.0
+        else:
+            x[i, 0, 1:9, 2 + 5 * (c - 2): 4 + 5 * (c - 2)] += 1.0
+    return x, y
+
+
+def batches(x, y, bs, epochs=1):
+    for _ in range(epochs):
+        for s in range(0, len(x), bs):
+            yield x[s:s + bs], y[s:s + bs]
+
+
+@pytest.fixture
+def data():
+    return synthetic(512)
+
+
+def test_threads_learn(data):
+    x, y = data
+    net = Network.from_spec(SPEC, SHAPE, "tanh", seed=0)
+    before, _ = net.loss_and_gradient(x, y)
+    rep = HogwildReplica(net, threads=2, lr=0.1, momentum=0.0, batch_size=4)
+    stats = rep.train(batches(x, y, 16, epochs=3))
+    assert isinstance(stats, TrainStats)
+    assert stats.images == 3 * len(x) and not stats.stopped and stats.seconds > 0
+    after, _ = net.loss_and_gradient(x, y)
+    assert after < 0.5 * before
+    assert net.evaluate(x, y) > 0.9
+
+
+def test_train_images_with_momentum_and_schedule(data):
+    x, y = data
+    net = Network.from_spec(SPEC, SHAPE, "relu", seed=0)
+    before, _ = net.loss_and_gradient(x, y)
+    rep = HogwildReplica(net, threads=2, lr=0.05, momentum=0.9, batch_size=8, lr_decay=0.5)
+    seen = []
+    stats = rep.train_images(x, y, epochs=2, seed=0,
+                             on_epoch=lambda r, e, st: seen.append((e, r.lr, st.images)))
+    assert seen == [(0, 0.05, 512), (1, 0.025, 512)]
+    assert stats.images == 1024 and rep.images_seen == 1024
+    assert rep.lr_at(3) == pytest.approx(0.05 * 0.5 ** 3)
+    assert net.loss_and_gradient(x, y)[0] < 0.5 * before
+
+
+def test_uint8_images_and_per_image_updates():
+    x, y = synthetic(64)
+    x8 = (np.clip(x[:, 0], 0, 1) * 255).astype(np.uint8)
+    net = Network.from_spec(SPEC, SHAPE, seed=0)
+    rep = HogwildReplica(net, threads=1, lr=0.05, momentum=0.0, batch_size=1)
+    assert rep.train_images(x8, y).images == 64
+
+
+def test_delta_is_the_sum_of_updates_and_resets(data):
+    x, y = data
+    net = Network.from_spec(SPEC, SHAPE, seed=0)
+    start = net.flat.copy()
+    rep = HogwildReplica(net, threads=2, lr=0.1, momentum=0.0, batch_size=4)
+    rep.train(batches(x, y, 32))
+    d = rep.take_delta()
+    np.testing.assert_allclose(start + d, net.flat, atol=1e-6)
+    assert not rep.take_delta().any()
+    rep.train(batches(x[:64], y[:64], 32))
+    mid = net.flat.copy()
+    d2 = rep.peek_delta()
+    assert d2.any()
+    # a pull: new weights in, delta zero
+    pulled = np.zeros_like(net.flat)
+    rep.set_weights(pulled)
+    np.testing.assert_array_equal(net.flat, pulled)
+    assert not rep.take_delta().any()
+    # keep_pending re-applies the updates not yet pushed
+    rep.set_weights(mid)
+    rep.train(batches(x[:32], y[:32], 32))
+    pending = rep.peek_delta()
+    rep.set_weights(np.ones_like(mid), keep_pending=True)
+    np.testing.assert_allclose(rep.peek_delta(), pending, atol=1e-6)
+    np.testing.assert_allclose(net.flat, 1 + pending, atol=1e-6)
+    with pytest.raises(InputShapeError):
+        rep.set_weights(np.zeros(3, np.float32))
+
+
+def test_callback_every_k_images_while_training(data):
+    x, y = data
+    net = Network.from_spec(SPEC, SHAPE, seed=0)
+    rep = HogwildReplica(net, threads=2, lr=0.05, batch_size=4)
+    calls, active, overlap = [], [0], []
+    pushed = np.zeros_like(net.flat)
+
+    def push(r):
+        active[0] += 1
+        overlap.append(active[0])
+        pushed[...] += r.take_delta()
+        calls.append(time.perf_counter())
+        active[0] -= 1
+
+    start = net.flat.copy()
+    stats = rep.train(batches(x, y, 16), on_images=push, every=64)
+    pushed += rep.take_delta()
+    assert 5 <= len(calls) <= 8                  # 512 images / 64
+    assert max(overlap) == 1                     # never two callbacks at once
+    np.testing.assert_allclose(start + pushed, net.flat, atol=1e-5)
+    assert stats.images == 512
+
+
+def test_stop_interrupts_promptly(data):
+    x, y = data
+    net = Network.from_spec(SPEC, SHAPE, seed=0)
+    rep = HogwildReplica(net, threads=2, lr=0.05, batch_size=4)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("s", rep.train(batches(x, y, 16, 10**6))))
+    t.start()
+    time.sleep(0.3)
+    t0 = time.perf_counter()
+    rep.stop()
+    t.join(timeout=5)
+    assert not t.is_alive() and time.perf_counter() - t0 < 1.0
+    assert out["s"].stopped and out["s"].images > 0
+    # an external event works too, and a new train() starts afresh
+    ev = threading.Event()
+    ev.set()
+    assert rep.train(batches(x, y, 16), stop_event=ev).images == 0
+    assert rep.train(batches(x[:32], y[:32], 16)).images == 32
+
+
+def test_bad_batches_raise_in_the_caller(data):
+    x, y = data
+    net = Network.from_spec(SPEC, SHAPE, seed=0)
+    rep = HogwildReplica(net, threads=2, lr=0.05, batch_size=4)
+    with pytest.raises(InputShapeError):
+        rep.train([(x[:4, 0], y[:4])])
+    with pytest.raises(InputShapeError):
+        rep.train([(x[:4], y[:4] + 10)])
+
+
+def test_config_defaults_and_bad_settings():
+    net = Network.from_spec(SPEC, SHAPE, seed=0)
+    rep = HogwildReplica(net)
+    assert rep.threads == 2 and rep.batch_size == 8 and rep.lr == 0.05
+    with pytest.raises(ConfigError):
+        HogwildReplica(net, threads=0)
+    with pytest.raises(ConfigError):
+        HogwildReplica(net, momentum=1.5)
+    with pytest.raises(ConfigError):
+        HogwildReplica(net, batch_size=0)
