@@ -294,3 +294,23 @@ def test_console_script_last_line_is_json(tmp_path):
                            str(tmp_path / "d")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().startswith("error: ") and "Traceback" not in proc.stderr
+
+
+def test_mnist_alias_and_md5sums(tmp_path, capsys, monkeypatch):
+    """`ingest mnist` takes $ADAM_DASK_MNIST and checks the files against its MD5SUMS."""
+    src = tmp_path / "mnist"
+    src.mkdir()
+    for prefix, n, seed in (("train", 80, 0), ("t10k", 30, 1)):
+        images, labels = synthetic_digits(n, seed=seed)
+        write_idx(src / f"{prefix}-images-idx3-ubyte.gz", images)
+        write_idx(src / f"{prefix}-labels-idx1-ubyte.gz", labels)
+    sums = "".join(f"{hashlib.md5(p.read_bytes()).hexdigest()}  {p.name}\n" for p in sorted(src.iterdir()))
+    (src / "MD5SUMS").write_text(sums)
+    monkeypatch.setenv("ADAM_DASK_MNIST", str(src))
+    status, result, err = cli(capsys, "ingest", "mnist", str(tmp_path / "d"))
+    assert status == 0, err
+    assert result["splits"]["train"]["images"] == 80 and result["splits"]["test"]["images"] == 30
+    (src / "MD5SUMS").write_text(sums.replace(sums[:8], "00000000", 1))
+    status, _, err = cli(capsys, "ingest", "mnist", str(tmp_path / "d2"))
+    assert_clean_error(status, err, "MD5", "download it again")
+    assert not (tmp_path / "d2").exists()
