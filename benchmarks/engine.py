@@ -1,0 +1,182 @@
+"""Training-engine throughput against PyTorch on CPU, and single-process MNIST accuracy.
+
+    python benchmarks/engine.py --images 20000 --threads 2        # throughput line
+    python benchmarks/engine.py --epochs 3                        # + test_accuracy after 3 epochs
+    python benchmarks/engine.py --granularity                     # images/s per batch size
+
+Prints one JSON line. Throughput: the paper's MNIST network
+(conv5x5:10,maxpool2,conv5x5:20,maxpool2,fc400,fc400,fc10, tanh) trained on real MNIST images,
+forward + backward + update, by a HogwildReplica with T threads (``images_per_s``) and with one
+thread (``images_per_s_1thread``), against the same network in PyTorch (``torch.set_num_threads(T)``,
+SGD, batch 32: ``torch_images_per_s``). MNIST comes from $ADAM_DASK_MNIST (a folder with the four
+``*-ubyte.gz`` files), default /work/shared/datasets/mnist. PyTorch is optional
+(``pip install .[bench]``); without it the torch fields are null and ``torch_error`` says why.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import struct
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from adam_dask.model import Network
+from adam_dask.train.replica import HogwildReplica
+
+SPEC = "conv5x5:10,maxpool2,conv5x5:20,maxpool2,fc400,fc400,fc10"
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """A tiny IDX reader (gzip or raw)."""
+    try:
+        from adam_dask.data.ingest import read_idx as _read
+        return np.asarray(_read(str(path)))
+    except ImportError:
+        pass
+    raw = path.read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    _, dtype, ndim = struct.unpack(">HBB", raw[:4])
+    shape = struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim])
+    return np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def load_mnist():
+    root = Path(os.environ.get("ADAM_DASK_MNIST", "/work/shared/datasets/mnist"))
+
+    def one(stem):
+        for name in (f"{stem}.gz", stem):
+            if (root / name).exists():
+                return read_idx(root / name)
+        sys.exit(f"error: {stem}[.gz] not found in {root}; set ADAM_DASK_MNIST to the MNIST folder")
+
+    return (one("train-images-idx3-ubyte"), one("train-labels-idx1-ubyte").astype(np.int64),
+            one("t10k-images-idx3-ubyte"), one("t10k-labels-idx1-ubyte").astype(np.int64))
+
+
+def ours(x, y, images, threads, batch_size, lr=0.01, repeats=2):
+    """Best images/s of ``repeats`` runs over ``images`` images (compile warm-up first)."""
+    net = Network.from_spec(SPEC, (1, 28, 28), "tanh", seed=0)
+    rep = HogwildReplica(net, threads=threads, lr=lr, momentum=0.0, batch_size=batch_size)
+    rep.train_images(x[:256], y[:256], schedule=False)                    # compile / warm up
+    n = min(images, len(x))
+    best = 0.0
+    for r in range(repeats):
+        st = rep.train_images(x[:n], y[:n], seed=r, schedule=False)
+        best = max(best, st.images_per_second)
+    return best
+
+
+def torch_net(torch):
+    nn = torch.nn
+    return nn.ModuleDict({"0": nn.Conv2d(1, 10, 5), "2": nn.Conv2d(10, 20, 5),
+                          "4": nn.Linear(320, 400), "5": nn.Linear(400, 400),
+                          "6": nn.Linear(400, 10)})
+
+
+def torch_forward(torch, m, x):
+    t = torch.tanh
+    f = torch.nn.functional
+    h = f.max_pool2d(t(m["0"](x)), 2)
+    h = f.max_pool2d(t(m["2"](h)), 2)
+    h = t(m["4"](h.flatten(1)))
+    h = t(m["5"](h))
+    return m["6"](h)
+
+
+def theirs(x, y, images, threads, batch=32, lr=0.01, repeats=2):
+    """PyTorch images/s (same network, SGD, batch 32, set_num_threads(threads)); also checks that
+    our weights load into it by name and give the same logits."""
+    import torch
+
+    torch.set_num_threads(threads)
+    m = torch_net(torch)
+    ref = Network.from_spec(SPEC, (1, 28, 28), "tanh", seed=0)
+    m.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in ref.parameters.items()})
+    probe = x[:64]
+    with torch.no_grad():
+        diff = float(np.abs(torch_forward(torch, m, torch.from_numpy(probe)).numpy()
+                            - ref.forward(probe)).max())
+    opt = torch.optim.SGD(m.parameters(), lr=lr)
+    lossf = torch.nn.CrossEntropyLoss()
+    n = min(images, len(x)) // batch * batch
+    X, Y = torch.from_numpy(x[:n]), torch.from_numpy(y[:n])
+    best = 0.0
+    for r in range(repeats + 1):                                           # first run warms up
+        perm = torch.randperm(n)
+        t0 = time.perf_counter()
+        for s in range(0, n, batch):
+            idx = perm[s:s + batch]
+            opt.zero_grad()
+            lossf(torch_forward(torch, m, X[idx]), Y[idx]).backward()
+            opt.step()
+        if r:
+            best = max(best, n / (time.perf_counter() - t0))
+    return best, diff
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--images", type=int, default=20000, help="images per timed run (default 20000)")
+    ap.add_argument("--threads", type=int, default=2, help="Hogwild / torch threads (default 2)")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="per-thread mini-batch (default: config adam.train.batch-size)")
+    ap.add_argument("--epochs", type=int, default=0,
+                    help="also train this many epochs on all 60000 images and report test_accuracy")
+    ap.add_argument("--lr", type=float, default=None, help="accuracy run: learning rate")
+    ap.add_argument("--momentum", type=float, default=None, help="accuracy run: momentum")
+    ap.add_argument("--granularity", action="store_true",
+                    help="also measure images/s for per-thread batch sizes 1, 2, 4, 8, 16, 32")
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
+    args = ap.parse_args(argv)
+
+    from adam_dask import config
+    bs = int(config.get("train.batch-size", args.batch_size))
+    xtr8, ytr, xte8, yte = load_mnist()
+    xtr = (xtr8.astype(np.float32) / 255)[:, None]
+    out: dict = {"benchmark": "engine", "spec": SPEC, "threads": args.threads, "batch_size": bs,
+                 "images": min(args.images, len(xtr)), "cpus": os.cpu_count()}
+    if args.images > 0:
+        out["images_per_s"] = round(ours(xtr, ytr, args.images, args.threads, bs), 1)
+        out["images_per_s_1thread"] = round(ours(xtr, ytr, args.images, 1, bs), 1)
+        out["thread_scaling"] = round(out["images_per_s"] / out["images_per_s_1thread"], 3)
+        out["torch_images_per_s"] = out["ratio"] = out["torch_logits_max_diff"] = None
+        if not args.no_torch:
+            try:
+                tps, diff = theirs(xtr, ytr, args.images, args.threads)
+                out["torch_images_per_s"] = round(tps, 1)
+                out["ratio"] = round(out["images_per_s"] / tps, 3)
+                out["torch_logits_max_diff"] = float(f"{diff:.3g}")
+            except ImportError as e:
+                out["torch_error"] = (f"PyTorch is not installed ({e}); pip install torch==2.13.0 "
+                                      "(or .[bench]) to compare")
+                print("warning: " + out["torch_error"], file=sys.stderr)
+    if args.granularity:
+        out["granularity_images_per_s"] = {
+            str(b): round(ours(xtr, ytr, min(args.images, 8000), args.threads, b, repeats=1), 1)
+            for b in (1, 2, 4, 8, 16, 32)}
+    if args.epochs:
+        net = Network.from_spec(SPEC, (1, 28, 28), "tanh", seed=0)
+        rep = HogwildReplica(net, threads=args.threads, lr=args.lr, momentum=args.momentum,
+                             batch_size=bs)
+        curve = []
+        st = rep.train_images(
+            xtr8, ytr, epochs=args.epochs, seed=0,
+            on_epoch=lambda r, e, s: curve.append(
+                {"epoch": e + 1, "lr": round(r.lr, 5), "train_loss": round(s.loss, 4),
+                 "test_accuracy": round(r.net.evaluate(xte8, yte), 4),
+                 "seconds": round(s.seconds, 1)}))
+        out.update({"epochs": args.epochs, "lr": rep.base_lr, "lr_decay": rep.lr_decay,
+                    "momentum": rep.momentum, "train_seconds": round(st.seconds, 1),
+                    "train_images_per_s": round(st.images_per_second, 1),
+                    "test_accuracy": curve[-1]["test_accuracy"], "curve": curve})
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
