@@ -1,0 +1,315 @@
+"""The pure logic of one parameter-server shard: no Dask, no I/O, no clocks.
+
+A :class:`ShardState` holds the values of one contiguous slice ``[start, stop)`` of the flat
+parameter buffer, a version (the number of updates applied, monotonically increasing), and a
+bounded window of the ids of the last pushes applied, so that a push retried after a fail-over
+is applied once. Everything here is synchronous and deterministic; the actor in
+:mod:`adam_dask.ps.node` owns the I/O around it.
+
+Shapes: ``n`` = floats in the shard; an outer-product update for a dense layer of ``out``
+outputs and ``inp`` inputs over a batch of ``B`` samples takes ``errors (B, out)`` and
+``activations (B, inp)`` and adds ``scale * errors.T @ activations`` (``(out, inp)``,
+row-major) to the flat buffer at ``offset``.
+
+The apply loops are numba kernels; a batch of deltas is applied one cache-sized block at a time
+(every delta's block ``b`` before block ``b + 1``), so the shard's values make one trip through
+memory per batch instead of one per delta.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+from numba import njit
+
+from ..errors import UpdateRejected
+
+logger = logging.getLogger(__name__)
+
+#: floats per block of the batched apply: 16 Ki floats = 64 KiB, a comfortable L2 slice
+BLOCK = 1 << 14
+
+
+# -- kernels -------------------------------------------------------------------------------------
+
+@njit(nogil=True, cache=True)
+def _first_nonfinite(x):
+    """Index of the first NaN/Inf in ``x`` (1-D float32), or -1."""
+    for i in range(x.shape[0]):
+        v = x[i]
+        if v != v or v == np.inf or v == -np.inf:
+            return i
+    return -1
+
+
+@njit(nogil=True, cache=True)
+def _add(values, delta):
+    """values += delta (both 1-D float32, same length)."""
+    for i in range(values.shape[0]):
+        values[i] += delta[i]
+
+
+@njit(nogil=True, cache=True)
+def _add_batch(values, deltas, block):
+    """values += sum(deltas), one ``block`` of values at a time for every delta."""
+    n = values.shape[0]
+    for b0 in range(0, n, block):
+        b1 = min(b0 + block, n)
+        for d in deltas:
+            for i in range(b0, b1):
+                values[i] += d[i]
+
+
+@njit(nogil=True, cache=True)
+def _add_at(values, lo, delta):
+    """values[lo:lo + len(delta)] += delta."""
+    for i in range(delta.shape[0]):
+        values[lo + i] += delta[i]
+
+
+def first_nonfinite(x: np.ndarray) -> int:
+    """Index of the first non-finite value of a float32 array (any shape), or -1."""
+    return int(_first_nonfinite(np.ascontiguousarray(x, dtype=np.float32).reshape(-1)))
+
+
+def apply_rate_kernel(values: np.ndarray, delta: np.ndarray) -> None:
+    """``values += delta`` with the shard's kernel (exposed for the benchmark)."""
+    _add(values, delta)
+
+
+# -- value objects -------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A copy of a shard's values at a version, with the push ids applied up to it."""
+
+    shard: int
+    start: int
+    stop: int
+    version: int
+    values: np.ndarray
+    ids: tuple[tuple[int, int], ...] = ()  # (version, push_id) pairs newer than a base version
+
+
+@dataclass(frozen=True, slots=True)
+class OuterPart:
+    """The part of an outer-product update that falls into one shard.
+
+    The dense matrix ``(out, inp)`` lives at ``flat[offset : offset + out * inp]``; this shard
+    needs rows ``row0 : row1`` of it, of which it keeps ``flat[lo : hi]`` (global indices).
+    """
+
+    row0: int
+    row1: int
+    lo: int
+    hi: int
+
+
+def outer_part(offset: int, out: int, inp: int, start: int, stop: int) -> OuterPart | None:
+    """Which rows of an ``(out, inp)`` matrix at ``offset`` touch the shard ``[start, stop)``."""
+    lo, hi = max(start, offset), min(stop, offset + out * inp)
+    if lo >= hi:
+        return None
+    row0 = (lo - offset) // inp
+    row1 = (hi - offset + inp - 1) // inp
+    return OuterPart(row0, row1, lo, hi)
+
+
+def outer_delta(part: OuterPart, offset: int, inp: int, errors: np.ndarray,
+                activations: np.ndarray, scale: float) -> np.ndarray:
+    """``scale * errors[:, rows].T @ activations``, cut to the shard's slice ``[lo, hi)``.
+
+    ``errors`` holds the columns ``row0:row1`` only when its width equals ``row1 - row0``
+    (what the client sends); a full ``(B, out)`` array is cut here.
+    """
+    if errors.shape[1] != part.row1 - part.row0:
+        errors = errors[:, part.row0:part.row1]
+    m = (errors.T @ activations).astype(np.float32, copy=False).reshape(-1)
+    if scale != 1.0:
+        m *= np.float32(scale)
+    base = offset + part.row0 * inp
+    return m[part.lo - base: part.hi - base]
+
+
+# -- the shard -----------------------------------------------------------------------------------
+
+class ShardState:
+    """Values, version and recent push ids of one shard ``[start, stop)`` of the flat buffer.
+
+    Parameters
+    ----------
+    shard : int
+        The shard id.
+    start, stop : int
+        The slice of the flat buffer this shard holds.
+    values : array, optional
+        Initial values (copied); zeros by default.
+    version : int
+        The version of ``values``.
+    dedup_window : int
+        How many recent push ids to remember for exactly-once retries.
+    """
+
+    def __init__(self, shard: int, start: int, stop: int, values: np.ndarray | None = None,
+                 version: int = 0, dedup_window: int = 8192):
+        self.shard, self.start, self.stop = int(shard), int(start), int(stop)
+        n = self.stop - self.start
+        if values is None:
+            self.values = np.zeros(n, dtype=np.float32)
+        else:
+            self.values = np.array(values, dtype=np.float32, copy=True).reshape(-1)
+            if self.values.shape[0] != n:
+                raise UpdateRejected(f"shard {shard} holds {n} floats, got {self.values.shape[0]}",
+                                     shard=shard)
+        self.version = int(version)
+        self.dedup_window = int(dedup_window)
+        self._ids: OrderedDict[int, int] = OrderedDict()  # push_id -> version, oldest first
+        self.pushes_applied = 0
+
+    def __repr__(self) -> str:
+        return f"ShardState(shard={self.shard}, [{self.start}, {self.stop}), version={self.version})"
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    # -- checks ----------------------------------------------------------------------------------
+
+    def check(self, delta: np.ndarray) -> np.ndarray:
+        """``delta`` as a 1-D float32 array of the shard's length; :class:`UpdateRejected` if it
+        has the wrong length or holds NaN/Inf."""
+        d = np.asarray(delta)
+        if d.dtype != np.float32:
+            d = d.astype(np.float32)
+        d = d.reshape(-1)
+        if d.shape[0] != self.size:
+            raise UpdateRejected(f"shard {self.shard} holds {self.size} floats, the delta has "
+                                 f"{d.shape[0]}", "push a delta of the server's size", shard=self.shard)
+        bad = _first_nonfinite(d)
+        if bad >= 0:
+            raise UpdateRejected(
+                f"non-finite update to shard {self.shard} at flat index {self.start + bad} "
+                f"({d[bad]}); the shard is unchanged",
+                "check the gradients for overflow (lower the learning rate)", shard=self.shard)
+        return d
+
+    def seen(self, push_id: int | None) -> bool:
+        """Whether the push ``push_id`` was applied already (a retried push)."""
+        return push_id is not None and push_id in self._ids
+
+    # -- updates ---------------------------------------------------------------------------------
+
+    def apply(self, delta: np.ndarray, push_id: int | None = None) -> int:
+        """Check and add one delta; returns the new version (the old one for a repeated id)."""
+        return self.apply_batch([delta], [push_id])[0]
+
+    def apply_batch(self, deltas: Sequence[np.ndarray],
+                    push_ids: Sequence[int | None] | None = None) -> list[int]:
+        """Check every delta, then add them all (blocked); returns each push's version.
+
+        A batch with any bad delta is refused as a whole (:class:`UpdateRejected`), the shard
+        unchanged. Pushes whose id was applied before are skipped and get the version at which
+        they were applied.
+        """
+        push_ids = list(push_ids) if push_ids is not None else [None] * len(deltas)
+        checked = [self.check(d) for d in deltas]
+        todo: list[np.ndarray] = []
+        versions: list[int] = []
+        v = self.version
+        for d, pid in zip(checked, push_ids):
+            if pid is not None and pid in self._ids:
+                versions.append(self._ids[pid])
+                continue
+            v += 1
+            versions.append(v)
+            todo.append(d)
+            if pid is not None:
+                self._ids[pid] = v
+        if len(todo) == 1:
+            _add(self.values, todo[0])
+        elif todo:
+            lst = numba.typed.List(todo)
+            _add_batch(self.values, lst, BLOCK)
+        self.version = v
+        self.pushes_applied += len(todo)
+        self._trim_ids()
+        return versions
+
+    def apply_outer(self, offset: int, out: int, inp: int, errors: np.ndarray,
+                    activations: np.ndarray, scale: float = 1.0, push_id: int | None = None) -> int:
+        """Add this shard's part of ``scale * errors.T @ activations`` (see the module doc)."""
+        return self.apply(self.outer_as_delta(offset, out, inp, errors, activations, scale), push_id)
+
+    def outer_as_delta(self, offset: int, out: int, inp: int, errors: np.ndarray,
+                       activations: np.ndarray, scale: float = 1.0) -> np.ndarray:
+        """This shard's full-length delta for an outer-product update (zeros outside it).
+
+        ``errors`` is ``(B, out)``, or only the columns of the rows that touch this shard
+        (``outer_part(...).row0 : row1``), which is what the client sends.
+        """
+        errors = np.asarray(errors, dtype=np.float32)
+        activations = np.asarray(activations, dtype=np.float32)
+        if errors.ndim != 2 or activations.ndim != 2 or errors.shape[0] != activations.shape[0] \
+                or activations.shape[1] != inp:
+            raise UpdateRejected(f"push_outer needs errors (B, out) and activations (B, {inp}), "
+                                 f"got {errors.shape} and {activations.shape}", shard=self.shard)
+        for name, a in (("errors", errors), ("activations", activations)):
+            if first_nonfinite(a) >= 0:
+                raise UpdateRejected(f"non-finite {name} in an outer-product update to shard "
+                                     f"{self.shard}; the shard is unchanged", shard=self.shard)
+        if not np.isfinite(scale):
+            raise UpdateRejected(f"non-finite scale {scale}", shard=self.shard)
+        delta = np.zeros(self.size, dtype=np.float32)
+        part = outer_part(offset, out, inp, self.start, self.stop)
+        if part is None:
+            return delta
+        if errors.shape[1] not in (out, part.row1 - part.row0):
+            raise UpdateRejected(f"shard {self.shard} needs error columns {part.row0}:{part.row1} "
+                                 f"of {out}, got {errors.shape[1]}", shard=self.shard)
+        delta[part.lo - self.start: part.hi - self.start] = outer_delta(
+            part, offset, inp, errors, activations, scale)
+        return delta
+
+    def _trim_ids(self) -> None:
+        while len(self._ids) > self.dedup_window:
+            self._ids.popitem(last=False)
+
+    # -- replication -----------------------------------------------------------------------------
+
+    def ids_since(self, version: int) -> tuple[tuple[int, int], ...]:
+        """The (version, push_id) pairs applied after ``version`` (all remembered when older
+        than the window)."""
+        out = []
+        for pid, v in reversed(self._ids.items()):
+            if v <= version:
+                break
+            out.append((v, pid))
+        out.reverse()
+        return tuple(out)
+
+    def snapshot(self, since: int = -1) -> Snapshot:
+        """A copy of the values at the current version, with the push ids after ``since``."""
+        return Snapshot(self.shard, self.start, self.stop, self.version, self.values.copy(),
+                        self.ids_since(since))
+
+    def install(self, version: int, values: np.ndarray,
+                ids: Iterable[tuple[int, int]] = ()) -> bool:
+        """Take a newer copy from the primary (a backup's catch-up); False if not newer."""
+        version = int(version)
+        if version <= self.version:
+            return False
+        v = np.asarray(values, dtype=np.float32).reshape(-1)
+        if v.shape[0] != self.size:
+            raise UpdateRejected(f"shard {self.shard}: a copy of {v.shape[0]} floats, expected "
+                                 f"{self.size}", shard=self.shard)
+        self.values[:] = v
+        self.version = version
+        for ver, pid in ids:
+            self._ids[int(pid)] = int(ver)
+        self._trim_ids()
+        return True
+
