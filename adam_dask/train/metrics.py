@@ -1,0 +1,162 @@
+"""Training history, live progress and plots.
+
+:class:`History` holds one record per epoch (loss, test accuracy, images/s, seconds, stall
+fraction, parameter-server update rate, replication and write-back lag) and appends each to a
+JSONL file as it arrives, so a crashed or interrupted run keeps what it measured. :class:`Progress`
+is a tqdm bar (the notebook widget in Jupyter, text in a terminal) fed from replica reports.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Iterable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: the fields every epoch record has (others may be added)
+FIELDS = ("epoch", "loss", "test_accuracy", "images", "images_per_second", "seconds",
+          "stall_fraction", "ps_updates_per_second", "replication_lag", "writeback_lag",
+          "replicas_finished", "replicas", "lr", "mode")
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if hasattr(v, "item"):  # numpy scalars
+        return v.item()
+    return v
+
+
+class History:
+    """Per-epoch records of a training run, optionally mirrored to a JSONL file.
+
+    Parameters
+    ----------
+    path : str, optional
+        A local path or fsspec URL; each record is appended as one JSON line when added.
+    records : iterable of dict, optional
+        Records to start from (a resumed run continues its history).
+    """
+
+    def __init__(self, path: str | None = None, records: Iterable[dict] | None = None,
+                 storage_options: dict | None = None):
+        self.path = path
+        self.storage_options = storage_options
+        self.records: list[dict] = [dict(r) for r in (records or [])]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self):
+        return iter(self.records)
+
+    def __getitem__(self, i):
+        return self.records[i]
+
+    def __repr__(self) -> str:
+        last = self.records[-1] if self.records else {}
+        return (f"History({len(self.records)} epochs, last test_accuracy="
+                f"{last.get('test_accuracy')})")
+
+    def append(self, record: dict) -> None:
+        rec = {k: _jsonable(v) for k, v in record.items()}
+        self.records.append(rec)
+        if self.path:
+            self._write_line(rec)
+
+    def _write_line(self, rec: dict) -> None:
+        line = json.dumps(rec) + "\n"
+        if "://" not in self.path:
+            d = os.path.dirname(os.path.abspath(self.path))
+            os.makedirs(d, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(line)
+            return
+        import fsspec  # object stores have no append: rewrite the whole (small) file
+
+        with fsspec.open(self.path, "w", **(self.storage_options or {})) as f:
+            f.writelines(json.dumps(r) + "\n" for r in self.records)
+
+    def column(self, name: str) -> list:
+        return [r.get(name) for r in self.records]
+
+    @property
+    def last(self) -> dict | None:
+        return self.records[-1] if self.records else None
+
+    @property
+    def best_accuracy(self) -> float | None:
+        accs = [a for a in self.column("test_accuracy") if a is not None]
+        return max(accs) if accs else None
+
+    @classmethod
+    def load(cls, path: str, storage_options: dict | None = None) -> History:
+        """Read a JSONL history file (records stay in memory; ``path`` is not written)."""
+        import fsspec
+
+        with fsspec.open(path, "r", **(storage_options or {})) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        return cls(records=records)
+
+    def plot(self, ax=None):
+        """Loss and test accuracy per epoch (matplotlib); returns the figure."""
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError("plotting needs matplotlib: pip install 'adam_dask[plot]'") from exc
+        if ax is None:
+            fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
+        else:
+            ax_loss, ax_acc = ax
+            fig = ax_loss.figure
+        epochs = self.column("epoch")
+        ax_loss.plot(epochs, self.column("loss"), marker="o")
+        ax_loss.set(xlabel="epoch", ylabel="training loss", title="loss")
+        acc = [None if a is None else 100 * a for a in self.column("test_accuracy")]
+        ax_acc.plot(epochs, acc, marker="o", color="tab:green")
+        ax_acc.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
+        for a in (ax_loss, ax_acc):
+            a.grid(alpha=0.3)
+        fig.tight_layout()
+        return fig
+
+
+class Progress:
+    """A tqdm progress bar over the images of an epoch, with loss and speed in its postfix.
+
+    Disabled (``enabled=False``) it does nothing, so library code can always call it.
+    """
+
+    def __init__(self, total: int, *, desc: str = "", enabled: bool = True, position: int = 0):
+        self.bar = None
+        self.n = 0
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="img", unit_scale=True, leave=True,
+                            position=position, dynamic_ncols=True)
+
+    def update_to(self, n: int, **postfix) -> None:
+        if self.bar is None:
+            self.n = n
+            return
+        n = min(n, self.bar.total or n)
+        if n > self.n:
+            self.bar.update(n - self.n)
+            self.n = n
+        if postfix:
+            self.bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v)
+                                  for k, v in postfix.items()}, refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,193 @@
+"""The Dask side of a model replica: one epoch of one replica as a long-running task.
+
+:func:`run_replica` runs on a TRAIN worker. It secedes (so it holds no thread slot and is never
+stolen), builds a :class:`~adam_dask.train.replica.HogwildReplica` (the Dask-free engine), pulls
+the weights from the parameter server, and trains on its share of the epoch from a
+:class:`~adam_dask.data.serving.BatchStream`. Every ``push_every`` images (the paper's *k*) one
+training thread pushes the accumulated delta and pulls fresh weights while the others go on.
+
+Control and reporting stay cheap: the stop signal (the 75% epoch rule) is a
+:class:`distributed.Event` polled once per push, and progress goes to the client as a
+``log_event`` on the topic ``adam-progress`` at most twice a second.
+
+Mode ``sync`` (the baseline): each replica runs one thread; at every step (``push_every``
+images) it pushes its delta divided by the number of replicas and waits at a
+:class:`SyncBarrier` until every replica has pushed, then pulls. The PS thus applies the average
+of the replicas' updates, and every replica starts each step from the same weights.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import UpdateRejected
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_TOPIC = "adam-progress"
+
+
+@dataclass(frozen=True)
+class ReplicaJob:
+    """Everything one replica needs for one epoch; small and picklable."""
+
+    run_id: str
+    replica: int
+    replicas: int
+    epoch: int
+    model: dict                 # Network.to_dict()
+    mode: str                   # "async" or "sync"
+    push_every: int
+    lr: float
+    momentum: float
+    batch_size: int
+    threads: int
+    seed: int = 0
+    delay: float = 0.0          # seconds of sleep per batch: a deliberately slow replica (experiments)
+    report_interval: float = 0.5
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def stop_name(self) -> str:
+        return f"adam-{self.run_id}-stop-{self.epoch}"
+
+
+class SyncBarrier:
+    """A barrier for synchronous mode, as a Dask actor with async methods (no thread needed).
+
+    ``await wait(step)`` returns once every party still in the epoch has reached ``step``;
+    ``leave()`` takes a party out (a replica that finished its share, or stopped).
+    """
+
+    def __init__(self, parties: int):
+        self.parties = int(parties)
+        self.arrived: dict[int, int] = {}
+        self._cond: asyncio.Condition | None = None
+
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def wait(self, step: int, timeout: float = 120.0) -> bool:
+        cond = self._condition()
+        async with cond:
+            self.arrived[step] = self.arrived.get(step, 0) + 1
+            cond.notify_all()
+            try:
+                await asyncio.wait_for(
+                    cond.wait_for(lambda: self.arrived.get(step, 0) >= self.parties), timeout)
+            except asyncio.TimeoutError:
+                logger.warning("sync barrier: step %d timed out with %d of %d replicas",
+                               step, self.arrived.get(step, 0), self.parties)
+                return False
+            return True
+
+    async def leave(self) -> int:
+        cond = self._condition()
+        async with cond:
+            self.parties = max(0, self.parties - 1)
+            cond.notify_all()
+            return self.parties
+
+
+class _Throttled:
+    """Wraps a batch iterator and sleeps ``delay`` seconds per batch (a deliberate straggler)."""
+
+    def __init__(self, it, delay: float):
+        self.it, self.delay = iter(it), delay
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self.it)
+        time.sleep(self.delay)
+        return item
+
+
+def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
+    """Train replica ``job.replica`` for epoch ``job.epoch``; returns its statistics.
+
+    Runs inside a Dask task on a TRAIN worker. ``server`` is a
+    :class:`~adam_dask.ps.server.ParameterServer`, ``data`` a
+    :class:`~adam_dask.data.serving.DataService`, ``barrier`` a :class:`SyncBarrier` actor
+    (sync mode only).
+    """
+    from distributed import Event, get_worker, secede
+
+    from ..model.network import Network
+    from .replica import HogwildReplica
+
+    secede()
+    worker = get_worker()
+    t0 = time.perf_counter()
+    net = Network.from_dict(job.model)
+    sync = job.mode == "sync"
+    rep = HogwildReplica(net, threads=1 if sync else job.threads, lr=job.lr,
+                         momentum=job.momentum, batch_size=job.batch_size)
+    rep.set_weights(server.pull())
+    stream = data.stream(job.replica, job.replicas, job.epoch)
+    stop = Event(job.stop_name)
+    state = {"pushes": 0, "last_report": 0.0, "step": 0, "push_seconds": 0.0, "stopped": False}
+
+    def report(final: bool = False) -> None:
+        now = time.perf_counter()
+        if not final and now - state["last_report"] < job.report_interval:
+            return
+        state["last_report"] = now
+        worker.log_event(PROGRESS_TOPIC, {
+            "run": job.run_id, "epoch": job.epoch, "replica": job.replica,
+            "images": rep.images_seen, "pushes": state["pushes"], "final": final,
+            "seconds": now - t0})
+
+    def push(delta: np.ndarray) -> None:
+        if not np.all(np.isfinite(delta)):
+            raise UpdateRejected(f"replica {job.replica} produced a non-finite update in epoch "
+                                 f"{job.epoch} (the model diverged)",
+                                 "lower the learning rate (--lr) or push_every")
+        t = time.perf_counter()
+        server.push(delta)
+        state["push_seconds"] += time.perf_counter() - t
+        state["pushes"] += 1
+
+    def on_images(r: HogwildReplica) -> None:
+        if sync:
+            push(r.take_delta() / job.replicas)
+            barrier.wait(state["step"]).result()
+            state["step"] += 1
+            r.set_weights(server.pull())
+        else:
+            push(r.take_delta())
+            r.set_weights(server.pull(), keep_pending=True)
+        report()
+        if stop.is_set():
+            state["stopped"] = True
+            r.stop()
+
+    batches = _Throttled(stream, job.delay) if job.delay else stream
+    try:
+        stats = rep.train(batches, on_images=on_images, every=job.push_every)
+        rest = rep.take_delta()
+        if np.any(rest):
+            push(rest / job.replicas if sync else rest)
+    finally:
+        if sync and barrier is not None:
+            barrier.leave().result()
+        stream_stats = stream.stats() if hasattr(stream, "stats") else {}
+        stream.close()
+    report(final=True)
+    return {
+        "replica": job.replica, "epoch": job.epoch, "images": stats.images,
+        "loss": stats.loss, "seconds": time.perf_counter() - t0,
+        "train_seconds": stats.seconds, "pushes": state["pushes"],
+        "push_seconds": state["push_seconds"],
+        "stopped": bool(state["stopped"] or stats.stopped),
+        "stall_fraction": float(stream_stats.get("stall_fraction", 0.0)),
+        "wait_seconds": float(stream_stats.get("wait_seconds", 0.0)),
+        "worker": worker.address,
+    }

@@ -1,0 +1,102 @@
+"""Training goes on when machines die: a TRAIN worker, then a PS worker, killed mid-epoch."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+import adam_dask
+from adam_dask.cluster import PS, TRAIN, workers_with_role
+from adam_dask.data.ingest import ingest
+from adam_dask.train.trainer import Trainer
+from tests.conftest import write_mnist_like
+
+SPEC = "conv5x5:6,maxpool2,fc32,fc10"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fail-data")
+    src = write_mnist_like(d / "src", n_train=1024, n_test=256)
+    ingest(str(src), str(d / "digits.zarr"))
+    return str(d / "digits.zarr")
+
+
+@pytest.fixture
+def cluster():
+    # 4 PS workers: after one dies, every shard can again have 3 copies on distinct hosts
+    with adam_dask.cluster.local(ps_nodes=4, data_nodes=1, trainers=2, trainer_threads=1,
+                                 memory_limit="2 GiB") as client:
+        yield client
+
+
+def _fit_in_background(trainer, epochs):
+    box = {}
+
+    def target():
+        try:
+            box["history"] = trainer.fit(epochs=epochs)
+        except BaseException as exc:  # surfaced by the test
+            box["error"] = exc
+
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+    return th, box
+
+
+def _wait_for_images(trainer, epoch, n, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if trainer.epoch == epoch and sum(trainer._progress_state.values()) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"epoch {epoch} never reached {n} images")
+
+
+def _kill(client, addr):
+    client.run(os._exit, 1, workers=[addr], wait=False)
+
+
+def test_train_worker_killed_mid_epoch(store, cluster):
+    t = Trainer(store, model=SPEC, client=cluster, lr=0.05, push_every=64, batch_size=8,
+                progress=False, slow_replicas={0: 0.02, 1: 0.02})
+    th, box = _fit_in_background(t, epochs=2)
+    _wait_for_images(t, 0, 128)
+    victim = workers_with_role(cluster, TRAIN)[0]
+    _kill(cluster, victim)
+    th.join(timeout=300)
+    assert not th.is_alive()
+    assert "error" not in box, box.get("error")
+    h = box["history"]
+    assert h.column("epoch") == [0, 1]
+    assert h.records[0]["images"] >= 1024  # the lost replica's share was trained again elsewhere
+    assert h.last["test_accuracy"] >= 0.8
+    t.close()
+
+
+def test_ps_worker_killed_mid_epoch(store, cluster):
+    t = Trainer(store, model=SPEC, client=cluster, lr=0.05, push_every=64, batch_size=8,
+                progress=False, shard_bytes=4096, slow_replicas={0: 0.02, 1: 0.02})
+    th, box = _fit_in_background(t, epochs=2)
+    _wait_for_images(t, 0, 128)
+    placement = t.server.placement()
+    victim = placement[0][0]  # the primary of shard 0
+    _kill(cluster, victim)
+    th.join(timeout=300)
+    assert not th.is_alive()
+    assert "error" not in box, box.get("error")
+    assert box["history"].last["test_accuracy"] >= 0.8
+    hosts_of = {a: a.split("://")[1].rsplit(":", 1)[0] for a in workers_with_role(cluster, PS)}
+    deadline = time.time() + 30
+    while True:
+        placement = t.server.placement()
+        ok = all(len(addrs) == 3 and len({hosts_of.get(a) for a in addrs}) == 3
+                 and victim not in addrs for addrs in placement.values())
+        if ok or time.time() > deadline:
+            break
+        time.sleep(0.2)
+        hosts_of = {a: a.split("://")[1].rsplit(":", 1)[0] for a in workers_with_role(cluster, PS)}
+    assert ok, placement
+    t.close()

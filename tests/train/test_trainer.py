@@ -1,0 +1,144 @@
+"""End-to-end training on the embedded cluster: async, sync, the epoch quorum, failures, resume, CLI."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import adam_dask
+from adam_dask.cli import run
+from adam_dask.data.ingest import ingest
+from adam_dask.train.trainer import Trainer
+from tests.conftest import write_mnist_like
+
+SPEC = "conv5x5:6,maxpool2,fc32,fc10"  # small and quick, same kinds of layers as the paper's
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    d = tmp_path_factory.mktemp("train-data")
+    src = write_mnist_like(d / "src", n_train=768, n_test=256)
+    ingest(str(src), str(d / "digits.zarr"))
+    return str(d / "digits.zarr")
+
+
+def fit(store, client, **kw):
+    epochs = kw.pop("epochs", 3)
+    kw.setdefault("lr", 0.05)
+    kw.setdefault("push_every", 64)
+    kw.setdefault("batch_size", 8)
+    kw.setdefault("progress", False)
+    t = Trainer(store, model=SPEC, client=client, **kw)
+    try:
+        t.fit(epochs=epochs)
+    finally:
+        t.close()
+    return t
+
+
+def test_async_training_learns(store, adam_cluster, tmp_path):
+    t = fit(store, adam_cluster, mode="async", metrics_out=str(tmp_path / "m.jsonl"))
+    h = t.history
+    assert len(h) == 3 and h.column("epoch") == [0, 1, 2]
+    assert h.last["test_accuracy"] >= 0.9, h.records
+    assert h.records[-1]["loss"] < h.records[0]["loss"]
+    assert all(r["replicas"] == 2 for r in h)
+    lines = (tmp_path / "m.jsonl").read_text().splitlines()
+    assert [json.loads(l)["epoch"] for l in lines] == [0, 1, 2]
+    # every image of an epoch was trained on once (the quorum is all of two replicas at 0.75)
+    assert h.records[0]["images"] == 768
+
+
+def test_sync_training_learns(store, adam_cluster):
+    t = fit(store, adam_cluster, mode="sync", epochs=3)
+    assert t.epoch_quorum == 1.0
+    assert t.history.last["test_accuracy"] >= 0.85, t.history.records
+    assert t.history.records[0]["images"] == 768
+
+
+def test_quorum_ends_epoch_while_straggler_runs(store, adam_cluster):
+    """With quorum 0.5 of two replicas, the epoch ends when the fast one is done; the
+    deliberately slow one is stopped at once, part-way through its share."""
+    t = fit(store, adam_cluster, epochs=1, epoch_quorum=0.5, slow_replicas={1: 0.25})
+    rec = t.history.last
+    assert rec["replicas_finished"] == 1
+    assert rec["images"] < 768            # the straggler did not finish its share
+    assert rec["quorum_seconds"] is not None
+
+
+def test_plot_draws_the_history(store, adam_cluster):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    t = fit(store, adam_cluster, epochs=2)
+    fig = t.history.plot()
+    loss_ax, acc_ax = fig.axes
+    assert len(loss_ax.lines[0].get_xdata()) == 2
+    np.testing.assert_allclose(acc_ax.lines[0].get_ydata(),
+                               [100 * a for a in t.history.column("test_accuracy")])
+
+
+def test_resume_continues_history(store, adam_cluster, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    t = fit(store, adam_cluster, epochs=2, checkpoint=ckpt)
+    acc = t.history.last["test_accuracy"]
+    r = Trainer.resume(ckpt, client=adam_cluster, progress=False, lr=0.05, push_every=64)
+    try:
+        assert r.epoch == 2 and len(r.history) == 2
+        assert abs(r.evaluate() - acc) < 1e-9  # the restored weights are the checkpoint's
+        r.fit(epochs=1)
+        assert r.history.column("epoch") == [0, 1, 2]
+    finally:
+        r.close()
+    # the CLI evaluates a checkpoint without a cluster
+    status = run(["evaluate", ckpt, "--data", store])
+    assert status == 0
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+
+def _cli(capsys, *argv):
+    status = run(list(argv))
+    out = capsys.readouterr()
+    lines = out.out.strip().splitlines()
+    return status, (json.loads(lines[-1]) if status == 0 else None), out.err
+
+
+def test_cli_train_and_evaluate(store, tmp_path, capsys):
+    ckpt = str(tmp_path / "ck")
+    status, res, err = _cli(capsys, "train", "--data", store, "--epochs", "2", "--model", SPEC,
+                            "--ps-nodes", "3", "--data-nodes", "1", "--trainers", "1",
+                            "--checkpoint", ckpt, "--target-accuracy", "0.5", "--no-progress",
+                            "--metrics-out", str(tmp_path / "h.jsonl"))
+    assert status == 0, err
+    assert {"test_accuracy", "epochs", "seconds", "images_per_second", "seconds_to_target"} <= set(res)
+    assert res["test_accuracy"] >= 0.5 and res["seconds_to_target"] is not None
+    status, ev, err = _cli(capsys, "evaluate", ckpt, "--data", store)
+    assert status == 0, err
+    assert abs(ev["test_accuracy"] - res["test_accuracy"]) < 1e-9
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["train", "--data", "/nonexistent/store.zarr"], ["no dataset store", "adam-dask ingest"]),
+    (["train", "--data", "{store}", "--epochs", "0"], ["--epochs 0"]),
+    (["train", "--data", "{store}", "--mode", "fast"], ["invalid choice"]),
+    (["train", "--data", "{store}", "--resume"], ["--resume needs --checkpoint"]),
+    (["train", "--data", "{store}", "--target-accuracy", "99"], ["(0, 1]"]),
+    (["evaluate", "/nonexistent/ckpt", "--data", "{store}"], ["checkpoint"]),
+])
+def test_cli_bad_input(store, capsys, argv, words):
+    argv = [a.replace("{store}", store) for a in argv]
+    try:
+        status = run(argv)
+    except SystemExit as e:  # argparse's own errors
+        status = e.code
+    err = capsys.readouterr().err
+    assert status == 2
+    lines = [l for l in err.strip().splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    for w in words:
+        assert w in lines[0], lines[0]
