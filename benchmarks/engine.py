@@ -130,6 +130,8 @@ def main(argv=None):
                     help="also train this many epochs on all 60000 images and report test_accuracy")
     ap.add_argument("--lr", type=float, default=None, help="accuracy run: learning rate")
     ap.add_argument("--momentum", type=float, default=None, help="accuracy run: momentum")
+    ap.add_argument("--lr-decay", type=float, default=None,
+                    help="accuracy run: lr factor per epoch (default: config adam.train.lr-decay)")
     ap.add_argument("--granularity", action="store_true",
                     help="also measure images/s for per-thread batch sizes 1, 2, 4, 8, 16, 32")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
@@ -163,7 +165,7 @@ def main(argv=None):
     if args.epochs:
         net = Network.from_spec(SPEC, (1, 28, 28), "tanh", seed=0)
         rep = HogwildReplica(net, threads=args.threads, lr=args.lr, momentum=args.momentum,
-                             batch_size=bs)
+                             batch_size=bs, lr_decay=args.lr_decay)
         curve = []
         st = rep.train_images(
             xtr8, ytr, epochs=args.epochs, seed=0,
