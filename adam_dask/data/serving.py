@@ -282,10 +282,30 @@ class PartitionServer:
         self.batches_made = 0
         if layout.window_chunks is None:          # it fits: load the whole partition now
             self.cache.prefetch(list(self.cache.chunk_ids))
+        self._warm = threading.Event()
+        threading.Thread(target=self._warm_up, name=f"adam-data-p{partition}-warm",
+                         daemon=True).start()
         self._threads = [threading.Thread(target=self._produce, name=f"adam-data-p{partition}-{i}",
                                           daemon=True) for i in range(max(1, int(threads)))]
         for t in self._threads:
             t.start()
+
+    def _warm_up(self) -> None:
+        """Load the partition (when it fits) and the kernels, so the first batch is quick."""
+        try:
+            if self.layout.window_chunks is None:
+                for cid in self.cache.chunk_ids:
+                    self.cache._get_chunk(cid)
+            if self.stop > self.start:
+                self._make(0, 0, np.array([self.start], np.int64))
+        except Exception as exc:   # surfaces, with the store's name, when a stream needs it
+            logger.warning("partition %d: warm-up failed: %s", self.partition, exc)
+        finally:
+            self._warm.set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the warm-up finished (True) or ``timeout`` passed (False)."""
+        return self._warm.wait(timeout)
 
     # -- streams ---------------------------------------------------------------------------------
 
@@ -511,6 +531,10 @@ class DataServer:
     async def stats(self) -> dict:
         return self._core.stats()
 
+    async def ready(self, timeout: float | None = None) -> bool:
+        """Wait (off the event loop) until the partition and the kernels are loaded."""
+        return await asyncio.to_thread(self._core.wait_ready, timeout)
+
     async def ping(self) -> int:
         return self._core.partition
 
@@ -519,6 +543,18 @@ class DataServer:
 
 
 # -- sources: where a stream gets one partition's batches --------------------------------------------
+
+def _result(req, timeout: float | None):
+    """``req.result(timeout)``, without the event-loop round trip when it is already done.
+
+    ``ActorFuture.result`` always syncs with the event loop (~1 ms from a task thread); a
+    finished one holds its outcome in ``_out`` (distributed 2024+). Falls back to ``result``.
+    """
+    out = getattr(req, "_out", None) if getattr(req, "done", None) and req.done() else None
+    if out is not None and hasattr(out, "unwrap"):
+        return out.unwrap()
+    return req.result(timeout=timeout)
+
 
 class _ActorSource:
     def __init__(self, actor, gen: int, sid: str):
@@ -590,7 +626,8 @@ class DataService:
     def create(cls, client, url: str, *, split: str = "train", storage_options: dict | None = None,
                augment: Augment | bool | None = None, seed: int = 0, batch_size: int | None = None,
                buffer_batches: int | None = None, cache_bytes: int | None = None,
-               threads: int | None = None, timeout: float | None = None) -> DataService:
+               threads: int | None = None, timeout: float | None = None,
+               wait: bool = True) -> DataService:
         """Start serving split ``split`` of the store at ``url``.
 
         One :class:`DataServer` actor per DATA worker (pinned to it), each owning a partition;
@@ -608,6 +645,9 @@ class DataService:
             ``cache-bytes`` (in-memory bound per server) and ``threads`` (producers per server).
         timeout : float
             Seconds to wait for the actors (``adam.serving.create-timeout``).
+        wait : bool
+            Wait until every server has loaded its partition (when it fits the cache) and its
+            kernels, so the first epoch does not start with a stall.
         """
         if augment is None:
             augment = Augment.default()
@@ -673,6 +713,13 @@ class DataService:
                                f"{type(exc).__name__}: {exc}",
                                "check the DATA workers (memory, logs) or raise "
                                "adam.serving.create-timeout") from exc
+        if wait:
+            try:
+                warm = [a.ready(timeout) for a in actors]
+                for w in warm:
+                    w.result(timeout=timeout + 5)
+            except Exception as exc:
+                logger.warning("the DataServers did not finish warming up: %s", exc)
         for p, f in enumerate(futures):
             Variable(service._var(p), client=client).set(f)
         service._actors, service._futures = actors, futures
@@ -972,7 +1019,7 @@ class BatchStream:
             p, src, req = self._pending.popleft()
             t0 = time.perf_counter()
             try:
-                item = req.result(timeout=self._call_timeout)
+                item = _result(req, self._call_timeout)
                 failure = None
             except DatasetError:
                 raise
