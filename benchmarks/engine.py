@@ -9,7 +9,11 @@ Prints one JSON line. Throughput: the paper's MNIST network
 forward + backward + update, by a HogwildReplica with T threads (``images_per_s``) and with one
 thread (``images_per_s_1thread``), against the same network in PyTorch (``torch.set_num_threads(T)``,
 SGD, batch 32: ``torch_images_per_s``). MNIST comes from $ADAM_DASK_MNIST (a folder with the four
-``*-ubyte.gz`` files), default /work/shared/datasets/mnist. PyTorch is optional
+``*-ubyte.gz`` files), default /work/shared/datasets/mnist.
+
+The accuracy run (--epochs) trains the same layers with relu (--activation; tanh reaches about
+99.0% with the same schedule, relu 99.1-99.2%), plain SGD, lr 0.05 decayed 0.4x per epoch, no
+augmentation, and evaluates on the 10000 test images after each epoch. PyTorch is optional
 (``pip install .[bench]``); without it the torch fields are null and ``torch_error`` says why.
 """
 from __future__ import annotations
@@ -128,10 +132,13 @@ def main(argv=None):
                     help="per-thread mini-batch (default: config adam.train.batch-size)")
     ap.add_argument("--epochs", type=int, default=0,
                     help="also train this many epochs on all 60000 images and report test_accuracy")
-    ap.add_argument("--lr", type=float, default=None, help="accuracy run: learning rate")
-    ap.add_argument("--momentum", type=float, default=None, help="accuracy run: momentum")
-    ap.add_argument("--lr-decay", type=float, default=None,
-                    help="accuracy run: lr factor per epoch (default: config adam.train.lr-decay)")
+    ap.add_argument("--lr", type=float, default=0.05, help="accuracy run: learning rate (0.05)")
+    ap.add_argument("--momentum", type=float, default=0.0, help="accuracy run: momentum (0)")
+    ap.add_argument("--lr-decay", type=float, default=0.4,
+                    help="accuracy run: lr factor per epoch (0.4: 0.05, 0.02, 0.008 over 3 epochs)")
+    ap.add_argument("--activation", default="relu",
+                    help="accuracy run: relu (default; 99.1-99.2%% in 3 epochs) or tanh (99.0%%)")
+    ap.add_argument("--seed", type=int, default=0, help="accuracy run: init and shuffle seed")
     ap.add_argument("--granularity", action="store_true",
                     help="also measure images/s for per-thread batch sizes 1, 2, 4, 8, 16, 32")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
@@ -160,20 +167,20 @@ def main(argv=None):
                 print("warning: " + out["torch_error"], file=sys.stderr)
     if args.granularity:
         out["granularity_images_per_s"] = {
-            str(b): round(ours(xtr, ytr, min(args.images, 8000), args.threads, b, repeats=1), 1)
+            str(b): round(ours(xtr, ytr, min(args.images, 8000), args.threads, b, repeats=3), 1)
             for b in (1, 2, 4, 8, 16, 32)}
     if args.epochs:
-        net = Network.from_spec(SPEC, (1, 28, 28), "tanh", seed=0)
+        net = Network.from_spec(SPEC, (1, 28, 28), args.activation, seed=args.seed)
         rep = HogwildReplica(net, threads=args.threads, lr=args.lr, momentum=args.momentum,
                              batch_size=bs, lr_decay=args.lr_decay)
         curve = []
         st = rep.train_images(
-            xtr8, ytr, epochs=args.epochs, seed=0,
+            xtr8, ytr, epochs=args.epochs, seed=args.seed,
             on_epoch=lambda r, e, s: curve.append(
                 {"epoch": e + 1, "lr": round(r.lr, 5), "train_loss": round(s.loss, 4),
                  "test_accuracy": round(r.net.evaluate(xte8, yte), 4),
                  "seconds": round(s.seconds, 1)}))
-        out.update({"epochs": args.epochs, "lr": rep.base_lr, "lr_decay": rep.lr_decay,
+        out.update({"epochs": args.epochs, "activation": net.activation, "lr": rep.base_lr, "lr_decay": rep.lr_decay,
                     "momentum": rep.momentum, "train_seconds": round(st.seconds, 1),
                     "train_images_per_s": round(st.images_per_second, 1),
                     "test_accuracy": curve[-1]["test_accuracy"], "curve": curve})
