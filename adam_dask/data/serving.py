@@ -802,7 +802,7 @@ class DataService:
         var = Variable(self._var(p), client=client)
         timeout = float(config.get("serving.recover-timeout"))
         gen = failed_gen
-        for _ in range(4):
+        for _ in range(2):          # a second try covers a target that died meanwhile
             try:
                 fut = var.get(timeout=5)
                 pub = _parse_gen(fut.key)
@@ -1026,6 +1026,22 @@ class BatchStream:
             except Exception as exc:
                 item, failure = None, exc
             self.wait_seconds += time.perf_counter() - t0
+            if failure is None and item.get("lost") and isinstance(src, _ActorSource) \
+                    and self._sources.get(p) is src:
+                # the server is alive but dropped this stream (idle-timeout): open it again
+                dropped = [e for e in self._pending if e[0] == p]
+                self._pending = deque(e for e in self._pending if e[0] != p)
+                logger.warning("stream %s: partition %d dropped the stream; reopening it",
+                               self.sid, p)
+                try:
+                    src.actor.open(*self._open_args(p)).result(timeout=self._call_timeout)
+                except Exception as exc:
+                    self._pending.extend(dropped)
+                    self._replace(p, src, exc)
+                    continue
+                for _ in range(1 + len(dropped)):
+                    self._issue(p)
+                continue
             if failure is None and item.get("lost"):
                 failure = RuntimeError(item["error"])
             elif failure is None and "error" in item:
