@@ -49,6 +49,7 @@ class ReplicaJob:
     seed: int = 0
     delay: float = 0.0          # seconds of sleep per batch: a deliberately slow replica (experiments)
     report_interval: float = 0.5
+    sync_timeout: float = 60.0  # seconds a sync step waits for the other replicas
     extra: dict = field(default_factory=dict)
 
     @property
@@ -59,13 +60,16 @@ class ReplicaJob:
 class SyncBarrier:
     """A barrier for synchronous mode, as a Dask actor with async methods (no thread needed).
 
-    ``await wait(step)`` returns once every party still in the epoch has reached ``step``;
-    ``leave()`` takes a party out (a replica that finished its share, or stopped).
+    ``await wait()`` returns once every party still in the epoch has arrived at the current
+    generation (one step), which then advances. A replica restarted after its worker died simply
+    joins the current generation. ``leave()`` takes a party out (a replica that finished its
+    share); a barrier that waits longer than ``timeout`` lets its waiters go rather than hang.
     """
 
     def __init__(self, parties: int):
         self.parties = int(parties)
-        self.arrived: dict[int, int] = {}
+        self.count = 0
+        self.generation = 0
         self._cond: asyncio.Condition | None = None
 
     def _condition(self) -> asyncio.Condition:
@@ -73,25 +77,35 @@ class SyncBarrier:
             self._cond = asyncio.Condition()
         return self._cond
 
-    async def wait(self, step: int, timeout: float = 120.0) -> bool:
+    def _release(self) -> None:
+        self.generation += 1
+        self.count = 0
+        self._condition().notify_all()
+
+    async def wait(self, timeout: float = 60.0) -> bool:
         cond = self._condition()
         async with cond:
-            self.arrived[step] = self.arrived.get(step, 0) + 1
-            cond.notify_all()
+            gen = self.generation
+            self.count += 1
+            if self.count >= self.parties:
+                self._release()
+                return True
             try:
-                await asyncio.wait_for(
-                    cond.wait_for(lambda: self.arrived.get(step, 0) >= self.parties), timeout)
+                await asyncio.wait_for(cond.wait_for(lambda: self.generation != gen), timeout)
+                return True
             except asyncio.TimeoutError:
-                logger.warning("sync barrier: step %d timed out with %d of %d replicas",
-                               step, self.arrived.get(step, 0), self.parties)
+                logger.warning("sync barrier: generation %d timed out with %d of %d replicas",
+                               gen, self.count, self.parties)
+                if self.generation == gen:
+                    self._release()
                 return False
-            return True
 
     async def leave(self) -> int:
         cond = self._condition()
         async with cond:
             self.parties = max(0, self.parties - 1)
-            cond.notify_all()
+            if self.count and self.count >= self.parties:
+                self._release()
             return self.parties
 
 
@@ -158,7 +172,7 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
     def on_images(r: HogwildReplica) -> None:
         if sync:
             push(r.take_delta() / job.replicas)
-            barrier.wait(state["step"]).result()
+            barrier.wait(job.sync_timeout).result()
             state["step"] += 1
             r.set_weights(server.pull())
         else:
@@ -170,6 +184,9 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
             r.stop()
 
     batches = _Throttled(stream, job.delay) if job.delay else stream
+    if stop.is_set():  # the epoch's quorum was reached before this replica started
+        rep.stop()
+        batches = iter(())
     try:
         stats = rep.train(batches, on_images=on_images, every=job.push_every)
         rest = rep.take_delta()

@@ -256,7 +256,8 @@ class Trainer:
                            model=self.net.to_dict(), mode=self.mode, push_every=self.push_every,
                            lr=lr, momentum=self.momentum, batch_size=self.batch_size,
                            threads=self.threads, seed=self.seed,
-                           delay=float(self.slow_replicas.get(i, 0.0)))
+                           delay=float(self.slow_replicas.get(i, 0.0)),
+                           sync_timeout=float(config.get("train.sync-timeout")))
                 for i in range(R)]
         stop = Event(jobs[0].stop_name, client=self.client)
         stop.clear()
@@ -281,6 +282,7 @@ class Trainer:
         try:
             for fut in as_completed(futures):
                 results.append(fut.result())
+                logger.debug("replica result %s", results[-1])
                 if len(results) == needed and needed < R:
                     quorum_seconds = time.perf_counter() - t0
                     logger.info("epoch %d: %d of %d replicas done; stopping the rest", epoch,
