@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 from distributed.protocol import to_serialize
+from distributed.protocol.serialize import Serialized, deserialize
 
 from ..errors import StorageError, UpdateRejected
 from .state import ShardState, Snapshot
@@ -56,8 +57,15 @@ async def call_actor(rpc: Any, addr: str, key: str, method: str, *args: Any,
         kwargs={k: to_serialize(v) for k, v in kwargs.items()})
     resp = await (asyncio.wait_for(coro, timeout) if timeout else coro)
     if resp["status"] == "OK":
-        return resp["result"]
-    raise resp["exception"]
+        return _deserialized(resp["result"])
+    raise _deserialized(resp["exception"])
+
+
+def _deserialized(x: Any) -> Any:
+    """The scheduler's connection pool does not deserialize; workers' and clients' do."""
+    if isinstance(x, Serialized):
+        return deserialize(x.header, x.frames)
+    return x
 
 
 class PSNode:
@@ -209,7 +217,7 @@ class PSNode:
         for sid in sids_backups:
             self._check_waiters(int(sid))
 
-    async def add_backups(self, sids_backups: dict, timeout: float | None = None) -> dict[int, int]:
+    async def add_backups(self, sids_backups: dict, limit: float | None = None) -> dict[int, int]:
         """Add backups to primaries ({sid: [(addr, key), ...]}) and wait until each holds the
         shard's current version (a full copy is sent). Returns the versions they hold."""
         for sid, bs in sids_backups.items():
@@ -223,7 +231,7 @@ class PSNode:
         for sid in sids_backups:
             sid = int(sid)
             waits.append(self._wait_replicated(sid, self.shards[sid].version))
-        await asyncio.wait_for(asyncio.gather(*waits), timeout)
+        await asyncio.wait_for(asyncio.gather(*waits), limit)
         return {int(s): self.shards[int(s)].version for s in sids_backups}
 
     async def drop(self, sids: Iterable[int]) -> None:

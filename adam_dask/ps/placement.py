@@ -137,6 +137,7 @@ class ServerRecord:
     task: asyncio.Task | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     info: dict = field(default_factory=dict)
+    target: int = 3  # copies per shard to keep: min(replicas, PS workers at creation)
 
 
 class ReplicaPlacement(SchedulerPlugin):
@@ -229,7 +230,9 @@ class ReplicaPlacement(SchedulerPlugin):
                 if ws.resources.get(self.role)}
 
     def _healthy(self, rec: ServerRecord) -> bool:
-        want = min(rec.replicas, len(self._ps_workers()))
+        """Every shard has a primary and its full number of copies (``replicas``, or as many
+        as there were PS workers when the server was made)."""
+        want = rec.target
         return not rec.needs_primary and all(
             len(h) >= want for s, h in rec.routing.items() if s not in rec.lost)
 
@@ -306,11 +309,17 @@ class ReplicaPlacement(SchedulerPlugin):
                                                      "generation": rec.generation})
             elif progress:
                 rec.dirty = True  # more to do now
-            # else: waiting for a PS worker to (re)join; add_worker kicks us
+            else:
+                # waiting for a PS worker to (re)join (a nanny restarts a killed one under a new
+                # address); add_worker kicks us too, but a worker may not be "running" yet then
+                await asyncio.sleep(0.25)
+                rec.dirty = True
 
     async def _repair_once(self, rec: ServerRecord) -> bool:
         """One pass of fail-over; True when it changed something."""
         progress = False
+        logger.debug("server %s: repair pass; needs primary %s, backups changed %s",
+                     rec.server_id, sorted(rec.needs_primary), sorted(rec.backups_changed))
         # 1. live primaries stop waiting for (and forwarding to) lost backups
         calls: dict[str, dict[int, list]] = {}
         for sid in sorted(rec.backups_changed - rec.needs_primary):
@@ -327,6 +336,7 @@ class ReplicaPlacement(SchedulerPlugin):
                 for a in rec.routing[sid]:
                     asked.setdefault(a, []).append(sid)
             versions = await self._gather_calls(rec, "versions", {a: s for a, s in asked.items()})
+            logger.debug("server %s: versions of the survivors %s", rec.server_id, versions)
             primary_load = Counter(h[0] for s, h in rec.routing.items()
                                    if h and s not in rec.needs_primary)
             promote: dict[str, dict[int, list]] = {}
@@ -365,7 +375,7 @@ class ReplicaPlacement(SchedulerPlugin):
         load = Counter(a for h in rec.routing.values() for a in h)
         adds: dict[str, dict[int, list]] = {}
         targets: dict[str, dict[int, list[str]]] = {}
-        want = min(rec.replicas, len(live))
+        want = rec.target
         for sid, holders in sorted(rec.routing.items()):
             if sid in rec.needs_primary or sid in rec.lost or not holders:
                 continue
@@ -395,7 +405,7 @@ class ReplicaPlacement(SchedulerPlugin):
                     bs = [(a, ok[a]) for a in ts if a in ok]
                     if bs:
                         adds.setdefault(p, {})[sid] = bs
-            done = await self._gather_calls(rec, "add_backups", adds, timeout=self._timeout)
+            done = await self._gather_calls(rec, "add_backups", adds, limit=self._timeout)
             for p, res in done.items():
                 if not isinstance(res, dict):
                     continue
@@ -439,7 +449,8 @@ class ReplicaPlacement(SchedulerPlugin):
         for w in caught:
             logger.warning("server %s: %s", server_id, w.message)
         rec = ServerRecord(server_id, [tuple(s) for s in shards], int(replicas), dict(node_config),
-                           routing={s: list(h) for s, h in plan.items()}, info=dict(info or {}))
+                           routing={s: list(h) for s, h in plan.items()}, info=dict(info or {}),
+                           target=min(int(replicas), len(live)))
         self.servers[server_id] = rec
         try:
             addrs = sorted({a for h in plan.values() for a in h})
@@ -460,12 +471,14 @@ class ReplicaPlacement(SchedulerPlugin):
     def routing(self, server_id: str) -> dict:
         """The routing of a server: ``routing`` (list by shard of [primary, backups...]),
         ``nodes`` ({addr: key}), ``pending`` (shards waiting for a new primary), ``lost``,
-        ``healthy``, ``generation``, ``heal_times``, ``info``."""
+        ``healthy`` (every shard has ``target`` copies), ``target``, ``generation``,
+        ``heal_times`` (seconds from each loss to healthy again), ``info``."""
         rec = self.servers.get(server_id)
         if rec is None:
             raise KeyError(f"no parameter server {server_id!r} on this scheduler")
         return {"routing": [list(rec.routing[s]) for s in range(len(rec.shards))],
                 "nodes": dict(rec.nodes), "pending": sorted(rec.needs_primary),
+                "target": rec.target,
                 "lost": sorted(rec.lost), "healthy": self._healthy(rec),
                 "generation": rec.generation, "heal_times": list(rec.heal_times),
                 "info": rec.info}

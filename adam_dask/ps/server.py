@@ -317,9 +317,9 @@ class ParameterServer:
         while pending:
             groups = await self._primaries(sched, sorted(pending), deadline)
             addrs = list(groups)
-            res = await asyncio.gather(*(
-                call_actor(rpc, a, self._nodes.get(a, ""), method, *make_args(groups[a]),
-                           timeout=timeout, **kwargs) for a in addrs), return_exceptions=True)
+            res = await asyncio.gather(*(self._guarded(sched, a, call_actor(
+                rpc, a, self._nodes.get(a, ""), method, *make_args(groups[a]), **kwargs), timeout)
+                for a in addrs), return_exceptions=True)
             retry = False
             for a, r in zip(addrs, res):
                 if isinstance(r, (UpdateRejected, ConfigError)):
@@ -346,6 +346,28 @@ class ParameterServer:
                 if retry and self._generation == gen:
                     await asyncio.sleep(0.05)  # the controller has not seen the loss yet
         return results
+
+    async def _guarded(self, sched: Any, addr: str, coro: Any, timeout: float) -> Any:
+        """Await a call to the node on ``addr``, giving up early when the controller drops
+        ``addr`` (a dead worker: connecting to it would only time out)."""
+        task = asyncio.ensure_future(coro)
+        t0 = time.monotonic()
+        wait = 0.1
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=wait)
+            wait = min(wait * 2, 0.5)
+            if done:
+                return task.result()
+            if time.monotonic() - t0 > timeout:
+                task.cancel()
+                raise asyncio.TimeoutError(f"no answer from the PS node on {addr} in {timeout}s")
+            try:
+                await self._refresh(sched)
+            except Exception:  # pragma: no cover - the scheduler is busy; keep waiting
+                continue
+            if addr not in self._nodes:
+                task.cancel()
+                raise OSError(f"the PS worker {addr} was lost")
 
     # -- public API ------------------------------------------------------------------------------
 
@@ -474,14 +496,15 @@ class ParameterServer:
 
     async def _flush(self, rpc: Any, sched: Any, timeout: float) -> dict[int, int]:
         deadline = time.monotonic() + timeout
+        wait_heal = time.monotonic() + min(timeout, float(config.get("ps.failover-timeout")))
         while True:
             await self._refresh(sched)
-            if self._healthy or time.monotonic() > deadline:
+            if self._healthy or time.monotonic() > wait_heal:
                 break
             await asyncio.sleep(0.1)
         if not self._healthy:
-            logger.warning("server %s: flushing while a fail-over is still going on",
-                           self.server_id)
+            logger.warning("server %s: flushing with fewer than %d copies of some shards (a "
+                           "PS worker is missing)", self.server_id, self.replicas)
         remaining = max(deadline - time.monotonic(), 1.0)
         return await self._each_primary(rpc, sched, range(len(self.shards)), "flush",
                                         lambda s: (s,), call_timeout=remaining + 5,

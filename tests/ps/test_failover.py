@@ -1,0 +1,136 @@
+"""Fail-over on a real cluster: PS workers are killed (os._exit) while pushes go on; the nanny
+restarts them empty under new addresses. Every shard must return to 3 copies on distinct hosts
+and no acknowledged update may be lost (ack="all")."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from adam_dask.ps import ParameterServer
+
+logger = logging.getLogger(__name__)
+
+SHARD = 1 << 16
+N = 5 * (SHARD // 4) + 77  # 6 shards
+
+
+def host(addr: str) -> str:
+    return addr.split("://")[1].rsplit(":", 1)[0]
+
+
+@pytest.fixture(scope="module")
+def fo_client():
+    import adam_dask
+
+    with adam_dask.cluster.local(ps_nodes=3, data_nodes=0, trainers=0,
+                                 memory_limit="1 GiB") as client:
+        yield client
+
+
+class Pusher(threading.Thread):
+    """Pushes small-integer deltas until stopped; ``total`` is the sum of the acknowledged ones."""
+
+    def __init__(self, server: ParameterServer, seed: int):
+        super().__init__(daemon=True)
+        self.server, self.rng = server, np.random.default_rng(seed)
+        self.total = np.zeros(server.size, np.float32)
+        self.count = 0
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                d = self.rng.integers(1, 4, self.server.size).astype(np.float32)
+                self.server.push(d)
+                self.total += d
+                self.count += 1
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+
+async def _die_soon():
+    import asyncio
+
+    asyncio.get_running_loop().call_later(0.05, os._exit, 1)
+
+
+def kill(client, addrs):
+    """Hard-kill workers (the nanny restarts them empty, under new addresses)."""
+    client.run(_die_soon, workers=list(addrs))
+
+
+def wait_healed(server: ParameterServer, lost: set[str], timeout: float = 90) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        info = server.routing_info()
+        holders = {a for h in info["routing"] for a in h}
+        if info["healthy"] and not holders & lost and all(len(h) == 3 for h in info["routing"]):
+            return info
+        time.sleep(0.2)
+    raise AssertionError(f"not healed after {timeout}s: {server.routing_info()}")
+
+
+def check_placement(server: ParameterServer) -> None:
+    for sid, holders in server.placement().items():
+        assert len(holders) == 3, (sid, holders)
+        assert len({host(a) for a in holders}) == 3, (sid, holders)
+
+
+def test_kill_primary_holder_while_pushing(fo_client):
+    s = ParameterServer.create(fo_client, size=N, shard_bytes=SHARD, ack="all")
+    try:
+        victim = s.placement()[0][0]
+        pushers = [Pusher(s, 1), Pusher(s, 2)]
+        for p in pushers:
+            p.start()
+        while sum(p.count for p in pushers) < 10:
+            time.sleep(0.02)
+        heals_before = len(s.routing_info()["heal_times"])
+        kill(fo_client, [victim])
+        info = wait_healed(s, {victim})
+        n_at_heal = sum(p.count for p in pushers)
+        while sum(p.count for p in pushers) < n_at_heal + 10:  # pushes go on after the heal
+            assert all(p.error is None and p.is_alive() for p in pushers), [p.error for p in pushers]
+            time.sleep(0.02)
+        for p in pushers:
+            p.stop.set()
+            p.join(60)
+        assert all(p.error is None for p in pushers), [p.error for p in pushers]
+        s.flush()
+        np.testing.assert_array_equal(s.pull(), pushers[0].total + pushers[1].total)
+        check_placement(s)
+        heal = info["heal_times"][heals_before:]
+        assert heal
+        logger.warning("time to heal after losing primary holder %s: %.2fs (%d pushes)",
+                       victim, heal[-1], sum(p.count for p in pushers))
+    finally:
+        s.close()
+
+
+def test_kill_two_of_three_holders(fo_client):
+    s = ParameterServer.create(fo_client, size=N, shard_bytes=SHARD, ack="all")
+    try:
+        rng = np.random.default_rng(7)
+        total = np.zeros(N, np.float32)
+        for _ in range(5):
+            d = rng.integers(-2, 3, N).astype(np.float32)
+            s.push(d)
+            total += d
+        holders = s.placement()[3]
+        victims = holders[:2]  # the primary and one backup of shard 3
+        kill(fo_client, victims)
+        wait_healed(s, set(victims))
+        np.testing.assert_array_equal(s.pull(), total)
+        d = np.ones(N, np.float32)
+        s.push(d)
+        s.flush()
+        np.testing.assert_array_equal(s.pull(), total + d)
+        check_placement(s)
+    finally:
+        s.close()
