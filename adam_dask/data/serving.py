@@ -28,7 +28,7 @@ Failure
 Actors die with their worker. A stream whose server stops answering asks for the partition's
 next *generation*: an actor keyed ``{service}-p{p}-g{n+1}`` (the same key for every stream that
 notices, so only one is made), pinned to a live DATA worker and published through a
-:class:`distributed.Variable` ``{service}-p{p}`` so later streams find it. If no DATA worker can
+a published Dask dataset ``{service}-p{p}`` (which also keeps it alive) so later streams find it. If no DATA worker can
 take it, the stream serves the rest of the partition itself (locally, in a background thread).
 The new server is opened with the batch numbers the stream already received and produces only
 the others, so every image of the share is delivered **exactly once**, and identically (the
@@ -315,6 +315,9 @@ class PartitionServer:
         numbers in ``done`` (already delivered). Returns the number of batches to hand out."""
         _check_replica(replica, replicas, epoch)
         share = self.layout.share(self.partition, epoch, self.seed, replica, replicas)
+        if self._closed:
+            raise ClusterError(f"the DataServer of partition {self.partition} was shut down",
+                               "the DataService was closed; create a new one")
         skip = set(int(k) for k in done)
         batches = [(k, share[i:i + batch_size])
                    for k, i in enumerate(range(0, len(share), batch_size)) if k not in skip]
@@ -339,6 +342,10 @@ class PartitionServer:
         "idx": (B,) int64}``; an error is ``{"error": message, "hint": ..., "url": ...}``.
         """
         with self._cond:
+            if self._closed:
+                return {"error": f"the DataServer of partition {self.partition} was shut down",
+                        "hint": "the DataService was closed; create a new one", "url": self.url,
+                        "closed": True}
             st = self._streams.get(sid)
             if st is None:
                 return {"error": f"stream {sid} is not open on partition {self.partition}",
@@ -696,8 +703,6 @@ class DataService:
         if not workers:
             logger.info("no DATA workers: %s is served locally by each stream", s.url)
             return service
-        from distributed import Variable
-
         futures = [client.submit(DataServer, *service._server_args(p), key=service._key(p, 0),
                                  actor=True, workers=[addr], allow_other_workers=False,
                                  **service._server_kwargs())
@@ -721,10 +726,15 @@ class DataService:
             except Exception as exc:
                 logger.warning("the DataServers did not finish warming up: %s", exc)
         for p, f in enumerate(futures):
-            Variable(service._var(p), client=client).set(f)
+            client.publish_dataset(**{service._var(p): f}, override=True)
         service._actors, service._futures = actors, futures
         logger.info("serving %s/%s from %d DataServers (%s)", s.url, split, len(actors), name)
         return service
+
+    @staticmethod
+    def _published(client, name: str):
+        """The future published as ``name`` (a Dask published dataset), or None."""
+        return client.get_dataset(name, default=None)
 
     def _key(self, p: int, gen: int) -> str:
         return f"{self.name}-p{p}-g{gen}"
@@ -782,29 +792,36 @@ class DataService:
 
     def _current(self, p: int):
         """(actor, gen) currently published for partition ``p`` (refreshes this copy)."""
-        from distributed import Variable, get_client
+        from distributed import get_client
 
         try:
-            fut = Variable(self._var(p), client=get_client()).get(timeout=5)
+            fut = self._published(get_client(), self._var(p))
+            if fut is None:
+                raise ClusterError(f"the DataService {self.name} was closed",
+                                   "create a new one")
             gen = _parse_gen(fut.key)
             if gen > self._gens[p] and fut.status != "error":
                 self._actors[p] = fut.result(timeout=float(config.get("serving.recover-timeout")))
                 self._gens[p] = gen
-        except Exception as exc:  # the variable is gone (service closed) or unreachable
+        except ClusterError:
+            raise
+        except Exception as exc:  # the scheduler is unreachable: use what this copy knows
             logger.debug("partition %d: no published generation (%s)", p, exc)
         return self._actors[p], self._gens[p]
 
     def _replacement(self, p: int, failed_gen: int):
         """A live DataServer for partition ``p`` newer than ``failed_gen``, or None."""
-        from distributed import Variable, get_client
+        from distributed import get_client
 
         client = get_client()
-        var = Variable(self._var(p), client=client)
         timeout = float(config.get("serving.recover-timeout"))
         gen = failed_gen
         for _ in range(2):          # a second try covers a target that died meanwhile
+            fut = self._published(client, self._var(p))
+            if fut is None:               # create() always publishes: it was closed since
+                raise ClusterError(f"the DataService {self.name} was closed while a stream read "
+                                   f"from it", "close streams before the service")
             try:
-                fut = var.get(timeout=5)
                 pub = _parse_gen(fut.key)
                 if pub > gen and fut.status != "error":
                     actor = fut.result(timeout=timeout)
@@ -829,7 +846,7 @@ class DataService:
             except Exception as exc:
                 logger.warning("partition %d: generation %d did not start: %s", p, gen, exc)
                 continue
-            var.set(fut)
+            client.publish_dataset(**{self._var(p): fut}, override=True)
             self._actors[p], self._gens[p] = actor, gen
             return actor, gen
         return None
@@ -865,7 +882,7 @@ class DataService:
         self._closed = True
         if self.local:
             return
-        from distributed import Variable, get_client
+        from distributed import get_client
 
         try:
             client = get_client()
@@ -878,12 +895,12 @@ class DataService:
             except Exception as exc:
                 logger.debug("partition %d: shutdown failed (%s)", p, exc)
             try:
-                Variable(self._var(p), client=client).delete()
+                client.unpublish_dataset(self._var(p))
             except Exception:
                 pass
-        if self._futures:
-            client.cancel(self._futures)
-            self._futures = []
+        for f in self._futures:       # with the datasets unpublished, the actors are released
+            f.release()
+        self._futures = []
 
     def __enter__(self) -> DataService:
         return self
@@ -980,7 +997,7 @@ class BatchStream:
                 actor, new_gen = found
                 actor.open(*self._open_args(p)).result(timeout=self._call_timeout)
                 return _ActorSource(actor, new_gen, self.sid)
-        except DatasetError:
+        except (DatasetError, ClusterError):
             raise
         except Exception as exc2:
             logger.warning("stream %s: no replacement DataServer for partition %d (%s: %s)",
@@ -1026,6 +1043,9 @@ class BatchStream:
             except Exception as exc:
                 item, failure = None, exc
             self.wait_seconds += time.perf_counter() - t0
+            if failure is None and item.get("closed"):
+                self.close()
+                raise ClusterError(item["error"], item.get("hint"))
             if failure is None and item.get("lost") and isinstance(src, _ActorSource) \
                     and self._sources.get(p) is src:
                 # the server is alive but dropped this stream (idle-timeout): open it again

@@ -13,7 +13,7 @@ import zarr
 import adam_dask
 from adam_dask.data import Augment, DataService, load_arrays
 from adam_dask.data.ingest import ingest
-from adam_dask.errors import ConfigError, DatasetError
+from adam_dask.errors import ClusterError, ConfigError, DatasetError
 from tests.conftest import write_mnist_like
 
 N_TRAIN, N_TEST = 1000, 100
@@ -149,6 +149,18 @@ def test_a_stream_dropped_for_idleness_is_reopened(cluster, store):
         assert np.array_equal(np.sort(idx), np.arange(N_TRAIN))
     finally:
         svc.close()
+
+
+def test_closing_the_service_ends_its_streams_with_a_clear_error(cluster, store):
+    svc = DataService.create(cluster, store, augment=None, batch_size=50)
+    stream = svc.stream(0, 1, 0)
+    next(stream)
+    svc.close()
+    with pytest.raises(ClusterError, match="closed"):
+        for _ in stream:
+            pass
+    with pytest.raises(ClusterError, match="closed"):
+        svc.stream(0, 1, 0)
 
 
 def test_cache_bound_reads_chunks_on_demand(cluster, store, arrays):
