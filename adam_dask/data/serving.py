@@ -27,12 +27,21 @@ Failure
 -------
 Actors die with their worker. A stream whose server stops answering asks for the partition's
 next *generation*: an actor keyed ``{service}-p{p}-g{n+1}`` (the same key for every stream that
-notices, so only one is made), pinned to a live DATA worker and published through a
-a published Dask dataset ``{service}-p{p}`` (which also keeps it alive) so later streams find it. If no DATA worker can
-take it, the stream serves the rest of the partition itself (locally, in a background thread).
-The new server is opened with the batch numbers the stream already received and produces only
-the others, so every image of the share is delivered **exactly once**, and identically (the
-augmentation is deterministic).
+notices, so only one is made), pinned to a live DATA worker and published as the Dask dataset
+``{service}-p{p}`` (which also keeps it alive), where later streams and copies of the service
+find it. If no DATA worker can take it within ``adam.serving.recover-timeout``, the stream serves
+the rest of that partition itself (locally, in a background thread). The new server is opened
+with the batch numbers the stream already received and produces only the others, so every image
+of the share is delivered **exactly once**, and identically (the augmentation is deterministic).
+Closing the service ends open streams with a :class:`~adam_dask.errors.ClusterError`.
+
+Metrics
+-------
+``BatchStream.stats()``: images, batches, ``wait_seconds`` (time the consumer blocked in
+``next``), ``elapsed_seconds`` (first ``next`` to the last batch) and ``stall_fraction`` (their
+ratio; a replica that never waited for data reports ~0), recoveries. ``DataService.stats()``: per
+server images served, batches made, open streams, ready batches and buffer occupancy, cache
+bytes and chunk reads.
 
 Example
 -------
