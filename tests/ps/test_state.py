@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from adam_dask.errors import UpdateRejected
-from adam_dask.ps.state import BLOCK, ShardState, first_nonfinite, outer_part
+from adam_dask.ps.state import ShardState, first_nonfinite, outer_part
 
 
 def test_apply_sums_and_versions():
@@ -19,7 +19,7 @@ def test_apply_sums_and_versions():
 
 
 def test_blocked_batch_equals_numpy_across_blocks():
-    n = 3 * BLOCK + 17
+    n = 3 * 4096 + 17
     rng = np.random.default_rng(1)
     st = ShardState(3, 0, n, rng.standard_normal(n).astype(np.float32))
     ref = st.values.copy()
