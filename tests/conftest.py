@@ -117,5 +117,17 @@ def local_client():
         yield client
 
 
+async def _die_soon():
+    import asyncio
+
+    # exit just after answering, so the call itself returns; the nanny restarts the worker empty
+    asyncio.get_running_loop().call_later(0.05, os._exit, 1)
+
+
+def kill_workers(client, addrs) -> None:
+    """Hard-kill workers, as a machine failure would (no clean shutdown, actors lost)."""
+    client.run(_die_soon, workers=list(addrs))
+
+
 def pytest_configure(config):
     os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(config.rootpath) / ".numba_cache"))

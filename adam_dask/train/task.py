@@ -109,18 +109,22 @@ class SyncBarrier:
             return self.parties
 
 
-class _Throttled:
-    """Wraps a batch iterator and sleeps ``delay`` seconds per batch (a deliberate straggler)."""
+class _Counted:
+    """Wraps a batch iterator: counts the images drawn (live progress), and sleeps ``delay``
+    seconds per batch when set (a deliberately slow replica, for straggler experiments)."""
 
-    def __init__(self, it, delay: float):
+    def __init__(self, it, delay: float = 0.0):
         self.it, self.delay = iter(it), delay
+        self.images = 0
 
     def __iter__(self):
         return self
 
     def __next__(self):
         item = next(self.it)
-        time.sleep(self.delay)
+        self.images += len(item[1])
+        if self.delay:
+            time.sleep(self.delay)
         return item
 
 
@@ -156,7 +160,7 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
         state["last_report"] = now
         worker.log_event(PROGRESS_TOPIC, {
             "run": job.run_id, "epoch": job.epoch, "replica": job.replica,
-            "images": rep.images_seen, "pushes": state["pushes"], "final": final,
+            "images": batches.images, "pushes": state["pushes"], "final": final,
             "seconds": now - t0})
 
     def push(delta: np.ndarray) -> None:
@@ -183,10 +187,10 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
             state["stopped"] = True
             r.stop()
 
-    batches = _Throttled(stream, job.delay) if job.delay else stream
+    batches = _Counted(stream, job.delay)
     if stop.is_set():  # the epoch's quorum was reached before this replica started
         rep.stop()
-        batches = iter(())
+        batches = _Counted(())
     try:
         stats = rep.train(batches, on_images=on_images, every=job.push_every)
         rest = rep.take_delta()

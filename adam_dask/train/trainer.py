@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .. import config
-from ..cluster import DATA, PS, TRAIN, workers_with_role
+from ..cluster import PS, TRAIN, workers_with_role
 from ..errors import ClusterError, ConfigError, DatasetError
 from .metrics import History, Progress
 from .task import PROGRESS_TOPIC, ReplicaJob, SyncBarrier, run_replica
@@ -316,6 +316,7 @@ class Trainer:
             "replication_lag": stats_after.get("replication_lag"),
             "writeback_lag": stats_after.get("writeback_lag"),
             "replicas_finished": sum(not r["stopped"] for r in results), "replicas": R,
+            "replica_workers": sorted(r["worker"] for r in results),
             "lr": lr, "mode": self.mode,
         }
 

@@ -1,7 +1,6 @@
 """adam-dask ingest and info: IDX and image-folder sources, local and S3, and every bad input."""
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import subprocess

@@ -2,7 +2,6 @@
 stops, local serving, the cache bound, S3, bad stores, and a DataServer whose worker dies."""
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import adam_dask
 from adam_dask.data import Augment, DataService, load_arrays
 from adam_dask.data.ingest import ingest
 from adam_dask.errors import ClusterError, ConfigError, DatasetError
-from tests.conftest import write_mnist_like
+from tests.conftest import kill_workers, write_mnist_like
 
 N_TRAIN, N_TEST = 1000, 100
 AUG = Augment(rotation=8.0, translation=1.5, elastic_alpha=20.0, elastic_sigma=4.0)
@@ -252,10 +251,6 @@ def test_an_unreadable_chunk_is_named_in_a_clear_error(cluster, tmp_path, where)
 
 # -- a DataServer whose worker dies -----------------------------------------------------------------
 
-async def _die():
-    os._exit(1)     # the worker process vanishes, as on a machine failure; the nanny restarts it
-
-
 @pytest.mark.parametrize("recovery", ["new-actor", "local-fallback"])
 def test_a_dead_data_server_is_replaced_and_the_epoch_completes(store, arrays, recovery):
     import dask
@@ -276,7 +271,7 @@ def test_a_dead_data_server_is_replaced_and_the_epoch_completes(store, arrays, r
             for r, s in enumerate(streams):          # both consumers are part-way through
                 for _ in range(5):
                     got[r].append(next(s))
-            client.run(_die, workers=[victim], wait=False)
+            kill_workers(client, [victim])
             for r, s in enumerate(streams):
                 got[r].extend(s)
             idx = np.concatenate([b[2] for g in got for b in g])

@@ -4,7 +4,6 @@ and no acknowledged update may be lost (ack="all")."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 
 from adam_dask.ps import ParameterServer
+from tests.conftest import kill_workers
 
 logger = logging.getLogger(__name__)
 
@@ -54,17 +54,6 @@ class Pusher(threading.Thread):
             self.error = exc
 
 
-async def _die_soon():
-    import asyncio
-
-    asyncio.get_running_loop().call_later(0.05, os._exit, 1)
-
-
-def kill(client, addrs):
-    """Hard-kill workers (the nanny restarts them empty, under new addresses)."""
-    client.run(_die_soon, workers=list(addrs))
-
-
 def wait_healed(server: ParameterServer, lost: set[str], timeout: float = 90) -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -92,7 +81,7 @@ def test_kill_primary_holder_while_pushing(fo_client):
         while sum(p.count for p in pushers) < 10:
             time.sleep(0.02)
         heals_before = len(s.routing_info()["heal_times"])
-        kill(fo_client, [victim])
+        kill_workers(fo_client, [victim])
         info = wait_healed(s, {victim})
         n_at_heal = sum(p.count for p in pushers)
         while sum(p.count for p in pushers) < n_at_heal + 10:  # pushes go on after the heal
@@ -124,7 +113,7 @@ def test_kill_two_of_three_holders(fo_client):
             total += d
         holders = s.placement()[3]
         victims = holders[:2]  # the primary and one backup of shard 3
-        kill(fo_client, victims)
+        kill_workers(fo_client, victims)
         wait_healed(s, set(victims))
         np.testing.assert_array_equal(s.pull(), total)
         d = np.ones(N, np.float32)

@@ -1,7 +1,6 @@
 """Training goes on when machines die: a TRAIN worker, then a PS worker, killed mid-epoch."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -11,7 +10,7 @@ import adam_dask
 from adam_dask.cluster import PS, TRAIN, workers_with_role
 from adam_dask.data.ingest import ingest
 from adam_dask.train.trainer import Trainer
-from tests.conftest import write_mnist_like
+from tests.conftest import kill_workers, write_mnist_like
 
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"
 
@@ -55,23 +54,21 @@ def _wait_for_images(trainer, epoch, n, timeout=120):
     raise AssertionError(f"epoch {epoch} never reached {n} images")
 
 
-def _kill(client, addr):
-    client.run(os._exit, 1, workers=[addr], wait=False)
-
-
 def test_train_worker_killed_mid_epoch(store, cluster):
     t = Trainer(store, model=SPEC, client=cluster, lr=0.05, push_every=64, batch_size=8,
-                progress=False, slow_replicas={0: 0.02, 1: 0.02})
+                progress=False, slow_replicas={0: 0.1, 1: 0.1})
     th, box = _fit_in_background(t, epochs=2)
     _wait_for_images(t, 0, 128)
-    victim = workers_with_role(cluster, TRAIN)[0]
-    _kill(cluster, victim)
+    victim = workers_with_role(cluster, TRAIN)[0]  # each TRAIN worker runs one replica now
+    kill_workers(cluster, [victim])
     th.join(timeout=300)
     assert not th.is_alive()
     assert "error" not in box, box.get("error")
     h = box["history"]
     assert h.column("epoch") == [0, 1]
     assert h.records[0]["images"] >= 1024  # the lost replica's share was trained again elsewhere
+    assert h.records[0]["replicas_finished"] == 2
+    assert victim not in h.records[0]["replica_workers"]  # it died mid-epoch; another finished
     assert h.last["test_accuracy"] >= 0.8
     t.close()
 
@@ -83,7 +80,7 @@ def test_ps_worker_killed_mid_epoch(store, cluster):
     _wait_for_images(t, 0, 128)
     placement = t.server.placement()
     victim = placement[0][0]  # the primary of shard 0
-    _kill(cluster, victim)
+    kill_workers(cluster, [victim])
     th.join(timeout=300)
     assert not th.is_alive()
     assert "error" not in box, box.get("error")

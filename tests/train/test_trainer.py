@@ -2,14 +2,10 @@
 from __future__ import annotations
 
 import json
-import os
-import threading
-import time
 
 import numpy as np
 import pytest
 
-import adam_dask
 from adam_dask.cli import run
 from adam_dask.data.ingest import ingest
 from adam_dask.train.trainer import Trainer
