@@ -14,7 +14,6 @@ import shutil
 import tempfile
 import time
 
-import numpy as np
 
 
 def main() -> None:

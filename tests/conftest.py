@@ -124,9 +124,18 @@ async def _die_soon():
     asyncio.get_running_loop().call_later(0.05, os._exit, 1)
 
 
-def kill_workers(client, addrs) -> None:
-    """Hard-kill workers, as a machine failure would (no clean shutdown, actors lost)."""
-    client.run(_die_soon, workers=list(addrs))
+def kill_workers(client, addrs, timeout: float = 30) -> None:
+    """Hard-kill workers, as a machine failure would (no clean shutdown, actors lost), and
+    return once the scheduler has noticed they are gone."""
+    import time
+
+    addrs = list(addrs)
+    client.run(_die_soon, workers=addrs)
+    deadline = time.time() + timeout
+    while set(addrs) & set(client.scheduler_info(n_workers=-1)["workers"]):
+        if time.time() > deadline:
+            raise TimeoutError(f"workers {addrs} did not die within {timeout}s")
+        time.sleep(0.02)
 
 
 def pytest_configure(config):
