@@ -16,12 +16,6 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-#: the fields every epoch record has (others may be added)
-FIELDS = ("epoch", "loss", "test_accuracy", "images", "images_per_second", "seconds",
-          "stall_fraction", "ps_updates_per_second", "replication_lag", "writeback_lag",
-          "replicas_finished", "replicas", "lr", "mode")
-
-
 def _jsonable(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None

@@ -18,8 +18,12 @@ of the replicas' updates, and every replica starts each step from the same weigh
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
+import queue
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -128,6 +132,57 @@ class _Counted:
         return item
 
 
+class _Communicator:
+    """One background thread per replica that pushes deltas and pulls fresh weights, so the
+    training threads never wait for the parameter server (async mode).
+
+    At most one delta waits behind the one in flight: a replica that outruns the PS slows down
+    rather than piling up memory. Taking a delta and installing pulled weights share a lock,
+    because both move the replica's snapshot; the training threads never take it.
+    """
+
+    def __init__(self, rep, push: Callable, pull: Callable):
+        self.rep, self.push, self.pull = rep, push, pull
+        self.lock = threading.Lock()
+        self.queue: queue.Queue = queue.Queue(maxsize=1)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=contextvars.copy_context().run, args=(self._run,),
+                                       name="adam-communicator", daemon=True)
+        self.thread.start()
+
+    def take_delta(self) -> np.ndarray:
+        with self.lock:
+            return self.rep.take_delta()
+
+    def submit(self, delta: np.ndarray) -> None:
+        if self.error is not None:
+            raise self.error
+        self.queue.put(delta)
+
+    def _run(self) -> None:
+        while True:
+            delta = self.queue.get()
+            if delta is None:
+                return
+            if self.error is not None:
+                continue
+            try:
+                self.push(delta)
+                weights = self.pull()
+                with self.lock:
+                    self.rep.set_weights(weights, keep_pending=True)
+            except BaseException as exc:  # raised in the training thread at the next submit
+                self.error = exc
+                self.rep.stop()
+
+    def close(self) -> None:
+        """Wait until every submitted delta is pushed; raise the first error."""
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
 def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
     """Train replica ``job.replica`` for epoch ``job.epoch``; returns its statistics.
 
@@ -151,7 +206,7 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
     rep.set_weights(server.pull())
     stream = data.stream(job.replica, job.replicas, job.epoch)
     stop = Event(job.stop_name)
-    state = {"pushes": 0, "last_report": 0.0, "step": 0, "push_seconds": 0.0, "stopped": False}
+    state = {"pushes": 0, "last_report": 0.0, "step": 0, "ps_seconds": 0.0, "stopped": False}
 
     def report(final: bool = False) -> None:
         now = time.perf_counter()
@@ -170,33 +225,47 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
                                  "lower the learning rate (--lr) or push_every")
         t = time.perf_counter()
         server.push(delta)
-        state["push_seconds"] += time.perf_counter() - t
+        state["ps_seconds"] += time.perf_counter() - t
         state["pushes"] += 1
+
+    def pull() -> np.ndarray:
+        t = time.perf_counter()
+        w = server.pull()
+        state["ps_seconds"] += time.perf_counter() - t
+        return w
 
     def on_images(r: HogwildReplica) -> None:
         if sync:
             push(r.take_delta() / job.replicas)
             barrier.wait(job.sync_timeout).result()
             state["step"] += 1
-            r.set_weights(server.pull())
+            r.set_weights(pull())
         else:
-            push(r.take_delta())
-            r.set_weights(server.pull(), keep_pending=True)
+            comm.submit(comm.take_delta())
         report()
         if stop.is_set():
             state["stopped"] = True
             r.stop()
 
+    comm = None if sync else _Communicator(rep, push, pull)
     batches = _Counted(stream, job.delay)
     if stop.is_set():  # the epoch's quorum was reached before this replica started
         rep.stop()
         batches = _Counted(())
     try:
         stats = rep.train(batches, on_images=on_images, every=job.push_every)
+        if comm is not None:
+            comm.close()
+            comm = None
         rest = rep.take_delta()
         if np.any(rest):
             push(rest / job.replicas if sync else rest)
     finally:
+        if comm is not None:  # training failed: stop the communicator, keep the first error
+            try:
+                comm.close()
+            except BaseException:
+                logger.debug("communicator error after a training error", exc_info=True)
         if sync and barrier is not None:
             barrier.leave().result()
         stream_stats = stream.stats() if hasattr(stream, "stats") else {}
@@ -206,7 +275,7 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
         "replica": job.replica, "epoch": job.epoch, "images": stats.images,
         "loss": stats.loss, "seconds": time.perf_counter() - t0,
         "train_seconds": stats.seconds, "pushes": state["pushes"],
-        "push_seconds": state["push_seconds"],
+        "ps_seconds": state["ps_seconds"],
         "stopped": bool(state["stopped"] or stats.stopped),
         "stall_fraction": float(stream_stats.get("stall_fraction", 0.0)),
         "wait_seconds": float(stream_stats.get("wait_seconds", 0.0)),

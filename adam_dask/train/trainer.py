@@ -306,15 +306,20 @@ class Trainer:
         flush_seconds = time.perf_counter() - flush_t
         acc = self.evaluate()
         stats_after = self._ps_stats()
-        pushes = stats_after.get("pushes", 0) - stats_before.get("pushes", 0)
+        # shard updates applied by the primaries during the epoch
+        pushes = stats_after.get("pushes_applied", 0) - stats_before.get("pushes_applied", 0)
+        replica_seconds = sum(r["seconds"] for r in results)
         return {
             "epoch": epoch, "loss": loss, "test_accuracy": acc, "images": images,
             "images_per_second": images / seconds if seconds else 0.0, "seconds": seconds,
             "quorum_seconds": quorum_seconds, "flush_seconds": flush_seconds,
             "stall_fraction": max((r["stall_fraction"] for r in results), default=0.0),
             "ps_updates_per_second": pushes / seconds if seconds else 0.0,
-            "replication_lag": stats_after.get("replication_lag"),
-            "writeback_lag": stats_after.get("writeback_lag"),
+            "ps_fraction": (sum(r["ps_seconds"] for r in results) / replica_seconds
+                              if replica_seconds else 0.0),
+            "replication_lag": stats_after.get("max_replication_lag"),
+            "writeback_lag": stats_after.get("writeback_lag_seconds"),
+            "writeback_lag_versions": stats_after.get("writeback_lag_versions"),
             "replicas_finished": sum(not r["stopped"] for r in results), "replicas": R,
             "replica_workers": sorted(r["worker"] for r in results),
             "lr": lr, "mode": self.mode,

@@ -171,8 +171,14 @@ def test_evaluate_accepts_uint8_images():
 
 
 def test_config_defaults_are_used():
+    import dask
+
     net = Network.from_spec()
-    assert net.spec == PAPER and net.activation == "tanh" and net.input_shape == (1, 28, 28)
+    assert net.spec == PAPER and net.input_shape == (1, 28, 28)
+    assert net.activation == dask.config.get("adam.model.activation")
+    with dask.config.set({"adam.model.activation": "tanh", "adam.model.spec": "conv3x3:2,fc10"}):
+        net = Network.from_spec(input_shape=(1, 8, 8))
+    assert net.activation == "tanh" and net.spec == "conv3x3:2,fc10"
 
 
 @pytest.mark.parametrize("spec, layer", [

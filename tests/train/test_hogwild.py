@@ -158,8 +158,13 @@ def test_bad_batches_raise_in_the_caller(data):
 
 def test_config_defaults_and_bad_settings():
     net = Network.from_spec(SPEC, SHAPE, seed=0)
-    rep = HogwildReplica(net)
-    assert rep.threads == 2 and rep.batch_size == 8 and rep.lr == 0.05
+    import dask
+
+    with dask.config.set({"adam.cluster.trainer-threads": 3, "adam.train.batch-size": 5,
+                          "adam.train.lr": 0.02}):
+        rep = HogwildReplica(net)
+    assert rep.threads == 3 and rep.batch_size == 5 and rep.lr == 0.02
+    assert HogwildReplica(net, threads=2).threads == 2  # an argument wins over the config
     with pytest.raises(ConfigError):
         HogwildReplica(net, threads=0)
     with pytest.raises(ConfigError):
