@@ -70,7 +70,7 @@ import numpy as np
 from .. import config
 from ..cluster import DATA, workers_with_role
 from ..errors import AdamError, ClusterError, ConfigError, DatasetError
-from .augment import Augment, augment_batch, to_float_batch
+from .augment import Augment, augment_batch
 from .datasets import Split, open_split
 
 logger = logging.getLogger(__name__)
@@ -454,10 +454,12 @@ class PartitionServer:
     def _make(self, epoch: int, k: int, idx: np.ndarray) -> dict:
         images = self.cache.get(idx)
         H, W, C = self.shape
-        x = np.empty((len(idx), C, H, W), np.float32)
         if self.augment is None:
-            to_float_batch(x, images)
+            # ship the stored bytes, (B, C, H, W) uint8: a quarter of float32's traffic; the
+            # consumer scales them (BatchStream, as_float)
+            x = np.ascontiguousarray(np.moveaxis(images.reshape(len(idx), H, W, C), 3, 1))
         else:
+            x = np.empty((len(idx), C, H, W), np.float32)
             a = self.augment
             augment_batch(x, images, idx, self.seed & 0xFFFFFFFFFFFFFFFF, int(epoch),
                           float(a.rotation), float(a.translation), float(a.scale), float(a.shear),
@@ -559,6 +561,14 @@ class DataServer:
 
 
 # -- sources: where a stream gets one partition's batches --------------------------------------------
+
+def as_float(x: np.ndarray) -> np.ndarray:
+    """A batch as the model takes it: uint8 (B, C, H, W) becomes float32 in [0, 1], exactly as
+    :func:`~adam_dask.data.augment.to_float_batch` computes it; float32 passes through."""
+    if x.dtype == np.uint8:
+        return (x / 255.0).astype(np.float32)
+    return x
+
 
 def _result(req, timeout: float | None):
     """``req.result(timeout)``, without the event-loop round trip when it is already done.
@@ -1094,9 +1104,10 @@ class BatchStream:
             self.images_delivered += len(item["y"])
             self._fill()
             self._t_last = time.perf_counter()
+            x = as_float(item["x"])
             if self.return_index:
-                return item["x"], item["y"], item["idx"]
-            return item["x"], item["y"]
+                return x, item["y"], item["idx"]
+            return x, item["y"]
         self._finish()
         raise StopIteration
 

@@ -250,7 +250,7 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
     comm = None if sync else _Communicator(rep, push, pull)
     batches = _Counted(stream, job.delay)
     if stop.is_set():  # the epoch's quorum was reached before this replica started
-        rep.stop()
+        state["stopped"] = True
         batches = _Counted(())
     try:
         stats = rep.train(batches, on_images=on_images, every=job.push_every)

@@ -43,6 +43,8 @@ def test_async_training_learns(store, adam_cluster, tmp_path):
     assert h.last["test_accuracy"] >= 0.9, h.records
     assert h.records[-1]["loss"] < h.records[0]["loss"]
     assert all(r["replicas"] == 2 for r in h)
+    # the two replicas ran side by side, one per TRAIN worker, not queued on one
+    assert all(len(set(r["replica_workers"])) == 2 for r in h), h.column("replica_workers")
     lines = (tmp_path / "m.jsonl").read_text().splitlines()
     assert [json.loads(l)["epoch"] for l in lines] == [0, 1, 2]
     # every image of an epoch was trained on once (the quorum is all of two replicas at 0.75)
