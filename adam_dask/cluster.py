@@ -139,7 +139,9 @@ def connect(address: str | None = None, *, gateway: str | None = None, **kwargs)
     """A client for an existing cluster: a scheduler ``address``, or a dask-gateway URL.
 
     With ``gateway``, a new cluster is created on the gateway (``kwargs`` go to
-    ``Gateway.new_cluster``; ``workers=N`` scales it) and the client closes it on exit.
+    ``Gateway.new_cluster``; ``workers=N`` scales it, by default to the configured PS + DATA +
+    TRAIN counts), the call waits for the workers, and closing the client shuts the cluster down.
+    Authentication comes from dask-gateway's own configuration (``gateway.auth.*``).
     Roles are given to workers that have none with :func:`assign_roles`.
     """
     if (address is None) == (gateway is None):
@@ -157,12 +159,26 @@ def connect(address: str | None = None, *, gateway: str | None = None, **kwargs)
         raise ConfigError("connecting to a gateway needs the dask-gateway package",
                           "pip install 'adam_dask[gateway]'") from exc
     n = kwargs.pop("workers", None)
+    if n is None:
+        n = sum(int(config.get(f"cluster.{k}")) for k in ("ps-nodes", "data-nodes", "trainers"))
     gw = Gateway(gateway, **{k: kwargs.pop(k) for k in ("auth", "proxy_address") if k in kwargs})
     cluster = gw.new_cluster(**kwargs)
-    if n:
+    try:
         cluster.scale(int(n))
-    client = cluster.get_client()
-    client._adam_gateway_cluster = cluster
+        client = cluster.get_client()
+        client.wait_for_workers(int(n), timeout=config.get("cluster.start-timeout"))
+    except BaseException:
+        cluster.shutdown()
+        raise
+    _close = client.close
+
+    def close(*args, **kw):  # the job's cluster ends with its client
+        try:
+            return _close(*args, **kw)
+        finally:
+            cluster.shutdown()
+
+    client.close = close
     return client
 
 

@@ -39,9 +39,10 @@ def register(sub, add_storage, add_cluster) -> None:
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     p.add_argument("--metrics-out", metavar="FILE", default=None, help="per-epoch JSONL history")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ps-nodes", type=int, default=None, help="embedded cluster: PS workers")
-    p.add_argument("--data-nodes", type=int, default=None, help="embedded cluster: DATA workers")
-    p.add_argument("--trainers", type=int, default=None, help="embedded cluster: TRAIN workers")
+    p.add_argument("--ps-nodes", type=int, default=None,
+                   help="PS workers of the embedded or gateway cluster (or to assign roles to)")
+    p.add_argument("--data-nodes", type=int, default=None, help="DATA workers, likewise")
+    p.add_argument("--trainers", type=int, default=None, help="TRAIN workers, likewise")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_storage(p)
     add_cluster(p)
@@ -59,7 +60,13 @@ def _client(args):
     from ..cluster import PS, assign_roles, connect, local, workers_with_role
 
     if args.scheduler or args.gateway:
-        client = connect(args.scheduler) if args.scheduler else connect(gateway=args.gateway)
+        if args.scheduler:
+            client = connect(args.scheduler)
+        else:
+            n = sum(int(config.get(f"cluster.{key}", value)) for key, value in
+                    (("ps-nodes", args.ps_nodes), ("data-nodes", args.data_nodes),
+                     ("trainers", args.trainers)))
+            client = connect(gateway=args.gateway, workers=n)
         if not workers_with_role(client, PS):
             assign_roles(client, ps_nodes=int(config.get("cluster.ps-nodes", args.ps_nodes)),
                          data_nodes=int(config.get("cluster.data-nodes", args.data_nodes)))

@@ -272,17 +272,15 @@ class Trainer:
         self._bar = Progress(total_images, desc=f"epoch {epoch + 1}", enabled=self.progress)
         stats_before = self._ps_stats()
         t0 = time.perf_counter()
-        # Spread the replicas over the TRAIN workers explicitly: a seceded replica drops its
-        # worker's occupancy to zero, so left alone the scheduler may queue a second replica on
-        # the same worker behind the held TRAIN resource. Loose restrictions let a replica whose
-        # worker died run on another one.
-        trainers = workers_with_role(self.client, TRAIN)
-        futures = [self.client.submit(run_replica, job, self.server, self.dataservice, barrier,
-                                      key=f"adam-{self.run_id}-e{epoch}-r{job.replica}",
-                                      resources={TRAIN: 1}, pure=False,
-                                      workers=[trainers[job.replica % len(trainers)]],
-                                      allow_other_workers=True)
-                   for job in jobs]
+        # One graph for all replicas: the scheduler places them in one pass, each placement
+        # raising its worker's occupancy, so they spread over the TRAIN workers. (Submitted one
+        # by one, a replica that already seceded leaves its worker looking idle, and the next
+        # could queue there behind the held TRAIN resource; pinning instead breaks the rerun of
+        # a replica whose worker died.)
+        futures = self.client.map(run_replica, jobs, server=self.server, data=self.dataservice,
+                                  barrier=barrier, resources={TRAIN: 1}, pure=False,
+                                  key=[f"adam-{self.run_id}-e{epoch}-r{job.replica}"
+                                       for job in jobs])
         needed = max(1, math.ceil(self.epoch_quorum * R - 1e-9))
         results = []
         quorum_seconds = None
