@@ -140,6 +140,20 @@ class ServerRecord:
     target: int = 3  # copies per shard to keep: min(replicas, PS workers at creation)
 
 
+def _controller_security(scheduler):
+    """Security for the controller's client inside the scheduler. A TLS scheduler (dask-gateway,
+    Kubernetes) is configured with scheduler credentials only; the controller presents those
+    same credentials as a client."""
+    from distributed.security import Security
+
+    sec = scheduler.security
+    if not scheduler.address.startswith("tls://") or sec.tls_client_cert:
+        return sec
+    return Security(tls_ca_file=sec.tls_ca_file, tls_client_cert=sec.tls_scheduler_cert,
+                    tls_client_key=sec.tls_scheduler_key,
+                    require_encryption=sec.require_encryption)
+
+
 class ReplicaPlacement(SchedulerPlugin):
     """The PS controller (see the module doc). One instance serves every parameter server."""
 
@@ -253,7 +267,7 @@ class ReplicaPlacement(SchedulerPlugin):
 
                 self._client = await Client(self.scheduler.address, asynchronous=True,
                                             set_as_default=False, direct_to_workers=True,
-                                            security=self.scheduler.security,
+                                            security=_controller_security(self.scheduler),
                                             name="adam-ps-controller")
             return self._client
 
