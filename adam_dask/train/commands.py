@@ -34,6 +34,9 @@ def register(sub, add_storage, add_cluster) -> None:
                    help=f"fraction of replicas that ends an epoch (default {config.get('train.epoch-quorum')})")
     p.add_argument("--augment", action="store_true", default=None,
                    help="augment on the data servers (affine + elastic distortions)")
+    p.add_argument("--offload-dense", action="store_true", default=None,
+                   help="send dense layers' activations and error terms; the PS computes their "
+                        "updates (where that saves bytes)")
     p.add_argument("--checkpoint", metavar="URL", default=None,
                    help="checkpoint URL (write-back target); with --resume, the one to continue")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
@@ -96,7 +99,8 @@ def cmd_train(args) -> dict:
     try:
         kw = dict(replicas=args.replicas, mode=args.mode, push_every=args.push_every, lr=args.lr,
                   threads=args.threads, epoch_quorum=args.epoch_quorum, augment=args.augment,
-                  metrics_out=args.metrics_out, progress=not args.no_progress, seed=args.seed)
+                  metrics_out=args.metrics_out, progress=not args.no_progress, seed=args.seed,
+                  offload_dense=args.offload_dense)
         if args.resume:
             trainer = Trainer.resume(args.checkpoint, data=args.data, client=client,
                                      storage_options=args.storage_options, **kw)

@@ -91,6 +91,19 @@ class _Gather:
         self.idx = idx
 
 
+def profitable_offload(net: Network, push_every: int) -> list[str]:
+    """The dense layers worth offloading: those whose ``k * (in + out)`` floats of activations
+    and error terms per push are fewer than the ``in * out`` of their weight delta (the paper's
+    rule for sending terms instead of updates)."""
+    out = []
+    for name, view in net.parameters.items():
+        if name.endswith(".weight") and view.ndim == 2:
+            o, i = view.shape
+            if push_every * (i + o) < i * o:
+                out.append(name.rsplit(".", 1)[0])
+    return out
+
+
 class HogwildReplica:
     """T threads training ``net`` in place, lock-free, with a delta ready for a parameter server.
 
@@ -114,7 +127,7 @@ class HogwildReplica:
 
     def __init__(self, net: Network, threads: int | None = None, lr: float | None = None,
                  momentum: float | None = None, batch_size: int | None = None,
-                 lr_decay: float | None = None):
+                 lr_decay: float | None = None, offload: Iterable[str] | None = None):
         self.net = net
         self.threads = int(config.get("cluster.trainer-threads", threads))
         self.base_lr = float(config.get("train.lr", lr))
@@ -141,6 +154,17 @@ class HogwildReplica:
         n = net.layout.size if self.momentum > 0 else 1
         self._velocity = [np.zeros(n, np.float32) for _ in range(self.threads)]
         self._snapshot = net.flat.copy()
+        # dense layers whose updates also leave as (activations, -lr * errors) terms
+        self.offload = sorted(set(offload or ()))
+        for prefix in self.offload:
+            if f"{prefix}.weight" not in net.parameters or len(net.parameters[f"{prefix}.weight"].shape) != 2:
+                raise ConfigError(f"layer {prefix} is not a dense layer; only dense layers offload",
+                                  "name dense layers, e.g. offload=['4', '5']")
+        if self.offload and self.momentum > 0:
+            raise ConfigError("offloading dense layers needs momentum 0 (the server applies "
+                              "plain outer-product updates)", "set momentum=0 or offload=None")
+        self._terms: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {p: [] for p in self.offload}
+        self._terms_lock = threading.Lock()
         self._stop = threading.Event()
         self._count_lock = threading.Lock()
         self._since = 0
@@ -173,6 +197,38 @@ class HogwildReplica:
         delta = now - self._snapshot
         self._snapshot = now
         return delta
+
+    def _record_terms(self, terms: dict) -> None:
+        scale = np.float32(-self.lr)
+        with self._terms_lock:
+            for prefix in self.offload:
+                a, e = terms[prefix]
+                e *= scale
+                self._terms[prefix].append((a, e))
+
+    def take_offload(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The dense-layer terms recorded since the last call, and reset them: prefix ->
+        (activations (N, in), errors (N, out)) with ``errors.T @ activations`` equal to the
+        updates applied to ``<prefix>.weight`` (the bias updates stay in the delta)."""
+        with self._terms_lock:
+            taken = self._terms
+            self._terms = {p: [] for p in self.offload}
+        out = {}
+        for prefix, items in taken.items():
+            if items:
+                out[prefix] = (np.concatenate([a for a, _ in items]),
+                               np.concatenate([e for _, e in items]))
+        return out
+
+    def take_update(self) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
+        """:meth:`take_delta` and :meth:`take_offload` together, the offloaded weights zeroed in
+        the delta (they travel as terms). Without offloaded layers the terms are empty."""
+        terms = self.take_offload()
+        delta = self.take_delta()
+        for prefix in self.offload:
+            e = self.net.layout[f"{prefix}.weight"]
+            delta[e.offset:e.offset + e.size] = 0.0
+        return delta, terms
 
     def peek_delta(self) -> np.ndarray:
         """The accumulated delta, without resetting it."""
@@ -337,8 +393,11 @@ class HogwildReplica:
             for s, m in chunks:
                 xs = x[s:s + m] if s else x
                 ys = y[s:s + m] if s else y
-                loss = net.backward_into(ctx, xs, ys, m)
+                terms = {} if self.offload else None
+                loss = net.backward_into(ctx, xs, ys, m, dense_terms=terms)
                 K.sgd_update(flat, ctx.grad, vel, self.lr, self.momentum)
+                if terms:
+                    self._record_terms(terms)
                 images += m
                 loss_sum += loss * m
                 if every:

@@ -54,6 +54,7 @@ class ReplicaJob:
     delay: float = 0.0          # seconds of sleep per batch: a deliberately slow replica (experiments)
     report_interval: float = 0.5
     sync_timeout: float = 60.0  # seconds a sync step waits for the other replicas
+    offload_dense: bool | tuple = False  # True: the profitable dense layers; or layer prefixes
     extra: dict = field(default_factory=dict)
 
     @property
@@ -150,24 +151,24 @@ class _Communicator:
                                        name="adam-communicator", daemon=True)
         self.thread.start()
 
-    def take_delta(self) -> np.ndarray:
+    def take_update(self) -> tuple[np.ndarray, dict]:
         with self.lock:
-            return self.rep.take_delta()
+            return self.rep.take_update()
 
-    def submit(self, delta: np.ndarray) -> None:
+    def submit(self, update: tuple[np.ndarray, dict]) -> None:
         if self.error is not None:
             raise self.error
-        self.queue.put(delta)
+        self.queue.put(update)
 
     def _run(self) -> None:
         while True:
-            delta = self.queue.get()
-            if delta is None:
+            update = self.queue.get()
+            if update is None:
                 return
             if self.error is not None:
                 continue
             try:
-                self.push(delta)
+                self.push(update)
                 weights = self.pull()
                 with self.lock:
                     self.rep.set_weights(weights, keep_pending=True)
@@ -194,15 +195,18 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
     from distributed import Event, get_worker, secede
 
     from ..model.network import Network
-    from .replica import HogwildReplica
+    from .replica import HogwildReplica, profitable_offload
 
     secede()
     worker = get_worker()
     t0 = time.perf_counter()
     net = Network.from_dict(job.model)
     sync = job.mode == "sync"
+    offload = (profitable_offload(net, job.push_every) if job.offload_dense is True
+               else list(job.offload_dense or ()))
     rep = HogwildReplica(net, threads=1 if sync else job.threads, lr=job.lr,
-                         momentum=job.momentum, batch_size=job.batch_size)
+                         momentum=job.momentum, batch_size=job.batch_size, offload=offload)
+    offsets = {p: net.layout[f"{p}.weight"].offset for p in offload}
     rep.set_weights(server.pull())
     stream = data.stream(job.replica, job.replicas, job.epoch)
     stop = Event(job.stop_name)
@@ -218,13 +222,16 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
             "images": batches.images, "pushes": state["pushes"], "final": final,
             "seconds": now - t0})
 
-    def push(delta: np.ndarray) -> None:
+    def push(update: tuple[np.ndarray, dict], scale: float = 1.0) -> None:
+        delta, terms = update
         if not np.all(np.isfinite(delta)):
             raise UpdateRejected(f"replica {job.replica} produced a non-finite update in epoch "
                                  f"{job.epoch} (the model diverged)",
                                  "lower the learning rate (--lr) or push_every")
         t = time.perf_counter()
-        server.push(delta)
+        server.push(delta * scale if scale != 1.0 else delta)
+        for prefix, (acts, errs) in terms.items():  # the PS computes these layers' updates
+            server.push_outer(offsets[prefix], errs, acts, scale=scale)
         state["ps_seconds"] += time.perf_counter() - t
         state["pushes"] += 1
 
@@ -236,12 +243,12 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
 
     def on_images(r: HogwildReplica) -> None:
         if sync:
-            push(r.take_delta() / job.replicas)
+            push(r.take_update(), 1.0 / job.replicas)
             barrier.wait(job.sync_timeout).result()
             state["step"] += 1
             r.set_weights(pull())
         else:
-            comm.submit(comm.take_delta())
+            comm.submit(comm.take_update())
         report()
         if stop.is_set():
             state["stopped"] = True
@@ -257,9 +264,9 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
         if comm is not None:
             comm.close()
             comm = None
-        rest = rep.take_delta()
-        if np.any(rest):
-            push(rest / job.replicas if sync else rest)
+        rest = rep.take_update()
+        if np.any(rest[0]) or rest[1]:
+            push(rest, 1.0 / job.replicas if sync else 1.0)
     finally:
         if comm is not None:  # training failed: stop the communicator, keep the first error
             try:

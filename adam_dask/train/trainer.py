@@ -63,6 +63,10 @@ class Trainer:
         A JSONL file that receives one record per epoch.
     progress : bool
         Show a tqdm progress bar (a widget in notebooks).
+    offload_dense : bool, optional
+        The paper's dense-layer offload: for the dense layers where it saves bytes
+        (``k * (in + out) < in * out``), replicas send activations and error terms and the
+        parameter server computes the weight update (config ``adam.train.offload-dense``).
     slow_replicas : dict, optional
         ``{replica: seconds per batch}``: deliberately slowed replicas, for straggler
         experiments (``benchmarks/time_to_accuracy.py --straggler``).
@@ -76,6 +80,7 @@ class Trainer:
                  storage_options: dict | None = None, metrics_out: str | None = None,
                  progress: bool = True, seed: int | None = None,
                  slow_replicas: dict[int, float] | None = None, shard_bytes: int | None = None,
+                 offload_dense: bool | None = None,
                  _server=None, _history: History | None = None, _first_epoch: int = 0):
         from ..data.datasets import open_split
         from ..model.network import Network
@@ -104,6 +109,10 @@ class Trainer:
         self.progress = progress
         self.slow_replicas = dict(slow_replicas or {})
         self.shard_bytes = shard_bytes
+        self.offload_dense = bool(config.get("train.offload-dense", offload_dense))
+        if self.offload_dense and self.momentum > 0:
+            raise ConfigError("offload_dense needs momentum 0 (the PS applies plain outer-product "
+                              "updates)", "set momentum=0 or offload_dense=False")
         self.augment = self._augment(augment)
         self._replicas = None
         if replicas is not None:
@@ -257,7 +266,8 @@ class Trainer:
                            lr=lr, momentum=self.momentum, batch_size=self.batch_size,
                            threads=self.threads, seed=self.seed,
                            delay=float(self.slow_replicas.get(i, 0.0)),
-                           sync_timeout=float(config.get("train.sync-timeout")))
+                           sync_timeout=float(config.get("train.sync-timeout")),
+                           offload_dense=self.offload_dense)
                 for i in range(R)]
         stop = Event(jobs[0].stop_name, client=self.client)
         stop.clear()

@@ -171,3 +171,40 @@ def test_config_defaults_and_bad_settings():
         HogwildReplica(net, momentum=1.5)
     with pytest.raises(ConfigError):
         HogwildReplica(net, batch_size=0)
+
+
+# -- dense-layer offload (the paper's "send activations and error terms") -----------------------
+
+def test_offload_terms_reproduce_the_dense_update():
+    from adam_dask.train.replica import profitable_offload
+
+    net = Network.from_spec("conv3x3:4,maxpool2,fc32,fc4", (1, 10, 10), seed=1)
+    rng = np.random.default_rng(0)
+    x = rng.random((96, 1, 10, 10), dtype=np.float32)
+    y = rng.integers(0, 4, 96)
+    rep = HogwildReplica(net, threads=1, lr=0.1, momentum=0.0, batch_size=8, offload=["2"])
+    before = net.flat.copy()
+    rep.train([(x[i:i + 16], y[i:i + 16]) for i in range(0, 96, 16)])
+    applied = net.flat - before
+    delta, terms = rep.take_update()
+    w = net.layout["2.weight"]
+    acts, errs = terms["2"]
+    assert acts.shape == (96, 64) and errs.shape == (96, 32)
+    np.testing.assert_allclose((errs.T @ acts).ravel(), applied[w.offset:w.offset + w.size],
+                               atol=1e-5)
+    assert not delta[w.offset:w.offset + w.size].any()          # travels as terms instead
+    rest = np.ones(delta.size, bool)
+    rest[w.offset:w.offset + w.size] = False
+    np.testing.assert_allclose(delta[rest], applied[rest], atol=1e-6)  # conv, biases, fc4
+    assert rep.take_update()[1] == {}                           # taken once
+    # the rule: k * (in + out) < in * out
+    assert profitable_offload(net, 16) == ["2"]          # 16 * 96 < 2048; fc4: 16 * 36 > 128
+    assert profitable_offload(net, 64) == []
+
+
+def test_offload_refuses_momentum_and_non_dense_layers():
+    net = Network.from_spec(SPEC, SHAPE, seed=0)
+    with pytest.raises(ConfigError, match="momentum"):
+        HogwildReplica(net, momentum=0.9, offload=["2"])
+    with pytest.raises(ConfigError, match="not a dense layer"):
+        HogwildReplica(net, momentum=0.0, offload=["0"])

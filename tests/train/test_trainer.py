@@ -140,3 +140,19 @@ def test_cli_bad_input(store, capsys, argv, words):
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
     for w in words:
         assert w in lines[0], lines[0]
+
+
+def test_offload_dense_learns(store, adam_cluster):
+    """Dense layers send activations and error terms; the PS computes their updates."""
+    from adam_dask.model import Network
+    from adam_dask.train.replica import profitable_offload
+
+    spec = "conv5x5:6,maxpool2,fc256,fc10"
+    assert profitable_offload(Network.from_spec(spec, (1, 28, 28)), 64) == ["2"]
+    t = Trainer(store, model=spec, client=adam_cluster, lr=0.05, push_every=64, batch_size=8,
+                progress=False, offload_dense=True)
+    try:
+        t.fit(epochs=2)
+    finally:
+        t.close()
+    assert t.history.last["test_accuracy"] >= 0.9, t.history.records
