@@ -58,6 +58,16 @@ def write_mnist_like(folder: Path, n_train: int = 300, n_test: int = 100, *, gz:
     return folder
 
 
+def synthetic_store(folder: Path, n_train: int, n_test: int, seed: int = 0) -> str:
+    """Ingest a synthetic MNIST-like dataset into ``folder/digits.zarr``; returns its path."""
+    from adam_dask.data.ingest import ingest
+
+    folder = Path(folder)
+    src = write_mnist_like(folder / "src", n_train=n_train, n_test=n_test, seed=seed)
+    ingest(str(src), str(folder / "digits.zarr"))
+    return str(folder / "digits.zarr")
+
+
 @pytest.fixture
 def mnist_like(tmp_path) -> Path:
     return write_mnist_like(tmp_path / "src")

@@ -13,8 +13,7 @@ import urllib.request
 
 import pytest
 
-from adam_dask.data.ingest import ingest
-from tests.conftest import write_mnist_like
+from tests.conftest import synthetic_store
 
 pytest.importorskip("dask_gateway_server", reason="the gateway test needs the [test] extra")
 
@@ -70,11 +69,10 @@ def gateway(tmp_path_factory):
 
 def test_train_on_a_gateway_cluster(gateway, tmp_path):
     url, env = gateway
-    src = write_mnist_like(tmp_path / "src", n_train=512, n_test=128)
-    ingest(str(src), str(tmp_path / "d.zarr"))
+    store = synthetic_store(tmp_path, n_train=512, n_test=128)
     proc = subprocess.run(
         [sys.executable, "-m", "adam_dask.cli", "train", "--gateway", url,
-         "--data", str(tmp_path / "d.zarr"), "--epochs", "2", "--model", "conv5x5:6,maxpool2,fc32,fc10",
+         "--data", store, "--epochs", "2", "--model", "conv5x5:6,maxpool2,fc32,fc10",
          "--ps-nodes", "3", "--data-nodes", "0", "--trainers", "1", "--no-progress",
          "--checkpoint", str(tmp_path / "ck")],
         env=env, capture_output=True, text=True, timeout=280)

@@ -1,13 +1,11 @@
 """The notebooks run top to bottom in a real Jupyter kernel (on a small synthetic store)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-from adam_dask.data.ingest import ingest
-from tests.conftest import write_mnist_like
+from tests.conftest import synthetic_store
 
 nbformat = pytest.importorskip("nbformat", reason="the notebook test needs the [test] extra")
 nbclient = pytest.importorskip("nbclient", reason="the notebook test needs the [test] extra")
@@ -16,10 +14,8 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
 def test_train_mnist_notebook(tmp_path, monkeypatch):
-    src = write_mnist_like(tmp_path / "src", n_train=512, n_test=128)
-    store = tmp_path / "digits.zarr"
-    ingest(str(src), str(store))
-    monkeypatch.setenv("ADAM_NOTEBOOK_DATA", str(store))
+    store = synthetic_store(tmp_path, n_train=512, n_test=128)
+    monkeypatch.setenv("ADAM_NOTEBOOK_DATA", store)
     monkeypatch.setenv("ADAM_NOTEBOOK_SPEC", "conv5x5:6,maxpool2,fc32,fc10")
     monkeypatch.setenv("ADAM_NOTEBOOK_EPOCHS", "2")
     nb = nbformat.read(NOTEBOOKS / "train_mnist.ipynb", as_version=4)

@@ -8,19 +8,15 @@ import pytest
 
 import adam_dask
 from adam_dask.cluster import PS, TRAIN, workers_with_role
-from adam_dask.data.ingest import ingest
 from adam_dask.train.trainer import Trainer
-from tests.conftest import kill_workers, write_mnist_like
+from tests.conftest import kill_workers, synthetic_store
 
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fail-data")
-    src = write_mnist_like(d / "src", n_train=1024, n_test=256)
-    ingest(str(src), str(d / "digits.zarr"))
-    return str(d / "digits.zarr")
+    return synthetic_store(tmp_path_factory.mktemp("fail-data"), n_train=1024, n_test=256)
 
 
 @pytest.fixture

@@ -7,19 +7,15 @@ import numpy as np
 import pytest
 
 from adam_dask.cli import run
-from adam_dask.data.ingest import ingest
 from adam_dask.train.trainer import Trainer
-from tests.conftest import write_mnist_like
+from tests.conftest import synthetic_store
 
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"  # small and quick, same kinds of layers as the paper's
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    d = tmp_path_factory.mktemp("train-data")
-    src = write_mnist_like(d / "src", n_train=768, n_test=256)
-    ingest(str(src), str(d / "digits.zarr"))
-    return str(d / "digits.zarr")
+    return synthetic_store(tmp_path_factory.mktemp("train-data"), n_train=768, n_test=256)
 
 
 def fit(store, client, **kw):
