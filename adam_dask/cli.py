@@ -95,11 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_train_commands(sub) -> None:
-    """``train`` and ``evaluate`` live beside the Trainer; registered only when it is importable."""
-    try:
-        from .train import commands
-    except ImportError:  # pragma: no cover - during development of the training package
-        return
+    """``train`` and ``evaluate`` live beside the Trainer (train/commands.py)."""
+    from .train import commands
+
     commands.register(sub, _add_storage, _add_cluster)
 
 

@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -55,7 +55,6 @@ class ReplicaJob:
     report_interval: float = 0.5
     sync_timeout: float = 60.0  # seconds a sync step waits for the other replicas
     offload_dense: bool | tuple = False  # True: the profitable dense layers; or layer prefixes
-    extra: dict = field(default_factory=dict)
 
     @property
     def stop_name(self) -> str:
@@ -210,7 +209,7 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
     rep.set_weights(server.pull())
     stream = data.stream(job.replica, job.replicas, job.epoch)
     stop = Event(job.stop_name)
-    state = {"pushes": 0, "last_report": 0.0, "step": 0, "ps_seconds": 0.0, "stopped": False}
+    state = {"pushes": 0, "last_report": 0.0, "ps_seconds": 0.0, "stopped": False}
 
     def report(final: bool = False) -> None:
         now = time.perf_counter()
@@ -245,7 +244,6 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
         if sync:
             push(r.take_update(), 1.0 / job.replicas)
             barrier.wait(job.sync_timeout).result()
-            state["step"] += 1
             r.set_weights(pull())
         else:
             comm.submit(comm.take_update())

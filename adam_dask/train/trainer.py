@@ -149,7 +149,6 @@ class Trainer:
         self.run_id = uuid.uuid4().hex[:8]
         self.server = _server
         self.dataservice = None
-        self._barrier = None
         self._progress_state: dict[int, int] = {}
         self._lock = threading.Lock()
         self._bar: Progress | None = None
@@ -248,6 +247,11 @@ class Trainer:
             logger.info("epoch %d: loss %.4f, test accuracy %.4f, %.0f images/s",
                         record["epoch"], record["loss"], record["test_accuracy"],
                         record["images_per_second"])
+            if record["test_accuracy"] <= 1.5 / self.num_classes:
+                logger.warning("epoch %d: test accuracy %.3f is at chance level: the model has "
+                               "stopped learning (diverged?); lower the learning rate (lr=%g) "
+                               "or push_every, or use fewer replicas", record["epoch"],
+                               record["test_accuracy"], self.lr)
             self.epoch += 1
             if target_accuracy is not None and record["test_accuracy"] >= target_accuracy:
                 self.seconds_to_target = time.perf_counter() - t_start
@@ -439,6 +443,11 @@ class Trainer:
                 except Exception:
                     logger.debug("close failed", exc_info=True)
         self.dataservice = self.server = None
+        if self.client is not None:
+            try:
+                self.client.unsubscribe_topic(PROGRESS_TOPIC)
+            except Exception:
+                logger.debug("unsubscribe failed", exc_info=True)
         if self._own_client and self.client is not None:
             self.client.close()
             self.client = None

@@ -152,3 +152,31 @@ def test_offload_dense_learns(store, adam_cluster):
     finally:
         t.close()
     assert t.history.last["test_accuracy"] >= 0.9, t.history.records
+
+
+def test_ctrl_c_stops_cleanly_and_keeps_the_checkpoint(store, tmp_path):
+    """SIGINT during training: exit status 130, one error line, no traceback, and the last
+    complete checkpoint (written at the end of an epoch) still evaluates."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ckpt = tmp_path / "ck"
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "adam_dask.cli", "train", "--data", store, "--epochs", "50",
+         "--model", SPEC, "--checkpoint", str(ckpt), "--metrics-out", str(metrics),
+         "--ps-nodes", "3", "--data-nodes", "0", "--trainers", "1", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert lines[-1].startswith("error: interrupted") and "Traceback" not in err, err[-2000:]
+    status = run(["evaluate", str(ckpt), "--data", store])
+    assert status == 0
