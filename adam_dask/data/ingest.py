@@ -238,7 +238,6 @@ class Target:
     url: str
     split: str
     storage_options: dict | None
-    compression_level: int
 
     def arrays(self):
         g = zarr.open_group(store=zarr_store(self.url, self.storage_options, read_only=False),
@@ -467,7 +466,7 @@ def _ingest_idx(client, root, dest, s: SplitSource, chunk, shard, block, level, 
     sha = hashlib.sha256(np.ascontiguousarray(images).data).hexdigest()
     attrs = {"classes": classes, "source": s.images, "labels_source": s.labels, "sha256": sha}
     g = _create_split(root, s.name, len(images), images.shape[1:], chunk, shard, level, attrs)
-    target = Target(dest, s.name, dest_storage_options, level)
+    target = Target(dest, s.name, dest_storage_options)
     futures = []
     for start in range(0, len(images), block):
         stop = min(start + block, len(images))
@@ -506,7 +505,7 @@ def _ingest_folder(client, root, dest, s: SplitSource, chunk, shard, block, leve
     attrs = {"classes": s.classes, "source": s.files[0].rsplit("/", 2)[0], "image_mode": mode,
              "skipped": [u for u, _ in bad]}
     g = _create_split(root, s.name, len(urls), shape, chunk, shard, level, attrs)
-    target = Target(dest, s.name, dest_storage_options, level)
+    target = Target(dest, s.name, dest_storage_options)
     futures = [client.submit(_write_folder_block, target, i, urls[i:i + block], labels[i:i + block],
                              size, mode, pure=False) for i in range(0, len(urls), block)]
     _run_blocks(client, futures, f"ingest {s.name}", progress)
