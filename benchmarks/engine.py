@@ -9,7 +9,8 @@ Prints one JSON line. Throughput: the paper's MNIST network
 forward + backward + update, by a HogwildReplica with T threads (``images_per_s``) and with one
 thread (``images_per_s_1thread``), against the same network in PyTorch (``torch.set_num_threads(T)``,
 SGD, batch 32: ``torch_images_per_s``). MNIST comes from $ADAM_DASK_MNIST (a folder with the four
-``*-ubyte.gz`` files), default /work/shared/datasets/mnist.
+``*-ubyte.gz`` files), else a shared/datasets/mnist folder beside the checkout, else the public
+mirror.
 
 The accuracy run (--epochs) trains the same layers with relu (--activation; tanh reaches about
 99.0% with the same schedule, relu 99.1-99.2%), plain SGD, lr 0.05 decayed 0.4x per epoch, no
@@ -19,13 +20,10 @@ augmentation, and evaluates on the 10000 test images after each epoch. PyTorch i
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
-import struct
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -35,32 +33,14 @@ from adam_dask.train.replica import HogwildReplica
 SPEC = "conv5x5:10,maxpool2,conv5x5:20,maxpool2,fc400,fc400,fc10"
 
 
-def read_idx(path: Path) -> np.ndarray:
-    """A tiny IDX reader (gzip or raw)."""
-    try:
-        from adam_dask.data.ingest import read_idx as _read
-        return np.asarray(_read(str(path)))
-    except ImportError:
-        pass
-    raw = path.read_bytes()
-    if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
-    _, dtype, ndim = struct.unpack(">HBB", raw[:4])
-    shape = struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim])
-    return np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim).reshape(shape)
-
-
 def load_mnist():
-    root = Path(os.environ.get("ADAM_DASK_MNIST", "/work/shared/datasets/mnist"))
+    """The four MNIST files ($ADAM_DASK_MNIST, shared/datasets/mnist, or the public mirror)."""
+    from adam_dask.data.ingest import MNIST_FILES, mnist_location, read_idx
 
-    def one(stem):
-        for name in (f"{stem}.gz", stem):
-            if (root / name).exists():
-                return read_idx(root / name)
-        sys.exit(f"error: {stem}[.gz] not found in {root}; set ADAM_DASK_MNIST to the MNIST folder")
-
-    return (one("train-images-idx3-ubyte"), one("train-labels-idx1-ubyte").astype(np.int64),
-            one("t10k-images-idx3-ubyte"), one("t10k-labels-idx1-ubyte").astype(np.int64))
+    root = mnist_location()
+    (tri, trl), (tei, tel) = MNIST_FILES["train"], MNIST_FILES["test"]
+    return (read_idx(f"{root}/{tri}"), read_idx(f"{root}/{trl}").astype(np.int64),
+            read_idx(f"{root}/{tei}"), read_idx(f"{root}/{tel}").astype(np.int64))
 
 
 def ours(x, y, images, threads, batch_size, lr=0.01, repeats=2):

@@ -15,7 +15,8 @@ Prints one JSON line:
   ``--train-rate`` images/s, modelled with sleeps) spent waiting for data over one epoch.
 
 Usage: ``python benchmarks/serving.py [--mnist DIR] [--torch-images N] [--train-rate R]``.
-The MNIST IDX folder comes from ``--mnist``, ``$ADAM_DASK_MNIST`` or /work/shared/datasets/mnist.
+The MNIST IDX folder comes from ``--mnist``, else ``$ADAM_DASK_MNIST``, a shared/datasets/mnist
+folder beside the checkout, or the public mirror.
 """
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ def torch_loader(images, labels, aug, n_images: int, batch_size: int) -> tuple[f
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mnist", default=os.environ.get("ADAM_DASK_MNIST", "/work/shared/datasets/mnist"))
+    p.add_argument("--mnist", default=None, help="MNIST folder (default: adam-dask's `mnist` lookup)")
     p.add_argument("--batch-size", type=int, default=None, help="default: adam.serving.batch-size")
     p.add_argument("--data-nodes", type=int, default=1)
     p.add_argument("--torch-images", type=int, default=20000,
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     batch_size = int(config.get("serving.batch-size", args.batch_size))
     with tempfile.TemporaryDirectory() as tmp:
         url = os.path.join(tmp, "mnist.zarr")
-        ingest(args.mnist, url)
+        ingest(args.mnist or "mnist", url)
         raw = raw_read(url)
         with adam_dask.cluster.local(ps_nodes=0, data_nodes=args.data_nodes, trainers=1,
                                      trainer_threads=1) as client:
