@@ -40,6 +40,8 @@ def register(sub, add_storage, add_cluster) -> None:
     p.add_argument("--checkpoint", metavar="URL", default=None,
                    help="checkpoint URL (write-back target); with --resume, the one to continue")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing checkpoint at --checkpoint (otherwise refused)")
     p.add_argument("--metrics-out", metavar="FILE", default=None, help="per-epoch JSONL history")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ps-nodes", type=int, default=None,
@@ -106,7 +108,8 @@ def cmd_train(args) -> dict:
                                      storage_options=args.storage_options, **kw)
         else:
             trainer = Trainer(args.data, model=args.model, client=client,
-                              checkpoint=args.checkpoint, storage_options=args.storage_options, **kw)
+                              checkpoint=args.checkpoint, storage_options=args.storage_options,
+                              overwrite=args.overwrite, **kw)
         first = trainer.epoch
         history = trainer.fit(epochs=args.epochs, target_accuracy=args.target_accuracy,
                               max_seconds=args.max_seconds)

@@ -56,6 +56,7 @@ class Trainer:
         Augmentation on the data servers (config ``adam.augment``).
     checkpoint : str, optional
         URL where the parameter server writes back its shards and manifest (and the history).
+        An existing checkpoint there is refused unless ``overwrite=True``.
     epoch_quorum : float, optional
         Fraction of replicas whose end ends an epoch (config ``adam.train.epoch-quorum``);
         forced to 1.0 in sync mode.
@@ -80,7 +81,7 @@ class Trainer:
                  storage_options: dict | None = None, metrics_out: str | None = None,
                  progress: bool = True, seed: int | None = None,
                  slow_replicas: dict[int, float] | None = None, shard_bytes: int | None = None,
-                 offload_dense: bool | None = None,
+                 offload_dense: bool | None = None, overwrite: bool = False,
                  _server=None, _history: History | None = None, _first_epoch: int = 0):
         from ..data.datasets import open_split
         from ..model.network import Network
@@ -106,6 +107,8 @@ class Trainer:
             raise ConfigError(f"push_every={self.push_every}, lr={self.lr}",
                               "both must be positive")
         self.checkpoint = checkpoint
+        if checkpoint and _server is None and not overwrite:
+            self._refuse_existing_checkpoint(checkpoint, storage_options)
         self.progress = progress
         self.slow_replicas = dict(slow_replicas or {})
         self.shard_bytes = shard_bytes
@@ -199,6 +202,19 @@ class Trainer:
             self.dataservice = DataService.create(
                 self.client, self.data_url, split="train", storage_options=self.storage_options,
                 augment=self.augment, seed=self.seed, batch_size=self._stream_batch())
+
+    @staticmethod
+    def _refuse_existing_checkpoint(url: str, storage_options: dict | None) -> None:
+        """A new run must not write over a checkpoint that holds another run's weights."""
+        from ..errors import DestinationExistsError
+        from ..storage import filesystem
+
+        fs, path = filesystem(url, storage_options)
+        if fs.exists(path.rstrip("/") + "/manifest.json"):
+            raise DestinationExistsError(
+                f"a checkpoint already exists at {url}",
+                "continue it with --resume (Trainer.resume), replace it with --overwrite "
+                "(overwrite=True), or choose another URL")
 
     def _stream_batch(self) -> int:
         # batches from the stream: a multiple of the update mini-batch, big enough to amortize calls

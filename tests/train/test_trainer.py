@@ -91,6 +91,12 @@ def test_resume_continues_history(store, adam_cluster, tmp_path):
     # the CLI evaluates a checkpoint without a cluster
     status = run(["evaluate", ckpt, "--data", store])
     assert status == 0
+    # a new run does not write over it unless asked to
+    from adam_dask.errors import DestinationExistsError
+
+    with pytest.raises(DestinationExistsError, match="--resume"):
+        Trainer(store, model=SPEC, client=adam_cluster, checkpoint=ckpt)
+    Trainer(store, model=SPEC, client=adam_cluster, checkpoint=ckpt, overwrite=True).close()
 
 
 # -- CLI ------------------------------------------------------------------------------------------
