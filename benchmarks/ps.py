@@ -106,6 +106,14 @@ def bench_cluster(seconds: float) -> dict:
                     "raw_pull_mb_per_s": raw_pull, "pull_vs_raw": pull / raw_pull})
         stats = server.stats()
         out["max_replication_lag_after_flush"] = stats["max_replication_lag"]
+        # the same payload as one shard: what the per-shard fan-out (4 calls to 3-4 nodes on
+        # these 2 cores) costs against a single call
+        one = ParameterServer.create(client, size=n, shard_bytes=n * 4, replicas=3, ack="primary")
+        one.push(delta)
+        push1 = rate(lambda: one.push(delta), seconds) * mb
+        pull1 = rate(lambda: one.pull(), seconds) * mb
+        one.close()
+        out.update({"one_shard_push_vs_raw": push1 / raw_push, "one_shard_pull_vs_raw": pull1 / raw_pull})
 
         victim = server.placement()[0][0]
         before = len(server.routing_info()["heal_times"])
