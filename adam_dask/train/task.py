@@ -223,14 +223,16 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
 
     def push(update: tuple[np.ndarray, dict], scale: float = 1.0) -> None:
         delta, terms = update
-        if not np.all(np.isfinite(delta)):
-            raise UpdateRejected(f"replica {job.replica} produced a non-finite update in epoch "
-                                 f"{job.epoch} (the model diverged)",
-                                 "lower the learning rate (--lr) or push_every")
         t = time.perf_counter()
-        server.push(delta * scale if scale != 1.0 else delta)
-        for prefix, (acts, errs) in terms.items():  # the PS computes these layers' updates
-            server.push_outer(offsets[prefix], errs, acts, scale=scale)
+        try:  # the server checks every value (NaN/Inf refused, nothing applied)
+            server.push(delta * scale if scale != 1.0 else delta)
+            for prefix, (acts, errs) in terms.items():  # the PS computes these layers' updates
+                server.push_outer(offsets[prefix], errs, acts, scale=scale)
+        except UpdateRejected as exc:
+            raise UpdateRejected(f"replica {job.replica} produced a non-finite update in epoch "
+                                 f"{job.epoch} (the model diverged): {exc.message}",
+                                 "lower the learning rate (--lr) or push_every",
+                                 shard=exc.shard) from exc
         state["ps_seconds"] += time.perf_counter() - t
         state["pushes"] += 1
 
@@ -273,7 +275,7 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
                 logger.debug("communicator error after a training error", exc_info=True)
         if sync and barrier is not None:
             barrier.leave().result()
-        stream_stats = stream.stats() if hasattr(stream, "stats") else {}
+        stream_stats = stream.stats()
         stream.close()
     report(final=True)
     return {

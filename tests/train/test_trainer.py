@@ -64,6 +64,20 @@ def test_quorum_ends_epoch_while_straggler_runs(store, adam_cluster):
     assert rec["quorum_seconds"] is not None
 
 
+def test_diverged_model_fails_with_a_clear_error(store, adam_cluster):
+    """A learning rate that blows the weights up: the PS refuses the non-finite update and the
+    run stops with an error that says what to change."""
+    from adam_dask.errors import UpdateRejected
+
+    t = Trainer(store, model=SPEC, client=adam_cluster, lr=1e30, push_every=64, batch_size=8,
+                progress=False)
+    try:
+        with pytest.raises(UpdateRejected, match=r"diverged.*lower the learning rate"):
+            t.fit(epochs=1)
+    finally:
+        t.close()
+
+
 def test_plot_draws_the_history(store, adam_cluster):
     import matplotlib
 
