@@ -101,21 +101,22 @@ def _add_train_commands(sub) -> None:
     commands.register(sub, _add_storage, _add_cluster)
 
 
-def _client_for(args):
-    """A client for --scheduler/--gateway, or None (the command then uses its embedded default)."""
+def client_for(args, workers: int | None = None):
+    """A client for --scheduler/--gateway (a gateway cluster of ``workers`` workers), or None:
+    the command then uses its embedded default."""
     from .cluster import connect
 
     if getattr(args, "scheduler", None):
         return connect(args.scheduler)
     if getattr(args, "gateway", None):
-        return connect(gateway=args.gateway)
+        return connect(gateway=args.gateway, workers=workers)
     return None
 
 
 def cmd_ingest(args) -> dict:
     from .data.ingest import ingest
 
-    client = _client_for(args)
+    client = client_for(args)
     try:
         return ingest(args.src, args.dest, client=client, overwrite=args.overwrite,
                       storage_options=args.storage_options,

@@ -62,21 +62,20 @@ def register(sub, add_storage, add_cluster) -> None:
 
 
 def _client(args):
-    from ..cluster import PS, assign_roles, connect, local, workers_with_role
+    """The cluster to train on: --scheduler, --gateway (sized by the role counts), or the
+    embedded one; workers without roles get them."""
+    from ..cli import client_for
+    from ..cluster import PS, assign_roles, local, workers_with_role
 
-    if args.scheduler or args.gateway:
-        if args.scheduler:
-            client = connect(args.scheduler)
-        else:
-            n = sum(int(config.get(f"cluster.{key}", value)) for key, value in
-                    (("ps-nodes", args.ps_nodes), ("data-nodes", args.data_nodes),
-                     ("trainers", args.trainers)))
-            client = connect(gateway=args.gateway, workers=n)
-        if not workers_with_role(client, PS):
-            assign_roles(client, ps_nodes=int(config.get("cluster.ps-nodes", args.ps_nodes)),
-                         data_nodes=int(config.get("cluster.data-nodes", args.data_nodes)))
-        return client
-    return local(args.ps_nodes, args.data_nodes, args.trainers, trainer_threads=args.threads)
+    ps = int(config.get("cluster.ps-nodes", args.ps_nodes))
+    data = int(config.get("cluster.data-nodes", args.data_nodes))
+    trainers = int(config.get("cluster.trainers", args.trainers))
+    client = client_for(args, workers=ps + data + trainers)
+    if client is None:
+        return local(ps, data, trainers, trainer_threads=args.threads)
+    if not workers_with_role(client, PS):
+        assign_roles(client, ps_nodes=ps, data_nodes=data)
+    return client
 
 
 def cmd_train(args) -> dict:
