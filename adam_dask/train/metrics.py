@@ -69,9 +69,13 @@ class History:
             with open(self.path, "a") as f:
                 f.write(line)
             return
-        import fsspec  # object stores have no append: rewrite the whole (small) file
+        self.save(self.path, self.storage_options)  # object stores have no append
 
-        with fsspec.open(self.path, "w", **(self.storage_options or {})) as f:
+    def save(self, path: str, storage_options: dict | None = None) -> None:
+        """Write every record to ``path`` (any fsspec URL) as JSON lines, replacing it."""
+        import fsspec
+
+        with fsspec.open(path, "w", **(storage_options or {})) as f:
             f.writelines(json.dumps(r) + "\n" for r in self.records)
 
     def column(self, name: str) -> list:

@@ -370,15 +370,10 @@ class Trainer:
     def _save_history(self) -> None:
         if not self.checkpoint:
             return
-        import json
-
-        import fsspec
-
         from ..storage import normalize_url, options_for
 
         url = normalize_url(self.checkpoint) + "/history.jsonl"
-        with fsspec.open(url, "w", **options_for(url, self.storage_options)) as f:
-            f.writelines(json.dumps(r) + "\n" for r in self.history.records)
+        self.history.save(url, options_for(url, self.storage_options))
 
     # -- evaluation ------------------------------------------------------------------------------
 
