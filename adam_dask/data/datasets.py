@@ -121,8 +121,6 @@ def describe(url: str, storage_options: dict | None = None) -> dict:
     out: dict[str, Any] = {"url": url, "splits": {}}
     for name in sorted(root.group_keys()):
         s = open_split(url, name, storage_options)
-        info = s.images.info_complete() if hasattr(s.images, "info_complete") else None
-        nbytes_stored = getattr(info, "_count_bytes_stored", None) if info is not None else None
         out["splits"][name] = {
             "images": len(s),
             "image_shape": list(s.image_shape),
@@ -130,7 +128,7 @@ def describe(url: str, storage_options: dict | None = None) -> dict:
             "chunk_images": s.chunk_images,
             "shard_images": int(s.images.shards[0]) if getattr(s.images, "shards", None) else None,
             "nbytes": int(s.images.nbytes + s.labels.nbytes),
-            "nbytes_stored": nbytes_stored,
+            "nbytes_stored": int(s.images.nbytes_stored() + s.labels.nbytes_stored()),
             "sha256": s.attrs.get("sha256"),
             "source": s.attrs.get("source"),
         }
