@@ -8,13 +8,17 @@ The heavy parts (numba kernels, the parameter server, the trainer) load on first
         trainer = adam_dask.Trainer("data/mnist.zarr", client=client)
         trainer.fit(epochs=3)
 """
+
 from __future__ import annotations
 
 import importlib
 from importlib.metadata import PackageNotFoundError, version
 
-from . import config  # noqa: F401  (registers the defaults with dask.config)
-from . import cluster, errors
+from . import (
+    cluster,
+    config,
+    errors,
+)
 from .errors import AdamError
 
 try:
@@ -32,8 +36,20 @@ _LAZY = {
 }
 _SUBMODULES = ("data", "model", "ps", "train")
 
-__all__ = ["AdamError", "Augment", "DataService", "Network", "ParameterServer", "Trainer",
-           "__version__", "cluster", "config", "errors", "ingest", *_SUBMODULES]
+__all__ = [
+    "AdamError",
+    "Augment",
+    "DataService",
+    "Network",
+    "ParameterServer",
+    "Trainer",
+    "__version__",
+    "cluster",
+    "config",
+    "errors",
+    "ingest",
+    *_SUBMODULES,
+]
 
 
 def __getattr__(name: str):

@@ -10,6 +10,7 @@ A Project Adam cluster has three roles, expressed as Dask worker resources:
 (127.0.0.2, 127.0.0.3, ...), so "three copies on distinct hosts" is real even on one box; the
 whole 127.0.0.0/8 range is loopback on Linux.
 """
+
 from __future__ import annotations
 
 import logging
@@ -64,15 +65,20 @@ def local_spec(
         if n < 0:
             raise ConfigError(f"{name}={n} is negative", "give a count of 0 or more")
     if ps_nodes > 250:
-        raise ConfigError(f"ps_nodes={ps_nodes} exceeds the 250 loopback hosts available",
-                          "use a real cluster for more PS workers")
+        raise ConfigError(
+            f"ps_nodes={ps_nodes} exceeds the 250 loopback hosts available",
+            "use a real cluster for more PS workers",
+        )
     if ps_nodes + data_nodes + trainers == 0:
         raise ConfigError("the cluster would have no workers", "ask for at least one worker")
 
     scheduler = {
         "cls": Scheduler,
-        "options": {"host": "127.0.0.1", "dashboard": dashboard_address is not None,
-                    "dashboard_address": dashboard_address or ":0"},
+        "options": {
+            "host": "127.0.0.1",
+            "dashboard": dashboard_address is not None,
+            "dashboard_address": dashboard_address or ":0",
+        },
     }
     workers: dict[str, dict] = {}
 
@@ -119,8 +125,12 @@ def local(
     Parameters default to the ``adam.cluster`` section of the configuration.
     """
     scheduler, workers = local_spec(
-        ps_nodes, data_nodes, trainers, trainer_threads=trainer_threads,
-        memory_limit=memory_limit, dashboard_address=dashboard_address,
+        ps_nodes,
+        data_nodes,
+        trainers,
+        trainer_threads=trainer_threads,
+        memory_limit=memory_limit,
+        dashboard_address=dashboard_address,
     )
     timeout = float(config.get("cluster.start-timeout", timeout))
     logger.info("starting the embedded cluster: %s", ", ".join(sorted(workers)))
@@ -130,8 +140,10 @@ def local(
         client.wait_for_workers(len(workers), timeout=timeout)
     except Exception as exc:
         cluster.close()
-        raise ClusterError(f"the embedded cluster did not start: {exc}",
-                           "check free memory and that 127.0.0.x addresses are usable") from exc
+        raise ClusterError(
+            f"the embedded cluster did not start: {exc}",
+            "check free memory and that 127.0.0.x addresses are usable",
+        ) from exc
     return client
 
 
@@ -145,19 +157,25 @@ def connect(address: str | None = None, *, gateway: str | None = None, **kwargs)
     Roles are given to workers that have none with :func:`assign_roles`.
     """
     if (address is None) == (gateway is None):
-        raise ConfigError("give exactly one of a scheduler address or a gateway URL",
-                          "use --scheduler ADDRESS or --gateway URL")
+        raise ConfigError(
+            "give exactly one of a scheduler address or a gateway URL",
+            "use --scheduler ADDRESS or --gateway URL",
+        )
     if address is not None:
         try:
             return Client(address, timeout=config.get("cluster.start-timeout"))
         except OSError as exc:
-            raise ClusterError(f"cannot reach the Dask scheduler at {address}: {exc}",
-                               "check the address and that the scheduler is running") from exc
+            raise ClusterError(
+                f"cannot reach the Dask scheduler at {address}: {exc}",
+                "check the address and that the scheduler is running",
+            ) from exc
     try:
         from dask_gateway import Gateway
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ConfigError("connecting to a gateway needs the dask-gateway package",
-                          "pip install 'adam_dask[gateway]'") from exc
+        raise ConfigError(
+            "connecting to a gateway needs the dask-gateway package",
+            "pip install 'adam_dask[gateway]'",
+        ) from exc
     n = kwargs.pop("workers", None)
     if n is None:
         n = sum(int(config.get(f"cluster.{k}")) for k in ("ps-nodes", "data-nodes", "trainers"))
@@ -192,15 +210,18 @@ async def _set_role(dask_worker, role: str) -> None:
     await dask_worker.set_resources(**{role: 1})
 
 
-def assign_roles(client: Client, *, ps_nodes: int, data_nodes: int = 0,
-                 workers: Iterable[str] | None = None) -> dict[str, str]:
+def assign_roles(
+    client: Client, *, ps_nodes: int, data_nodes: int = 0, workers: Iterable[str] | None = None
+) -> dict[str, str]:
     """Give roles to workers that have none (dask-gateway and plain ``dask worker`` clusters).
 
     The first ``ps_nodes`` role-less workers (preferring distinct hosts) become PS, the next
     ``data_nodes`` DATA, the rest TRAIN. Returns {address: role} for the workers relabelled.
     """
     info = client.scheduler_info(n_workers=-1)["workers"]
-    free = [a for a in (workers or sorted(info)) if not set(info[a].get("resources", {})) & set(ROLES)]
+    free = [
+        a for a in (workers or sorted(info)) if not set(info[a].get("resources", {})) & set(ROLES)
+    ]
     # spread PS over hosts: round-robin by host
     by_host: dict[str, list[str]] = {}
     for a in free:
@@ -211,8 +232,10 @@ def assign_roles(client: Client, *, ps_nodes: int, data_nodes: int = 0,
             if by_host[h]:
                 spread.append(by_host[h].pop(0))
     if len(spread) < ps_nodes:
-        raise ClusterError(f"{len(spread)} role-less workers, but {ps_nodes} PS workers are needed",
-                           "scale the cluster up or ask for fewer PS nodes")
+        raise ClusterError(
+            f"{len(spread)} role-less workers, but {ps_nodes} PS workers are needed",
+            "scale the cluster up or ask for fewer PS nodes",
+        )
     roles = {}
     for i, addr in enumerate(spread):
         roles[addr] = PS if i < ps_nodes else DATA if i < ps_nodes + data_nodes else TRAIN

@@ -7,6 +7,7 @@ Every tunable in the package is a keyword argument that defaults to ``None`` and
 * ``dask.config.set({"adam.ps.shard-bytes": 1 << 19})``,
 * an environment variable ``DASK_ADAM__PS__SHARD_BYTES=524288`` or a YAML file in ``~/.config/dask``.
 """
+
 from __future__ import annotations
 
 import logging

@@ -4,6 +4,7 @@ Every error says what was wrong and what to do, in one line, so the CLI can prin
 ``error: <message>`` and exit non-zero without a traceback. Typed attributes carry the details
 for programs that catch them.
 """
+
 from __future__ import annotations
 
 

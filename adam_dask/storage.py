@@ -4,6 +4,7 @@ Storage options come from the caller (``--storage-options JSON`` on the CLI); th
 variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ...) are read by
 botocore itself. ``AWS_ENDPOINT_URL`` is also passed to s3fs explicitly, for older botocore.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,7 +23,7 @@ def normalize_url(url: str) -> str:
     """A local path becomes an absolute path; ``file://`` is stripped; other URLs are kept."""
     url = os.fspath(url)
     if url.startswith("file://"):
-        url = url[len("file://"):]
+        url = url[len("file://") :]
     if "://" not in url:
         return os.path.abspath(os.path.expanduser(url))
     return url.rstrip("/")
@@ -36,20 +37,27 @@ def protocol(url: str) -> str:
 def options_for(url: str, storage_options: dict | None = None) -> dict[str, Any]:
     """Storage options for ``url``: the caller's, plus ``AWS_ENDPOINT_URL`` for ``s3://``."""
     opts = dict(storage_options or {})
-    if protocol(url) in ("s3", "s3a") and os.environ.get("AWS_ENDPOINT_URL") \
-            and "endpoint_url" not in opts and "endpoint_url" not in opts.get("client_kwargs", {}):
+    if (
+        protocol(url) in ("s3", "s3a")
+        and os.environ.get("AWS_ENDPOINT_URL")
+        and "endpoint_url" not in opts
+        and "endpoint_url" not in opts.get("client_kwargs", {})
+    ):
         opts["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]
     return opts
 
 
-def filesystem(url: str, storage_options: dict | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+def filesystem(
+    url: str, storage_options: dict | None = None
+) -> tuple[fsspec.AbstractFileSystem, str]:
     """``(fs, path)`` for ``url``."""
     url = normalize_url(url)
     try:
         return url_to_fs(url, **options_for(url, storage_options))
     except (ImportError, ValueError) as exc:
-        raise StorageError(f"cannot open {url}: {exc}",
-                           "check the URL scheme and install its fsspec backend") from exc
+        raise StorageError(
+            f"cannot open {url}: {exc}", "check the URL scheme and install its fsspec backend"
+        ) from exc
 
 
 def zarr_store(url: str, storage_options: dict | None = None, *, read_only: bool = True):
@@ -62,12 +70,15 @@ def zarr_store(url: str, storage_options: dict | None = None, *, read_only: bool
             # LocalStore would silently create nothing and fail later with a vague message
             raise FileNotFoundError(url)
         return LocalStore(url, read_only=read_only)
-    return FsspecStore.from_url(url, storage_options=options_for(url, storage_options),
-                                read_only=read_only)
+    return FsspecStore.from_url(
+        url, storage_options=options_for(url, storage_options), read_only=read_only
+    )
 
 
 def describe_storage_error(url: str, exc: BaseException) -> StorageError:
     """One clear :class:`StorageError` for a failure that reached storage at ``url``."""
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return StorageError(f"storage at {url} failed: {text}",
-                        "check the endpoint, the credentials and the network, then try again")
+    return StorageError(
+        f"storage at {url} failed: {text}",
+        "check the endpoint, the credentials and the network, then try again",
+    )

@@ -1,4 +1,5 @@
 """Helpers shared by the benchmark scripts: where MNIST is, and a ready MNIST store."""
+
 from __future__ import annotations
 
 import os
@@ -43,15 +44,37 @@ def torch_model(torch, spec_activation: str = "relu"):
     PyTorch, what a user would write; parameter names match adam_dask's."""
     nn = torch.nn
     act = {"relu": nn.ReLU, "tanh": nn.Tanh}[spec_activation]
-    return nn.Sequential(nn.Conv2d(1, 10, 5), act(), nn.MaxPool2d(2),
-                         nn.Conv2d(10, 20, 5), act(), nn.MaxPool2d(2), nn.Flatten(),
-                         nn.Linear(320, 400), act(), nn.Linear(400, 400), act(),
-                         nn.Linear(400, 10))
+    return nn.Sequential(
+        nn.Conv2d(1, 10, 5),
+        act(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(10, 20, 5),
+        act(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(320, 400),
+        act(),
+        nn.Linear(400, 400),
+        act(),
+        nn.Linear(400, 10),
+    )
 
 
-def torch_fit_to_target(xtr, ytr, xte, yte, *, target: float, max_epochs: int, threads: int,
-                        lr: float, lr_decay: float, batch: int = 32, activation: str = "relu",
-                        seed: int = 0) -> dict:
+def torch_fit_to_target(
+    xtr,
+    ytr,
+    xte,
+    yte,
+    *,
+    target: float,
+    max_epochs: int,
+    threads: int,
+    lr: float,
+    lr_decay: float,
+    batch: int = 32,
+    activation: str = "relu",
+    seed: int = 0,
+) -> dict:
     """Train the network in PyTorch (SGD, ``batch``) until test accuracy >= ``target``."""
     import time
 
@@ -70,21 +93,26 @@ def torch_fit_to_target(xtr, ytr, xte, yte, *, target: float, max_epochs: int, t
     curve, reached = [], None
     for epoch in range(max_epochs):
         for g in opt.param_groups:
-            g["lr"] = lr * lr_decay ** epoch
+            g["lr"] = lr * lr_decay**epoch
         model.train()
         perm = torch.randperm(len(X))
         for i in range(0, len(X), batch):
-            idx = perm[i:i + batch]
+            idx = perm[i : i + batch]
             opt.zero_grad()
             lossf(model(X[idx]), Y[idx]).backward()
             opt.step()
         model.eval()
         with torch.no_grad():
-            pred = torch.cat([model(Xt[i:i + 1000]).argmax(1) for i in range(0, len(Xt), 1000)])
+            pred = torch.cat([model(Xt[i : i + 1000]).argmax(1) for i in range(0, len(Xt), 1000)])
         acc = float((pred.numpy() == yte).mean())
         curve.append(round(acc, 4))
         if acc >= target:
             reached = time.perf_counter() - t0
             break
-    return {"seconds_to_target": reached, "epochs": len(curve), "curve": curve,
-            "seconds": time.perf_counter() - t0, "torch": torch.__version__}
+    return {
+        "seconds_to_target": reached,
+        "epochs": len(curve),
+        "curve": curve,
+        "seconds": time.perf_counter() - t0,
+        "torch": torch.__version__,
+    }

@@ -17,6 +17,7 @@ The accuracy run (--epochs) trains the same layers with relu (--activation; tanh
 augmentation, and evaluates on the 10000 test images after each epoch. PyTorch is optional
 (``pip install .[bench]``); without it the torch fields are null and ``torch_error`` says why.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,15 +40,19 @@ def load_mnist():
 
     root = mnist_location()
     (tri, trl), (tei, tel) = MNIST_FILES["train"], MNIST_FILES["test"]
-    return (read_idx(f"{root}/{tri}"), read_idx(f"{root}/{trl}").astype(np.int64),
-            read_idx(f"{root}/{tei}"), read_idx(f"{root}/{tel}").astype(np.int64))
+    return (
+        read_idx(f"{root}/{tri}"),
+        read_idx(f"{root}/{trl}").astype(np.int64),
+        read_idx(f"{root}/{tei}"),
+        read_idx(f"{root}/{tel}").astype(np.int64),
+    )
 
 
 def ours(x, y, images, threads, batch_size, lr=0.01, repeats=2):
     """Best images/s of ``repeats`` runs over ``images`` images (compile warm-up first)."""
     net = Network.from_spec(SPEC, (1, 28, 28), "tanh", seed=0)
     rep = HogwildReplica(net, threads=threads, lr=lr, momentum=0.0, batch_size=batch_size)
-    rep.train_images(x[:256], y[:256], schedule=False)                    # compile / warm up
+    rep.train_images(x[:256], y[:256], schedule=False)  # compile / warm up
     n = min(images, len(x))
     best = 0.0
     for r in range(repeats):
@@ -58,9 +63,15 @@ def ours(x, y, images, threads, batch_size, lr=0.01, repeats=2):
 
 def torch_net(torch):
     nn = torch.nn
-    return nn.ModuleDict({"0": nn.Conv2d(1, 10, 5), "2": nn.Conv2d(10, 20, 5),
-                          "4": nn.Linear(320, 400), "5": nn.Linear(400, 400),
-                          "6": nn.Linear(400, 10)})
+    return nn.ModuleDict(
+        {
+            "0": nn.Conv2d(1, 10, 5),
+            "2": nn.Conv2d(10, 20, 5),
+            "4": nn.Linear(320, 400),
+            "5": nn.Linear(400, 400),
+            "6": nn.Linear(400, 10),
+        }
+    )
 
 
 def torch_forward(torch, m, x):
@@ -84,18 +95,21 @@ def theirs(x, y, images, threads, batch=32, lr=0.01, repeats=2):
     m.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in ref.parameters.items()})
     probe = x[:64]
     with torch.no_grad():
-        diff = float(np.abs(torch_forward(torch, m, torch.from_numpy(probe)).numpy()
-                            - ref.forward(probe)).max())
+        diff = float(
+            np.abs(
+                torch_forward(torch, m, torch.from_numpy(probe)).numpy() - ref.forward(probe)
+            ).max()
+        )
     opt = torch.optim.SGD(m.parameters(), lr=lr)
     lossf = torch.nn.CrossEntropyLoss()
     n = min(images, len(x)) // batch * batch
     X, Y = torch.from_numpy(x[:n]), torch.from_numpy(y[:n])
     best = 0.0
-    for r in range(repeats + 1):                                           # first run warms up
+    for r in range(repeats + 1):  # first run warms up
         perm = torch.randperm(n)
         t0 = time.perf_counter()
         for s in range(0, n, batch):
-            idx = perm[s:s + batch]
+            idx = perm[s : s + batch]
             opt.zero_grad()
             lossf(torch_forward(torch, m, X[idx]), Y[idx]).backward()
             opt.step()
@@ -106,30 +120,57 @@ def theirs(x, y, images, threads, batch=32, lr=0.01, repeats=2):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--images", type=int, default=20000, help="images per timed run (default 20000)")
+    ap.add_argument(
+        "--images", type=int, default=20000, help="images per timed run (default 20000)"
+    )
     ap.add_argument("--threads", type=int, default=2, help="Hogwild / torch threads (default 2)")
-    ap.add_argument("--batch-size", type=int, default=None,
-                    help="per-thread mini-batch (default: config adam.train.batch-size)")
-    ap.add_argument("--epochs", type=int, default=0,
-                    help="also train this many epochs on all 60000 images and report test_accuracy")
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="per-thread mini-batch (default: config adam.train.batch-size)",
+    )
+    ap.add_argument(
+        "--epochs",
+        type=int,
+        default=0,
+        help="also train this many epochs on all 60000 images and report test_accuracy",
+    )
     ap.add_argument("--lr", type=float, default=0.05, help="accuracy run: learning rate (0.05)")
     ap.add_argument("--momentum", type=float, default=0.0, help="accuracy run: momentum (0)")
-    ap.add_argument("--lr-decay", type=float, default=0.4,
-                    help="accuracy run: lr factor per epoch (0.4: 0.05, 0.02, 0.008 over 3 epochs)")
-    ap.add_argument("--activation", default="relu",
-                    help="accuracy run: relu (default; 99.1-99.2%% in 3 epochs) or tanh (99.0%%)")
+    ap.add_argument(
+        "--lr-decay",
+        type=float,
+        default=0.4,
+        help="accuracy run: lr factor per epoch (0.4: 0.05, 0.02, 0.008 over 3 epochs)",
+    )
+    ap.add_argument(
+        "--activation",
+        default="relu",
+        help="accuracy run: relu (default; 99.1-99.2%% in 3 epochs) or tanh (99.0%%)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="accuracy run: init and shuffle seed")
-    ap.add_argument("--granularity", action="store_true",
-                    help="also measure images/s for per-thread batch sizes 1, 2, 4, 8, 16, 32")
+    ap.add_argument(
+        "--granularity",
+        action="store_true",
+        help="also measure images/s for per-thread batch sizes 1, 2, 4, 8, 16, 32",
+    )
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
     args = ap.parse_args(argv)
 
     from adam_dask import config
+
     bs = int(config.get("train.batch-size", args.batch_size))
     xtr8, ytr, xte8, yte = load_mnist()
     xtr = (xtr8.astype(np.float32) / 255)[:, None]
-    out: dict = {"benchmark": "engine", "spec": SPEC, "threads": args.threads, "batch_size": bs,
-                 "images": min(args.images, len(xtr)), "cpus": os.cpu_count()}
+    out: dict = {
+        "benchmark": "engine",
+        "spec": SPEC,
+        "threads": args.threads,
+        "batch_size": bs,
+        "images": min(args.images, len(xtr)),
+        "cpus": os.cpu_count(),
+    }
     if args.images > 0:
         out["images_per_s"] = round(ours(xtr, ytr, args.images, args.threads, bs), 1)
         out["images_per_s_1thread"] = round(ours(xtr, ytr, args.images, 1, bs), 1)
@@ -142,28 +183,55 @@ def main(argv=None):
                 out["ratio"] = round(out["images_per_s"] / tps, 3)
                 out["torch_logits_max_diff"] = float(f"{diff:.3g}")
             except ImportError as e:
-                out["torch_error"] = (f"PyTorch is not installed ({e}); pip install torch==2.13.0 "
-                                      "(or .[bench]) to compare")
+                out["torch_error"] = (
+                    f"PyTorch is not installed ({e}); pip install torch==2.13.0 "
+                    "(or .[bench]) to compare"
+                )
                 print("warning: " + out["torch_error"], file=sys.stderr)
     if args.granularity:
         out["granularity_images_per_s"] = {
             str(b): round(ours(xtr, ytr, min(args.images, 8000), args.threads, b, repeats=3), 1)
-            for b in (1, 2, 4, 8, 16, 32)}
+            for b in (1, 2, 4, 8, 16, 32)
+        }
     if args.epochs:
         net = Network.from_spec(SPEC, (1, 28, 28), args.activation, seed=args.seed)
-        rep = HogwildReplica(net, threads=args.threads, lr=args.lr, momentum=args.momentum,
-                             batch_size=bs, lr_decay=args.lr_decay)
+        rep = HogwildReplica(
+            net,
+            threads=args.threads,
+            lr=args.lr,
+            momentum=args.momentum,
+            batch_size=bs,
+            lr_decay=args.lr_decay,
+        )
         curve = []
         st = rep.train_images(
-            xtr8, ytr, epochs=args.epochs, seed=args.seed,
+            xtr8,
+            ytr,
+            epochs=args.epochs,
+            seed=args.seed,
             on_epoch=lambda r, e, s: curve.append(
-                {"epoch": e + 1, "lr": round(r.lr, 5), "train_loss": round(s.loss, 4),
-                 "test_accuracy": round(r.net.evaluate(xte8, yte), 4),
-                 "seconds": round(s.seconds, 1)}))
-        out.update({"epochs": args.epochs, "activation": net.activation, "lr": rep.base_lr, "lr_decay": rep.lr_decay,
-                    "momentum": rep.momentum, "train_seconds": round(st.seconds, 1),
-                    "train_images_per_s": round(st.images_per_second, 1),
-                    "test_accuracy": curve[-1]["test_accuracy"], "curve": curve})
+                {
+                    "epoch": e + 1,
+                    "lr": round(r.lr, 5),
+                    "train_loss": round(s.loss, 4),
+                    "test_accuracy": round(r.net.evaluate(xte8, yte), 4),
+                    "seconds": round(s.seconds, 1),
+                }
+            ),
+        )
+        out.update(
+            {
+                "epochs": args.epochs,
+                "activation": net.activation,
+                "lr": rep.base_lr,
+                "lr_decay": rep.lr_decay,
+                "momentum": rep.momentum,
+                "train_seconds": round(st.seconds, 1),
+                "train_images_per_s": round(st.images_per_second, 1),
+                "test_accuracy": curve[-1]["test_accuracy"],
+                "curve": curve,
+            }
+        )
     print(json.dumps(out))
 
 

@@ -5,6 +5,7 @@ same for decompressing and parsing the IDX files alone (the limit ingest cannot 
 
     python benchmarks/ingest.py [--repeat 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,6 @@ import os
 import shutil
 import tempfile
 import time
-
 
 
 def main() -> None:
@@ -40,30 +40,47 @@ def main() -> None:
     try:
         from distributed import Client, LocalCluster
 
-        with LocalCluster(processes=False, n_workers=1, threads_per_worker=os.cpu_count() or 2,
-                          dashboard_address=":0") as cluster, Client(cluster) as client:
+        with (
+            LocalCluster(
+                processes=False,
+                n_workers=1,
+                threads_per_worker=os.cpu_count() or 2,
+                dashboard_address=":0",
+            ) as cluster,
+            Client(cluster) as client,
+        ):
             for i in range(args.repeat):
                 t = time.perf_counter()
                 summary = ingest(src, os.path.join(tmp, f"m{i}.zarr"), client=client)
                 ingest_s.append(time.perf_counter() - t)
-        stored = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(tmp, "m0.zarr"))
-                     for f in fs)
+        stored = sum(
+            os.path.getsize(os.path.join(d, f))
+            for d, _, fs in os.walk(os.path.join(tmp, "m0.zarr"))
+            for f in fs
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     assert summary["images"] == n_images
     best_i, best_r = min(ingest_s), min(read_s)
-    print(json.dumps({
-        "benchmark": "ingest", "images": n_images, "source": src,
-        "ingest_seconds": round(best_i, 3),
-        "ingest_images_per_s": round(n_images / best_i),
-        "ingest_mb_per_s": round(nbytes / best_i / 1e6, 1),
-        "read_idx_seconds": round(best_r, 3),
-        "read_idx_images_per_s": round(n_images / best_r),
-        "read_idx_mb_per_s": round(nbytes / best_r / 1e6, 1),
-        "ratio_ingest_to_read": round(best_r / best_i, 3),
-        "stored_mb": round(stored / 1e6, 1), "raw_mb": round(nbytes / 1e6, 1),
-        "cpus": os.cpu_count(),
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "ingest",
+                "images": n_images,
+                "source": src,
+                "ingest_seconds": round(best_i, 3),
+                "ingest_images_per_s": round(n_images / best_i),
+                "ingest_mb_per_s": round(nbytes / best_i / 1e6, 1),
+                "read_idx_seconds": round(best_r, 3),
+                "read_idx_images_per_s": round(n_images / best_r),
+                "read_idx_mb_per_s": round(nbytes / best_r / 1e6, 1),
+                "ratio_ingest_to_read": round(best_r / best_i, 3),
+                "stored_mb": round(stored / 1e6, 1),
+                "raw_mb": round(nbytes / 1e6, 1),
+                "cpus": os.cpu_count(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@
 
 Usage: python benchmarks/ps.py [--seconds S]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,11 +56,14 @@ def bench_apply(seconds: float) -> dict:
 
     numpy_batch_rate = rate(numpy_batch, seconds) * n * len(batch)
     batch_rate = rate(lambda: st.apply_batch(batch), seconds) * n * len(batch)
-    return {"apply_floats_per_s": kernel_rate, "numpy_add_floats_per_s": numpy_rate,
-            "apply_vs_numpy": kernel_rate / numpy_rate,
-            "apply_batch8_checked_floats_per_s": batch_rate,
-            "numpy_add_batch8_floats_per_s": numpy_batch_rate,
-            "apply_batch8_vs_numpy": batch_rate / numpy_batch_rate}
+    return {
+        "apply_floats_per_s": kernel_rate,
+        "numpy_add_floats_per_s": numpy_rate,
+        "apply_vs_numpy": kernel_rate / numpy_rate,
+        "apply_batch8_checked_floats_per_s": batch_rate,
+        "numpy_add_batch8_floats_per_s": numpy_batch_rate,
+        "apply_batch8_vs_numpy": batch_rate / numpy_batch_rate,
+    }
 
 
 class Sink:
@@ -87,23 +91,34 @@ def bench_cluster(seconds: float) -> dict:
     mb = 4
     n = mb * (1 << 18)
     out = {}
-    with adam_dask.cluster.local(ps_nodes=4, data_nodes=0, trainers=0,
-                                 memory_limit="1 GiB") as client:
+    with adam_dask.cluster.local(
+        ps_nodes=4, data_nodes=0, trainers=0, memory_limit="1 GiB"
+    ) as client:
         ps = workers_with_role(client, "PS")
-        sink = client.submit(Sink, n, actor=True, workers=[ps[0]], allow_other_workers=False,
-                             pure=False).result()
+        sink = client.submit(
+            Sink, n, actor=True, workers=[ps[0]], allow_other_workers=False, pure=False
+        ).result()
         payload = np.ones(n, np.float32)
         raw_push = rate(lambda: sink.take(payload).result(), seconds) * mb
         raw_pull = rate(lambda: sink.give().result(), seconds) * mb
-        server = ParameterServer.create(client, size=n, shard_bytes=1 << 20, replicas=3,
-                                        ack="primary")
+        server = ParameterServer.create(
+            client, size=n, shard_bytes=1 << 20, replicas=3, ack="primary"
+        )
         delta = np.full(n, 1e-3, np.float32)
         push = rate(lambda: server.push(delta), seconds) * mb
         pull = rate(lambda: server.pull(), seconds) * mb
         server.flush()
-        out.update({"payload_mb": mb, "push_mb_per_s": push, "raw_push_mb_per_s": raw_push,
-                    "push_vs_raw": push / raw_push, "pull_mb_per_s": pull,
-                    "raw_pull_mb_per_s": raw_pull, "pull_vs_raw": pull / raw_pull})
+        out.update(
+            {
+                "payload_mb": mb,
+                "push_mb_per_s": push,
+                "raw_push_mb_per_s": raw_push,
+                "push_vs_raw": push / raw_push,
+                "pull_mb_per_s": pull,
+                "raw_pull_mb_per_s": raw_pull,
+                "pull_vs_raw": pull / raw_pull,
+            }
+        )
         stats = server.stats()
         out["max_replication_lag_after_flush"] = stats["max_replication_lag"]
         # the same payload as one shard: what the per-shard fan-out (4 calls to 3-4 nodes on
@@ -113,7 +128,9 @@ def bench_cluster(seconds: float) -> dict:
         push1 = rate(lambda: one.push(delta), seconds) * mb
         pull1 = rate(lambda: one.pull(), seconds) * mb
         one.close()
-        out.update({"one_shard_push_vs_raw": push1 / raw_push, "one_shard_pull_vs_raw": pull1 / raw_pull})
+        out.update(
+            {"one_shard_push_vs_raw": push1 / raw_push, "one_shard_pull_vs_raw": pull1 / raw_pull}
+        )
 
         victim = server.placement()[0][0]
         before = len(server.routing_info()["heal_times"])
@@ -138,8 +155,12 @@ def main() -> None:
     res = {"benchmark": "ps"}
     res.update(bench_apply(args.seconds))
     res.update(bench_cluster(args.seconds))
-    res["goals"] = {"apply_vs_numpy": 0.8, "push_vs_raw": 0.7, "pull_vs_raw": 0.7,
-                    "heal_seconds": 5.0}
+    res["goals"] = {
+        "apply_vs_numpy": 0.8,
+        "push_vs_raw": 0.7,
+        "pull_vs_raw": 0.7,
+        "heal_seconds": 5.0,
+    }
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}))
 
 

@@ -6,6 +6,7 @@ per batch. Prints one JSON line.
 
     python benchmarks/quorum.py [--epochs 3] [--delay 0.02]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,18 +20,26 @@ def run(quorum: float, store: str, args) -> dict:
     from adam_dask.train.trainer import Trainer
 
     with adam_dask.cluster.local(trainers=4, trainer_threads=1) as client:
-        trainer = Trainer(store, client=client, epoch_quorum=quorum, progress=False,
-                          slow_replicas={0: args.delay}, seed=args.seed)
+        trainer = Trainer(
+            store,
+            client=client,
+            epoch_quorum=quorum,
+            progress=False,
+            slow_replicas={0: args.delay},
+            seed=args.seed,
+        )
         try:
             trainer.fit(epochs=args.epochs)
         finally:
             trainer.close()
     h = trainer.history
-    return {"epoch_seconds": [round(s, 2) for s in h.column("seconds")],
-            "mean_epoch_seconds": round(sum(h.column("seconds")) / len(h), 2),
-            "accuracy": h.last["test_accuracy"],
-            "images_per_epoch": h.column("images"),
-            "replicas_finished": h.column("replicas_finished")}
+    return {
+        "epoch_seconds": [round(s, 2) for s in h.column("seconds")],
+        "mean_epoch_seconds": round(sum(h.column("seconds")) / len(h), 2),
+        "accuracy": h.last["test_accuracy"],
+        "images_per_epoch": h.column("images"),
+        "replicas_finished": h.column("replicas_finished"),
+    }
 
 
 def main() -> None:
@@ -43,14 +52,23 @@ def main() -> None:
     args = ap.parse_args()
     store = mnist_store()
     full, quorum = run(1.0, store, args), run(0.75, store, args)
-    print(json.dumps({
-        "benchmark": "quorum", "replicas": 4, "slow_replica_delay_per_batch": args.delay,
-        "epochs": args.epochs,
-        "epoch_seconds_quorum_1_0": full["mean_epoch_seconds"],
-        "epoch_seconds_quorum_0_75": quorum["mean_epoch_seconds"],
-        "speedup": round(full["mean_epoch_seconds"] / quorum["mean_epoch_seconds"], 3),
-        "accuracy_quorum_1_0": full["accuracy"], "accuracy_quorum_0_75": quorum["accuracy"],
-        "detail": {"1.0": full, "0.75": quorum}, "cpus": os.cpu_count()}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "quorum",
+                "replicas": 4,
+                "slow_replica_delay_per_batch": args.delay,
+                "epochs": args.epochs,
+                "epoch_seconds_quorum_1_0": full["mean_epoch_seconds"],
+                "epoch_seconds_quorum_0_75": quorum["mean_epoch_seconds"],
+                "speedup": round(full["mean_epoch_seconds"] / quorum["mean_epoch_seconds"], 3),
+                "accuracy_quorum_1_0": full["accuracy"],
+                "accuracy_quorum_0_75": quorum["accuracy"],
+                "detail": {"1.0": full, "0.75": quorum},
+                "cpus": os.cpu_count(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

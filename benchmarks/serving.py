@@ -18,6 +18,7 @@ Usage: ``python benchmarks/serving.py [--mnist DIR] [--torch-images N] [--train-
 The MNIST IDX folder comes from ``--mnist``, else ``$ADAM_DASK_MNIST``, a shared/datasets/mnist
 folder beside the checkout, or the public mirror.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,17 +88,25 @@ class _TorchAugmented:
         shear = rng.uniform(-a.shear, a.shear)
         tx, ty = rng.uniform(-a.translation, a.translation, size=2)
         c, s = np.cos(angle), np.sin(angle)
-        m = np.array([[c, c * shear - s], [s, s * shear + c]]) * scale   # (x, y) forward map
+        m = np.array([[c, c * shear - s], [s, s * shear + c]]) * scale  # (x, y) forward map
         minv = np.linalg.inv(m)
-        minv_rc = minv[::-1, ::-1]                                      # (row, col) order
+        minv_rc = minv[::-1, ::-1]  # (row, col) order
         centre = np.array([(H - 1) / 2, (W - 1) / 2])
         offset = centre - minv_rc @ (centre + np.array([ty, tx]))
         out = ndimage.affine_transform(img, minv_rc, offset=offset, order=1, cval=0.0)
         if a.elastic_alpha > 0:
-            dx = ndimage.gaussian_filter(rng.uniform(-1, 1, (H, W)), a.elastic_sigma,
-                                         mode="constant", truncate=3.0) * a.elastic_alpha
-            dy = ndimage.gaussian_filter(rng.uniform(-1, 1, (H, W)), a.elastic_sigma,
-                                         mode="constant", truncate=3.0) * a.elastic_alpha
+            dx = (
+                ndimage.gaussian_filter(
+                    rng.uniform(-1, 1, (H, W)), a.elastic_sigma, mode="constant", truncate=3.0
+                )
+                * a.elastic_alpha
+            )
+            dy = (
+                ndimage.gaussian_filter(
+                    rng.uniform(-1, 1, (H, W)), a.elastic_sigma, mode="constant", truncate=3.0
+                )
+                * a.elastic_alpha
+            )
             yy, xx = np.meshgrid(np.arange(H), np.arange(W), indexing="ij")
             out = ndimage.map_coordinates(out, [yy + dy, xx + dx], order=1, cval=0.0)
         x = torch.from_numpy(np.clip(out, 0, 1).astype(np.float32)[None])
@@ -110,12 +119,15 @@ def torch_loader(images, labels, aug, n_images: int, batch_size: int) -> tuple[f
         import torch
         from torch.utils.data import DataLoader, Subset
     except ImportError as exc:
-        return None, (f"torch/scipy missing ({exc.name}): pip install torch==2.13.0 scipy "
-                      "to compare with a PyTorch DataLoader")
+        return None, (
+            f"torch/scipy missing ({exc.name}): pip install torch==2.13.0 scipy "
+            "to compare with a PyTorch DataLoader"
+        )
     torch.set_num_threads(1)
     ds = Subset(_TorchAugmented(images, labels, aug), range(min(n_images, len(images))))
-    loader = DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=2,
-                        persistent_workers=False)
+    loader = DataLoader(
+        ds, batch_size=batch_size, shuffle=True, num_workers=2, persistent_workers=False
+    )
     n = 0
     t0 = time.perf_counter()
     for x, y in loader:
@@ -125,13 +137,23 @@ def torch_loader(images, labels, aug, n_images: int, batch_size: int) -> tuple[f
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mnist", default=None, help="MNIST folder (default: adam-dask's `mnist` lookup)")
+    p.add_argument(
+        "--mnist", default=None, help="MNIST folder (default: adam-dask's `mnist` lookup)"
+    )
     p.add_argument("--batch-size", type=int, default=None, help="default: adam.serving.batch-size")
     p.add_argument("--data-nodes", type=int, default=1)
-    p.add_argument("--torch-images", type=int, default=20000,
-                   help="images the PyTorch DataLoader augments (a rate is reported)")
-    p.add_argument("--train-rate", type=float, default=5000.0,
-                   help="images/s of the simulated training replica for the stall fraction")
+    p.add_argument(
+        "--torch-images",
+        type=int,
+        default=20000,
+        help="images the PyTorch DataLoader augments (a rate is reported)",
+    )
+    p.add_argument(
+        "--train-rate",
+        type=float,
+        default=5000.0,
+        help="images/s of the simulated training replica for the stall fraction",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
@@ -146,14 +168,17 @@ def main(argv: list[str] | None = None) -> int:
         url = os.path.join(tmp, "mnist.zarr")
         ingest(args.mnist or "mnist", url)
         raw = raw_read(url)
-        with adam_dask.cluster.local(ps_nodes=0, data_nodes=args.data_nodes, trainers=1,
-                                     trainer_threads=1) as client:
+        with adam_dask.cluster.local(
+            ps_nodes=0, data_nodes=args.data_nodes, trainers=1, trainer_threads=1
+        ) as client:
             service = DataService.create(client, url, augment=aug, batch_size=batch_size)
             try:
-                fast = client.submit(consume, service, 0, None, 8, resources={"TRAIN": 1},
-                                     pure=False).result()
-                paced = client.submit(consume, service, 1, args.train_rate, 0,
-                                      resources={"TRAIN": 1}, pure=False).result()
+                fast = client.submit(
+                    consume, service, 0, None, 8, resources={"TRAIN": 1}, pure=False
+                ).result()
+                paced = client.submit(
+                    consume, service, 1, args.train_rate, 0, resources={"TRAIN": 1}, pure=False
+                ).result()
                 served = service.stats()
             finally:
                 service.close()
@@ -165,9 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         "images": fast["images"],
         "batch_size": batch_size,
         "data_nodes": args.data_nodes,
-        "augment": {"rotation": aug.rotation, "translation": aug.translation, "scale": aug.scale,
-                    "shear": aug.shear, "elastic_alpha": aug.elastic_alpha,
-                    "elastic_sigma": aug.elastic_sigma},
+        "augment": {
+            "rotation": aug.rotation,
+            "translation": aug.translation,
+            "scale": aug.scale,
+            "shear": aug.shear,
+            "elastic_alpha": aug.elastic_alpha,
+            "elastic_sigma": aug.elastic_sigma,
+        },
         "augmented_images_per_s": round(augmented, 1),
         "raw_read_images_per_s": round(raw, 1),
         "torch_loader_images_per_s": None if torch_rate is None else round(torch_rate, 1),

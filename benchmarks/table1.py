@@ -6,6 +6,7 @@ Prints one JSON line with both accuracies beside the paper's (99.63% async, 99.3
 
     python benchmarks/table1.py [--epochs 12] [--lr-decay 0.8] [--max-minutes 30]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,17 +22,29 @@ def run(mode: str, store: str, args, seconds: float) -> dict:
 
     t0 = time.perf_counter()
     with adam_dask.cluster.local() as client:
-        trainer = Trainer(store, client=client, mode=mode, augment=True, lr=args.lr,
-                          lr_decay=args.lr_decay, progress=False, seed=args.seed)
+        trainer = Trainer(
+            store,
+            client=client,
+            mode=mode,
+            augment=True,
+            lr=args.lr,
+            lr_decay=args.lr_decay,
+            progress=False,
+            seed=args.seed,
+        )
         try:
             trainer.fit(epochs=args.epochs, max_seconds=seconds)
         finally:
             trainer.close()
     h = trainer.history
-    return {"accuracy": h.last["test_accuracy"], "best_accuracy": h.best_accuracy,
-            "epochs": len(h), "seconds": round(time.perf_counter() - t0, 1),
-            "images_per_second": round(sum(h.column("images")) / sum(h.column("seconds"))),
-            "curve": [round(a, 4) for a in h.column("test_accuracy")]}
+    return {
+        "accuracy": h.last["test_accuracy"],
+        "best_accuracy": h.best_accuracy,
+        "epochs": len(h),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "images_per_second": round(sum(h.column("images")) / sum(h.column("seconds"))),
+        "curve": [round(a, 4) for a in h.column("test_accuracy")],
+    }
 
 
 def main() -> None:
@@ -47,13 +60,25 @@ def main() -> None:
     store = mnist_store()
     budget = args.max_minutes * 60 / 2
     res = {m: run(m, store, args, budget) for m in ("async", "sync")}
-    print(json.dumps({
-        "benchmark": "table1", "epochs": args.epochs, "lr": args.lr, "lr_decay": args.lr_decay,
-        "augment": "affine+elastic",
-        "async_accuracy": res["async"]["accuracy"], "sync_accuracy": res["sync"]["accuracy"],
-        "async_minus_sync": round(res["async"]["accuracy"] - res["sync"]["accuracy"], 4),
-        "paper_async": 0.9963, "paper_sync": 0.9939, "async": res["async"], "sync": res["sync"],
-        "cpus": os.cpu_count()}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "table1",
+                "epochs": args.epochs,
+                "lr": args.lr,
+                "lr_decay": args.lr_decay,
+                "augment": "affine+elastic",
+                "async_accuracy": res["async"]["accuracy"],
+                "sync_accuracy": res["sync"]["accuracy"],
+                "async_minus_sync": round(res["async"]["accuracy"] - res["sync"]["accuracy"], 4),
+                "paper_async": 0.9963,
+                "paper_sync": 0.9939,
+                "async": res["async"],
+                "sync": res["sync"],
+                "cpus": os.cpu_count(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

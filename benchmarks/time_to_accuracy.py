@@ -8,6 +8,7 @@ training, as PyTorch's does.
 
     python benchmarks/time_to_accuracy.py [--target 0.99] [--max-epochs 10]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,40 +28,80 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.99)
     ap.add_argument("--max-epochs", type=int, default=10)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="PyTorch threads")
-    ap.add_argument("--torch-lr", type=float, default=0.1,
-                    help="PyTorch's learning rate (its own recipe: 0.1 x0.7 per epoch reached 99%% "
-                         "fastest of those tried here)")
+    ap.add_argument(
+        "--torch-lr",
+        type=float,
+        default=0.1,
+        help="PyTorch's learning rate (its own recipe: 0.1 x0.7 per epoch reached 99%% "
+        "fastest of those tried here)",
+    )
     ap.add_argument("--torch-lr-decay", type=float, default=0.7)
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
     store = mnist_store()
 
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "adam_dask.cli", "train", "--data", store,
-                           "--target-accuracy", str(args.target), "--epochs", str(args.max_epochs),
-                           "--no-progress"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "adam_dask.cli",
+            "train",
+            "--data",
+            store,
+            "--target-accuracy",
+            str(args.target),
+            "--epochs",
+            str(args.max_epochs),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         sys.exit(f"adam-dask train failed: {proc.stderr.strip().splitlines()[-1:]}")
     ours = json.loads(proc.stdout.strip().splitlines()[-1])
-    out = {"benchmark": "time_to_accuracy", "target": args.target,
-           "ours_seconds_to_target": ours.get("seconds_to_target"),
-           "ours_wall_seconds": round(wall, 2), "ours_epochs": ours["epochs"],
-           "ours_test_accuracy": ours["test_accuracy"],
-           "ours_images_per_second": ours["images_per_second"], "ours_replicas": ours["replicas"],
-           "lr": config.get("train.lr"), "lr_decay": config.get("train.lr-decay"),
-           "activation": config.get("model.activation"), "cpus": os.cpu_count()}
+    out = {
+        "benchmark": "time_to_accuracy",
+        "target": args.target,
+        "ours_seconds_to_target": ours.get("seconds_to_target"),
+        "ours_wall_seconds": round(wall, 2),
+        "ours_epochs": ours["epochs"],
+        "ours_test_accuracy": ours["test_accuracy"],
+        "ours_images_per_second": ours["images_per_second"],
+        "ours_replicas": ours["replicas"],
+        "lr": config.get("train.lr"),
+        "lr_decay": config.get("train.lr-decay"),
+        "activation": config.get("model.activation"),
+        "cpus": os.cpu_count(),
+    }
     if not args.no_torch:
         try:
             xtr, ytr, xte, yte = load_mnist_arrays(store)
-            th = torch_fit_to_target(xtr, ytr, xte, yte, target=args.target,
-                                     max_epochs=args.max_epochs, threads=args.threads,
-                                     lr=args.torch_lr, lr_decay=args.torch_lr_decay,
-                                     activation=config.get("model.activation"))
-            out.update(torch_seconds_to_target=th["seconds_to_target"] and round(th["seconds_to_target"], 2),
-                       torch_epochs=th["epochs"], torch_curve=th["curve"], torch_threads=args.threads)
+            th = torch_fit_to_target(
+                xtr,
+                ytr,
+                xte,
+                yte,
+                target=args.target,
+                max_epochs=args.max_epochs,
+                threads=args.threads,
+                lr=args.torch_lr,
+                lr_decay=args.torch_lr_decay,
+                activation=config.get("model.activation"),
+            )
+            out.update(
+                torch_seconds_to_target=th["seconds_to_target"]
+                and round(th["seconds_to_target"], 2),
+                torch_epochs=th["epochs"],
+                torch_curve=th["curve"],
+                torch_threads=args.threads,
+            )
             if th["seconds_to_target"] and ours.get("seconds_to_target"):
-                out["speedup_vs_torch"] = round(th["seconds_to_target"] / ours["seconds_to_target"], 3)
+                out["speedup_vs_torch"] = round(
+                    th["seconds_to_target"] / ours["seconds_to_target"], 3
+                )
         except ImportError as exc:
             out["torch_error"] = f"PyTorch is not installed ({exc}); pip install '.[bench]'"
     print(json.dumps(out))

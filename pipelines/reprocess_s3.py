@@ -13,6 +13,7 @@ Credentials and endpoints come from the AWS variables (``AWS_ENDPOINT_URL`` too)
 
 Prints one JSON line: the ingest, train and evaluate results.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,15 +46,48 @@ def main() -> None:
     ap.add_argument("--gateway", default=None)
     args, train_extra = ap.parse_known_args()
     so = ["--storage-options", args.storage_options] if args.storage_options else []
-    where = (["--scheduler", args.scheduler] if args.scheduler else
-             ["--gateway", args.gateway] if args.gateway else [])
-    ingested = step(["ingest", args.src, args.dest, *so, *(["--overwrite"] if args.overwrite else []),
-                     *(["--scheduler", args.scheduler] if args.scheduler else [])])
-    trained = step(["train", "--data", args.dest, "--epochs", args.epochs, "--checkpoint",
-                    args.checkpoint, "--no-progress", *so, *where, *train_extra])
+    where = (
+        ["--scheduler", args.scheduler]
+        if args.scheduler
+        else ["--gateway", args.gateway]
+        if args.gateway
+        else []
+    )
+    ingested = step(
+        [
+            "ingest",
+            args.src,
+            args.dest,
+            *so,
+            *(["--overwrite"] if args.overwrite else []),
+            *(["--scheduler", args.scheduler] if args.scheduler else []),
+        ]
+    )
+    trained = step(
+        [
+            "train",
+            "--data",
+            args.dest,
+            "--epochs",
+            args.epochs,
+            "--checkpoint",
+            args.checkpoint,
+            "--no-progress",
+            *so,
+            *where,
+            *train_extra,
+        ]
+    )
     evaluated = step(["evaluate", args.checkpoint, "--data", args.dest, *so])
-    print(json.dumps({"ingest": {k: ingested[k] for k in ("images", "shape", "classes", "seconds")},
-                      "train": trained, "evaluate": evaluated}))
+    print(
+        json.dumps(
+            {
+                "ingest": {k: ingested[k] for k in ("images", "shape", "classes", "seconds")},
+                "train": trained,
+                "evaluate": evaluated,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from here (or preload it: --preload adam_dask.ps.placement).
 
 Prints the training summary as one JSON line, like `adam-dask train`.
 """
+
 from __future__ import annotations
 
 import sys

@@ -1,4 +1,5 @@
 """Shared fixtures: small synthetic datasets, a real S3 (moto's server on 127.0.0.1), real clusters."""
+
 from __future__ import annotations
 
 import gzip
@@ -14,6 +15,7 @@ logging.getLogger("werkzeug").setLevel(logging.ERROR)
 
 
 # -- synthetic data ------------------------------------------------------------------------------
+
 
 def synthetic_digits(n: int, size: int = 28, classes: int = 10, seed: int = 0):
     """``n`` learnable uint8 images (n, size, size): class ``c`` draws a bar at a class-specific
@@ -45,8 +47,9 @@ def write_idx(path: Path, array: np.ndarray, *, gz: bool = True, magic: int | No
     return path
 
 
-def write_mnist_like(folder: Path, n_train: int = 300, n_test: int = 100, *, gz: bool = True,
-                     seed: int = 0) -> Path:
+def write_mnist_like(
+    folder: Path, n_train: int = 300, n_test: int = 100, *, gz: bool = True, seed: int = 0
+) -> Path:
     """A folder with the four MNIST-style IDX files of a small synthetic dataset."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -75,6 +78,7 @@ def mnist_like(tmp_path) -> Path:
 
 # -- S3: moto's real server on 127.0.0.1 ---------------------------------------------------------
 
+
 @pytest.fixture(scope="session")
 def s3_server():
     """A moto S3 server on 127.0.0.1 (a free port); yields its storage options."""
@@ -95,7 +99,10 @@ def s3(s3_server, request):
 
     opts = s3_server["options"]
     fs = s3fs.S3FileSystem(**opts)
-    bucket = "adam-" + request.node.name.lower().replace("_", "-").replace("[", "-").replace("]", "")[:40]
+    bucket = (
+        "adam-"
+        + request.node.name.lower().replace("_", "-").replace("[", "-").replace("]", "")[:40]
+    )
     fs.mkdir(bucket)
     s3fs.S3FileSystem.clear_instance_cache()
     yield f"s3://{bucket}", dict(opts)
@@ -107,13 +114,15 @@ def s3(s3_server, request):
 
 # -- clusters --------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def adam_cluster():
     """The embedded Adam cluster: 3 PS workers on distinct loopback hosts, 1 DATA, 2 TRAIN."""
     import adam_dask
 
-    with adam_dask.cluster.local(ps_nodes=3, data_nodes=1, trainers=2, trainer_threads=1,
-                                 memory_limit="2 GiB") as client:
+    with adam_dask.cluster.local(
+        ps_nodes=3, data_nodes=1, trainers=2, trainer_threads=1, memory_limit="2 GiB"
+    ) as client:
         yield client
 
 
@@ -122,8 +131,16 @@ def local_client():
     """A plain LocalCluster (2 workers, processes) for ingest and other role-free work."""
     from distributed import Client, LocalCluster
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
-                      host="127.0.0.1") as cluster, Client(cluster) as client:
+    with (
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=":0",
+            host="127.0.0.1",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
         yield client
 
 

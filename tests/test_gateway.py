@@ -1,5 +1,6 @@
 """`adam-dask train --gateway`: a real dask-gateway-server (local backend) on 127.0.0.1, its
 workers given roles after start-up, the PS placement plugin's controller speaking TLS."""
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,8 @@ def _free_port() -> int:
 def gateway(tmp_path_factory):
     d = tmp_path_factory.mktemp("gateway")
     port = _free_port()
-    (d / "config.py").write_text(textwrap.dedent(f"""
+    (d / "config.py").write_text(
+        textwrap.dedent(f"""
         import sys
         c.DaskGateway.address = "127.0.0.1:0"
         c.Proxy.address = "127.0.0.1:{port}"
@@ -43,11 +45,16 @@ def gateway(tmp_path_factory):
         c.ClusterConfig.worker_threads = 1
         c.ClusterConfig.worker_memory = "1 G"
         c.ClusterConfig.scheduler_memory = "1 G"
-        c.UnsafeLocalBackend.clusters_directory = "{d / 'clusters'}"
-    """))
+        c.UnsafeLocalBackend.clusters_directory = "{d / "clusters"}"
+    """)
+    )
     log = open(d / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "dask_gateway_server", "-f", str(d / "config.py")],
-                            cwd=d, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dask_gateway_server", "-f", str(d / "config.py")],
+        cwd=d,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
     while True:
@@ -57,10 +64,15 @@ def gateway(tmp_path_factory):
         except OSError:
             if proc.poll() is not None or time.time() > deadline:
                 proc.kill()
-                pytest.fail(f"dask-gateway-server did not start: {(d / 'server.log').read_text()[-2000:]}")
+                pytest.fail(
+                    f"dask-gateway-server did not start: {(d / 'server.log').read_text()[-2000:]}"
+                )
             time.sleep(0.2)
-    env = dict(os.environ, DASK_GATEWAY__AUTH__TYPE="basic",
-               DASK_GATEWAY__AUTH__KWARGS=json.dumps({"username": "alice", "password": PASSWORD}))
+    env = dict(
+        os.environ,
+        DASK_GATEWAY__AUTH__TYPE="basic",
+        DASK_GATEWAY__AUTH__KWARGS=json.dumps({"username": "alice", "password": PASSWORD}),
+    )
     yield url, env
     proc.terminate()
     proc.wait(30)
@@ -71,11 +83,34 @@ def test_train_on_a_gateway_cluster(gateway, tmp_path):
     url, env = gateway
     store = synthetic_store(tmp_path, n_train=512, n_test=128)
     proc = subprocess.run(
-        [sys.executable, "-m", "adam_dask.cli", "train", "--gateway", url,
-         "--data", store, "--epochs", "2", "--model", "conv5x5:6,maxpool2,fc32,fc10",
-         "--ps-nodes", "3", "--data-nodes", "0", "--trainers", "1", "--no-progress",
-         "--checkpoint", str(tmp_path / "ck")],
-        env=env, capture_output=True, text=True, timeout=280)
+        [
+            sys.executable,
+            "-m",
+            "adam_dask.cli",
+            "train",
+            "--gateway",
+            url,
+            "--data",
+            store,
+            "--epochs",
+            "2",
+            "--model",
+            "conv5x5:6,maxpool2,fc32,fc10",
+            "--ps-nodes",
+            "3",
+            "--data-nodes",
+            "0",
+            "--trainers",
+            "1",
+            "--no-progress",
+            "--checkpoint",
+            str(tmp_path / "ck"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["epochs"] == 2 and result["replicas"] == 1

@@ -3,6 +3,7 @@
 ``DataService`` and ``Augment`` are the names a trainer uses; see ``serving.py`` and
 ``augment.py``.
 """
+
 from __future__ import annotations
 
 from .augment import Augment, as_model_input

@@ -30,6 +30,7 @@ Example
 >>> x.shape, x.dtype
 ((4, 1, 28, 28), dtype('float32'))
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,10 +59,11 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
 _TWO53 = 1.0 / 9007199254740992.0
-_AFFINE_DRAWS = 8          # draw numbers 0..7 are the affine parameters; the field starts after
+_AFFINE_DRAWS = 8  # draw numbers 0..7 are the affine parameters; the field starts after
 
 
 # -- counter-based random numbers --------------------------------------------------------------
+
 
 @njit(cache=True, nogil=True)
 def _mix64(z):
@@ -87,6 +89,7 @@ def _uniform(key, n):
 
 
 # -- building blocks -----------------------------------------------------------------------------
+
 
 @njit(cache=True, nogil=True)
 def _gaussian_taps(sigma):
@@ -116,14 +119,14 @@ def _smooth(field, taps, pad_x, pad_y):
     for y in range(H):
         for x in range(W):
             pad_x[y, r + x] = field[y, x]
-    for y in range(H):                      # rows: pad_y[r + y] = taps * pad_x[y]
+    for y in range(H):  # rows: pad_y[r + y] = taps * pad_x[y]
         for x in range(W):
             pad_y[r + y, x] = 0.0
         for t in range(T):
             w = taps[t]
             for x in range(W):
                 pad_y[r + y, x] += w * pad_x[y, x + t]
-    for y in range(H):                      # columns: field[y] = taps * pad_y[y:y + T]
+    for y in range(H):  # columns: field[y] = taps * pad_y[y:y + T]
         for x in range(W):
             field[y, x] = 0.0
         for t in range(T):
@@ -200,9 +203,11 @@ def _warp_one(out, img, angle, scale, shear, tx, ty, dx, dy, use_field):
 
 # -- batch kernels ---------------------------------------------------------------------------------
 
+
 @njit(cache=True, nogil=True)
-def augment_batch(out, images, indices, seed, epoch, rotation, translation, scale, shear,
-                  alpha, sigma):
+def augment_batch(
+    out, images, indices, seed, epoch, rotation, translation, scale, shear, alpha, sigma
+):
     """Augment a batch: out (B, C, H, W) float32 <- images (B, H, W, C) uint8.
 
     Image b gets the draws of key (seed, epoch, indices[b]): angle ~ U(-rotation, rotation)
@@ -240,8 +245,18 @@ def affine_batch(out, images, params):
     B, H, W, C = images.shape
     dx = np.zeros((1, 1), np.float64)
     for b in range(B):
-        _warp_one(out[b], images[b], params[b, 0], params[b, 1], params[b, 2], params[b, 3],
-                  params[b, 4], dx, dx, False)
+        _warp_one(
+            out[b],
+            images[b],
+            params[b, 0],
+            params[b, 1],
+            params[b, 2],
+            params[b, 3],
+            params[b, 4],
+            dx,
+            dx,
+            False,
+        )
 
 
 @njit(cache=True, nogil=True)
@@ -271,12 +286,15 @@ def to_float_batch(out, images):
 
 # -- the configuration object ---------------------------------------------------------------------
 
+
 def _as_bhwc(images: np.ndarray) -> np.ndarray:
     """(B, H, W) or (B, H, W, C) uint8 -> a C-contiguous (B, H, W, C) view or copy."""
     images = np.asarray(images)
     if images.dtype != np.uint8 or images.ndim not in (3, 4):
-        raise InputShapeError(f"images are {images.dtype} {images.shape}, expected uint8 "
-                              "(B, H, W) or (B, H, W, C)", "pass the arrays of a dataset store")
+        raise InputShapeError(
+            f"images are {images.dtype} {images.shape}, expected uint8 (B, H, W) or (B, H, W, C)",
+            "pass the arrays of a dataset store",
+        )
     if images.ndim == 3:
         images = images[..., None]
     return np.ascontiguousarray(images)
@@ -322,14 +340,20 @@ class Augment:
     def __post_init__(self):
         for name, value in asdict(self).items():
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ConfigError(f"augment {name}={value!r} is invalid",
-                                  f"give a finite number >= 0 (adam.augment.{name.replace('_', '-')})")
+                raise ConfigError(
+                    f"augment {name}={value!r} is invalid",
+                    f"give a finite number >= 0 (adam.augment.{name.replace('_', '-')})",
+                )
         if self.scale >= 1:
-            raise ConfigError(f"augment scale={self.scale} would allow a scale factor <= 0",
-                              "give a fraction below 1, e.g. 0.1")
+            raise ConfigError(
+                f"augment scale={self.scale} would allow a scale factor <= 0",
+                "give a fraction below 1, e.g. 0.1",
+            )
         if self.elastic_alpha > 0 and self.elastic_sigma <= 0:
-            raise ConfigError("augment elastic_sigma must be > 0 when elastic_alpha > 0",
-                              "set adam.augment.elastic-sigma, e.g. 4.0")
+            raise ConfigError(
+                "augment elastic_sigma must be > 0 when elastic_alpha > 0",
+                "set adam.augment.elastic-sigma, e.g. 4.0",
+            )
 
     @classmethod
     def from_config(cls, **overrides: float) -> Augment:
@@ -346,11 +370,23 @@ class Augment:
 
     @property
     def is_identity(self) -> bool:
-        return (self.rotation == 0 and self.translation == 0 and self.scale == 0
-                and self.shear == 0 and self.elastic_alpha == 0)
+        return (
+            self.rotation == 0
+            and self.translation == 0
+            and self.scale == 0
+            and self.shear == 0
+            and self.elastic_alpha == 0
+        )
 
-    def apply(self, images: np.ndarray, indices: np.ndarray, *, seed: int = 0, epoch: int = 0,
-              out: np.ndarray | None = None) -> np.ndarray:
+    def apply(
+        self,
+        images: np.ndarray,
+        indices: np.ndarray,
+        *,
+        seed: int = 0,
+        epoch: int = 0,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Augment ``images`` (B, H, W[, C]) uint8 -> (B, C, H, W) float32 in [0, 1].
 
         ``indices`` (B,) are the images' global indices in the dataset: with ``seed`` and
@@ -360,17 +396,30 @@ class Augment:
         B, H, W, C = x.shape
         idx = np.ascontiguousarray(indices, dtype=np.int64).reshape(-1)
         if idx.shape[0] != B:
-            raise InputShapeError(f"{idx.shape[0]} indices for {B} images",
-                                  "give one global index per image")
+            raise InputShapeError(
+                f"{idx.shape[0]} indices for {B} images", "give one global index per image"
+            )
         if out is None:
             out = np.empty((B, C, H, W), np.float32)
         elif out.shape != (B, C, H, W) or out.dtype != np.float32:
-            raise InputShapeError(f"out is {out.dtype} {out.shape}, expected float32 {(B, C, H, W)}",
-                                  "allocate out with the batch's shape")
+            raise InputShapeError(
+                f"out is {out.dtype} {out.shape}, expected float32 {(B, C, H, W)}",
+                "allocate out with the batch's shape",
+            )
         if self.is_identity:
             to_float_batch(out, x)
         else:
-            augment_batch(out, x, idx, int(seed) & 0xFFFFFFFFFFFFFFFF, int(epoch),
-                          float(self.rotation), float(self.translation), float(self.scale),
-                          float(self.shear), float(self.elastic_alpha), float(self.elastic_sigma))
+            augment_batch(
+                out,
+                x,
+                idx,
+                int(seed) & 0xFFFFFFFFFFFFFFFF,
+                int(epoch),
+                float(self.rotation),
+                float(self.translation),
+                float(self.scale),
+                float(self.shear),
+                float(self.elastic_alpha),
+                float(self.elastic_sigma),
+            )
         return out

@@ -5,6 +5,7 @@ A store holds one Zarr v3 group per split (``train``, ``test``). Each split grou
 ``source``, ``sha256`` and ``complete``. ``complete`` is written last by ingest: a split without
 it was interrupted and is refused, so a reader never trains on half a dataset.
 """
+
 from __future__ import annotations
 
 import logging
@@ -64,7 +65,9 @@ class Split:
             raise DatasetError(
                 f"cannot read images {start}:{stop} of {self.url}/{self.name}: "
                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                "the store is damaged; ingest it again", url=self.url) from exc
+                "the store is damaged; ingest it again",
+                url=self.url,
+            ) from exc
 
 
 def open_split(url: str, split: str = "train", storage_options: dict | None = None) -> Split:
@@ -75,35 +78,57 @@ def open_split(url: str, split: str = "train", storage_options: dict | None = No
         store = zarr_store(url, storage_options, read_only=True)
         root = zarr.open_group(store=store, mode="r", zarr_format=3)
     except FileNotFoundError as exc:
-        raise DatasetError(f"no dataset store at {url}",
-                           "check the URL, or create one with `adam-dask ingest SRC DEST`",
-                           url=url) from exc
+        raise DatasetError(
+            f"no dataset store at {url}",
+            "check the URL, or create one with `adam-dask ingest SRC DEST`",
+            url=url,
+        ) from exc
     except Exception as exc:
-        raise DatasetError(f"cannot open the dataset store at {url}: {type(exc).__name__}: {exc}",
-                           "check the URL and --storage-options", url=url) from exc
+        raise DatasetError(
+            f"cannot open the dataset store at {url}: {type(exc).__name__}: {exc}",
+            "check the URL and --storage-options",
+            url=url,
+        ) from exc
     if split not in root:
-        raise DatasetError(f"the dataset store at {url} has no {split!r} split "
-                           f"(it has {sorted(k for k in root.group_keys())})",
-                           "ingest the split or choose another", url=url)
+        raise DatasetError(
+            f"the dataset store at {url} has no {split!r} split "
+            f"(it has {sorted(k for k in root.group_keys())})",
+            "ingest the split or choose another",
+            url=url,
+        )
     g = root[split]
     for name in ("images", "labels"):
         if name not in g:
-            raise DatasetError(f"{where} has no {name!r} array",
-                               "it was not written by `adam-dask ingest`; ingest it again", url=url)
+            raise DatasetError(
+                f"{where} has no {name!r} array",
+                "it was not written by `adam-dask ingest`; ingest it again",
+                url=url,
+            )
     images, labels = g["images"], g["labels"]
     attrs = dict(g.attrs)
     if not attrs.get("complete"):
-        raise DatasetError(f"{where} is incomplete (its ingest was interrupted)",
-                           "run `adam-dask ingest ... --overwrite` again", url=url)
+        raise DatasetError(
+            f"{where} is incomplete (its ingest was interrupted)",
+            "run `adam-dask ingest ... --overwrite` again",
+            url=url,
+        )
     if images.dtype != np.uint8 or images.ndim not in (3, 4):
-        raise DatasetError(f"{where}/images is {images.dtype} {images.shape}, expected uint8 "
-                           "(N, H, W) or (N, H, W, C)", "ingest the data again", url=url)
+        raise DatasetError(
+            f"{where}/images is {images.dtype} {images.shape}, expected uint8 "
+            "(N, H, W) or (N, H, W, C)",
+            "ingest the data again",
+            url=url,
+        )
     if labels.ndim != 1 or labels.shape[0] != images.shape[0]:
-        raise DatasetError(f"{where} has {images.shape[0]} images but labels of shape "
-                           f"{labels.shape}", "ingest the data again", url=url)
+        raise DatasetError(
+            f"{where} has {images.shape[0]} images but labels of shape {labels.shape}",
+            "ingest the data again",
+            url=url,
+        )
     if not np.issubdtype(labels.dtype, np.integer):
-        raise DatasetError(f"{where}/labels is {labels.dtype}, expected integers",
-                           "ingest the data again", url=url)
+        raise DatasetError(
+            f"{where}/labels is {labels.dtype}, expected integers", "ingest the data again", url=url
+        )
     classes = [str(c) for c in attrs.get("classes", [])]
     if not classes:
         raise DatasetError(f"{where} has no 'classes' attribute", "ingest the data again", url=url)
@@ -116,8 +141,10 @@ def describe(url: str, storage_options: dict | None = None) -> dict:
     try:
         root = zarr.open_group(store=zarr_store(url, storage_options), mode="r", zarr_format=3)
     except FileNotFoundError as exc:
-        raise DatasetError(f"no dataset store at {url}",
-                           "check the URL, or create one with `adam-dask ingest SRC DEST`") from exc
+        raise DatasetError(
+            f"no dataset store at {url}",
+            "check the URL, or create one with `adam-dask ingest SRC DEST`",
+        ) from exc
     out: dict[str, Any] = {"url": url, "splits": {}}
     for name in sorted(root.group_keys()):
         s = open_split(url, name, storage_options)

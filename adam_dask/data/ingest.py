@@ -15,6 +15,7 @@ would be a read-modify-write of the shard object). Each split's ``complete`` att
 root's ``splits`` attribute are written last, and a failed ingest removes what it wrote, so an
 interrupted ingest never leaves a store that looks complete.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -48,16 +49,23 @@ _SPLIT_NAMES = {"train": "train", "t10k": "test", "test": "test"}
 
 # -- IDX -------------------------------------------------------------------------------------------
 
+
 def parse_idx(data: bytes, name: str = "<bytes>") -> np.ndarray:
     """Decode the bytes of an IDX file (already decompressed) into an array."""
     if len(data) < 4:
-        raise SourceError(f"{name} is too short to be an IDX file ({len(data)} bytes)",
-                          "check that the file is complete", path=name)
+        raise SourceError(
+            f"{name} is too short to be an IDX file ({len(data)} bytes)",
+            "check that the file is complete",
+            path=name,
+        )
     zero, type_code, ndim = struct.unpack(">HBB", data[:4])
     if zero != 0 or type_code not in IDX_DTYPES or not 1 <= ndim <= 4:
-        raise SourceError(f"{name} has the wrong IDX magic number 0x{data[:4].hex()}",
-                          "expected 0x00000801 (labels) or 0x00000803 (images); "
-                          "check that it is an MNIST-style IDX file", path=name)
+        raise SourceError(
+            f"{name} has the wrong IDX magic number 0x{data[:4].hex()}",
+            "expected 0x00000801 (labels) or 0x00000803 (images); "
+            "check that it is an MNIST-style IDX file",
+            path=name,
+        )
     header = 4 + 4 * ndim
     if len(data) < header:
         raise SourceError(f"{name} ends inside its IDX header", "download it again", path=name)
@@ -66,9 +74,11 @@ def parse_idx(data: bytes, name: str = "<bytes>") -> np.ndarray:
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     got = len(data) - header
     if got != expected:
-        raise SourceError(f"{name} holds {got} data bytes but its header {tuple(shape)} needs "
-                          f"{expected}", "the file is truncated or corrupt; download it again",
-                          path=name)
+        raise SourceError(
+            f"{name} holds {got} data bytes but its header {tuple(shape)} needs {expected}",
+            "the file is truncated or corrupt; download it again",
+            path=name,
+        )
     return np.frombuffer(data, dtype=dtype, offset=header).reshape(shape)
 
 
@@ -85,15 +95,18 @@ def read_idx(url: str, storage_options: dict | None = None) -> np.ndarray:
         try:
             raw = gzip.decompress(raw)
         except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
-            raise SourceError(f"{url} is a truncated or corrupt gzip file ({exc})",
-                              "download it again", path=url) from exc
+            raise SourceError(
+                f"{url} is a truncated or corrupt gzip file ({exc})", "download it again", path=url
+            ) from exc
     return parse_idx(raw, url)
 
 
 # -- source discovery --------------------------------------------------------------------------------
 
-MNIST_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
-               "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
+MNIST_FILES = {
+    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+    "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
+}
 
 
 def mnist_location() -> str:
@@ -105,12 +118,14 @@ def mnist_location() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     for base in (os.getcwd(), os.path.join(here, "..", "..")):
         cand = os.path.normpath(os.path.join(base, "..", "shared", "datasets", "mnist"))
-        if all(os.path.exists(os.path.join(cand, f)) for pair in MNIST_FILES.values() for f in pair):
+        if all(
+            os.path.exists(os.path.join(cand, f)) for pair in MNIST_FILES.values() for f in pair
+        ):
             return cand
     return config.get("data.mnist-mirror")
 
 
-def _verify_md5sums(src: str, splits: list["SplitSource"], storage_options: dict | None) -> None:
+def _verify_md5sums(src: str, splits: list[SplitSource], storage_options: dict | None) -> None:
     """Check the files against an ``MD5SUMS`` file in the source folder, when there is one."""
     fs, root = filesystem(src, storage_options)
     sums_path = posixpath.join(root, "MD5SUMS") if "://" in src else os.path.join(root, "MD5SUMS")
@@ -130,8 +145,12 @@ def _verify_md5sums(src: str, splits: list["SplitSource"], storage_options: dict
                 fs2, path = filesystem(url, storage_options)
                 got = hashlib.md5(fs2.cat_file(path)).hexdigest()
                 if got != expected[name]:
-                    raise SourceError(f"{url} has MD5 {got}, but MD5SUMS says {expected[name]}",
-                                      "the file is damaged; download it again", path=url)
+                    raise SourceError(
+                        f"{url} has MD5 {got}, but MD5SUMS says {expected[name]}",
+                        "the file is damaged; download it again",
+                        path=url,
+                    )
+
 
 @dataclass
 class SplitSource:
@@ -159,16 +178,21 @@ def discover(src: str, storage_options: dict | None = None) -> list[SplitSource]
         src = mnist_location()
         if src.startswith(("http://", "https://")):  # a web mirror cannot be listed
             base = src.rstrip("/")
-            return [SplitSource(name, "idx", images=f"{base}/{i}", labels=f"{base}/{l}")
-                    for name, (i, l) in MNIST_FILES.items()]
+            return [
+                SplitSource(name, "idx", images=f"{base}/{i}", labels=f"{base}/{l}")
+                for name, (i, l) in MNIST_FILES.items()
+            ]
     src = normalize_url(src)
     fs, root = filesystem(src, storage_options)
     try:
         if not fs.exists(root):
             raise SourceError(f"the source {src} does not exist", "check the path or URL", path=src)
         if not fs.isdir(root):
-            raise SourceError(f"the source {src} is a file, not a folder",
-                              "give the folder holding the IDX files or the class folders", path=src)
+            raise SourceError(
+                f"the source {src} is a file, not a folder",
+                "give the folder holding the IDX files or the class folders",
+                path=src,
+            )
         entries = fs.ls(root, detail=True)
     except SourceError:
         raise
@@ -180,7 +204,9 @@ def discover(src: str, storage_options: dict | None = None) -> list[SplitSource]
         return proto + p if proto and not p.startswith(proto) else p
 
     files = {posixpath.basename(e["name"].rstrip("/")): e for e in entries if e["type"] == "file"}
-    dirs = sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e["type"] == "directory")
+    dirs = sorted(
+        posixpath.basename(e["name"].rstrip("/")) for e in entries if e["type"] == "directory"
+    )
     idx = {n: m for n in files if (m := _IDX_IMAGES.match(n))}
     if idx:
         splits = []
@@ -190,33 +216,51 @@ def discover(src: str, storage_options: dict | None = None) -> list[SplitSource]
             if label_name not in files:
                 alt = _IDX_LABELS.format(split=prefix) + ("" if gz else ".gz")
                 if alt not in files:
-                    raise SourceError(f"{name} in {src} has no labels file {label_name}",
-                                      "add the matching *-labels-idx1-ubyte file", path=src)
+                    raise SourceError(
+                        f"{name} in {src} has no labels file {label_name}",
+                        "add the matching *-labels-idx1-ubyte file",
+                        path=src,
+                    )
                 label_name = alt
             split = _SPLIT_NAMES.get(prefix.lower(), "train" if len(idx) == 1 else prefix.lower())
-            splits.append(SplitSource(split, "idx", images=url_of(files[name]["name"]),
-                                      labels=url_of(files[label_name]["name"])))
+            splits.append(
+                SplitSource(
+                    split,
+                    "idx",
+                    images=url_of(files[name]["name"]),
+                    labels=url_of(files[label_name]["name"]),
+                )
+            )
         _verify_md5sums(src, splits, storage_options)
         names = [s.name for s in splits]
         if len(set(names)) != len(names):
-            raise SourceError(f"{src} holds several IDX image files for one split: {sorted(idx)}",
-                              "keep one pair per split", path=src)
+            raise SourceError(
+                f"{src} holds several IDX image files for one split: {sorted(idx)}",
+                "keep one pair per split",
+                path=src,
+            )
         return splits
     if not dirs:
-        raise SourceError(f"the source {src} is empty: no IDX files and no class folders",
-                          "point at a folder of *-images-idx3-ubyte files or of class folders",
-                          path=src)
+        raise SourceError(
+            f"the source {src} is empty: no IDX files and no class folders",
+            "point at a folder of *-images-idx3-ubyte files or of class folders",
+            path=src,
+        )
     if set(dirs) >= {"train"} and set(dirs) <= {"train", "test"}:
         return [_folder_split(fs, url_of, _join(root, d), d, src) for d in dirs]
     return [_folder_split(fs, url_of, root, "train", src)]
 
 
 def _folder_split(fs, url_of: Callable[[str], str], root: str, split: str, src: str) -> SplitSource:
-    classes = sorted(posixpath.basename(e["name"].rstrip("/"))
-                     for e in fs.ls(root, detail=True) if e["type"] == "directory")
+    classes = sorted(
+        posixpath.basename(e["name"].rstrip("/"))
+        for e in fs.ls(root, detail=True)
+        if e["type"] == "directory"
+    )
     if not classes:
-        raise SourceError(f"{root} has no class folders", "put each class's images in a sub-folder",
-                          path=src)
+        raise SourceError(
+            f"{root} has no class folders", "put each class's images in a sub-folder", path=src
+        )
     files, labels = [], []
     for c, cls in enumerate(classes):
         for p in sorted(fs.find(_join(root, cls))):
@@ -231,6 +275,7 @@ def _folder_split(fs, url_of: Callable[[str], str], root: str, split: str, src: 
 
 # -- writing ------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class Target:
     """Where and how one split is written; picklable, so tasks reopen the store themselves."""
@@ -240,16 +285,19 @@ class Target:
     storage_options: dict | None
 
     def arrays(self):
-        g = zarr.open_group(store=zarr_store(self.url, self.storage_options, read_only=False),
-                            mode="r+", zarr_format=3)[self.split]
+        g = zarr.open_group(
+            store=zarr_store(self.url, self.storage_options, read_only=False),
+            mode="r+",
+            zarr_format=3,
+        )[self.split]
         return g["images"], g["labels"]
 
 
 def _write_block(target: Target, start: int, images: np.ndarray, labels: np.ndarray) -> int:
     """Task: write ``images``/``labels`` at ``start`` (whole storage shards)."""
     arr_images, arr_labels = target.arrays()
-    arr_images[start:start + len(images)] = images
-    arr_labels[start:start + len(labels)] = labels
+    arr_images[start : start + len(images)] = images
+    arr_labels[start : start + len(labels)] = labels
     return len(images)
 
 
@@ -264,11 +312,16 @@ def _read_image(url: str, storage_options: dict | None):
         img.load()
         return img
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-        raise SourceError(f"{url} is not a readable image ({type(exc).__name__}: {exc})",
-                          "remove it, or pass --on-bad-image skip", path=url) from exc
+        raise SourceError(
+            f"{url} is not a readable image ({type(exc).__name__}: {exc})",
+            "remove it, or pass --on-bad-image skip",
+            path=url,
+        ) from exc
 
 
-def _probe_images(urls: list[str], storage_options: dict | None) -> list[tuple[str, tuple[int, int], str] | tuple[str, None, str]]:
+def _probe_images(
+    urls: list[str], storage_options: dict | None
+) -> list[tuple[str, tuple[int, int], str] | tuple[str, None, str]]:
     """Task: (url, (H, W), mode) for each image, or (url, None, reason) for unreadable ones."""
     out = []
     for u in urls:
@@ -280,8 +333,9 @@ def _probe_images(urls: list[str], storage_options: dict | None) -> list[tuple[s
     return out
 
 
-def _decode_block(urls: list[str], size: tuple[int, int], mode: str,
-                  storage_options: dict | None) -> np.ndarray:
+def _decode_block(
+    urls: list[str], size: tuple[int, int], mode: str, storage_options: dict | None
+) -> np.ndarray:
     from PIL import Image
 
     h, w = size
@@ -294,8 +348,14 @@ def _decode_block(urls: list[str], size: tuple[int, int], mode: str,
     return out
 
 
-def _write_folder_block(target: Target, start: int, urls: list[str], labels: np.ndarray,
-                        size: tuple[int, int], mode: str) -> int:
+def _write_folder_block(
+    target: Target,
+    start: int,
+    urls: list[str],
+    labels: np.ndarray,
+    size: tuple[int, int],
+    mode: str,
+) -> int:
     """Task: decode a block of image files and write them (whole storage shards)."""
     images = _decode_block(urls, size, mode, target.storage_options)
     return _write_block(target, start, images, labels)
@@ -303,30 +363,54 @@ def _write_folder_block(target: Target, start: int, urls: list[str], labels: np.
 
 # -- the ingest job -------------------------------------------------------------------------------------
 
-def _create_split(root, name: str, n: int, image_shape: tuple[int, ...], chunk: int, shard: int,
-                  level: int, attrs: dict):
+
+def _create_split(
+    root,
+    name: str,
+    n: int,
+    image_shape: tuple[int, ...],
+    chunk: int,
+    shard: int,
+    level: int,
+    attrs: dict,
+):
     from zarr.codecs import ZstdCodec
 
     # plain zstd: on MNIST-like data it beats blosc+bitshuffle in size (10 vs 17 MB), write (2x)
     # and read speed (3x); measured with zarr 3.1 (see benchmarks/ingest.py)
     g = root.create_group(name, attributes={**attrs, "complete": False})
     dims = ("sample", "y", "x") + (("channel",) if len(image_shape) == 3 else ())
-    g.create_array("images", shape=(n, *image_shape), dtype="uint8",
-                   chunks=(chunk, *image_shape), shards=(shard, *image_shape),
-                   compressors=ZstdCodec(level=level),
-                   dimension_names=dims, fill_value=0)
-    g.create_array("labels", shape=(n,), dtype="int16", chunks=(chunk,), shards=(shard,),
-                   compressors=ZstdCodec(level=level), dimension_names=("sample",), fill_value=0)
+    g.create_array(
+        "images",
+        shape=(n, *image_shape),
+        dtype="uint8",
+        chunks=(chunk, *image_shape),
+        shards=(shard, *image_shape),
+        compressors=ZstdCodec(level=level),
+        dimension_names=dims,
+        fill_value=0,
+    )
+    g.create_array(
+        "labels",
+        shape=(n,),
+        dtype="int16",
+        chunks=(chunk,),
+        shards=(shard,),
+        compressors=ZstdCodec(level=level),
+        dimension_names=("sample",),
+        fill_value=0,
+    )
     return g
 
 
 def _check_labels(labels: np.ndarray, num_classes: int, where: str) -> None:
     if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
         bad = int(np.flatnonzero((labels < 0) | (labels >= num_classes))[0])
-        raise SourceError(f"{where} has class {int(labels[bad])} at index {bad}, outside "
-                          f"0..{num_classes - 1}",
-                          f"pass --num-classes {int(labels.max()) + 1} if that is right, "
-                          "or fix the labels file", path=where)
+        raise SourceError(
+            f"{where} has class {int(labels[bad])} at index {bad}, outside 0..{num_classes - 1}",
+            f"pass --num-classes {int(labels.max()) + 1} if that is right, or fix the labels file",
+            path=where,
+        )
 
 
 def _get_client(client):
@@ -335,17 +419,29 @@ def _get_client(client):
     from distributed import Client, LocalCluster
 
     # threads are enough: zarr's codecs release the GIL; an in-process cluster starts in ~0.3 s
-    cluster = LocalCluster(processes=False, n_workers=1, threads_per_worker=os.cpu_count() or 2,
-                           dashboard_address=":0")
+    cluster = LocalCluster(
+        processes=False, n_workers=1, threads_per_worker=os.cpu_count() or 2, dashboard_address=":0"
+    )
     return Client(cluster), cluster
 
 
-def ingest(src: str, dest: str, *, client=None, overwrite: bool = False,
-           storage_options: dict | None = None, dest_storage_options: dict | None = None,
-           num_classes: int | None = None, on_bad_image: str | None = None,
-           image_size: tuple[int, int] | None = None, image_mode: str | None = None,
-           chunk_images: int | None = None, shard_images: int | None = None,
-           block_images: int | None = None, progress: bool = False) -> dict:
+def ingest(
+    src: str,
+    dest: str,
+    *,
+    client=None,
+    overwrite: bool = False,
+    storage_options: dict | None = None,
+    dest_storage_options: dict | None = None,
+    num_classes: int | None = None,
+    on_bad_image: str | None = None,
+    image_size: tuple[int, int] | None = None,
+    image_mode: str | None = None,
+    chunk_images: int | None = None,
+    shard_images: int | None = None,
+    block_images: int | None = None,
+    progress: bool = False,
+) -> dict:
     """Ingest ``src`` (IDX files or class folders) into a Zarr v3 dataset store at ``dest``.
 
     Returns a JSON-safe summary: images, per-split shape, classes, seconds and sha256 (of the
@@ -364,15 +460,19 @@ def ingest(src: str, dest: str, *, client=None, overwrite: bool = False,
     image_size = config.get("data.image-size", image_size)
     image_mode = config.get("data.image-mode", image_mode)
     if shard % chunk or block % shard:
-        raise ConfigError(f"chunk {chunk}, shard {shard} and block {block} images do not nest",
-                          "make shard-images a multiple of chunk-images and "
-                          "ingest-block-images a multiple of shard-images")
+        raise ConfigError(
+            f"chunk {chunk}, shard {shard} and block {block} images do not nest",
+            "make shard-images a multiple of chunk-images and "
+            "ingest-block-images a multiple of shard-images",
+        )
     if on_bad_image not in ("fail", "skip"):
         raise ConfigError(f"on_bad_image={on_bad_image!r}", "use 'fail' or 'skip'")
     if image_mode not in (None, "L", "RGB"):
         raise ConfigError(f"image_mode={image_mode!r}", "use 'L' or 'RGB'")
     if src == dest:
-        raise ConfigError("the source and the destination are the same place", "choose another DEST")
+        raise ConfigError(
+            "the source and the destination are the same place", "choose another DEST"
+        )
 
     splits = discover(src, storage_options)
     fs, dpath = filesystem(dest, dest_storage_options)
@@ -381,8 +481,10 @@ def ingest(src: str, dest: str, *, client=None, overwrite: bool = False,
     except Exception as exc:  # botocore's connection errors are not OSErrors
         raise describe_storage_error(dest, exc) from exc
     if exists and not overwrite:
-        raise DestinationExistsError(f"the destination {dest} already exists",
-                                     "pass --overwrite to replace it, or choose another DEST")
+        raise DestinationExistsError(
+            f"the destination {dest} already exists",
+            "pass --overwrite to replace it, or choose another DEST",
+        )
     if exists:
         logger.info("removing the existing %s (--overwrite)", dest)
         fs.rm(dpath, recursive=True)
@@ -390,18 +492,47 @@ def ingest(src: str, dest: str, *, client=None, overwrite: bool = False,
     client, own_cluster = _get_client(client)
     created = False
     try:
-        root = zarr.open_group(store=zarr_store(dest, dest_storage_options, read_only=False),
-                               mode="w", zarr_format=3, attributes={"splits": [], "format": "adam-dataset/1"})
+        root = zarr.open_group(
+            store=zarr_store(dest, dest_storage_options, read_only=False),
+            mode="w",
+            zarr_format=3,
+            attributes={"splits": [], "format": "adam-dataset/1"},
+        )
         created = True
         summary = {"dest": dest, "source": src, "splits": {}}
         for s in splits:
             if s.kind == "idx":
-                info = _ingest_idx(client, root, dest, s, chunk, shard, block, level, num_classes,
-                                   storage_options, dest_storage_options, progress)
+                info = _ingest_idx(
+                    client,
+                    root,
+                    dest,
+                    s,
+                    chunk,
+                    shard,
+                    block,
+                    level,
+                    num_classes,
+                    storage_options,
+                    dest_storage_options,
+                    progress,
+                )
             else:
-                info = _ingest_folder(client, root, dest, s, chunk, shard, block, level,
-                                      on_bad_image, image_size, image_mode, storage_options,
-                                      dest_storage_options, progress)
+                info = _ingest_folder(
+                    client,
+                    root,
+                    dest,
+                    s,
+                    chunk,
+                    shard,
+                    block,
+                    level,
+                    on_bad_image,
+                    image_size,
+                    image_mode,
+                    storage_options,
+                    dest_storage_options,
+                    progress,
+                )
             summary["splits"][s.name] = info
         root.attrs["splits"] = [s.name for s in splits]  # written last: the store is now complete
     except BaseException as exc:
@@ -410,7 +541,9 @@ def ingest(src: str, dest: str, *, client=None, overwrite: bool = False,
                 fs.rm(dpath, recursive=True)
             except Exception:  # the partial store stays, but without `complete` it is refused
                 logger.warning("could not remove the partial store at %s", dest)
-        if isinstance(exc, OSError) and not isinstance(exc, (SourceError, DatasetError, StorageError)):
+        if isinstance(exc, OSError) and not isinstance(
+            exc, (SourceError, DatasetError, StorageError)
+        ):
             raise describe_storage_error(dest, exc) from exc
         raise
     finally:
@@ -418,10 +551,13 @@ def ingest(src: str, dest: str, *, client=None, overwrite: bool = False,
             client.close()
             own_cluster.close()
     first = next(iter(summary["splits"].values()))
-    summary.update(images=sum(v["images"] for v in summary["splits"].values()),
-                   shape=first["shape"], classes=first["classes"],
-                   sha256={k: v["sha256"] for k, v in summary["splits"].items()},
-                   seconds=round(time.perf_counter() - t0, 3))
+    summary.update(
+        images=sum(v["images"] for v in summary["splits"].values()),
+        shape=first["shape"],
+        classes=first["classes"],
+        sha256={k: v["sha256"] for k, v in summary["splits"].items()},
+        seconds=round(time.perf_counter() - t0, 3),
+    )
     return summary
 
 
@@ -445,19 +581,40 @@ def _run_blocks(client, futures: list, desc: str, progress: bool) -> None:
             f.cancel()
 
 
-def _ingest_idx(client, root, dest, s: SplitSource, chunk, shard, block, level, num_classes,
-                storage_options, dest_storage_options, progress) -> dict:
+def _ingest_idx(
+    client,
+    root,
+    dest,
+    s: SplitSource,
+    chunk,
+    shard,
+    block,
+    level,
+    num_classes,
+    storage_options,
+    dest_storage_options,
+    progress,
+) -> dict:
     images = read_idx(s.images, storage_options)
     labels = read_idx(s.labels, storage_options)
     if images.dtype != np.uint8 or images.ndim not in (3, 4):
-        raise SourceError(f"{s.images} holds {images.dtype} {images.shape}, expected uint8 images "
-                          "(N, H, W)", "check that it is an images file", path=s.images)
+        raise SourceError(
+            f"{s.images} holds {images.dtype} {images.shape}, expected uint8 images (N, H, W)",
+            "check that it is an images file",
+            path=s.images,
+        )
     if labels.ndim != 1:
-        raise SourceError(f"{s.labels} holds an array of shape {labels.shape}, expected labels (N,)",
-                          "check that it is a labels file", path=s.labels)
+        raise SourceError(
+            f"{s.labels} holds an array of shape {labels.shape}, expected labels (N,)",
+            "check that it is a labels file",
+            path=s.labels,
+        )
     if len(images) != len(labels):
-        raise SourceError(f"{s.images} has {len(images)} images but {s.labels} has {len(labels)} "
-                          "labels", "use files from the same release", path=s.images)
+        raise SourceError(
+            f"{s.images} has {len(images)} images but {s.labels} has {len(labels)} labels",
+            "use files from the same release",
+            path=s.images,
+        )
     if len(images) == 0:
         raise SourceError(f"{s.images} holds no images", "check the source", path=s.images)
     num_classes = int(config.get("data.idx-classes", num_classes))
@@ -470,23 +627,55 @@ def _ingest_idx(client, root, dest, s: SplitSource, chunk, shard, block, level, 
     futures = []
     for start in range(0, len(images), block):
         stop = min(start + block, len(images))
-        futures.append(client.submit(_write_block, target, start, images[start:stop],
-                                     labels[start:stop].astype(np.int16), pure=False))
+        futures.append(
+            client.submit(
+                _write_block,
+                target,
+                start,
+                images[start:stop],
+                labels[start:stop].astype(np.int16),
+                pure=False,
+            )
+        )
     _run_blocks(client, futures, f"ingest {s.name}", progress)
     g.attrs["complete"] = True
-    return {"images": len(images), "shape": list(images.shape[1:]), "classes": classes, "sha256": sha}
+    return {
+        "images": len(images),
+        "shape": list(images.shape[1:]),
+        "classes": classes,
+        "sha256": sha,
+    }
 
 
-def _ingest_folder(client, root, dest, s: SplitSource, chunk, shard, block, level, on_bad_image,
-                   image_size, image_mode, storage_options, dest_storage_options, progress) -> dict:
+def _ingest_folder(
+    client,
+    root,
+    dest,
+    s: SplitSource,
+    chunk,
+    shard,
+    block,
+    level,
+    on_bad_image,
+    image_size,
+    image_mode,
+    storage_options,
+    dest_storage_options,
+    progress,
+) -> dict:
     probe_block = 512
-    futures = [client.submit(_probe_images, s.files[i:i + probe_block], storage_options, pure=False)
-               for i in range(0, len(s.files), probe_block)]
+    futures = [
+        client.submit(_probe_images, s.files[i : i + probe_block], storage_options, pure=False)
+        for i in range(0, len(s.files), probe_block)
+    ]
     probed = [row for f in futures for row in f.result()]
     bad = [(u, reason) for u, size, reason in probed if size is None]
     if bad and on_bad_image == "fail":
-        raise SourceError(f"{len(bad)} unreadable file(s) in the source, first: {bad[0][1]}",
-                          "remove them, or pass --on-bad-image skip", path=bad[0][0])
+        raise SourceError(
+            f"{len(bad)} unreadable file(s) in the source, first: {bad[0][1]}",
+            "remove them, or pass --on-bad-image skip",
+            path=bad[0][0],
+        )
     if bad:
         logger.warning("skipping %d unreadable file(s): %s", len(bad), ", ".join(u for u, _ in bad))
     good = [(u, size, mode) for u, size, mode in probed if size is not None]
@@ -495,26 +684,48 @@ def _ingest_folder(client, root, dest, s: SplitSource, chunk, shard, block, leve
     label_of = dict(zip(s.files, s.file_labels))
     urls = [u for u, _, _ in good]
     labels = np.array([label_of[u] for u in urls], dtype=np.int16)
-    size = tuple(image_size) if image_size else Counter(sz for _, sz, _ in good).most_common(1)[0][0]
+    size = (
+        tuple(image_size) if image_size else Counter(sz for _, sz, _ in good).most_common(1)[0][0]
+    )
     grey = {"L", "1", "I", "I;16", "F"}
     mode = image_mode or ("L" if all(m in grey for _, _, m in good) else "RGB")
     resized = sum(1 for _, sz, _ in good if sz != size)
     if resized:
         logger.info("resizing %d of %d images to %dx%d", resized, len(good), size[0], size[1])
     shape = (size[0], size[1]) if mode == "L" else (size[0], size[1], 3)
-    attrs = {"classes": s.classes, "source": s.files[0].rsplit("/", 2)[0], "image_mode": mode,
-             "skipped": [u for u, _ in bad]}
+    attrs = {
+        "classes": s.classes,
+        "source": s.files[0].rsplit("/", 2)[0],
+        "image_mode": mode,
+        "skipped": [u for u, _ in bad],
+    }
     g = _create_split(root, s.name, len(urls), shape, chunk, shard, level, attrs)
     target = Target(dest, s.name, dest_storage_options)
-    futures = [client.submit(_write_folder_block, target, i, urls[i:i + block], labels[i:i + block],
-                             size, mode, pure=False) for i in range(0, len(urls), block)]
+    futures = [
+        client.submit(
+            _write_folder_block,
+            target,
+            i,
+            urls[i : i + block],
+            labels[i : i + block],
+            size,
+            mode,
+            pure=False,
+        )
+        for i in range(0, len(urls), block)
+    ]
     _run_blocks(client, futures, f"ingest {s.name}", progress)
     # the hash of what was decoded, read back in store order (also verifies the write)
     h = hashlib.sha256()
     images = g["images"]
     for i in range(0, len(urls), shard):
-        h.update(np.ascontiguousarray(images[i:i + shard]).data)
+        h.update(np.ascontiguousarray(images[i : i + shard]).data)
     sha = h.hexdigest()
     g.attrs.update({"sha256": sha, "complete": True})
-    return {"images": len(urls), "shape": list(shape), "classes": s.classes, "sha256": sha,
-            "skipped": len(bad)}
+    return {
+        "images": len(urls),
+        "shape": list(shape),
+        "classes": s.classes,
+        "sha256": sha,
+        "skipped": len(bad),
+    }

@@ -50,6 +50,7 @@ Example
 ...     ...
 >>> service.close()  # doctest: +SKIP
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -79,6 +80,7 @@ __all__ = ["BatchStream", "DataServer", "DataService", "Layout", "PartitionServe
 
 
 # -- the layout: partitions, shares, batches (pure, no Dask) -----------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class Layout:
@@ -110,8 +112,12 @@ class Layout:
         chunks = first + rng.permutation(last - first)
         parts = []
         for w in range(0, len(chunks), self.window_chunks):
-            idx = np.concatenate([np.arange(c * self.chunk, min(stop, (c + 1) * self.chunk))
-                                  for c in chunks[w:w + self.window_chunks]])
+            idx = np.concatenate(
+                [
+                    np.arange(c * self.chunk, min(stop, (c + 1) * self.chunk))
+                    for c in chunks[w : w + self.window_chunks]
+                ]
+            )
             parts.append(rng.permutation(idx))
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
@@ -131,13 +137,16 @@ def _check_replica(replica: int, replicas: int, epoch: int) -> None:
     if not (isinstance(replicas, (int, np.integer)) and replicas >= 1):
         raise ConfigError(f"replicas={replicas!r} is invalid", "give the number of replicas (>= 1)")
     if not 0 <= replica < replicas:
-        raise ConfigError(f"replica={replica} is outside 0..{replicas - 1}",
-                          "give a replica number below replicas")
+        raise ConfigError(
+            f"replica={replica} is outside 0..{replicas - 1}",
+            "give a replica number below replicas",
+        )
     if epoch < 0:
         raise ConfigError(f"epoch={epoch} is negative", "count epochs from 0")
 
 
 # -- the chunk cache -------------------------------------------------------------------------------
+
 
 class _ChunkCache:
     """A partition's images by Zarr chunk: an LRU within ``cache_bytes``, reads in a thread pool.
@@ -160,9 +169,12 @@ class _ChunkCache:
         try:
             self.labels = np.asarray(split.labels[start:stop]).astype(np.int64)
         except Exception as exc:
-            raise DatasetError(f"cannot read labels {start}:{stop} of {split.url}/{split.name}: "
-                               f"{type(exc).__name__}: {exc}", "the store is damaged; ingest it again",
-                               url=split.url) from exc
+            raise DatasetError(
+                f"cannot read labels {start}:{stop} of {split.url}/{split.name}: "
+                f"{type(exc).__name__}: {exc}",
+                "the store is damaged; ingest it again",
+                url=split.url,
+            ) from exc
 
     @property
     def chunk_ids(self) -> range:
@@ -180,7 +192,7 @@ class _ChunkCache:
 
     def _read(self, cid: int) -> np.ndarray:
         lo, hi = cid * self.chunk, min(self.stop, (cid + 1) * self.chunk)
-        images, _ = self.split.read(lo, hi)          # DatasetError names the store on failure
+        images, _ = self.split.read(lo, hi)  # DatasetError names the store on failure
         self.reads += 1
         return np.ascontiguousarray(images.reshape((hi - lo,) + self.hwc))
 
@@ -249,9 +261,9 @@ _END = {"end": True}
 class _StreamState:
     sid: str
     epoch: int
-    batches: list[tuple[int, np.ndarray]]   # (batch number k, global indices) still to produce
-    make: int = 0                            # next position to produce
-    out: int = 0                             # next position to hand out
+    batches: list[tuple[int, np.ndarray]]  # (batch number k, global indices) still to produce
+    make: int = 0  # next position to produce
+    out: int = 0  # next position to hand out
     ready: dict | None = None
     error: dict | None = None
     last_used: float = 0.0
@@ -266,10 +278,23 @@ class PartitionServer:
     the others back. Used in-process by a local :class:`BatchStream` and inside the actor.
     """
 
-    def __init__(self, url: str, split: str, storage_options: dict | None, layout: Layout,
-                 partition: int, *, augment: Augment | None, seed: int, buffer_batches: int,
-                 cache_bytes: int, threads: int = 1, read_ahead: int = 2, notify=None,
-                 idle_timeout: float = 600.0):
+    def __init__(
+        self,
+        url: str,
+        split: str,
+        storage_options: dict | None,
+        layout: Layout,
+        partition: int,
+        *,
+        augment: Augment | None,
+        seed: int,
+        buffer_batches: int,
+        cache_bytes: int,
+        threads: int = 1,
+        read_ahead: int = 2,
+        notify=None,
+        idle_timeout: float = 600.0,
+    ):
         self.url, self.split_name, self.layout, self.partition = url, split, layout, partition
         self.augment = None if augment is None or augment.is_identity else augment
         self.seed, self.buffer_batches = int(seed), max(1, int(buffer_batches))
@@ -278,8 +303,12 @@ class PartitionServer:
         self.start, self.stop = layout.partition(partition)
         self._split = open_split(url, split, storage_options)
         if len(self._split) != layout.n:
-            raise DatasetError(f"{url}/{split} has {len(self._split)} images, but the service was "
-                               f"created for {layout.n}", "create the DataService again", url=url)
+            raise DatasetError(
+                f"{url}/{split} has {len(self._split)} images, but the service was "
+                f"created for {layout.n}",
+                "create the DataService again",
+                url=url,
+            )
         self.cache = _ChunkCache(self._split, self.start, self.stop, cache_bytes)
         self.cache_error: dict | None = None
         self.shape = self.cache.hwc
@@ -289,13 +318,16 @@ class PartitionServer:
         self.images_served = 0
         self.batches_served = 0
         self.batches_made = 0
-        if layout.window_chunks is None:          # it fits: load the whole partition now
+        if layout.window_chunks is None:  # it fits: load the whole partition now
             self.cache.prefetch(list(self.cache.chunk_ids))
         self._warm = threading.Event()
-        threading.Thread(target=self._warm_up, name=f"adam-data-p{partition}-warm",
-                         daemon=True).start()
-        self._threads = [threading.Thread(target=self._produce, name=f"adam-data-p{partition}-{i}",
-                                          daemon=True) for i in range(max(1, int(threads)))]
+        threading.Thread(
+            target=self._warm_up, name=f"adam-data-p{partition}-warm", daemon=True
+        ).start()
+        self._threads = [
+            threading.Thread(target=self._produce, name=f"adam-data-p{partition}-{i}", daemon=True)
+            for i in range(max(1, int(threads)))
+        ]
         for t in self._threads:
             t.start()
 
@@ -307,7 +339,7 @@ class PartitionServer:
                     self.cache._get_chunk(cid)
             if self.stop > self.start:
                 self._make(0, 0, np.array([self.start], np.int64))
-        except Exception as exc:   # surfaces, with the store's name, when a stream needs it
+        except Exception as exc:  # surfaces, with the store's name, when a stream needs it
             logger.warning("partition %d: warm-up failed: %s", self.partition, exc)
         finally:
             self._warm.set()
@@ -318,24 +350,42 @@ class PartitionServer:
 
     # -- streams ---------------------------------------------------------------------------------
 
-    def open_stream(self, sid: str, epoch: int, replica: int, replicas: int, batch_size: int,
-                    done: Sequence[int] = ()) -> int:
+    def open_stream(
+        self,
+        sid: str,
+        epoch: int,
+        replica: int,
+        replicas: int,
+        batch_size: int,
+        done: Sequence[int] = (),
+    ) -> int:
         """Open stream ``sid``: replica's share of this partition in ``epoch``, minus the batch
         numbers in ``done`` (already delivered). Returns the number of batches to hand out."""
         _check_replica(replica, replicas, epoch)
         share = self.layout.share(self.partition, epoch, self.seed, replica, replicas)
         if self._closed:
-            raise ClusterError(f"the DataServer of partition {self.partition} was shut down",
-                               "the DataService was closed; create a new one")
+            raise ClusterError(
+                f"the DataServer of partition {self.partition} was shut down",
+                "the DataService was closed; create a new one",
+            )
         skip = set(int(k) for k in done)
-        batches = [(k, share[i:i + batch_size])
-                   for k, i in enumerate(range(0, len(share), batch_size)) if k not in skip]
+        batches = [
+            (k, share[i : i + batch_size])
+            for k, i in enumerate(range(0, len(share), batch_size))
+            if k not in skip
+        ]
         with self._cond:
-            self._streams[sid] = _StreamState(sid, epoch, batches, ready={},
-                                              last_used=time.monotonic())
+            self._streams[sid] = _StreamState(
+                sid, epoch, batches, ready={}, last_used=time.monotonic()
+            )
             self._cond.notify_all()
-        logger.debug("partition %d: stream %s opened (epoch %d, %d batches)", self.partition, sid,
-                     epoch, len(batches))
+        logger.debug(
+            "partition %d: stream %s opened (epoch %d, %d batches)",
+            self.partition,
+            sid,
+            epoch,
+            len(batches),
+        )
         return len(batches)
 
     def close_stream(self, sid: str) -> bool:
@@ -352,14 +402,20 @@ class PartitionServer:
         """
         with self._cond:
             if self._closed:
-                return {"error": f"the DataServer of partition {self.partition} was shut down",
-                        "hint": "the DataService was closed; create a new one", "url": self.url,
-                        "closed": True}
+                return {
+                    "error": f"the DataServer of partition {self.partition} was shut down",
+                    "hint": "the DataService was closed; create a new one",
+                    "url": self.url,
+                    "closed": True,
+                }
             st = self._streams.get(sid)
             if st is None:
-                return {"error": f"stream {sid} is not open on partition {self.partition}",
-                        "hint": "it was closed or expired; open a new stream", "url": self.url,
-                        "lost": True}
+                return {
+                    "error": f"stream {sid} is not open on partition {self.partition}",
+                    "hint": "it was closed or expired; open a new stream",
+                    "url": self.url,
+                    "lost": True,
+                }
             st.last_used = time.monotonic()
             if st.error is not None:
                 return st.error
@@ -394,8 +450,12 @@ class PartitionServer:
         now = time.monotonic()
         for st in list(self._streams.values()):
             if now - st.last_used > self.idle_timeout:
-                logger.info("partition %d: stream %s idle for %.0f s, released", self.partition,
-                            st.sid, now - st.last_used)
+                logger.info(
+                    "partition %d: stream %s idle for %.0f s, released",
+                    self.partition,
+                    st.sid,
+                    now - st.last_used,
+                )
                 del self._streams[st.sid]
                 continue
             if st.error is not None or st.make >= len(st.batches):
@@ -423,20 +483,26 @@ class PartitionServer:
                     return
                 st, pos = claim
                 if self.layout.window_chunks is not None and self.read_ahead:
-                    ahead = st.batches[pos + 1:pos + 1 + self.read_ahead]
+                    ahead = st.batches[pos + 1 : pos + 1 + self.read_ahead]
                 else:
                     ahead = []
             try:
                 if ahead:
-                    self.cache.prefetch(np.unique(np.concatenate([i for _, i in ahead])
-                                                  // self.cache.chunk).tolist())
+                    self.cache.prefetch(
+                        np.unique(
+                            np.concatenate([i for _, i in ahead]) // self.cache.chunk
+                        ).tolist()
+                    )
                 item = self._make(st.epoch, *st.batches[pos])
             except Exception as exc:
                 logger.exception("partition %d: making a batch failed", self.partition)
-                err = {"error": str(exc) if isinstance(exc, AdamError)
-                       else f"serving {self.url} failed: {type(exc).__name__}: {exc}",
-                       "url": getattr(exc, "url", None) or self.url,
-                       "type": "DatasetError" if isinstance(exc, DatasetError) else "other"}
+                err = {
+                    "error": str(exc)
+                    if isinstance(exc, AdamError)
+                    else f"serving {self.url} failed: {type(exc).__name__}: {exc}",
+                    "url": getattr(exc, "url", None) or self.url,
+                    "type": "DatasetError" if isinstance(exc, DatasetError) else "other",
+                }
                 with self._cond:
                     st.error = err
                     self._cond.notify_all()
@@ -461,9 +527,19 @@ class PartitionServer:
         else:
             x = np.empty((len(idx), C, H, W), np.float32)
             a = self.augment
-            augment_batch(x, images, idx, self.seed & 0xFFFFFFFFFFFFFFFF, int(epoch),
-                          float(a.rotation), float(a.translation), float(a.scale), float(a.shear),
-                          float(a.elastic_alpha), float(a.elastic_sigma))
+            augment_batch(
+                x,
+                images,
+                idx,
+                self.seed & 0xFFFFFFFFFFFFFFFF,
+                int(epoch),
+                float(a.rotation),
+                float(a.translation),
+                float(a.scale),
+                float(a.shear),
+                float(a.elastic_alpha),
+                float(a.elastic_sigma),
+            )
         y = self.cache.labels[idx - self.start]
         return {"k": int(k), "x": x, "y": y, "idx": idx}
 
@@ -500,6 +576,7 @@ class PartitionServer:
 
 # -- the actor -------------------------------------------------------------------------------------
 
+
 class DataServer:
     """A Dask actor wrapping :class:`PartitionServer`; every method is ``async`` (event loop),
     the work runs in the core's own threads. Create it through :meth:`DataService.create`."""
@@ -522,8 +599,15 @@ class DataServer:
         if ev is not None:
             ev.set()
 
-    async def open(self, sid: str, epoch: int, replica: int, replicas: int, batch_size: int,
-                   done: list[int] | None = None) -> int:
+    async def open(
+        self,
+        sid: str,
+        epoch: int,
+        replica: int,
+        replicas: int,
+        batch_size: int,
+        done: list[int] | None = None,
+    ) -> int:
         self._loop = asyncio.get_running_loop()
         self._events[sid] = asyncio.Event()
         return self._core.open_stream(sid, epoch, replica, replicas, batch_size, done or ())
@@ -562,6 +646,7 @@ class DataServer:
 
 # -- sources: where a stream gets one partition's batches --------------------------------------------
 
+
 def as_float(x: np.ndarray) -> np.ndarray:
     """A batch as the model takes it: uint8 (B, C, H, W) becomes float32 in [0, 1], exactly as
     :func:`~adam_dask.data.augment.to_float_batch` computes it; float32 passes through."""
@@ -591,7 +676,7 @@ class _ActorSource:
 
     def close(self) -> None:
         try:
-            self.actor.close_stream(self.sid)     # fire and forget
+            self.actor.close_stream(self.sid)  # fire and forget
         except Exception:
             pass
 
@@ -619,6 +704,7 @@ class _LocalSource:
 
 # -- the service ------------------------------------------------------------------------------------
 
+
 def _parse_gen(key: str) -> int:
     return int(str(key).rsplit("-g", 1)[1])
 
@@ -630,30 +716,60 @@ class DataService:
     TRAIN worker calls :meth:`stream` itself and talks to the servers peer-to-peer.
     """
 
-    def __init__(self, *, name: str, url: str, split: str, storage_options: dict | None,
-                 layout: Layout, augment: Augment | None, seed: int, batch_size: int,
-                 buffer_batches: int, cache_bytes: int, threads: int, read_ahead: int,
-                 input_shape: tuple[int, int, int], num_classes: int,
-                 actors: list | None, futures: list | None = None):
+    def __init__(
+        self,
+        *,
+        name: str,
+        url: str,
+        split: str,
+        storage_options: dict | None,
+        layout: Layout,
+        augment: Augment | None,
+        seed: int,
+        batch_size: int,
+        buffer_batches: int,
+        cache_bytes: int,
+        threads: int,
+        read_ahead: int,
+        input_shape: tuple[int, int, int],
+        num_classes: int,
+        actors: list | None,
+        futures: list | None = None,
+    ):
         self.name, self.url, self.split = name, url, split
         self.storage_options = storage_options
         self.layout, self.augment, self.seed = layout, augment, int(seed)
         self.batch_size, self.buffer_batches = int(batch_size), int(buffer_batches)
-        self.cache_bytes, self.threads, self.read_ahead = int(cache_bytes), int(threads), int(read_ahead)
+        self.cache_bytes, self.threads, self.read_ahead = (
+            int(cache_bytes),
+            int(threads),
+            int(read_ahead),
+        )
         self.input_shape, self.num_classes = tuple(input_shape), int(num_classes)
-        self._actors = actors            # None: local serving (no DATA workers)
+        self._actors = actors  # None: local serving (no DATA workers)
         self._gens = [0] * layout.partitions
-        self._futures = futures or []    # driver side only: keeps the actors alive
+        self._futures = futures or []  # driver side only: keeps the actors alive
         self._closed = False
 
     # -- creation -------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, client, url: str, *, split: str = "train", storage_options: dict | None = None,
-               augment: Augment | bool | None = None, seed: int = 0, batch_size: int | None = None,
-               buffer_batches: int | None = None, cache_bytes: int | None = None,
-               threads: int | None = None, timeout: float | None = None,
-               wait: bool = True) -> DataService:
+    def create(
+        cls,
+        client,
+        url: str,
+        *,
+        split: str = "train",
+        storage_options: dict | None = None,
+        augment: Augment | bool | None = None,
+        seed: int = 0,
+        batch_size: int | None = None,
+        buffer_batches: int | None = None,
+        cache_bytes: int | None = None,
+        threads: int | None = None,
+        timeout: float | None = None,
+        wait: bool = True,
+    ) -> DataService:
         """Start serving split ``split`` of the store at ``url``.
 
         One :class:`DataServer` actor per DATA worker (pinned to it), each owning a partition;
@@ -682,24 +798,33 @@ class DataService:
         elif augment is False:
             augment = None
         elif not isinstance(augment, Augment):
-            raise ConfigError(f"augment={augment!r} is not an Augment",
-                              "pass adam_dask.data.Augment(...), True, False or None")
+            raise ConfigError(
+                f"augment={augment!r} is not an Augment",
+                "pass adam_dask.data.Augment(...), True, False or None",
+            )
         batch_size = int(config.get("serving.batch-size", batch_size))
         buffer_batches = int(config.get("serving.buffer-batches", buffer_batches))
         cache_bytes = int(config.get("serving.cache-bytes", cache_bytes))
         threads = int(config.get("serving.threads", threads))
         read_ahead = int(config.get("serving.read-ahead"))
         timeout = float(config.get("serving.create-timeout", timeout))
-        for name, v in (("batch_size", batch_size), ("buffer_batches", buffer_batches),
-                        ("threads", threads)):
+        for name, v in (
+            ("batch_size", batch_size),
+            ("buffer_batches", buffer_batches),
+            ("threads", threads),
+        ):
             if v < 1:
-                raise ConfigError(f"{name}={v} must be at least 1",
-                                  f"set it or adam.serving.{name.replace('_', '-')}")
+                raise ConfigError(
+                    f"{name}={v} must be at least 1",
+                    f"set it or adam.serving.{name.replace('_', '-')}",
+                )
         if cache_bytes < 0:
-            raise ConfigError(f"cache_bytes={cache_bytes} is negative",
-                              "give a byte count (adam.serving.cache-bytes)")
+            raise ConfigError(
+                f"cache_bytes={cache_bytes} is negative",
+                "give a byte count (adam.serving.cache-bytes)",
+            )
 
-        s = open_split(url, split, storage_options)     # a clear DatasetError for a bad store
+        s = open_split(url, split, storage_options)  # a clear DatasetError for a bad store
         if len(s) == 0:
             raise DatasetError(f"{s.url}/{split} holds no images", "ingest some data", url=s.url)
         workers = workers_with_role(client, DATA) if client is not None else []
@@ -711,21 +836,46 @@ class DataService:
         if biggest * image_bytes > cache_bytes:
             window = max(1, cache_bytes // (2 * chunk * image_bytes))
             layout = Layout(len(s), chunk, partitions, window)
-            logger.info("a partition (%d MB) exceeds cache_bytes=%d: chunk-windowed order, %d "
-                        "chunks per window", biggest * image_bytes >> 20, cache_bytes, window)
+            logger.info(
+                "a partition (%d MB) exceeds cache_bytes=%d: chunk-windowed order, %d "
+                "chunks per window",
+                biggest * image_bytes >> 20,
+                cache_bytes,
+                window,
+            )
         name = f"adam-data-{uuid.uuid4().hex[:10]}"
-        service = cls(name=name, url=s.url, split=split, storage_options=storage_options,
-                      layout=layout, augment=augment, seed=seed, batch_size=batch_size,
-                      buffer_batches=buffer_batches, cache_bytes=cache_bytes, threads=threads,
-                      read_ahead=read_ahead, input_shape=s.input_shape,
-                      num_classes=s.num_classes, actors=None)
+        service = cls(
+            name=name,
+            url=s.url,
+            split=split,
+            storage_options=storage_options,
+            layout=layout,
+            augment=augment,
+            seed=seed,
+            batch_size=batch_size,
+            buffer_batches=buffer_batches,
+            cache_bytes=cache_bytes,
+            threads=threads,
+            read_ahead=read_ahead,
+            input_shape=s.input_shape,
+            num_classes=s.num_classes,
+            actors=None,
+        )
         if not workers:
             logger.info("no DATA workers: %s is served locally by each stream", s.url)
             return service
-        futures = [client.submit(DataServer, *service._server_args(p), key=service._key(p, 0),
-                                 actor=True, workers=[addr], allow_other_workers=False,
-                                 **service._server_kwargs())
-                   for p, addr in enumerate(workers)]
+        futures = [
+            client.submit(
+                DataServer,
+                *service._server_args(p),
+                key=service._key(p, 0),
+                actor=True,
+                workers=[addr],
+                allow_other_workers=False,
+                **service._server_kwargs(),
+            )
+            for p, addr in enumerate(workers)
+        ]
         try:
             actors = [f.result(timeout=timeout) for f in futures]
         except DatasetError:
@@ -733,10 +883,10 @@ class DataService:
             raise
         except Exception as exc:
             client.cancel(futures)
-            raise ClusterError(f"the DataServers did not start within {timeout} s: "
-                               f"{type(exc).__name__}: {exc}",
-                               "check the DATA workers (memory, logs) or raise "
-                               "adam.serving.create-timeout") from exc
+            raise ClusterError(
+                f"the DataServers did not start within {timeout} s: {type(exc).__name__}: {exc}",
+                "check the DATA workers (memory, logs) or raise adam.serving.create-timeout",
+            ) from exc
         if wait:
             try:
                 warm = [a.ready(timeout) for a in actors]
@@ -765,10 +915,15 @@ class DataService:
         return (self.url, self.split, self.storage_options, self.layout, p)
 
     def _server_kwargs(self) -> dict:
-        return {"augment": self.augment, "seed": self.seed, "buffer_batches": self.buffer_batches,
-                "cache_bytes": self.cache_bytes, "threads": self.threads,
-                "read_ahead": self.read_ahead,
-                "idle_timeout": float(config.get("serving.idle-timeout"))}
+        return {
+            "augment": self.augment,
+            "seed": self.seed,
+            "buffer_batches": self.buffer_batches,
+            "cache_bytes": self.cache_bytes,
+            "threads": self.threads,
+            "read_ahead": self.read_ahead,
+            "idle_timeout": float(config.get("serving.idle-timeout")),
+        }
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -791,9 +946,16 @@ class DataService:
             return []
         return [a._address for a in self._actors]
 
-    def stream(self, replica: int = 0, replicas: int = 1, epoch: int = 0,
-               batch_size: int | None = None, *, prefetch: int | None = None,
-               return_index: bool = False) -> BatchStream:
+    def stream(
+        self,
+        replica: int = 0,
+        replicas: int = 1,
+        epoch: int = 0,
+        batch_size: int | None = None,
+        *,
+        prefetch: int | None = None,
+        return_index: bool = False,
+    ) -> BatchStream:
         """Replica ``replica``'s share (of ``replicas``) of epoch ``epoch``, as a
         :class:`BatchStream` of ``(x float32 (B, C, H, W) in [0, 1], y int64 (B,))``
         (``(x, y, idx)`` with ``return_index``, idx the global image indices)."""
@@ -803,9 +965,15 @@ class DataService:
         bs = int(batch_size or self.batch_size)
         if bs < 1:
             raise ConfigError(f"batch_size={bs} must be at least 1", "give a positive batch size")
-        return BatchStream(self, replica, replicas, epoch, bs,
-                           prefetch=int(config.get("serving.prefetch", prefetch)),
-                           return_index=return_index)
+        return BatchStream(
+            self,
+            replica,
+            replicas,
+            epoch,
+            bs,
+            prefetch=int(config.get("serving.prefetch", prefetch)),
+            return_index=return_index,
+        )
 
     # -- generations ------------------------------------------------------------------------------
 
@@ -816,8 +984,7 @@ class DataService:
         try:
             fut = self._published(get_client(), self._var(p))
             if fut is None:
-                raise ClusterError(f"the DataService {self.name} was closed",
-                                   "create a new one")
+                raise ClusterError(f"the DataService {self.name} was closed", "create a new one")
             gen = _parse_gen(fut.key)
             if gen > self._gens[p] and fut.status != "error":
                 self._actors[p] = fut.result(timeout=float(config.get("serving.recover-timeout")))
@@ -835,11 +1002,13 @@ class DataService:
         client = get_client()
         timeout = float(config.get("serving.recover-timeout"))
         gen = failed_gen
-        for _ in range(2):          # a second try covers a target that died meanwhile
+        for _ in range(2):  # a second try covers a target that died meanwhile
             fut = self._published(client, self._var(p))
-            if fut is None:               # create() always publishes: it was closed since
-                raise ClusterError(f"the DataService {self.name} was closed while a stream read "
-                                   f"from it", "close streams before the service")
+            if fut is None:  # create() always publishes: it was closed since
+                raise ClusterError(
+                    f"the DataService {self.name} was closed while a stream read from it",
+                    "close streams before the service",
+                )
             try:
                 pub = _parse_gen(fut.key)
                 if pub > gen and fut.status != "error":
@@ -855,9 +1024,15 @@ class DataService:
                 return None
             addr = workers[(p + gen) % len(workers)]
             logger.warning("partition %d: starting DataServer generation %d on %s", p, gen, addr)
-            fut = client.submit(DataServer, *self._server_args(p), key=self._key(p, gen),
-                                actor=True, workers=[addr], allow_other_workers=False,
-                                **self._server_kwargs())
+            fut = client.submit(
+                DataServer,
+                *self._server_args(p),
+                key=self._key(p, gen),
+                actor=True,
+                workers=[addr],
+                allow_other_workers=False,
+                **self._server_kwargs(),
+            )
             try:
                 actor = fut.result(timeout=timeout)
             except DatasetError:
@@ -890,9 +1065,12 @@ class DataService:
             except Exception as exc:
                 servers.append({"partition": p, "error": f"{type(exc).__name__}: {exc}"})
         servers.sort(key=lambda d: d["partition"])
-        return {"servers": servers, "local": False,
-                "images_served": sum(s.get("images_served", 0) for s in servers),
-                "buffer_occupancy": [s.get("buffer_occupancy") for s in servers]}
+        return {
+            "servers": servers,
+            "local": False,
+            "images_served": sum(s.get("images_served", 0) for s in servers),
+            "buffer_occupancy": [s.get("buffer_occupancy") for s in servers],
+        }
 
     def close(self) -> None:
         """Stop the servers and release the actors (idempotent)."""
@@ -917,7 +1095,7 @@ class DataService:
                 client.unpublish_dataset(self._var(p))
             except Exception:
                 pass
-        for f in self._futures:       # with the datasets unpublished, the actors are released
+        for f in self._futures:  # with the datasets unpublished, the actors are released
             f.release()
         self._futures = []
 
@@ -934,6 +1112,7 @@ class DataService:
 
 # -- the client-side stream --------------------------------------------------------------------------
 
+
 class BatchStream:
     """One replica's share of one epoch; iterate for ``(x, y)`` batches.
 
@@ -943,18 +1122,31 @@ class BatchStream:
     what was served and how long the consumer waited (``stall_fraction``).
     """
 
-    def __init__(self, service: DataService, replica: int, replicas: int, epoch: int,
-                 batch_size: int, *, prefetch: int = 3, return_index: bool = False):
+    def __init__(
+        self,
+        service: DataService,
+        replica: int,
+        replicas: int,
+        epoch: int,
+        batch_size: int,
+        *,
+        prefetch: int = 3,
+        return_index: bool = False,
+    ):
         self.service, self.replica, self.replicas, self.epoch = service, replica, replicas, epoch
         self.batch_size, self.prefetch = batch_size, max(1, prefetch)
         self.return_index = return_index
         self.sid = f"{service.name}-e{epoch}-r{replica}of{replicas}-{uuid.uuid4().hex[:8]}"
         lay = service.layout
-        self._counts = [math.ceil(lay.share_size(p, replica, replicas) / batch_size)
-                        for p in range(lay.partitions)]
+        self._counts = [
+            math.ceil(lay.share_size(p, replica, replicas) / batch_size)
+            for p in range(lay.partitions)
+        ]
         self.images = sum(lay.share_size(p, replica, replicas) for p in range(lay.partitions))
         rng = np.random.default_rng([service.seed & 0xFFFFFFFF, epoch, replica, replicas, 0x5EED])
-        self._schedule = rng.permutation(np.repeat(np.arange(lay.partitions), self._counts)).tolist()
+        self._schedule = rng.permutation(
+            np.repeat(np.arange(lay.partitions), self._counts)
+        ).tolist()
         self._pos = 0
         self._pending: deque = deque()
         self._received: list[set[int]] = [set() for _ in range(lay.partitions)]
@@ -972,8 +1164,14 @@ class BatchStream:
     # -- sources ------------------------------------------------------------------------------------
 
     def _open_args(self, p: int):
-        return (self.sid, self.epoch, self.replica, self.replicas, self.batch_size,
-                sorted(self._received[p]))
+        return (
+            self.sid,
+            self.epoch,
+            self.replica,
+            self.replicas,
+            self.batch_size,
+            sorted(self._received[p]),
+        )
 
     def _open_sources(self) -> None:
         parts = [p for p, c in enumerate(self._counts) if c > 0]
@@ -999,17 +1197,25 @@ class BatchStream:
 
     def _local_source(self, p: int) -> _LocalSource:
         svc = self.service
-        server = PartitionServer(svc.url, svc.split, svc.storage_options, svc.layout, p,
-                                 **svc._server_kwargs())
+        server = PartitionServer(
+            svc.url, svc.split, svc.storage_options, svc.layout, p, **svc._server_kwargs()
+        )
         server.open_stream(*self._open_args(p))
         return _LocalSource(server, self.sid)
 
     def _recover(self, p: int, exc: BaseException, gen: int):
         """A new source for partition ``p`` after its server failed with ``exc``."""
         self.recoveries += 1
-        logger.warning("stream %s: the DataServer of partition %d (generation %d) failed (%s: %s); "
-                       "recovering with %d batches already received", self.sid, p, gen,
-                       type(exc).__name__, exc, len(self._received[p]))
+        logger.warning(
+            "stream %s: the DataServer of partition %d (generation %d) failed (%s: %s); "
+            "recovering with %d batches already received",
+            self.sid,
+            p,
+            gen,
+            type(exc).__name__,
+            exc,
+            len(self._received[p]),
+        )
         try:
             found = self.service._replacement(p, gen)
             if found is not None:
@@ -1019,8 +1225,13 @@ class BatchStream:
         except (DatasetError, ClusterError):
             raise
         except Exception as exc2:
-            logger.warning("stream %s: no replacement DataServer for partition %d (%s: %s)",
-                           self.sid, p, type(exc2).__name__, exc2)
+            logger.warning(
+                "stream %s: no replacement DataServer for partition %d (%s: %s)",
+                self.sid,
+                p,
+                type(exc2).__name__,
+                exc2,
+            )
         logger.warning("stream %s: serving partition %d locally", self.sid, p)
         return self._local_source(p)
 
@@ -1042,7 +1253,7 @@ class BatchStream:
         src = self._sources[p]
         try:
             self._pending.append((p, src, src.request()))
-        except Exception as exc:   # the handle knows its worker is gone
+        except Exception as exc:  # the handle knows its worker is gone
             self._pending.append((p, src, _Failed(exc)))
 
     def __next__(self):
@@ -1065,13 +1276,18 @@ class BatchStream:
             if failure is None and item.get("closed"):
                 self.close()
                 raise ClusterError(item["error"], item.get("hint"))
-            if failure is None and item.get("lost") and isinstance(src, _ActorSource) \
-                    and self._sources.get(p) is src:
+            if (
+                failure is None
+                and item.get("lost")
+                and isinstance(src, _ActorSource)
+                and self._sources.get(p) is src
+            ):
                 # the server is alive but dropped this stream (idle-timeout): open it again
                 dropped = [e for e in self._pending if e[0] == p]
                 self._pending = deque(e for e in self._pending if e[0] != p)
-                logger.warning("stream %s: partition %d dropped the stream; reopening it",
-                               self.sid, p)
+                logger.warning(
+                    "stream %s: partition %d dropped the stream; reopening it", self.sid, p
+                )
                 try:
                     src.actor.open(*self._open_args(p)).result(timeout=self._call_timeout)
                 except Exception as exc:
@@ -1090,13 +1306,14 @@ class BatchStream:
             if failure is not None:
                 if self._sources.get(p) is src:
                     self._replace(p, src, failure)
-                else:   # an old request of an already-replaced source: ask the new one
+                else:  # an old request of an already-replaced source: ask the new one
                     self._issue(p)
                 continue
             k = item["k"]
             if k in self._received[p]:
-                logger.warning("stream %s: batch %d of partition %d received twice; dropped",
-                               self.sid, k, p)
+                logger.warning(
+                    "stream %s: batch %d of partition %d received twice; dropped", self.sid, k, p
+                )
                 self._issue(p)
                 continue
             self._received[p].add(k)
@@ -1178,8 +1395,12 @@ class _Failed:
 
 # -- evaluation reads --------------------------------------------------------------------------------
 
-def load_arrays(url: str, split: str = "test", storage_options: dict | None = None,
-                ) -> tuple[np.ndarray, np.ndarray]:
+
+def load_arrays(
+    url: str,
+    split: str = "test",
+    storage_options: dict | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """All of split ``split`` in memory: (images uint8 (N, H, W[, C]), labels int64 (N,)).
 
     For evaluation; pass the images through :func:`adam_dask.data.augment.as_model_input` for

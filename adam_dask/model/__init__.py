@@ -1,4 +1,5 @@
 """The model: network spec, flat parameter layout, numba kernels."""
+
 from __future__ import annotations
 
 from .layout import ParameterLayout

@@ -25,6 +25,7 @@ patches; the forward pass fills it and the weight gradient reads it back, so it 
 Row ``k = (c*KH + ky)*KW + kx`` of ``cols`` matches ``w.reshape(OC, CKK)``: torch's
 ``(out, in, kh, kw)`` layout.
 """
+
 from __future__ import annotations
 
 import logging
@@ -54,6 +55,7 @@ def _dot(a, b):
 
 
 # -- 2-D convolution (valid, stride 1) ------------------------------------------------------------
+
 
 @_kernel
 def im2col(cols, x, KH, KW):
@@ -190,6 +192,7 @@ def conv2d_backward_weights(dw, dbias, dout, cols):
 
 # -- 2x2 max-pooling (stride 2; an odd last row/column is dropped, as torch's floor mode) -------
 
+
 @_kernel
 def maxpool2_forward(out, argmax, x):
     """out (B, C, PH, PW) = 2x2 max of x (B, C, H, W); argmax (B, C, PH, PW) int8 keeps which of
@@ -236,6 +239,7 @@ def maxpool2_backward(dx, dout, argmax):
 
 
 # -- dense (fully connected) layers: torch's nn.Linear layout, w (O, I) ---------------------------
+
 
 @_kernel
 def dense_forward(out, x, w, bias):
@@ -347,6 +351,7 @@ def dense_backward(dx, dw, dbias, dout, x, w, need_dx):
 
 # -- activations, in place: forward y = f(z), backward dz = dy * f'(z) written from y ------------
 
+
 @_kernel
 def tanh_forward(y):
     """y (any shape) <- tanh(y), in place. A clamped rational approximation (the one Eigen
@@ -397,6 +402,7 @@ def relu_backward(dy, y):
 
 # -- softmax cross-entropy ---------------------------------------------------------------------------
 
+
 @_kernel
 def softmax_cross_entropy_forward(probs, losses, logits, labels):
     """probs (B, K) = softmax(logits (B, K)); losses (B,) = -log probs[b, labels[b]];
@@ -433,6 +439,7 @@ def softmax_cross_entropy_backward(dlogits, probs, labels, scale):
 
 
 # -- the update ------------------------------------------------------------------------------------------
+
 
 @_kernel
 def sgd_update(flat, grad, velocity, lr, momentum):

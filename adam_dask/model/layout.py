@@ -10,6 +10,7 @@ names are views onto it. A checkpoint stores the flat buffer with one Zarr chunk
 >>> lay.shards(shard_bytes=400)
 [(0, 100), (100, 200), (200, 260)]
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,12 +44,16 @@ def shard_ranges(size: int, shard_bytes: int) -> list[tuple[int, int]]:
     ``shard_bytes`` bytes each; the ranges cover ``[0, size)`` exactly, in order."""
     size, shard_bytes = int(size), int(shard_bytes)
     if size <= 0:
-        raise ConfigError(f"a parameter buffer of size {size} cannot be sharded",
-                          "give a positive number of float32 values")
+        raise ConfigError(
+            f"a parameter buffer of size {size} cannot be sharded",
+            "give a positive number of float32 values",
+        )
     per = shard_bytes // FLOAT_BYTES
     if per < 1:
-        raise ConfigError(f"shard_bytes={shard_bytes} holds no float32 value",
-                          f"use at least {FLOAT_BYTES} bytes per shard")
+        raise ConfigError(
+            f"shard_bytes={shard_bytes} holds no float32 value",
+            f"use at least {FLOAT_BYTES} bytes per shard",
+        )
     return [(start, min(start + per, size)) for start in range(0, size, per)]
 
 
@@ -102,8 +107,9 @@ class ParameterLayout:
         """Named views into ``flat`` (writes through them change ``flat``)."""
         if flat.dtype != np.float32 or flat.ndim != 1 or flat.shape[0] != self.size:
             raise ConfigError(
-                f"expected a flat float32 buffer of {self.size} values, got {flat.dtype} {flat.shape}")
-        return {e.name: flat[e.offset:e.offset + e.size].reshape(e.shape) for e in self.entries}
+                f"expected a flat float32 buffer of {self.size} values, got {flat.dtype} {flat.shape}"
+            )
+        return {e.name: flat[e.offset : e.offset + e.size].reshape(e.shape) for e in self.entries}
 
     def shards(self, shard_bytes: int) -> list[tuple[int, int]]:
         """``(start, stop)`` ranges of at most ``shard_bytes`` covering the buffer exactly."""
@@ -111,8 +117,12 @@ class ParameterLayout:
 
     def to_dict(self) -> dict:
         """A JSON-safe description (for checkpoint manifests)."""
-        return {"entries": [{"name": e.name, "shape": list(e.shape), "offset": e.offset}
-                            for e in self.entries], "size": self.size}
+        return {
+            "entries": [
+                {"name": e.name, "shape": list(e.shape), "offset": e.offset} for e in self.entries
+            ],
+            "size": self.size,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> ParameterLayout:

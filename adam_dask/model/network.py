@@ -25,6 +25,7 @@ Work buffers live in a :class:`Context` (one per thread, sized for a batch), so 
 replica allocates nothing; the convenience methods (``forward``, ``loss_and_gradient``) keep a
 context per thread and batch size.
 """
+
 from __future__ import annotations
 
 import logging
@@ -54,12 +55,12 @@ class Layer:
     """One layer of the plan; shapes are per image (no batch axis)."""
 
     index: int
-    kind: str                    # "conv", "maxpool" or "fc"
+    kind: str  # "conv", "maxpool" or "fc"
     token: str
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
     kernel: tuple[int, int] = (0, 0)
-    act: str | None = None       # activation applied to this layer's output
+    act: str | None = None  # activation applied to this layer's output
 
     @property
     def has_params(self) -> bool:
@@ -74,8 +75,9 @@ def parse_spec(spec: str, input_shape: tuple[int, ...], activation: str) -> list
     """The layer plan of ``spec`` on images of ``input_shape`` (C, H, W); raises
     :class:`ModelSpecError` naming the layer that does not parse or does not fit."""
     if not isinstance(spec, str) or not spec.strip():
-        raise ModelSpecError(f"empty network spec {spec!r}",
-                             "give layers such as 'conv5x5:10,maxpool2,fc10'")
+        raise ModelSpecError(
+            f"empty network spec {spec!r}", "give layers such as 'conv5x5:10,maxpool2,fc10'"
+        )
     tokens = [t.strip().lower() for t in spec.split(",")]
     shape = tuple(int(d) for d in input_shape)
     layers: list[Layer] = []
@@ -84,22 +86,32 @@ def parse_spec(spec: str, input_shape: tuple[int, ...], activation: str) -> list
         if m := _CONV.match(tok):
             kh, kw, oc = int(m[1]), int(m[2] or m[1]), int(m[3])
             if len(shape) != 3:
-                raise ModelSpecError(f"{where}: a convolution needs a (C, H, W) input, got {shape}",
-                                     "put conv layers before fc layers", layer=i)
+                raise ModelSpecError(
+                    f"{where}: a convolution needs a (C, H, W) input, got {shape}",
+                    "put conv layers before fc layers",
+                    layer=i,
+                )
             c, h, w = shape
             if kh < 1 or kw < 1 or oc < 1:
                 raise ModelSpecError(f"{where}: kernel size and filters must be positive", layer=i)
             if kh > h or kw > w:
-                raise ModelSpecError(f"{where}: a {kh}x{kw} kernel does not fit a {h}x{w} input",
-                                     "use a smaller kernel or fewer pooling layers", layer=i)
+                raise ModelSpecError(
+                    f"{where}: a {kh}x{kw} kernel does not fit a {h}x{w} input",
+                    "use a smaller kernel or fewer pooling layers",
+                    layer=i,
+                )
             layers.append(Layer(i, "conv", tok, shape, (oc, h - kh + 1, w - kw + 1), (kh, kw)))
         elif m := _POOL.match(tok):
             if int(m[1]) != 2:
-                raise ModelSpecError(f"{where}: only 2x2 max-pooling is supported",
-                                     "write 'maxpool2'", layer=i)
+                raise ModelSpecError(
+                    f"{where}: only 2x2 max-pooling is supported", "write 'maxpool2'", layer=i
+                )
             if len(shape) != 3:
-                raise ModelSpecError(f"{where}: pooling needs a (C, H, W) input, got {shape}",
-                                     "put pooling layers before fc layers", layer=i)
+                raise ModelSpecError(
+                    f"{where}: pooling needs a (C, H, W) input, got {shape}",
+                    "put pooling layers before fc layers",
+                    layer=i,
+                )
             c, h, w = shape
             if h < 2 or w < 2:
                 raise ModelSpecError(f"{where}: cannot pool a {h}x{w} input", layer=i)
@@ -110,24 +122,31 @@ def parse_spec(spec: str, input_shape: tuple[int, ...], activation: str) -> list
                 raise ModelSpecError(f"{where}: a dense layer needs at least one output", layer=i)
             layers.append(Layer(i, "fc", tok, shape, (o,)))
         else:
-            raise ModelSpecError(f"{where} does not parse",
-                                 "layers are conv<KH>x<KW>:<filters>, maxpool2 or fc<outputs>",
-                                 layer=i)
+            raise ModelSpecError(
+                f"{where} does not parse",
+                "layers are conv<KH>x<KW>:<filters>, maxpool2 or fc<outputs>",
+                layer=i,
+            )
         shape = layers[-1].out_shape
     last = layers[-1]
     if last.kind != "fc":
-        raise ModelSpecError(f"layer {last.index} ({last.token!r}) of spec {spec!r}: the last "
-                             "layer must be fc<classes> (it gives the logits)",
-                             "end the spec with e.g. 'fc10'", layer=last.index)
+        raise ModelSpecError(
+            f"layer {last.index} ({last.token!r}) of spec {spec!r}: the last "
+            "layer must be fc<classes> (it gives the logits)",
+            "end the spec with e.g. 'fc10'",
+            layer=last.index,
+        )
     if last.out_shape[0] < 2:
-        raise ModelSpecError(f"layer {last.index} ({last.token!r}): a classifier needs at least "
-                             "2 classes", layer=last.index)
+        raise ModelSpecError(
+            f"layer {last.index} ({last.token!r}): a classifier needs at least 2 classes",
+            layer=last.index,
+        )
     for j, L in enumerate(layers[:-1]):
         if L.kind == "maxpool":
             continue
         nxt = layers[j + 1]
         if L.kind == "conv" and nxt.kind == "maxpool":
-            nxt.act = activation            # act(pool(z)) == pool(act(z)): cheaper after the pool
+            nxt.act = activation  # act(pool(z)) == pool(act(z)): cheaper after the pool
         else:
             L.act = activation
     return layers
@@ -174,21 +193,26 @@ class Network:
     valid) and ``parameters`` (name -> view into ``flat``).
     """
 
-    def __init__(self, spec: str, input_shape: tuple[int, ...] = (1, 28, 28),
-                 activation: str | None = None):
+    def __init__(
+        self, spec: str, input_shape: tuple[int, ...] = (1, 28, 28), activation: str | None = None
+    ):
         activation = config.get("model.activation", activation)
         if activation not in ACTIVATIONS:
-            raise ModelSpecError(f"unknown activation {activation!r}",
-                                 f"use one of {', '.join(ACTIVATIONS)} (argument activation= or "
-                                 "config adam.model.activation)")
+            raise ModelSpecError(
+                f"unknown activation {activation!r}",
+                f"use one of {', '.join(ACTIVATIONS)} (argument activation= or "
+                "config adam.model.activation)",
+            )
         input_shape = tuple(int(d) for d in input_shape)
         if len(input_shape) == 2:
             input_shape = (1, *input_shape)
         if len(input_shape) != 3 or min(input_shape) < 1:
-            raise ModelSpecError(f"input_shape must be (C, H, W) with positive sizes, got "
-                                 f"{input_shape}")
-        self.spec = ",".join(t.strip().lower() for t in spec.split(",")) if isinstance(spec, str) \
-            else spec
+            raise ModelSpecError(
+                f"input_shape must be (C, H, W) with positive sizes, got {input_shape}"
+            )
+        self.spec = (
+            ",".join(t.strip().lower() for t in spec.split(",")) if isinstance(spec, str) else spec
+        )
         self.input_shape = input_shape
         self.activation = activation
         self.layers = parse_spec(spec, input_shape, activation)
@@ -197,11 +221,15 @@ class Network:
         for L in self.layers:
             if L.kind == "conv":
                 kh, kw = L.kernel
-                entries += [(f"{L.index}.weight", (L.out_shape[0], L.in_shape[0], kh, kw)),
-                            (f"{L.index}.bias", (L.out_shape[0],))]
+                entries += [
+                    (f"{L.index}.weight", (L.out_shape[0], L.in_shape[0], kh, kw)),
+                    (f"{L.index}.bias", (L.out_shape[0],)),
+                ]
             elif L.kind == "fc":
-                entries += [(f"{L.index}.weight", (L.out_shape[0], L.in_size)),
-                            (f"{L.index}.bias", (L.out_shape[0],))]
+                entries += [
+                    (f"{L.index}.weight", (L.out_shape[0], L.in_size)),
+                    (f"{L.index}.bias", (L.out_shape[0],)),
+                ]
         self.layout = ParameterLayout(entries)
         self._flat = self.layout.allocate()
         self.parameters: dict[str, np.ndarray] = self.layout.views(self._flat)
@@ -210,8 +238,13 @@ class Network:
     # -- construction ---------------------------------------------------------------------------
 
     @classmethod
-    def from_spec(cls, spec: str | None = None, input_shape: tuple[int, ...] = (1, 28, 28),
-                  activation: str | None = None, seed: int = 0) -> Network:
+    def from_spec(
+        cls,
+        spec: str | None = None,
+        input_shape: tuple[int, ...] = (1, 28, 28),
+        activation: str | None = None,
+        seed: int = 0,
+    ) -> Network:
         """Parse ``spec`` (default: config ``adam.model.spec``) and initialise the weights:
         Glorot-uniform for tanh, He-normal for relu, zero biases, from ``seed``."""
         net = cls(config.get("model.spec", spec), input_shape, activation)
@@ -235,9 +268,13 @@ class Network:
 
     def to_dict(self) -> dict:
         """A JSON-safe description (no weights), for checkpoint manifests."""
-        return {"spec": self.spec, "input_shape": list(self.input_shape),
-                "activation": self.activation, "classes": self.classes,
-                "parameters": self.layout.size}
+        return {
+            "spec": self.spec,
+            "input_shape": list(self.input_shape),
+            "activation": self.activation,
+            "classes": self.classes,
+            "parameters": self.layout.size,
+        }
 
     @classmethod
     def from_dict(cls, d: dict, seed: int = 0) -> Network:
@@ -245,11 +282,13 @@ class Network:
         try:
             net = cls.from_spec(d["spec"], tuple(d["input_shape"]), d["activation"], seed=seed)
         except KeyError as e:
-            raise ModelSpecError(f"a network description lacks the key {e}",
-                                 "build it with Network.to_dict()") from None
+            raise ModelSpecError(
+                f"a network description lacks the key {e}", "build it with Network.to_dict()"
+            ) from None
         if "classes" in d and d["classes"] != net.classes:
-            raise ModelSpecError(f"description says {d['classes']} classes, its spec gives "
-                                 f"{net.classes}")
+            raise ModelSpecError(
+                f"description says {d['classes']} classes, its spec gives {net.classes}"
+            )
         return net
 
     def copy(self) -> Network:
@@ -259,8 +298,10 @@ class Network:
         return other
 
     def __repr__(self) -> str:
-        return (f"Network({self.spec!r}, input_shape={self.input_shape}, "
-                f"activation={self.activation!r}, {self.layout.size} parameters)")
+        return (
+            f"Network({self.spec!r}, input_shape={self.input_shape}, "
+            f"activation={self.activation!r}, {self.layout.size} parameters)"
+        )
 
     @property
     def flat(self) -> np.ndarray:
@@ -270,8 +311,9 @@ class Network:
     def flat(self, values: np.ndarray) -> None:
         values = np.asarray(values)
         if values.shape != self._flat.shape:
-            raise InputShapeError(f"expected {self._flat.shape[0]} parameter values, got shape "
-                                  f"{values.shape}")
+            raise InputShapeError(
+                f"expected {self._flat.shape[0]} parameter values, got shape {values.shape}"
+            )
         self._flat[...] = values
 
     # -- input checks -----------------------------------------------------------------------------
@@ -282,16 +324,19 @@ class Network:
             x = np.asarray(x)
         want = self.input_shape
         if x.ndim != 4 or tuple(x.shape[1:]) != want:
-            raise InputShapeError(f"expected images of shape (B, {', '.join(map(str, want))}), "
-                                  f"got {x.shape}",
-                                  "add the batch and channel axes, e.g. x[:, None]")
+            raise InputShapeError(
+                f"expected images of shape (B, {', '.join(map(str, want))}), got {x.shape}",
+                "add the batch and channel axes, e.g. x[:, None]",
+            )
         if x.shape[0] == 0:
             raise InputShapeError("got an empty batch (0 images)")
         if x.dtype != np.float32:
             if not np.issubdtype(x.dtype, np.floating):
-                raise InputShapeError(f"expected float32 images, got dtype {x.dtype}",
-                                      "scale uint8 images to [0, 1] first (x / 255) or use "
-                                      "evaluate(), which accepts uint8")
+                raise InputShapeError(
+                    f"expected float32 images, got dtype {x.dtype}",
+                    "scale uint8 images to [0, 1] first (x / 255) or use "
+                    "evaluate(), which accepts uint8",
+                )
             x = x.astype(np.float32)
         return np.ascontiguousarray(x)
 
@@ -303,8 +348,9 @@ class Network:
         if not np.issubdtype(y.dtype, np.integer):
             raise InputShapeError(f"expected integer labels, got dtype {y.dtype}")
         if n and (y.min() < 0 or y.max() >= self.classes):
-            raise InputShapeError(f"labels must lie in [0, {self.classes}), got "
-                                  f"[{y.min()}, {y.max()}]")
+            raise InputShapeError(
+                f"labels must lie in [0, {self.classes}), got [{y.min()}, {y.max()}]"
+            )
         return np.ascontiguousarray(y, dtype=np.int64)
 
     def as_images(self, x) -> np.ndarray:
@@ -358,9 +404,15 @@ class Network:
             inp = out
         return inp
 
-    def backward_into(self, ctx: Context, x: np.ndarray, y: np.ndarray, n: int | None = None,
-                      grads: dict[str, np.ndarray] | None = None,
-                      dense_terms: dict | None = None) -> float:
+    def backward_into(
+        self,
+        ctx: Context,
+        x: np.ndarray,
+        y: np.ndarray,
+        n: int | None = None,
+        grads: dict[str, np.ndarray] | None = None,
+        dense_terms: dict | None = None,
+    ) -> float:
         """Forward and backward ``x[:n]``, ``y[:n]`` in ``ctx``; *adds* the gradient of the mean
         loss into ``grads`` (default ``ctx.gviews``) and returns the mean loss. When
         ``dense_terms`` is a dict, fills it with name prefix -> (activations, errors) copies."""
@@ -393,9 +445,15 @@ class Network:
                 a2 = inp.reshape(n, -1)
                 if dense_terms is not None:
                     dense_terms[str(i)] = (a2.copy(), dout.copy())
-                K.dense_backward(dinp.reshape(n, -1) if need_dx else ctx.dummy,
-                                 g[f"{i}.weight"], g[f"{i}.bias"], dout, a2, p[f"{i}.weight"],
-                                 need_dx)
+                K.dense_backward(
+                    dinp.reshape(n, -1) if need_dx else ctx.dummy,
+                    g[f"{i}.weight"],
+                    g[f"{i}.bias"],
+                    dout,
+                    a2,
+                    p[f"{i}.weight"],
+                    need_dx,
+                )
         return float(loss)
 
     # -- the public passes ------------------------------------------------------------------------
@@ -408,8 +466,8 @@ class Network:
         ctx = self._thread_context(bs)
         out = np.empty((N, self.classes), np.float32)
         for s in range(0, N, bs):
-            chunk = x[s:s + bs]
-            out[s:s + len(chunk)] = self.forward_into(ctx, chunk)
+            chunk = x[s : s + bs]
+            out[s : s + len(chunk)] = self.forward_into(ctx, chunk)
         return out
 
     def loss_and_gradient(self, x, y, dense_terms: bool = False):

@@ -3,6 +3,7 @@
 They return new arrays (no output buffers) and compute in float64, so a test can compare a kernel
 with its reference and with finite differences. Shapes follow the legend in ``kernels.py``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,7 +22,7 @@ def conv2d_forward(x, w, bias):
     out = np.zeros((B, OC, OH, OW))
     for oy in range(OH):
         for ox in range(OW):
-            patch = x[:, :, oy:oy + KH, ox:ox + KW]            # (B, C, KH, KW)
+            patch = x[:, :, oy : oy + KH, ox : ox + KW]  # (B, C, KH, KW)
             out[:, :, oy, ox] = np.einsum("bckl,ockl->bo", patch, w)
     return out + np.asarray(bias, np.float64)[None, :, None, None]
 
@@ -34,7 +35,9 @@ def conv2d_backward_input(dout, w, H, W):
     dx = np.zeros((B, C, H, W))
     for oy in range(OH):
         for ox in range(OW):
-            dx[:, :, oy:oy + KH, ox:ox + KW] += np.einsum("bo,ockl->bckl", dout[:, :, oy, ox], w)
+            dx[:, :, oy : oy + KH, ox : ox + KW] += np.einsum(
+                "bo,ockl->bckl", dout[:, :, oy, ox], w
+            )
     return dx
 
 
@@ -46,7 +49,9 @@ def conv2d_backward_weights(dout, x, KH, KW):
     dw = np.zeros((OC, C, KH, KW))
     for oy in range(OH):
         for ox in range(OW):
-            dw += np.einsum("bo,bckl->ockl", dout[:, :, oy, ox], x[:, :, oy:oy + KH, ox:ox + KW])
+            dw += np.einsum(
+                "bo,bckl->ockl", dout[:, :, oy, ox], x[:, :, oy : oy + KH, ox : ox + KW]
+            )
     return dw, dout.sum(axis=(0, 2, 3))
 
 
@@ -55,7 +60,7 @@ def maxpool2_forward(x):
     x = np.asarray(x)
     B, C, H, W = x.shape
     PH, PW = H // 2, W // 2
-    win = x[:, :, :2 * PH, :2 * PW].reshape(B, C, PH, 2, PW, 2).transpose(0, 1, 2, 4, 3, 5)
+    win = x[:, :, : 2 * PH, : 2 * PW].reshape(B, C, PH, 2, PW, 2).transpose(0, 1, 2, 4, 3, 5)
     win = win.reshape(B, C, PH, PW, 4)
     return win.max(axis=-1), win.argmax(axis=-1).astype(np.int8)
 

@@ -9,6 +9,7 @@ batched updates, asynchronous write-back to a checkpoint, fail-over driven by a 
 * :class:`ShardState` (state.py): the pure shard logic.
 * checkpoint.py: the checkpoint Zarr and its manifest.
 """
+
 from __future__ import annotations
 
 from .node import PSNode

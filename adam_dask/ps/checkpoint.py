@@ -20,6 +20,7 @@ A new checkpoint deletes an old manifest before touching any data, so no reader 
 old manifest with new data. ``memory://`` URLs are per process: they work only when the PS
 workers share the client's process.
 """
+
 from __future__ import annotations
 
 import json
@@ -69,29 +70,44 @@ def read_manifest(url: str, storage_options: dict | None = None) -> dict:
     try:
         raw = fs.cat_file(mpath)
     except FileNotFoundError:
-        raise CheckpointError(f"no complete checkpoint at {normalize_url(url)} ({MANIFEST} is "
-                              "missing)", "check the URL, or flush the server first") from None
+        raise CheckpointError(
+            f"no complete checkpoint at {normalize_url(url)} ({MANIFEST} is missing)",
+            "check the URL, or flush the server first",
+        ) from None
     except Exception as exc:
-        raise CheckpointError(f"cannot read {mpath}: {exc}",
-                              "check the storage endpoint and credentials") from exc
+        raise CheckpointError(
+            f"cannot read {mpath}: {exc}", "check the storage endpoint and credentials"
+        ) from exc
     try:
         m = json.loads(raw)
     except ValueError as exc:
         raise CheckpointError(f"{mpath} is not valid JSON: {exc}") from exc
     if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise CheckpointError(f"{mpath} is not an adam_dask parameter-server manifest",
-                              f"expected format {FORMAT!r}")
+        raise CheckpointError(
+            f"{mpath} is not an adam_dask parameter-server manifest", f"expected format {FORMAT!r}"
+        )
     if int(m.get("format_version", 0)) > FORMAT_VERSION:
-        raise CheckpointError(f"{mpath} has format version {m['format_version']}, newer than "
-                              f"{FORMAT_VERSION}", "upgrade adam_dask")
+        raise CheckpointError(
+            f"{mpath} has format version {m['format_version']}, newer than {FORMAT_VERSION}",
+            "upgrade adam_dask",
+        )
     return m
 
 
-def init_checkpoint(url: str, storage_options: dict | None, *, size: int, shard_bytes: int,
-                    shards: list[tuple[int, int]], values: np.ndarray | None = None,
-                    versions: list[int] | None = None, epoch: int | None = None,
-                    meta: dict | None = None, layout: dict | None = None,
-                    server_id: str | None = None) -> dict:
+def init_checkpoint(
+    url: str,
+    storage_options: dict | None,
+    *,
+    size: int,
+    shard_bytes: int,
+    shards: list[tuple[int, int]],
+    values: np.ndarray | None = None,
+    versions: list[int] | None = None,
+    epoch: int | None = None,
+    meta: dict | None = None,
+    layout: dict | None = None,
+    server_id: str | None = None,
+) -> dict:
     """Create (or replace) the checkpoint at ``url`` holding ``values`` (zeros by default), and
     write its manifest last. Returns the manifest."""
     import zarr
@@ -104,20 +120,35 @@ def init_checkpoint(url: str, storage_options: dict | None, *, size: int, shard_
         store = zarr_store(url, storage_options, read_only=False)
         g = zarr.open_group(store=store, mode="w", zarr_format=3)
         per = shards[0][1] - shards[0][0]
-        arr = g.create_array("params", shape=(size,), chunks=(per,), dtype="float32",
-                             fill_value=0.0, compressors=None, dimension_names=("flat",))
+        arr = g.create_array(
+            "params",
+            shape=(size,),
+            chunks=(per,),
+            dtype="float32",
+            fill_value=0.0,
+            compressors=None,
+            dimension_names=("flat",),
+        )
         if values is not None:
             arr[:] = np.asarray(values, dtype=np.float32)
     except CheckpointError:
         raise
     except Exception as exc:
-        raise CheckpointError(f"cannot create the checkpoint at {normalize_url(url)}: {exc}",
-                              "check the URL, the credentials and free space") from exc
+        raise CheckpointError(
+            f"cannot create the checkpoint at {normalize_url(url)}: {exc}",
+            "check the URL, the credentials and free space",
+        ) from exc
     manifest = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "size": int(size),
-        "shard_bytes": int(shard_bytes), "shards": [[int(a), int(b)] for a, b in shards],
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "size": int(size),
+        "shard_bytes": int(shard_bytes),
+        "shards": [[int(a), int(b)] for a, b in shards],
         "versions": [int(v) for v in (versions or [0] * len(shards))],
-        "epoch": epoch, "meta": meta or {}, "layout": layout, "server": server_id,
+        "epoch": epoch,
+        "meta": meta or {},
+        "layout": layout,
+        "server": server_id,
         "time": time.time(),
     }
     _put_manifest(fs, mpath, manifest, url)
@@ -128,12 +159,20 @@ def _put_manifest(fs: Any, mpath: str, manifest: dict, url: str) -> None:
     try:
         write_json(fs, mpath, manifest)
     except Exception as exc:
-        raise CheckpointError(f"cannot write the manifest of {normalize_url(url)}: {exc}",
-                              "check the storage; the data is kept and the write retried") from exc
+        raise CheckpointError(
+            f"cannot write the manifest of {normalize_url(url)}: {exc}",
+            "check the storage; the data is kept and the write retried",
+        ) from exc
 
 
-def write_manifest(url: str, storage_options: dict | None, versions: dict[int, int], *,
-                   epoch: Any = None, meta: dict | None = None) -> dict:
+def write_manifest(
+    url: str,
+    storage_options: dict | None,
+    versions: dict[int, int],
+    *,
+    epoch: Any = None,
+    meta: dict | None = None,
+) -> dict:
     """Merge ``versions`` ({sid: version}), and ``epoch``/``meta`` when given, into the manifest
     of the checkpoint at ``url``; the data must already be written."""
     fs, path = filesystem(url, storage_options)
@@ -158,11 +197,17 @@ def read_checkpoint(url: str, storage_options: dict | None = None) -> tuple[dict
         g = zarr.open_group(store=zarr_store(url, storage_options, read_only=True), mode="r")
         values = np.asarray(g["params"][:], dtype=np.float32)
     except Exception as exc:
-        raise CheckpointError(f"the checkpoint at {normalize_url(url)} has a manifest but its "
-                              f"params cannot be read: {exc}", "the checkpoint is damaged") from exc
+        raise CheckpointError(
+            f"the checkpoint at {normalize_url(url)} has a manifest but its "
+            f"params cannot be read: {exc}",
+            "the checkpoint is damaged",
+        ) from exc
     if values.shape != (int(m["size"]),):
-        raise CheckpointError(f"the checkpoint at {normalize_url(url)} holds {values.shape[0]} "
-                              f"values, its manifest says {m['size']}", "the checkpoint is damaged")
+        raise CheckpointError(
+            f"the checkpoint at {normalize_url(url)} holds {values.shape[0]} "
+            f"values, its manifest says {m['size']}",
+            "the checkpoint is damaged",
+        )
     return m, values
 
 
@@ -192,7 +237,7 @@ class CheckpointWriter:
         snaps = list(snaps)
         arr = self._params()
         for s in snaps:
-            arr[s.start:s.stop] = s.values
+            arr[s.start : s.stop] = s.values
         versions = {s.shard: s.version for s in snaps}
         write_manifest(self.url, self.storage_options, versions)
         logger.debug("checkpoint %s: wrote shards %s", self.url, versions)

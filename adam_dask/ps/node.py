@@ -23,6 +23,7 @@ Write-back: a writer task writes dirty primaries to the checkpoint every
 The node never decides placement: the scheduler plugin (:mod:`adam_dask.ps.placement`) tells it
 which shards it holds and in which role (``assign``, ``promote``, ``set_backups``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,8 +44,15 @@ logger = logging.getLogger(__name__)
 Backup = tuple[str, str]  # (worker address, node actor key)
 
 
-async def call_actor(rpc: Any, addr: str, key: str, method: str, *args: Any,
-                     timeout: float | None = None, **kwargs: Any) -> Any:
+async def call_actor(
+    rpc: Any,
+    addr: str,
+    key: str,
+    method: str,
+    *args: Any,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> Any:
     """Call ``method`` of the actor ``key`` on the worker ``addr`` through ``rpc``.
 
     ``rpc`` is a connection pool (``worker.rpc``, ``client.rpc``, ``scheduler.rpc``) or a
@@ -53,8 +61,11 @@ async def call_actor(rpc: Any, addr: str, key: str, method: str, *args: Any,
     ``asyncio.TimeoutError`` after ``timeout`` seconds.
     """
     coro = rpc(addr).actor_execute(
-        actor=key, function=method, args=[to_serialize(a) for a in args],
-        kwargs={k: to_serialize(v) for k, v in kwargs.items()})
+        actor=key,
+        function=method,
+        args=[to_serialize(a) for a in args],
+        kwargs={k: to_serialize(v) for k, v in kwargs.items()},
+    )
     resp = await (asyncio.wait_for(coro, timeout) if timeout else coro)
     if resp["status"] == "OK":
         return _deserialized(resp["result"])
@@ -109,8 +120,10 @@ class PSNode:
         self._checkpoint = None
 
     def __repr__(self) -> str:
-        return (f"PSNode({self.server_id}, primaries={sorted(self.backups)}, "
-                f"backups={sorted(set(self.shards) - set(self.backups))})")
+        return (
+            f"PSNode({self.server_id}, primaries={sorted(self.backups)}, "
+            f"backups={sorted(set(self.shards) - set(self.backups))})"
+        )
 
     # -- plumbing --------------------------------------------------------------------------------
 
@@ -125,13 +138,21 @@ class PSNode:
         if self.cfg.get("checkpoint"):
             from .checkpoint import CheckpointWriter
 
-            self._checkpoint = CheckpointWriter(self.cfg["checkpoint"],
-                                                self.cfg.get("storage_options"))
+            self._checkpoint = CheckpointWriter(
+                self.cfg["checkpoint"], self.cfg.get("storage_options")
+            )
             self._writer_task = asyncio.ensure_future(self._writeback_loop())
 
     async def _call(self, addr: str, key: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        return await call_actor(self._worker.rpc, addr, key, method, *args,
-                                timeout=self.cfg.get("call_timeout"), **kwargs)
+        return await call_actor(
+            self._worker.rpc,
+            addr,
+            key,
+            method,
+            *args,
+            timeout=self.cfg.get("call_timeout"),
+            **kwargs,
+        )
 
     def _sync_forwarders(self) -> None:
         wanted = {a for bs in self.backups.values() for a, _ in bs}
@@ -148,8 +169,9 @@ class PSNode:
 
     # -- role changes (called by the placement plugin) ------------------------------------------
 
-    async def assign(self, shards: dict, backups: dict, values: dict | None = None,
-                     version: int = 0) -> None:
+    async def assign(
+        self, shards: dict, backups: dict, values: dict | None = None, version: int = 0
+    ) -> None:
         """Hold ``shards`` ({sid: (start, stop)}); be primary of those in ``backups``
         ({sid: [(addr, key), ...]}). ``values`` ({sid: array}) sets initial values."""
         self._start()
@@ -157,8 +179,9 @@ class PSNode:
             sid = int(sid)
             if sid not in self.shards:
                 v = None if values is None else values.get(sid)
-                self.shards[sid] = ShardState(sid, start, stop, v, version,
-                                              self.cfg.get("dedup_window", 8192))
+                self.shards[sid] = ShardState(
+                    sid, start, stop, v, version, self.cfg.get("dedup_window", 8192)
+                )
                 self.written[sid] = version
         for sid, bs in backups.items():
             self.backups[int(sid)] = [tuple(b) for b in bs]
@@ -173,8 +196,9 @@ class PSNode:
             st = self.shards[sid]
             v = np.asarray(values, dtype=np.float32).reshape(-1)
             if v.shape[0] != st.size:
-                raise UpdateRejected(f"shard {sid}: {v.shape[0]} values for {st.size} floats",
-                                     shard=sid)
+                raise UpdateRejected(
+                    f"shard {sid}: {v.shape[0]} values for {st.size} floats", shard=sid
+                )
             st.values[:] = v
             st.version = int(version[sid] if isinstance(version, dict) else version)
             self._snap_cache.pop(sid, None)
@@ -200,8 +224,12 @@ class PSNode:
             for acked in self.acked.values():
                 acked.pop(sid, None)
             out[sid] = self.shards[sid].version
-            logger.info("node %s: promoted to primary of shard %d at version %d",
-                        self._worker.address, sid, out[sid])
+            logger.info(
+                "node %s: promoted to primary of shard %d at version %d",
+                self._worker.address,
+                sid,
+                out[sid],
+            )
         self._sync_forwarders()
         for addr in self._wake:
             self._wake[addr].set()
@@ -244,7 +272,9 @@ class PSNode:
     async def close(self) -> None:
         """Stop the background tasks (called before the actor is released)."""
         self._closed = True
-        for t in list(self._forwarders.values()) + ([self._writer_task] if self._writer_task else []):
+        for t in list(self._forwarders.values()) + (
+            [self._writer_task] if self._writer_task else []
+        ):
             t.cancel()
         self._forwarders.clear()
 
@@ -258,13 +288,24 @@ class PSNode:
         :class:`UpdateRejected` (nothing applied) when any delta is bad.
         """
         moved = [int(s) for s in deltas if int(s) not in self.backups]
-        checked = {int(s): self.shards[int(s)].check(d) for s, d in deltas.items()
-                   if int(s) in self.backups}
+        checked = {
+            int(s): self.shards[int(s)].check(d)
+            for s, d in deltas.items()
+            if int(s) in self.backups
+        }
         return await self._apply(checked, moved, push_id, ack)
 
-    async def push_outer(self, parts: dict, offset: int, out: int, inp: int,
-                         activations: np.ndarray, scale: float = 1.0, push_id: int | None = None,
-                         ack: str | None = None) -> dict:
+    async def push_outer(
+        self,
+        parts: dict,
+        offset: int,
+        out: int,
+        inp: int,
+        activations: np.ndarray,
+        scale: float = 1.0,
+        push_id: int | None = None,
+        ack: str | None = None,
+    ) -> dict:
         """Add each shard's part of ``scale * errors.T @ activations``; ``parts`` maps
         sid -> the error columns of the rows touching it. The product is computed here, in a
         thread; the result is applied like a push."""
@@ -272,14 +313,17 @@ class PSNode:
         todo = {int(s): e for s, e in parts.items() if int(s) not in moved}
 
         def compute() -> dict[int, np.ndarray]:
-            return {s: self.shards[s].outer_as_delta(offset, out, inp, e, activations, scale)
-                    for s, e in todo.items()}
+            return {
+                s: self.shards[s].outer_as_delta(offset, out, inp, e, activations, scale)
+                for s, e in todo.items()
+            }
 
         deltas = await asyncio.to_thread(compute) if todo else {}
         return await self._apply(deltas, moved, push_id, ack)
 
-    async def _apply(self, deltas: dict[int, np.ndarray], moved: list[int], push_id: int | None,
-                     ack: str | None) -> dict:
+    async def _apply(
+        self, deltas: dict[int, np.ndarray], moved: list[int], push_id: int | None, ack: str | None
+    ) -> dict:
         loop = asyncio.get_running_loop()
         futs = {}
         for sid, d in deltas.items():
@@ -322,14 +366,18 @@ class PSNode:
         """``{"per_shard": {sid: values}, "moved": [...]}`` for the primaries among ``sids``."""
         sids = list(self.backups) if sids is None else [int(s) for s in sids]
         moved = [s for s in sids if s not in self.backups]
-        return {"per_shard": {s: self._values_of(s)[1] for s in sids if s in self.backups},
-                "moved": moved}
+        return {
+            "per_shard": {s: self._values_of(s)[1] for s in sids if s in self.backups},
+            "moved": moved,
+        }
 
     async def pull_versions(self, sids: Iterable[int]) -> dict:
         """``{"per_shard": {sid: version}, "moved": [...]}`` for the primaries among ``sids``."""
         sids = [int(s) for s in sids]
-        return {"per_shard": {s: self.shards[s].version for s in sids if s in self.backups},
-                "moved": [s for s in sids if s not in self.backups]}
+        return {
+            "per_shard": {s: self.shards[s].version for s in sids if s in self.backups},
+            "moved": [s for s in sids if s not in self.backups],
+        }
 
     def _values_of(self, sid: int) -> tuple[int, np.ndarray]:
         """(version, an immutable copy of the values), cached per version."""
@@ -350,7 +398,8 @@ class PSNode:
             st = self.shards.get(snap.shard)
             if st is None:
                 st = self.shards[snap.shard] = ShardState(
-                    snap.shard, snap.start, snap.stop, None, -1, self.cfg.get("dedup_window", 8192))
+                    snap.shard, snap.start, snap.stop, None, -1, self.cfg.get("dedup_window", 8192)
+                )
             if snap.shard not in self.backups:  # never overwrite a primary
                 st.install(snap.version, snap.values, snap.ids)
             out[snap.shard] = st.version
@@ -388,7 +437,7 @@ class PSNode:
         while not self._closed:
             try:
                 await asyncio.wait_for(wake.wait(), interval)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             wake.clear()
             acked = self.acked.setdefault(addr, {})
@@ -402,8 +451,11 @@ class PSNode:
                         base = acked.get(sid, -1)
                         if base < st.version:
                             version, values = self._values_of(sid)
-                            snaps.append(Snapshot(sid, st.start, st.stop, version, values,
-                                                  st.ids_since(base)))
+                            snaps.append(
+                                Snapshot(
+                                    sid, st.start, st.stop, version, values, st.ids_since(base)
+                                )
+                            )
             if not snaps or key is None:
                 continue
             try:
@@ -414,9 +466,16 @@ class PSNode:
                 failures += 1
                 self.forward_errors += 1
                 delay = min(float(self.cfg.get("retry_base", 0.2)) * 2 ** (failures - 1), 2.0)
-                logger.warning("node %s: forwarding %d shard(s) to backup %s failed (%s: %s); "
-                               "retrying in %.1fs", self._worker.address, len(snaps), addr,
-                               type(exc).__name__, exc, delay)
+                logger.warning(
+                    "node %s: forwarding %d shard(s) to backup %s failed (%s: %s); "
+                    "retrying in %.1fs",
+                    self._worker.address,
+                    len(snaps),
+                    addr,
+                    type(exc).__name__,
+                    exc,
+                    delay,
+                )
                 await asyncio.sleep(delay)
                 continue
             failures = 0
@@ -433,7 +492,7 @@ class PSNode:
         while not self._closed:
             try:
                 await asyncio.wait_for(self._write_now.wait(), interval)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._write_now.clear()
             dirty = [s for s in self.backups if self.shards[s].version > self.written.get(s, -1)]
@@ -456,23 +515,37 @@ class PSNode:
                 self.writeback_errors += 1
                 self.last_writeback_error = f"{type(exc).__name__}: {exc}"
                 delay = min(base * 2 ** (failures - 1), cap)
-                logger.warning("node %s: checkpoint write-back of %d shard(s) failed (attempt "
-                               "%d, %s); retrying in %.1fs, nothing is dropped",
-                               self._worker.address, len(snaps), failures,
-                               self.last_writeback_error, delay)
+                logger.warning(
+                    "node %s: checkpoint write-back of %d shard(s) failed (attempt "
+                    "%d, %s); retrying in %.1fs, nothing is dropped",
+                    self._worker.address,
+                    len(snaps),
+                    failures,
+                    self.last_writeback_error,
+                    delay,
+                )
                 try:
-                    self._worker.log_event("adam-ps-checkpoint", {
-                        "server": self.server_id, "worker": self._worker.address,
-                        "error": self.last_writeback_error, "attempt": failures,
-                        "shards": dirty})
+                    self._worker.log_event(
+                        "adam-ps-checkpoint",
+                        {
+                            "server": self.server_id,
+                            "worker": self._worker.address,
+                            "error": self.last_writeback_error,
+                            "attempt": failures,
+                            "shards": dirty,
+                        },
+                    )
                 except Exception:  # pragma: no cover - reporting must not break the loop
                     pass
                 await asyncio.sleep(delay)
                 self._write_now.set()
                 continue
             if failures:
-                logger.info("node %s: checkpoint write-back succeeded after %d failed attempt(s)",
-                            self._worker.address, failures)
+                logger.info(
+                    "node %s: checkpoint write-back succeeded after %d failed attempt(s)",
+                    self._worker.address,
+                    failures,
+                )
             failures = 0
             for snap in snaps:
                 self.written[snap.shard] = max(self.written.get(snap.shard, -1), snap.version)
@@ -496,18 +569,20 @@ class PSNode:
             if self._checkpoint is None:
                 return
             async with self._written_cond:
-                while not all(self.written.get(s, -1) >= v for s, v in target.items()
-                              if s in self.backups):
+                while not all(
+                    self.written.get(s, -1) >= v for s, v in target.items() if s in self.backups
+                ):
                     self._write_now.set()
                     await self._written_cond.wait()
 
         try:
             await asyncio.wait_for(asyncio.gather(replicated(), written()), limit)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise StorageError(
                 f"flush on {self._worker.address} did not finish in {limit}s "
                 f"(last write-back error: {self.last_writeback_error})",
-                "check the checkpoint storage; the updates are kept and retried") from None
+                "check the checkpoint storage; the updates are kept and retried",
+            ) from None
         return {"per_shard": target, "moved": moved}
 
     # -- introspection ---------------------------------------------------------------------------
@@ -520,12 +595,15 @@ class PSNode:
             v = self.shards[sid].version
             for a, _ in bs:
                 repl_lag = max(repl_lag, v - self.acked.get(a, {}).get(sid, -1))
-        wb_versions = max((self.shards[s].version - self.written.get(s, -1) for s in self.backups),
-                          default=0)
+        wb_versions = max(
+            (self.shards[s].version - self.written.get(s, -1) for s in self.backups), default=0
+        )
         return {
             "address": self._worker.address if self._worker else None,
-            "primaries": sorted(self.backups), "backups": sorted(set(self.shards) - set(self.backups)),
-            "pushes": self.pushes, "floats_applied": self.floats_applied,
+            "primaries": sorted(self.backups),
+            "backups": sorted(set(self.shards) - set(self.backups)),
+            "pushes": self.pushes,
+            "floats_applied": self.floats_applied,
             "uptime": now - self._started,
             "replication_lag": int(repl_lag),
             "writeback_lag_versions": int(max(wb_versions, 0)),

@@ -31,6 +31,7 @@ Register it with ``client.register_plugin(ReplicaPlacement())`` (``ParameterServ
 does), or for gateway/Kubernetes schedulers with ``dask scheduler --preload
 adam_dask.ps.placement`` (this module's :func:`dask_setup`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -56,35 +57,51 @@ ROLE = "PS"
 
 # -- pure placement policy ----------------------------------------------------------------------
 
+
 class PlacementWarning(UserWarning):
     """Replicas had to share a host (or there are fewer workers than replicas)."""
 
 
-def plan_placement(n_shards: int, workers: dict[str, str], replicas: int,
-                   load: Counter | None = None, primary_load: Counter | None = None,
-                   ) -> dict[int, list[str]]:
+def plan_placement(
+    n_shards: int,
+    workers: dict[str, str],
+    replicas: int,
+    load: Counter | None = None,
+    primary_load: Counter | None = None,
+) -> dict[int, list[str]]:
     """{shard: [primary, backups...]} for ``n_shards`` shards over ``workers`` ({addr: host}).
 
     Every shard's copies go to distinct hosts while there are enough, else to distinct workers
     (a :class:`PlacementWarning`); primaries are balanced first, then total copies.
     """
     if not workers:
-        raise ClusterError("no parameter-server workers to place shards on",
-                           "start workers with the resource PS=1 (adam_dask.cluster.local does)")
+        raise ClusterError(
+            "no parameter-server workers to place shards on",
+            "start workers with the resource PS=1 (adam_dask.cluster.local does)",
+        )
     load = Counter(load or {})
     primary_load = Counter(primary_load or {})
     hosts = set(workers.values())
     k = min(replicas, len(workers))
     if k < replicas:
-        warnings.warn(f"{len(workers)} PS workers cannot hold {replicas} replicas; keeping {k}",
-                      PlacementWarning, stacklevel=2)
+        warnings.warn(
+            f"{len(workers)} PS workers cannot hold {replicas} replicas; keeping {k}",
+            PlacementWarning,
+            stacklevel=2,
+        )
     if len(hosts) < k:
-        warnings.warn(f"only {len(hosts)} distinct PS hosts for {k} replicas: some copies of a "
-                      "shard share a host", PlacementWarning, stacklevel=2)
+        warnings.warn(
+            f"only {len(hosts)} distinct PS hosts for {k} replicas: some copies of a "
+            "shard share a host",
+            PlacementWarning,
+            stacklevel=2,
+        )
     addrs = sorted(workers)
     plan: dict[int, list[str]] = {}
     for sid in range(n_shards):
-        primary = min(addrs, key=lambda a: (primary_load[a], load[a], (addrs.index(a) - sid) % len(addrs)))
+        primary = min(
+            addrs, key=lambda a: (primary_load[a], load[a], (addrs.index(a) - sid) % len(addrs))
+        )
         chosen = [primary]
         primary_load[primary] += 1
         load[primary] += 1
@@ -115,6 +132,7 @@ def choose_primary(versions: dict[str, int], primary_load: Counter) -> str:
 
 
 # -- controller state ----------------------------------------------------------------------------
+
 
 @dataclass
 class ServerRecord:
@@ -149,9 +167,12 @@ def _controller_security(scheduler):
     sec = scheduler.security
     if not scheduler.address.startswith("tls://") or sec.tls_client_cert:
         return sec
-    return Security(tls_ca_file=sec.tls_ca_file, tls_client_cert=sec.tls_scheduler_cert,
-                    tls_client_key=sec.tls_scheduler_key,
-                    require_encryption=sec.require_encryption)
+    return Security(
+        tls_ca_file=sec.tls_ca_file,
+        tls_client_cert=sec.tls_scheduler_cert,
+        tls_client_key=sec.tls_scheduler_key,
+        require_encryption=sec.require_encryption,
+    )
 
 
 class ReplicaPlacement(SchedulerPlugin):
@@ -173,12 +194,14 @@ class ReplicaPlacement(SchedulerPlugin):
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         self._client_lock = asyncio.Lock()
-        scheduler.handlers.update({
-            "adam_ps_create": self.create_server,
-            "adam_ps_routing": self.routing,
-            "adam_ps_close": self.close_server,
-            "adam_ps_servers": self.list_servers,
-        })
+        scheduler.handlers.update(
+            {
+                "adam_ps_create": self.create_server,
+                "adam_ps_routing": self.routing,
+                "adam_ps_close": self.close_server,
+                "adam_ps_servers": self.list_servers,
+            }
+        )
 
     async def before_close(self) -> None:
         for rec in list(self.servers.values()):
@@ -191,8 +214,9 @@ class ReplicaPlacement(SchedulerPlugin):
             except Exception:  # pragma: no cover - shutting down
                 pass
 
-    def remove_worker(self, scheduler: Any, worker: str, *, stimulus_id: str | None = None,
-                      **kwargs: Any) -> None:
+    def remove_worker(
+        self, scheduler: Any, worker: str, *, stimulus_id: str | None = None, **kwargs: Any
+    ) -> None:
         for rec in self.servers.values():
             touched = []
             was_node = rec.nodes.pop(worker, None) is not None
@@ -212,12 +236,24 @@ class ReplicaPlacement(SchedulerPlugin):
             if rec.heal_started is None:
                 rec.heal_started = time.monotonic()
             lost_primaries = sorted(s for s in touched if s in rec.needs_primary)
-            logger.warning("PS worker %s lost: server %s lost %d replica(s), %d primaries; "
-                           "repairing", worker, rec.server_id, len(touched), len(lost_primaries))
-            scheduler.log_event(TOPIC, {"event": "worker-lost", "server": rec.server_id,
-                                        "worker": worker, "shards": touched,
-                                        "primaries": lost_primaries,
-                                        "generation": rec.generation})
+            logger.warning(
+                "PS worker %s lost: server %s lost %d replica(s), %d primaries; repairing",
+                worker,
+                rec.server_id,
+                len(touched),
+                len(lost_primaries),
+            )
+            scheduler.log_event(
+                TOPIC,
+                {
+                    "event": "worker-lost",
+                    "server": rec.server_id,
+                    "worker": worker,
+                    "shards": touched,
+                    "primaries": lost_primaries,
+                    "generation": rec.generation,
+                },
+            )
             self._kick(rec)
 
     def add_worker(self, scheduler: Any, worker: str) -> None:
@@ -232,27 +268,29 @@ class ReplicaPlacement(SchedulerPlugin):
         busy = {a for rec in self.servers.values() for hs in rec.routing.values() for a in hs}
         keep = [ws for ws in workers if ws.address not in busy]
         if len(keep) < len(workers):
-            logger.info("not down-scaling %d PS worker(s) that hold shards",
-                        len(workers) - len(keep))
+            logger.info(
+                "not down-scaling %d PS worker(s) that hold shards", len(workers) - len(keep)
+            )
         return keep
 
     # -- helpers ---------------------------------------------------------------------------------
 
     def _ps_workers(self) -> dict[str, str]:
         """{addr: host} of the running PS workers."""
-        return {ws.address: ws.host for ws in self.scheduler.running
-                if ws.resources.get(self.role)}
+        return {ws.address: ws.host for ws in self.scheduler.running if ws.resources.get(self.role)}
 
     def _healthy(self, rec: ServerRecord) -> bool:
         """Every shard has a primary and its full number of copies (``replicas``, or as many
         as there were PS workers when the server was made)."""
         want = rec.target
         return not rec.needs_primary and all(
-            len(h) >= want for s, h in rec.routing.items() if s not in rec.lost)
+            len(h) >= want for s, h in rec.routing.items() if s not in rec.lost
+        )
 
     async def _call(self, addr: str, key: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        return await call_actor(self.scheduler.rpc, addr, key, method, *args,
-                                timeout=float(self._timeout), **kwargs)
+        return await call_actor(
+            self.scheduler.rpc, addr, key, method, *args, timeout=float(self._timeout), **kwargs
+        )
 
     @property
     def _timeout(self) -> float:
@@ -265,10 +303,14 @@ class ReplicaPlacement(SchedulerPlugin):
             if self._client is None:
                 from distributed import Client
 
-                self._client = await Client(self.scheduler.address, asynchronous=True,
-                                            set_as_default=False, direct_to_workers=True,
-                                            security=_controller_security(self.scheduler),
-                                            name="adam-ps-controller")
+                self._client = await Client(
+                    self.scheduler.address,
+                    asynchronous=True,
+                    set_as_default=False,
+                    direct_to_workers=True,
+                    security=_controller_security(self.scheduler),
+                    name="adam-ps-controller",
+                )
             return self._client
 
     async def _ensure_node(self, rec: ServerRecord, addr: str) -> str:
@@ -277,8 +319,16 @@ class ReplicaPlacement(SchedulerPlugin):
             return rec.nodes[addr]
         client = await self._get_client()
         key = f"adam-ps-{rec.server_id}-node{next(self._counter)}"
-        fut = client.submit(PSNode, rec.server_id, rec.node_config, actor=True, key=key,
-                            workers=[addr], allow_other_workers=False, pure=False)
+        fut = client.submit(
+            PSNode,
+            rec.server_id,
+            rec.node_config,
+            actor=True,
+            key=key,
+            workers=[addr],
+            allow_other_workers=False,
+            pure=False,
+        )
         try:
             await asyncio.wait_for(fut, self._timeout)
         except BaseException:
@@ -306,9 +356,10 @@ class ReplicaPlacement(SchedulerPlugin):
                 failures = 0
             except Exception:
                 failures += 1
-                logger.exception("repair of server %s failed (attempt %d); retrying",
-                                 rec.server_id, failures)
-                await asyncio.sleep(min(0.2 * 2 ** failures, 5.0))
+                logger.exception(
+                    "repair of server %s failed (attempt %d); retrying", rec.server_id, failures
+                )
+                await asyncio.sleep(min(0.2 * 2**failures, 5.0))
                 rec.dirty = True
                 continue
             if self._healthy(rec):
@@ -316,11 +367,21 @@ class ReplicaPlacement(SchedulerPlugin):
                     took = time.monotonic() - rec.heal_started
                     rec.heal_started = None
                     rec.heal_times.append(took)
-                    logger.warning("server %s healed: every shard has %d replicas again, "
-                                   "%.2fs after the loss", rec.server_id, rec.replicas, took)
-                    self.scheduler.log_event(TOPIC, {"event": "healed", "server": rec.server_id,
-                                                     "seconds": took,
-                                                     "generation": rec.generation})
+                    logger.warning(
+                        "server %s healed: every shard has %d replicas again, %.2fs after the loss",
+                        rec.server_id,
+                        rec.replicas,
+                        took,
+                    )
+                    self.scheduler.log_event(
+                        TOPIC,
+                        {
+                            "event": "healed",
+                            "server": rec.server_id,
+                            "seconds": took,
+                            "generation": rec.generation,
+                        },
+                    )
             elif progress:
                 rec.dirty = True  # more to do now
             else:
@@ -332,8 +393,12 @@ class ReplicaPlacement(SchedulerPlugin):
     async def _repair_once(self, rec: ServerRecord) -> bool:
         """One pass of fail-over; True when it changed something."""
         progress = False
-        logger.debug("server %s: repair pass; needs primary %s, backups changed %s",
-                     rec.server_id, sorted(rec.needs_primary), sorted(rec.backups_changed))
+        logger.debug(
+            "server %s: repair pass; needs primary %s, backups changed %s",
+            rec.server_id,
+            sorted(rec.needs_primary),
+            sorted(rec.backups_changed),
+        )
         # 1. live primaries stop waiting for (and forwarding to) lost backups
         calls: dict[str, dict[int, list]] = {}
         for sid in sorted(rec.backups_changed - rec.needs_primary):
@@ -351,18 +416,23 @@ class ReplicaPlacement(SchedulerPlugin):
                     asked.setdefault(a, []).append(sid)
             versions = await self._gather_calls(rec, "versions", {a: s for a, s in asked.items()})
             logger.debug("server %s: versions of the survivors %s", rec.server_id, versions)
-            primary_load = Counter(h[0] for s, h in rec.routing.items()
-                                   if h and s not in rec.needs_primary)
+            primary_load = Counter(
+                h[0] for s, h in rec.routing.items() if h and s not in rec.needs_primary
+            )
             promote: dict[str, dict[int, list]] = {}
             for sid in sorted(rec.needs_primary):
-                cands = {a: versions[a][sid] for a in rec.routing[sid]
-                         if isinstance(versions.get(a), dict) and sid in versions[a]}
+                cands = {
+                    a: versions[a][sid]
+                    for a in rec.routing[sid]
+                    if isinstance(versions.get(a), dict) and sid in versions[a]
+                }
                 if not rec.routing[sid]:
                     rec.lost.add(sid)
                     rec.needs_primary.discard(sid)
                     logger.error("server %s: every copy of shard %d is lost", rec.server_id, sid)
-                    self.scheduler.log_event(TOPIC, {"event": "shard-lost",
-                                                     "server": rec.server_id, "shard": sid})
+                    self.scheduler.log_event(
+                        TOPIC, {"event": "shard-lost", "server": rec.server_id, "shard": sid}
+                    )
                     continue
                 if not cands:
                     continue
@@ -379,8 +449,13 @@ class ReplicaPlacement(SchedulerPlugin):
                         rec.routing[sid] = [addr] + [a for a in rec.routing[sid] if a != addr]
                         rec.needs_primary.discard(sid)
                         progress = True
-                        logger.info("server %s: shard %d promoted on %s (version %s)",
-                                    rec.server_id, sid, addr, res.get(sid))
+                        logger.info(
+                            "server %s: shard %d promoted on %s (version %s)",
+                            rec.server_id,
+                            sid,
+                            addr,
+                            res.get(sid),
+                        )
             if progress:
                 rec.generation += 1
 
@@ -400,16 +475,22 @@ class ReplicaPlacement(SchedulerPlugin):
                     break
                 used = {live.get(a) for a in holders + chosen}
                 if live[t] in used:
-                    logger.warning("server %s: shard %d gets a copy on host %s, which already "
-                                   "holds one (too few PS hosts)", rec.server_id, sid, live[t])
+                    logger.warning(
+                        "server %s: shard %d gets a copy on host %s, which already "
+                        "holds one (too few PS hosts)",
+                        rec.server_id,
+                        sid,
+                        live[t],
+                    )
                 chosen.append(t)
                 load[t] += 1
             if chosen:
                 targets.setdefault(holders[0], {})[sid] = chosen
         if targets:
             need = sorted({a for d in targets.values() for ts in d.values() for a in ts})
-            made = await asyncio.gather(*(self._ensure_node(rec, a) for a in need),
-                                        return_exceptions=True)
+            made = await asyncio.gather(
+                *(self._ensure_node(rec, a) for a in need), return_exceptions=True
+            )
             ok = {a: k for a, k in zip(need, made) if isinstance(k, str)}
             for a, k in zip(need, made):
                 if not isinstance(k, str):
@@ -434,25 +515,40 @@ class ReplicaPlacement(SchedulerPlugin):
                 rec.generation += 1
         return progress
 
-    async def _gather_calls(self, rec: ServerRecord, method: str, calls: dict[str, Any],
-                            **kwargs: Any) -> dict[str, Any]:
+    async def _gather_calls(
+        self, rec: ServerRecord, method: str, calls: dict[str, Any], **kwargs: Any
+    ) -> dict[str, Any]:
         """Call ``method(arg)`` on the node of each address in ``calls`` ({addr: arg});
         {addr: result or exception}."""
         addrs = [a for a in calls if a in rec.nodes]
-        res = await asyncio.gather(*(self._call(a, rec.nodes[a], method, calls[a], **kwargs)
-                                     for a in addrs), return_exceptions=True)
+        res = await asyncio.gather(
+            *(self._call(a, rec.nodes[a], method, calls[a], **kwargs) for a in addrs),
+            return_exceptions=True,
+        )
         out = {}
         for a, r in zip(addrs, res):
             if isinstance(r, BaseException):
-                logger.warning("server %s: %s on %s failed: %s: %s", rec.server_id, method, a,
-                               type(r).__name__, r)
+                logger.warning(
+                    "server %s: %s on %s failed: %s: %s",
+                    rec.server_id,
+                    method,
+                    a,
+                    type(r).__name__,
+                    r,
+                )
             out[a] = r
         return out
 
     # -- scheduler handlers (called by ParameterServer) -------------------------------------------
 
-    async def create_server(self, server_id: str, shards: list, replicas: int,
-                            node_config: dict, info: dict | None = None) -> dict:
+    async def create_server(
+        self,
+        server_id: str,
+        shards: list,
+        replicas: int,
+        node_config: dict,
+        info: dict | None = None,
+    ) -> dict:
         """Place and create the nodes of a new server; returns its routing."""
         if server_id in self.servers:
             raise ValueError(f"a parameter server {server_id!r} exists already")
@@ -462,9 +558,15 @@ class ReplicaPlacement(SchedulerPlugin):
             plan = plan_placement(len(shards), live, int(replicas))
         for w in caught:
             logger.warning("server %s: %s", server_id, w.message)
-        rec = ServerRecord(server_id, [tuple(s) for s in shards], int(replicas), dict(node_config),
-                           routing={s: list(h) for s, h in plan.items()}, info=dict(info or {}),
-                           target=min(int(replicas), len(live)))
+        rec = ServerRecord(
+            server_id,
+            [tuple(s) for s in shards],
+            int(replicas),
+            dict(node_config),
+            routing={s: list(h) for s, h in plan.items()},
+            info=dict(info or {}),
+            target=min(int(replicas), len(live)),
+        )
         self.servers[server_id] = rec
         try:
             addrs = sorted({a for h in plan.values() for a in h})
@@ -478,8 +580,13 @@ class ReplicaPlacement(SchedulerPlugin):
         except BaseException:
             await self.close_server(server_id)
             raise
-        logger.info("server %s: %d shards x %d replicas on %d PS workers", server_id,
-                    len(shards), replicas, len(addrs))
+        logger.info(
+            "server %s: %d shards x %d replicas on %d PS workers",
+            server_id,
+            len(shards),
+            replicas,
+            len(addrs),
+        )
         return self.routing(server_id)
 
     def routing(self, server_id: str) -> dict:
@@ -490,12 +597,17 @@ class ReplicaPlacement(SchedulerPlugin):
         rec = self.servers.get(server_id)
         if rec is None:
             raise KeyError(f"no parameter server {server_id!r} on this scheduler")
-        return {"routing": [list(rec.routing[s]) for s in range(len(rec.shards))],
-                "nodes": dict(rec.nodes), "pending": sorted(rec.needs_primary),
-                "target": rec.target,
-                "lost": sorted(rec.lost), "healthy": self._healthy(rec),
-                "generation": rec.generation, "heal_times": list(rec.heal_times),
-                "info": rec.info}
+        return {
+            "routing": [list(rec.routing[s]) for s in range(len(rec.shards))],
+            "nodes": dict(rec.nodes),
+            "pending": sorted(rec.needs_primary),
+            "target": rec.target,
+            "lost": sorted(rec.lost),
+            "healthy": self._healthy(rec),
+            "generation": rec.generation,
+            "heal_times": list(rec.heal_times),
+            "info": rec.info,
+        }
 
     def list_servers(self) -> list[str]:
         return sorted(self.servers)
@@ -507,8 +619,9 @@ class ReplicaPlacement(SchedulerPlugin):
             return
         if rec.task is not None:
             rec.task.cancel()
-        await asyncio.gather(*(self._call(a, k, "close") for a, k in rec.nodes.items()),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(self._call(a, k, "close") for a, k in rec.nodes.items()), return_exceptions=True
+        )
         for fut in rec.futures.values():
             fut.release()
         logger.info("server %s closed", server_id)

@@ -21,6 +21,7 @@ acknowledged update is ever lost while one copy survives.
 Epochs: ``flush(epoch=...)`` stores the epoch number (and ``meta=``) in the manifest;
 ``checkpoint_meta(epoch=..., meta=...)`` does it without waiting for the flush.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -54,10 +55,21 @@ class ParameterServer:
     """A handle on a parameter server; make one with :meth:`create`, :meth:`restore` or
     :meth:`attach`."""
 
-    def __init__(self, server_id: str, size: int, shards: list[tuple[int, int]], *,
-                 shard_bytes: int, replicas: int, ack: str, checkpoint: str | None,
-                 storage_options: dict | None, layout: ParameterLayout | None,
-                 meta: dict | None, client: Any = None):
+    def __init__(
+        self,
+        server_id: str,
+        size: int,
+        shards: list[tuple[int, int]],
+        *,
+        shard_bytes: int,
+        replicas: int,
+        ack: str,
+        checkpoint: str | None,
+        storage_options: dict | None,
+        layout: ParameterLayout | None,
+        meta: dict | None,
+        client: Any = None,
+    ):
         self.server_id = server_id
         self.size = int(size)
         self.shards = [(int(a), int(b)) for a, b in shards]
@@ -79,8 +91,10 @@ class ParameterServer:
         self._last_stats: tuple[float, int] | None = None
 
     def __repr__(self) -> str:
-        return (f"ParameterServer({self.server_id!r}, {self.size} floats, {len(self.shards)} "
-                f"shards x {self.replicas}, ack={self.ack!r})")
+        return (
+            f"ParameterServer({self.server_id!r}, {self.size} floats, {len(self.shards)} "
+            f"shards x {self.replicas}, ack={self.ack!r})"
+        )
 
     # -- pickling: a copy inside a task binds to that worker -------------------------------------
 
@@ -101,13 +115,24 @@ class ParameterServer:
     # -- construction ----------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, client: Any, size: int | None = None, *, layout: ParameterLayout | None = None,
-               shard_bytes: int | None = None, replicas: int | None = None,
-               checkpoint: str | None = None, storage_options: dict | None = None,
-               init: np.ndarray | None = None, meta: dict | None = None, ack: str | None = None,
-               name: str | None = None, epoch: int | None = None,
-               _versions: list[int] | None = None, _init_checkpoint: bool = True,
-               ) -> ParameterServer:
+    def create(
+        cls,
+        client: Any,
+        size: int | None = None,
+        *,
+        layout: ParameterLayout | None = None,
+        shard_bytes: int | None = None,
+        replicas: int | None = None,
+        checkpoint: str | None = None,
+        storage_options: dict | None = None,
+        init: np.ndarray | None = None,
+        meta: dict | None = None,
+        ack: str | None = None,
+        name: str | None = None,
+        epoch: int | None = None,
+        _versions: list[int] | None = None,
+        _init_checkpoint: bool = True,
+    ) -> ParameterServer:
         """Create a parameter server of ``size`` float32 values (or ``layout.size``).
 
         Parameters
@@ -136,8 +161,10 @@ class ParameterServer:
         """
         if layout is not None:
             if size is not None and int(size) != layout.size:
-                raise ConfigError(f"size={size} does not match the layout's {layout.size} floats",
-                                  "give one of size= or layout=")
+                raise ConfigError(
+                    f"size={size} does not match the layout's {layout.size} floats",
+                    "give one of size= or layout=",
+                )
             size = layout.size
         if size is None:
             raise ConfigError("a parameter server needs size= or layout=")
@@ -156,8 +183,9 @@ class ParameterServer:
                 raise ConfigError(f"init has {init.shape[0]} values, the server {size}")
             bad = first_nonfinite(init)
             if bad >= 0:
-                raise UpdateRejected(f"init holds a non-finite value at index {bad}",
-                                     shard=_shard_of(shards, bad))
+                raise UpdateRejected(
+                    f"init holds a non-finite value at index {bad}", shard=_shard_of(shards, bad)
+                )
         if checkpoint is not None:
             checkpoint = str(checkpoint)
         server_id = name or uuid.uuid4().hex[:12]
@@ -168,25 +196,59 @@ class ParameterServer:
             "retry_max": float(config.get("ps.retry-max")),
             "call_timeout": float(config.get("ps.call-timeout")),
             "dedup_window": int(config.get("ps.dedup-window")),
-            "ack": ack, "checkpoint": checkpoint, "storage_options": storage_options,
-            "size": size, "shard_bytes": shard_bytes,
+            "ack": ack,
+            "checkpoint": checkpoint,
+            "storage_options": storage_options,
+            "size": size,
+            "shard_bytes": shard_bytes,
         }
         if checkpoint is not None and _init_checkpoint:
-            init_checkpoint(checkpoint, storage_options, size=size, shard_bytes=shard_bytes,
-                            shards=shards, values=init, versions=_versions, epoch=epoch,
-                            meta=meta, layout=layout.to_dict() if layout is not None else None,
-                            server_id=server_id)
+            init_checkpoint(
+                checkpoint,
+                storage_options,
+                size=size,
+                shard_bytes=shard_bytes,
+                shards=shards,
+                values=init,
+                versions=_versions,
+                epoch=epoch,
+                meta=meta,
+                layout=layout.to_dict() if layout is not None else None,
+                server_id=server_id,
+            )
         client.register_plugin(ReplicaPlacement(), name=PLUGIN_NAME)
-        info = {"size": size, "shards": [list(s) for s in shards], "shard_bytes": shard_bytes,
-                "replicas": replicas, "ack": ack, "checkpoint": checkpoint,
-                "storage_options": storage_options, "meta": meta or {},
-                "layout": layout.to_dict() if layout is not None else None}
-        routing = client.sync(client.scheduler.adam_ps_create, server_id=server_id,
-                              shards=[list(s) for s in shards], replicas=replicas,
-                              node_config=node_config, info=info)
-        server = cls(server_id, size, shards, shard_bytes=shard_bytes, replicas=replicas, ack=ack,
-                     checkpoint=checkpoint, storage_options=storage_options, layout=layout,
-                     meta=meta, client=client)
+        info = {
+            "size": size,
+            "shards": [list(s) for s in shards],
+            "shard_bytes": shard_bytes,
+            "replicas": replicas,
+            "ack": ack,
+            "checkpoint": checkpoint,
+            "storage_options": storage_options,
+            "meta": meta or {},
+            "layout": layout.to_dict() if layout is not None else None,
+        }
+        routing = client.sync(
+            client.scheduler.adam_ps_create,
+            server_id=server_id,
+            shards=[list(s) for s in shards],
+            replicas=replicas,
+            node_config=node_config,
+            info=info,
+        )
+        server = cls(
+            server_id,
+            size,
+            shards,
+            shard_bytes=shard_bytes,
+            replicas=replicas,
+            ack=ack,
+            checkpoint=checkpoint,
+            storage_options=storage_options,
+            layout=layout,
+            meta=meta,
+            client=client,
+        )
         server._set_routing(routing)
         if init is not None or _versions is not None:
             values = init if init is not None else np.zeros(size, dtype=np.float32)
@@ -196,8 +258,15 @@ class ParameterServer:
         return server
 
     @classmethod
-    def restore(cls, client: Any, url: str, *, storage_options: dict | None = None,
-                checkpoint: str | None = None, **kwargs: Any) -> ParameterServer:
+    def restore(
+        cls,
+        client: Any,
+        url: str,
+        *,
+        storage_options: dict | None = None,
+        checkpoint: str | None = None,
+        **kwargs: Any,
+    ) -> ParameterServer:
         """A new server holding the last complete checkpoint at ``url`` (values, versions,
         layout, ``meta``; ``server.epoch`` is the manifest's epoch). It keeps writing back to
         ``checkpoint`` (default: ``url`` itself)."""
@@ -206,12 +275,21 @@ class ParameterServer:
         target = checkpoint if checkpoint is not None else url
         same = str(target) == str(url)
         kwargs.setdefault("shard_bytes", int(manifest["shard_bytes"]))
-        server = cls.create(client, size=int(manifest["size"]), layout=layout,
-                            checkpoint=target, storage_options=storage_options, init=values,
-                            meta=manifest.get("meta") or {}, epoch=manifest.get("epoch"),
-                            _versions=[int(v) for v in manifest["versions"]]
-                            if kwargs["shard_bytes"] == int(manifest["shard_bytes"]) else None,
-                            _init_checkpoint=not same, **kwargs)
+        server = cls.create(
+            client,
+            size=int(manifest["size"]),
+            layout=layout,
+            checkpoint=target,
+            storage_options=storage_options,
+            init=values,
+            meta=manifest.get("meta") or {},
+            epoch=manifest.get("epoch"),
+            _versions=[int(v) for v in manifest["versions"]]
+            if kwargs["shard_bytes"] == int(manifest["shard_bytes"])
+            else None,
+            _init_checkpoint=not same,
+            **kwargs,
+        )
         server.epoch = manifest.get("epoch")
         logger.info("restored %r from %s (epoch %s)", server, url, server.epoch)
         return server
@@ -223,10 +301,19 @@ class ParameterServer:
         routing = client.sync(client.scheduler.adam_ps_routing, server_id=name)
         info = routing["info"]
         layout = ParameterLayout.from_dict(info["layout"]) if info.get("layout") else None
-        server = cls(name, info["size"], [tuple(s) for s in info["shards"]],
-                     shard_bytes=info["shard_bytes"], replicas=info["replicas"], ack=info["ack"],
-                     checkpoint=info["checkpoint"], storage_options=info["storage_options"],
-                     layout=layout, meta=info["meta"], client=client)
+        server = cls(
+            name,
+            info["size"],
+            [tuple(s) for s in info["shards"]],
+            shard_bytes=info["shard_bytes"],
+            replicas=info["replicas"],
+            ack=info["ack"],
+            checkpoint=info["checkpoint"],
+            storage_options=info["storage_options"],
+            layout=layout,
+            meta=info["meta"],
+            client=client,
+        )
         server._set_routing(routing)
         return server
 
@@ -255,8 +342,10 @@ class ParameterServer:
         if client.direct_to_workers:
             rpc = client.rpc
         else:
+
             def rpc(addr: str) -> ProxyRPC:
                 return ProxyRPC(client.scheduler, addr)
+
         return client.sync, rpc, client.scheduler
 
     def _run(self, coro_fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -279,16 +368,20 @@ class ParameterServer:
     async def _refresh(self, sched: Any) -> None:
         self._set_routing(await sched.adam_ps_routing(server_id=self.server_id))
 
-    async def _primaries(self, sched: Any, sids: Iterable[int], deadline: float
-                         ) -> dict[str, list[int]]:
+    async def _primaries(
+        self, sched: Any, sids: Iterable[int], deadline: float
+    ) -> dict[str, list[int]]:
         """{primary addr: [sid, ...]} for ``sids``, waiting while some shard has no primary."""
         sids = list(sids)
         delay = 0.02
         while True:
             lost = [s for s in sids if s in self._lost]
             if lost:
-                raise ShardUnavailable(f"every copy of shard {lost[0]} of server {self.server_id} "
-                                       "is lost", "restore from the checkpoint", shard=lost[0])
+                raise ShardUnavailable(
+                    f"every copy of shard {lost[0]} of server {self.server_id} is lost",
+                    "restore from the checkpoint",
+                    shard=lost[0],
+                )
             if not any(s in self._pending or not self._routing[s] for s in sids):
                 out: dict[str, list[int]] = {}
                 for s in sids:
@@ -296,16 +389,26 @@ class ParameterServer:
                 return out
             if time.monotonic() > deadline:
                 s = next(s for s in sids if s in self._pending or not self._routing[s])
-                raise ShardUnavailable(f"shard {s} of server {self.server_id} has no primary "
-                                       "after the fail-over timeout",
-                                       "check the PS workers (adam.ps.failover-timeout)", shard=s)
+                raise ShardUnavailable(
+                    f"shard {s} of server {self.server_id} has no primary "
+                    "after the fail-over timeout",
+                    "check the PS workers (adam.ps.failover-timeout)",
+                    shard=s,
+                )
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
             await self._refresh(sched)
 
-    async def _each_primary(self, rpc: Any, sched: Any, sids: Iterable[int], method: str,
-                            make_args: Any, call_timeout: float | None = None,
-                            **kwargs: Any) -> dict[int, Any]:
+    async def _each_primary(
+        self,
+        rpc: Any,
+        sched: Any,
+        sids: Iterable[int],
+        method: str,
+        make_args: Any,
+        call_timeout: float | None = None,
+        **kwargs: Any,
+    ) -> dict[int, Any]:
         """Call ``method`` on the primary of every shard in ``sids`` (one call per node, all
         concurrently), retrying on the new primary after a fail-over. ``make_args(sids)``
         gives the positional arguments for a node. Returns {sid: per-shard result}."""
@@ -317,9 +420,20 @@ class ParameterServer:
         while pending:
             groups = await self._primaries(sched, sorted(pending), deadline)
             addrs = list(groups)
-            res = await asyncio.gather(*(self._guarded(sched, a, call_actor(
-                rpc, a, self._nodes.get(a, ""), method, *make_args(groups[a]), **kwargs), timeout)
-                for a in addrs), return_exceptions=True)
+            res = await asyncio.gather(
+                *(
+                    self._guarded(
+                        sched,
+                        a,
+                        call_actor(
+                            rpc, a, self._nodes.get(a, ""), method, *make_args(groups[a]), **kwargs
+                        ),
+                        timeout,
+                    )
+                    for a in addrs
+                ),
+                return_exceptions=True,
+            )
             retry = False
             for a, r in zip(addrs, res):
                 if isinstance(r, (UpdateRejected, ConfigError)):
@@ -327,8 +441,13 @@ class ParameterServer:
                 if isinstance(r, BaseException):
                     last_exc = r
                     retry = True
-                    logger.debug("server %s: %s on %s failed (%s); refreshing the routing",
-                                 self.server_id, method, a, r)
+                    logger.debug(
+                        "server %s: %s on %s failed (%s); refreshing the routing",
+                        self.server_id,
+                        method,
+                        a,
+                        r,
+                    )
                     continue
                 for sid, val in r["per_shard"].items():
                     results[int(sid)] = val
@@ -339,8 +458,10 @@ class ParameterServer:
                 if time.monotonic() > deadline:
                     raise ShardUnavailable(
                         f"server {self.server_id}: {method} could not reach the primary of shard "
-                        f"{min(pending)} ({last_exc})", "check the PS workers",
-                        shard=min(pending)) from last_exc
+                        f"{min(pending)} ({last_exc})",
+                        "check the PS workers",
+                        shard=min(pending),
+                    ) from last_exc
                 gen = self._generation
                 await self._refresh(sched)
                 if retry and self._generation == gen:
@@ -360,7 +481,7 @@ class ParameterServer:
                 return task.result()
             if time.monotonic() - t0 > timeout:
                 task.cancel()
-                raise asyncio.TimeoutError(f"no answer from the PS node on {addr} in {timeout}s")
+                raise TimeoutError(f"no answer from the PS node on {addr} in {timeout}s")
             try:
                 await self._refresh(sched)
             except Exception:  # pragma: no cover - the scheduler is busy; keep waiting
@@ -391,26 +512,37 @@ class ParameterServer:
         """
         delta = np.ascontiguousarray(delta, dtype=np.float32).reshape(-1)
         if delta.shape[0] != self.size:
-            raise UpdateRejected(f"a delta of {delta.shape[0]} values for a server of "
-                                 f"{self.size}", "push one value per parameter")
+            raise UpdateRejected(
+                f"a delta of {delta.shape[0]} values for a server of {self.size}",
+                "push one value per parameter",
+            )
         bad = first_nonfinite(delta)
         if bad >= 0:
             sid = _shard_of(self.shards, bad)
-            raise UpdateRejected(f"non-finite update at flat index {bad} (shard {sid}); "
-                                 "nothing was applied", "check the gradients for overflow",
-                                 shard=sid)
+            raise UpdateRejected(
+                f"non-finite update at flat index {bad} (shard {sid}); nothing was applied",
+                "check the gradients for overflow",
+                shard=sid,
+            )
         self._run(self._push, delta, ack)
 
     async def _push(self, rpc: Any, sched: Any, delta: np.ndarray, ack: str | None) -> None:
         push_id = self._rng.getrandbits(62)
 
         def args(sids: list[int]) -> tuple:
-            return ({s: delta[self.shards[s][0]:self.shards[s][1]] for s in sids}, push_id, ack)
+            return ({s: delta[self.shards[s][0] : self.shards[s][1]] for s in sids}, push_id, ack)
 
         await self._each_primary(rpc, sched, range(len(self.shards)), "push", args)
 
-    def push_outer(self, offset: int, errors: np.ndarray, activations: np.ndarray,
-                   scale: float = 1.0, *, ack: str | None = None) -> None:
+    def push_outer(
+        self,
+        offset: int,
+        errors: np.ndarray,
+        activations: np.ndarray,
+        scale: float = 1.0,
+        *,
+        ack: str | None = None,
+    ) -> None:
         """Add ``scale * errors.T @ activations`` to ``flat[offset : offset + out * in]``.
 
         ``errors`` is (B, out), ``activations`` (B, in), float32; the (out, in) product is
@@ -419,12 +551,16 @@ class ParameterServer:
         errors = np.ascontiguousarray(errors, dtype=np.float32)
         activations = np.ascontiguousarray(activations, dtype=np.float32)
         if errors.ndim != 2 or activations.ndim != 2 or errors.shape[0] != activations.shape[0]:
-            raise UpdateRejected(f"push_outer needs errors (B, out) and activations (B, in), got "
-                                 f"{errors.shape} and {activations.shape}")
+            raise UpdateRejected(
+                f"push_outer needs errors (B, out) and activations (B, in), got "
+                f"{errors.shape} and {activations.shape}"
+            )
         out, inp = errors.shape[1], activations.shape[1]
         if offset < 0 or offset + out * inp > self.size:
-            raise UpdateRejected(f"an ({out}, {inp}) update at offset {offset} does not fit in "
-                                 f"{self.size} parameters")
+            raise UpdateRejected(
+                f"an ({out}, {inp}) update at offset {offset} does not fit in "
+                f"{self.size} parameters"
+            )
         for name, a in (("errors", errors), ("activations", activations)):
             if first_nonfinite(a) >= 0:
                 raise UpdateRejected(f"non-finite {name} in push_outer; nothing was applied")
@@ -433,22 +569,34 @@ class ParameterServer:
             p = outer_part(offset, out, inp, a, b)
             if p is not None:
                 parts[s] = p
-        self._run(self._push_outer, parts, int(offset), out, inp, errors, activations,
-                  float(scale), ack)
+        self._run(
+            self._push_outer, parts, int(offset), out, inp, errors, activations, float(scale), ack
+        )
 
-    async def _push_outer(self, rpc: Any, sched: Any, parts: dict, offset: int, out: int,
-                          inp: int, errors: np.ndarray, activations: np.ndarray, scale: float,
-                          ack: str | None) -> None:
+    async def _push_outer(
+        self,
+        rpc: Any,
+        sched: Any,
+        parts: dict,
+        offset: int,
+        out: int,
+        inp: int,
+        errors: np.ndarray,
+        activations: np.ndarray,
+        scale: float,
+        ack: str | None,
+    ) -> None:
         push_id = self._rng.getrandbits(62)
 
         def args(sids: list[int]) -> tuple:
-            cols = {s: np.ascontiguousarray(errors[:, parts[s].row0:parts[s].row1]) for s in sids}
+            cols = {s: np.ascontiguousarray(errors[:, parts[s].row0 : parts[s].row1]) for s in sids}
             return (cols, offset, out, inp, activations, scale, push_id, ack)
 
         await self._each_primary(rpc, sched, parts, "push_outer", args)
 
-    def pull(self, shards: Iterable[int] | None = None, *, out: np.ndarray | None = None
-             ) -> np.ndarray:
+    def pull(
+        self, shards: Iterable[int] | None = None, *, out: np.ndarray | None = None
+    ) -> np.ndarray:
         """The current flat parameters (from the primaries).
 
         With ``shards``, only those shards are fetched and written into ``out`` (a flat float32
@@ -476,11 +624,13 @@ class ParameterServer:
         return self._run(self._versions)
 
     async def _versions(self, rpc: Any, sched: Any) -> dict[int, int]:
-        return await self._each_primary(rpc, sched, range(len(self.shards)), "pull_versions",
-                                        lambda s: (s,))
+        return await self._each_primary(
+            rpc, sched, range(len(self.shards)), "pull_versions", lambda s: (s,)
+        )
 
-    def flush(self, epoch: Any = None, *, meta: dict | None = None,
-              timeout: float | None = None) -> dict[int, int]:
+    def flush(
+        self, epoch: Any = None, *, meta: dict | None = None, timeout: float | None = None
+    ) -> dict[int, int]:
         """Block until every replica and the checkpoint hold every push acknowledged so far;
         then write the manifest (with ``epoch`` and ``meta`` when given). Returns
         {shard: version} flushed. Waits for a running fail-over to finish first."""
@@ -503,12 +653,22 @@ class ParameterServer:
                 break
             await asyncio.sleep(0.1)
         if not self._healthy:
-            logger.warning("server %s: flushing with fewer than %d copies of some shards (a "
-                           "PS worker is missing)", self.server_id, self.replicas)
+            logger.warning(
+                "server %s: flushing with fewer than %d copies of some shards (a "
+                "PS worker is missing)",
+                self.server_id,
+                self.replicas,
+            )
         remaining = max(deadline - time.monotonic(), 1.0)
-        return await self._each_primary(rpc, sched, range(len(self.shards)), "flush",
-                                        lambda s: (s,), call_timeout=remaining + 5,
-                                        limit=remaining)
+        return await self._each_primary(
+            rpc,
+            sched,
+            range(len(self.shards)),
+            "flush",
+            lambda s: (s,),
+            call_timeout=remaining + 5,
+            limit=remaining,
+        )
 
     def checkpoint_meta(self, epoch: Any = None, meta: dict | None = None) -> None:
         """Store ``epoch`` and/or ``meta`` in the manifest now (no flush)."""
@@ -538,25 +698,37 @@ class ParameterServer:
             rate = (total - c0) / (now - t0) if now > t0 else 0.0
         self._last_stats = (now, total)
         return {
-            "server": self.server_id, "shards": len(self.shards), "replicas": self.replicas,
-            "pushes_applied": total, "update_rate": rate,
+            "server": self.server_id,
+            "shards": len(self.shards),
+            "replicas": self.replicas,
+            "pushes_applied": total,
+            "update_rate": rate,
             "max_replication_lag": max((n["replication_lag"] for n in ok), default=0),
             "writeback_lag_versions": max((n["writeback_lag_versions"] for n in ok), default=0),
             "writeback_lag_seconds": max((n["writeback_lag_seconds"] for n in ok), default=0.0),
             "writeback_errors": sum(n["writeback_errors"] for n in ok),
-            "healthy": routing["healthy"], "heal_times": routing["heal_times"],
-            "generation": routing["generation"], "nodes": nodes,
+            "healthy": routing["healthy"],
+            "heal_times": routing["heal_times"],
+            "generation": routing["generation"],
+            "nodes": nodes,
         }
 
     async def _stats(self, rpc: Any, sched: Any) -> tuple[dict, dict]:
         routing = await sched.adam_ps_routing(server_id=self.server_id)
         self._set_routing(routing)
         addrs = list(self._nodes)
-        res = await asyncio.gather(*(call_actor(rpc, a, self._nodes[a], "stats",
-                                                timeout=float(config.get("ps.call-timeout")))
-                                     for a in addrs), return_exceptions=True)
-        return {a: (r if not isinstance(r, BaseException) else repr(r))
-                for a, r in zip(addrs, res)}, routing
+        res = await asyncio.gather(
+            *(
+                call_actor(
+                    rpc, a, self._nodes[a], "stats", timeout=float(config.get("ps.call-timeout"))
+                )
+                for a in addrs
+            ),
+            return_exceptions=True,
+        )
+        return {
+            a: (r if not isinstance(r, BaseException) else repr(r)) for a, r in zip(addrs, res)
+        }, routing
 
     def close(self) -> None:
         """Stop the nodes and release their actors (the checkpoint stays)."""
@@ -573,18 +745,29 @@ class ParameterServer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    async def _load(self, rpc: Any, sched: Any, values: np.ndarray,
-                    versions: dict[int, int]) -> None:
+    async def _load(
+        self, rpc: Any, sched: Any, values: np.ndarray, versions: dict[int, int]
+    ) -> None:
         """Send initial values to every holder of every shard."""
         per_node: dict[str, list[int]] = {}
         for s, holders in enumerate(self._routing):
             for a in holders:
                 per_node.setdefault(a, []).append(s)
         timeout = float(config.get("ps.call-timeout"))
-        await asyncio.gather(*(call_actor(
-            rpc, a, self._nodes[a], "load",
-            {s: values[self.shards[s][0]:self.shards[s][1]] for s in sids},
-            {s: versions[s] for s in sids}, timeout=timeout) for a, sids in per_node.items()))
+        await asyncio.gather(
+            *(
+                call_actor(
+                    rpc,
+                    a,
+                    self._nodes[a],
+                    "load",
+                    {s: values[self.shards[s][0] : self.shards[s][1]] for s in sids},
+                    {s: versions[s] for s in sids},
+                    timeout=timeout,
+                )
+                for a, sids in per_node.items()
+            )
+        )
 
 
 def _shard_of(shards: list[tuple[int, int]], index: int) -> int:

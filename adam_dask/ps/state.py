@@ -16,6 +16,7 @@ block of values (a SIMD vector, held in registers) taking every delta of the gro
 next block, so the shard's values make one trip through memory per 8 updates instead of one per
 update; the per-element order of the additions is the push order.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,8 +32,8 @@ from ..errors import UpdateRejected
 logger = logging.getLogger(__name__)
 
 
-
 # -- kernels -------------------------------------------------------------------------------------
+
 
 @njit(nogil=True, cache=True, fastmath={"reassoc", "nsz", "arcp", "contract"})
 def _nonfinite_probe(x):
@@ -115,13 +116,13 @@ def _apply_all(values: np.ndarray, deltas: list[np.ndarray]) -> None:
     one per update (each vector-sized block of values takes all 8 deltas before the next)."""
     i, n = 0, len(deltas)
     while n - i >= 8:
-        _add8(values, *deltas[i:i + 8])
+        _add8(values, *deltas[i : i + 8])
         i += 8
     if n - i >= 4:
-        _add4(values, *deltas[i:i + 4])
+        _add4(values, *deltas[i : i + 4])
         i += 4
     if n - i >= 2:
-        _add2(values, *deltas[i:i + 2])
+        _add2(values, *deltas[i : i + 2])
         i += 2
     if i < n:
         _add(values, deltas[i])
@@ -138,6 +139,7 @@ def apply_rate_kernel(values: np.ndarray, delta: np.ndarray) -> None:
 
 
 # -- value objects -------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
@@ -175,23 +177,30 @@ def outer_part(offset: int, out: int, inp: int, start: int, stop: int) -> OuterP
     return OuterPart(row0, row1, lo, hi)
 
 
-def outer_delta(part: OuterPart, offset: int, inp: int, errors: np.ndarray,
-                activations: np.ndarray, scale: float) -> np.ndarray:
+def outer_delta(
+    part: OuterPart,
+    offset: int,
+    inp: int,
+    errors: np.ndarray,
+    activations: np.ndarray,
+    scale: float,
+) -> np.ndarray:
     """``scale * errors[:, rows].T @ activations``, cut to the shard's slice ``[lo, hi)``.
 
     ``errors`` holds the columns ``row0:row1`` only when its width equals ``row1 - row0``
     (what the client sends); a full ``(B, out)`` array is cut here.
     """
     if errors.shape[1] != part.row1 - part.row0:
-        errors = errors[:, part.row0:part.row1]
+        errors = errors[:, part.row0 : part.row1]
     m = (errors.T @ activations).astype(np.float32, copy=False).reshape(-1)
     if scale != 1.0:
         m *= np.float32(scale)
     base = offset + part.row0 * inp
-    return m[part.lo - base: part.hi - base]
+    return m[part.lo - base : part.hi - base]
 
 
 # -- the shard -----------------------------------------------------------------------------------
+
 
 class ShardState:
     """Values, version and recent push ids of one shard ``[start, stop)`` of the flat buffer.
@@ -210,8 +219,15 @@ class ShardState:
         How many recent push ids to remember for exactly-once retries.
     """
 
-    def __init__(self, shard: int, start: int, stop: int, values: np.ndarray | None = None,
-                 version: int = 0, dedup_window: int = 8192):
+    def __init__(
+        self,
+        shard: int,
+        start: int,
+        stop: int,
+        values: np.ndarray | None = None,
+        version: int = 0,
+        dedup_window: int = 8192,
+    ):
         self.shard, self.start, self.stop = int(shard), int(start), int(stop)
         n = self.stop - self.start
         if values is None:
@@ -219,15 +235,18 @@ class ShardState:
         else:
             self.values = np.array(values, dtype=np.float32, copy=True).reshape(-1)
             if self.values.shape[0] != n:
-                raise UpdateRejected(f"shard {shard} holds {n} floats, got {self.values.shape[0]}",
-                                     shard=shard)
+                raise UpdateRejected(
+                    f"shard {shard} holds {n} floats, got {self.values.shape[0]}", shard=shard
+                )
         self.version = int(version)
         self.dedup_window = int(dedup_window)
         self._ids: OrderedDict[int, int] = OrderedDict()  # push_id -> version, oldest first
         self.pushes_applied = 0
 
     def __repr__(self) -> str:
-        return f"ShardState(shard={self.shard}, [{self.start}, {self.stop}), version={self.version})"
+        return (
+            f"ShardState(shard={self.shard}, [{self.start}, {self.stop}), version={self.version})"
+        )
 
     @property
     def size(self) -> int:
@@ -243,14 +262,19 @@ class ShardState:
             d = d.astype(np.float32)
         d = d.reshape(-1)
         if d.shape[0] != self.size:
-            raise UpdateRejected(f"shard {self.shard} holds {self.size} floats, the delta has "
-                                 f"{d.shape[0]}", "push a delta of the server's size", shard=self.shard)
+            raise UpdateRejected(
+                f"shard {self.shard} holds {self.size} floats, the delta has {d.shape[0]}",
+                "push a delta of the server's size",
+                shard=self.shard,
+            )
         bad = _first_nonfinite(d)
         if bad >= 0:
             raise UpdateRejected(
                 f"non-finite update to shard {self.shard} at flat index {self.start + bad} "
                 f"({d[bad]}); the shard is unchanged",
-                "check the gradients for overflow (lower the learning rate)", shard=self.shard)
+                "check the gradients for overflow (lower the learning rate)",
+                shard=self.shard,
+            )
         return d
 
     def seen(self, push_id: int | None) -> bool:
@@ -263,8 +287,9 @@ class ShardState:
         """Check and add one delta; returns the new version (the old one for a repeated id)."""
         return self.apply_batch([delta], [push_id])[0]
 
-    def apply_batch(self, deltas: Sequence[np.ndarray],
-                    push_ids: Sequence[int | None] | None = None) -> list[int]:
+    def apply_batch(
+        self, deltas: Sequence[np.ndarray], push_ids: Sequence[int | None] | None = None
+    ) -> list[int]:
         """Check every delta, then add them all (blocked); returns each push's version.
 
         A batch with any bad delta is refused as a whole (:class:`UpdateRejected`), the shard
@@ -291,13 +316,30 @@ class ShardState:
         self._trim_ids()
         return versions
 
-    def apply_outer(self, offset: int, out: int, inp: int, errors: np.ndarray,
-                    activations: np.ndarray, scale: float = 1.0, push_id: int | None = None) -> int:
+    def apply_outer(
+        self,
+        offset: int,
+        out: int,
+        inp: int,
+        errors: np.ndarray,
+        activations: np.ndarray,
+        scale: float = 1.0,
+        push_id: int | None = None,
+    ) -> int:
         """Add this shard's part of ``scale * errors.T @ activations`` (see the module doc)."""
-        return self.apply(self.outer_as_delta(offset, out, inp, errors, activations, scale), push_id)
+        return self.apply(
+            self.outer_as_delta(offset, out, inp, errors, activations, scale), push_id
+        )
 
-    def outer_as_delta(self, offset: int, out: int, inp: int, errors: np.ndarray,
-                       activations: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    def outer_as_delta(
+        self,
+        offset: int,
+        out: int,
+        inp: int,
+        errors: np.ndarray,
+        activations: np.ndarray,
+        scale: float = 1.0,
+    ) -> np.ndarray:
         """This shard's full-length delta for an outer-product update (zeros outside it).
 
         ``errors`` is ``(B, out)``, or only the columns of the rows that touch this shard
@@ -305,14 +347,24 @@ class ShardState:
         """
         errors = np.asarray(errors, dtype=np.float32)
         activations = np.asarray(activations, dtype=np.float32)
-        if errors.ndim != 2 or activations.ndim != 2 or errors.shape[0] != activations.shape[0] \
-                or activations.shape[1] != inp:
-            raise UpdateRejected(f"push_outer needs errors (B, out) and activations (B, {inp}), "
-                                 f"got {errors.shape} and {activations.shape}", shard=self.shard)
+        if (
+            errors.ndim != 2
+            or activations.ndim != 2
+            or errors.shape[0] != activations.shape[0]
+            or activations.shape[1] != inp
+        ):
+            raise UpdateRejected(
+                f"push_outer needs errors (B, out) and activations (B, {inp}), "
+                f"got {errors.shape} and {activations.shape}",
+                shard=self.shard,
+            )
         for name, a in (("errors", errors), ("activations", activations)):
             if first_nonfinite(a) >= 0:
-                raise UpdateRejected(f"non-finite {name} in an outer-product update to shard "
-                                     f"{self.shard}; the shard is unchanged", shard=self.shard)
+                raise UpdateRejected(
+                    f"non-finite {name} in an outer-product update to shard "
+                    f"{self.shard}; the shard is unchanged",
+                    shard=self.shard,
+                )
         if not np.isfinite(scale):
             raise UpdateRejected(f"non-finite scale {scale}", shard=self.shard)
         delta = np.zeros(self.size, dtype=np.float32)
@@ -320,10 +372,14 @@ class ShardState:
         if part is None:
             return delta
         if errors.shape[1] not in (out, part.row1 - part.row0):
-            raise UpdateRejected(f"shard {self.shard} needs error columns {part.row0}:{part.row1} "
-                                 f"of {out}, got {errors.shape[1]}", shard=self.shard)
-        delta[part.lo - self.start: part.hi - self.start] = outer_delta(
-            part, offset, inp, errors, activations, scale)
+            raise UpdateRejected(
+                f"shard {self.shard} needs error columns {part.row0}:{part.row1} "
+                f"of {out}, got {errors.shape[1]}",
+                shard=self.shard,
+            )
+        delta[part.lo - self.start : part.hi - self.start] = outer_delta(
+            part, offset, inp, errors, activations, scale
+        )
         return delta
 
     def _trim_ids(self) -> None:
@@ -345,23 +401,31 @@ class ShardState:
 
     def snapshot(self, since: int = -1) -> Snapshot:
         """A copy of the values at the current version, with the push ids after ``since``."""
-        return Snapshot(self.shard, self.start, self.stop, self.version, self.values.copy(),
-                        self.ids_since(since))
+        return Snapshot(
+            self.shard,
+            self.start,
+            self.stop,
+            self.version,
+            self.values.copy(),
+            self.ids_since(since),
+        )
 
-    def install(self, version: int, values: np.ndarray,
-                ids: Iterable[tuple[int, int]] = ()) -> bool:
+    def install(
+        self, version: int, values: np.ndarray, ids: Iterable[tuple[int, int]] = ()
+    ) -> bool:
         """Take a newer copy from the primary (a backup's catch-up); False if not newer."""
         version = int(version)
         if version <= self.version:
             return False
         v = np.asarray(values, dtype=np.float32).reshape(-1)
         if v.shape[0] != self.size:
-            raise UpdateRejected(f"shard {self.shard}: a copy of {v.shape[0]} floats, expected "
-                                 f"{self.size}", shard=self.shard)
+            raise UpdateRejected(
+                f"shard {self.shard}: a copy of {v.shape[0]} floats, expected {self.size}",
+                shard=self.shard,
+            )
         self.values[:] = v
         self.version = version
         for ver, pid in ids:
             self._ids[int(pid)] = int(ver)
         self._trim_ids()
         return True
-

@@ -5,6 +5,7 @@ fraction, parameter-server update rate, replication and write-back lag) and appe
 JSONL file as it arrives, so a crashed or interrupted run keeps what it measured. :class:`Progress`
 is a tqdm bar (the notebook widget in Jupyter, text in a terminal) fed from replica reports.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
 
 def _jsonable(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
@@ -35,8 +37,12 @@ class History:
         Records to start from (a resumed run continues its history).
     """
 
-    def __init__(self, path: str | None = None, records: Iterable[dict] | None = None,
-                 storage_options: dict | None = None):
+    def __init__(
+        self,
+        path: str | None = None,
+        records: Iterable[dict] | None = None,
+        storage_options: dict | None = None,
+    ):
         self.path = path
         self.storage_options = storage_options
         self.records: list[dict] = [dict(r) for r in (records or [])]
@@ -52,8 +58,9 @@ class History:
 
     def __repr__(self) -> str:
         last = self.records[-1] if self.records else {}
-        return (f"History({len(self.records)} epochs, last test_accuracy="
-                f"{last.get('test_accuracy')})")
+        return (
+            f"History({len(self.records)} epochs, last test_accuracy={last.get('test_accuracy')})"
+        )
 
     def append(self, record: dict) -> None:
         rec = {k: _jsonable(v) for k, v in record.items()}
@@ -134,8 +141,15 @@ class Progress:
         if enabled:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, desc=desc, unit="img", unit_scale=True, leave=True,
-                            position=position, dynamic_ncols=True)
+            self.bar = tqdm(
+                total=total,
+                desc=desc,
+                unit="img",
+                unit_scale=True,
+                leave=True,
+                position=position,
+                dynamic_ncols=True,
+            )
 
     def update_to(self, n: int, **postfix) -> None:
         if self.bar is None:
@@ -146,8 +160,10 @@ class Progress:
             self.bar.update(n - self.n)
             self.n = n
         if postfix:
-            self.bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v)
-                                  for k, v in postfix.items()}, refresh=False)
+            self.bar.set_postfix(
+                {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in postfix.items()},
+                refresh=False,
+            )
 
     def close(self) -> None:
         if self.bar is not None:

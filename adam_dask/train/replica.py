@@ -26,6 +26,7 @@ the distributed trainer wraps it in a long-running task and talks to the paramet
 >>> net = Network.from_spec("conv3x3:4,maxpool2,fc10", input_shape=(1, 8, 8), seed=0)
 >>> rep = HogwildReplica(net, threads=2, lr=0.1, batch_size=4)
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -50,9 +51,9 @@ class TrainStats:
     """What one :meth:`HogwildReplica.train` call did."""
 
     images: int
-    loss: float          # mean training loss over those images (nan when none)
+    loss: float  # mean training loss over those images (nan when none)
     seconds: float
-    stopped: bool        # True when stop() (or the stop event) ended it early
+    stopped: bool  # True when stop() (or the stop event) ended it early
 
     @property
     def images_per_second(self) -> float:
@@ -125,9 +126,16 @@ class HogwildReplica:
         Factor per epoch for :meth:`lr_at` (config ``adam.train.lr-decay``).
     """
 
-    def __init__(self, net: Network, threads: int | None = None, lr: float | None = None,
-                 momentum: float | None = None, batch_size: int | None = None,
-                 lr_decay: float | None = None, offload: Iterable[str] | None = None):
+    def __init__(
+        self,
+        net: Network,
+        threads: int | None = None,
+        lr: float | None = None,
+        momentum: float | None = None,
+        batch_size: int | None = None,
+        lr_decay: float | None = None,
+        offload: Iterable[str] | None = None,
+    ):
         self.net = net
         self.threads = int(config.get("cluster.trainer-threads", threads))
         self.base_lr = float(config.get("train.lr", lr))
@@ -136,20 +144,27 @@ class HogwildReplica:
         self.batch_size = int(config.get("train.batch-size", batch_size))
         self.lr_decay = float(config.get("train.lr-decay", lr_decay))
         if self.threads < 1:
-            raise ConfigError(f"threads={self.threads}: a replica needs at least one thread",
-                              "set threads= or adam.cluster.trainer-threads")
+            raise ConfigError(
+                f"threads={self.threads}: a replica needs at least one thread",
+                "set threads= or adam.cluster.trainer-threads",
+            )
         if self.batch_size < 1:
-            raise ConfigError(f"batch_size={self.batch_size} must be at least 1",
-                              "set batch_size= or adam.train.batch-size")
+            raise ConfigError(
+                f"batch_size={self.batch_size} must be at least 1",
+                "set batch_size= or adam.train.batch-size",
+            )
         if not 0.0 <= self.momentum < 1.0:
-            raise ConfigError(f"momentum={self.momentum} must lie in [0, 1)",
-                              "set momentum= or adam.train.momentum")
+            raise ConfigError(
+                f"momentum={self.momentum} must lie in [0, 1)",
+                "set momentum= or adam.train.momentum",
+            )
         if self.base_lr <= 0:
             raise ConfigError(f"lr={self.base_lr} must be positive", "set lr= or adam.train.lr")
         self._contexts = [net.context(self.batch_size) for _ in range(self.threads)]
         c, h, w = net.input_shape
-        self._xbufs = [np.zeros((self.batch_size, c, h, w), np.float32)
-                       for _ in range(self.threads)]
+        self._xbufs = [
+            np.zeros((self.batch_size, c, h, w), np.float32) for _ in range(self.threads)
+        ]
         self._ybufs = [np.zeros(self.batch_size, np.int64) for _ in range(self.threads)]
         n = net.layout.size if self.momentum > 0 else 1
         self._velocity = [np.zeros(n, np.float32) for _ in range(self.threads)]
@@ -157,12 +172,20 @@ class HogwildReplica:
         # dense layers whose updates also leave as (activations, -lr * errors) terms
         self.offload = sorted(set(offload or ()))
         for prefix in self.offload:
-            if f"{prefix}.weight" not in net.parameters or len(net.parameters[f"{prefix}.weight"].shape) != 2:
-                raise ConfigError(f"layer {prefix} is not a dense layer; only dense layers offload",
-                                  "name dense layers, e.g. offload=['4', '5']")
+            if (
+                f"{prefix}.weight" not in net.parameters
+                or len(net.parameters[f"{prefix}.weight"].shape) != 2
+            ):
+                raise ConfigError(
+                    f"layer {prefix} is not a dense layer; only dense layers offload",
+                    "name dense layers, e.g. offload=['4', '5']",
+                )
         if self.offload and self.momentum > 0:
-            raise ConfigError("offloading dense layers needs momentum 0 (the server applies "
-                              "plain outer-product updates)", "set momentum=0 or offload=None")
+            raise ConfigError(
+                "offloading dense layers needs momentum 0 (the server applies "
+                "plain outer-product updates)",
+                "set momentum=0 or offload=None",
+            )
         self._terms: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {p: [] for p in self.offload}
         self._terms_lock = threading.Lock()
         self._stop = threading.Event()
@@ -173,8 +196,10 @@ class HogwildReplica:
         self._data: tuple[np.ndarray, np.ndarray] | None = None
 
     def __repr__(self) -> str:
-        return (f"HogwildReplica(threads={self.threads}, lr={self.lr:g}, "
-                f"momentum={self.momentum:g}, batch_size={self.batch_size}, net={self.net!r})")
+        return (
+            f"HogwildReplica(threads={self.threads}, lr={self.lr:g}, "
+            f"momentum={self.momentum:g}, batch_size={self.batch_size}, net={self.net!r})"
+        )
 
     # -- schedule ---------------------------------------------------------------------------------
 
@@ -193,7 +218,7 @@ class HogwildReplica:
         """A copy of the updates applied to ``net.flat`` since the last take_delta/set_weights,
         and reset that delta to zero. Safe while threads train: an update landing during the
         call is counted now or in the next delta, never twice and never dropped."""
-        now = self.net.flat.copy()           # one read of each value: the cut between deltas
+        now = self.net.flat.copy()  # one read of each value: the cut between deltas
         delta = now - self._snapshot
         self._snapshot = now
         return delta
@@ -216,8 +241,10 @@ class HogwildReplica:
         out = {}
         for prefix, items in taken.items():
             if items:
-                out[prefix] = (np.concatenate([a for a, _ in items]),
-                               np.concatenate([e for _, e in items]))
+                out[prefix] = (
+                    np.concatenate([a for a, _ in items]),
+                    np.concatenate([e for _, e in items]),
+                )
         return out
 
     def take_update(self) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
@@ -227,7 +254,7 @@ class HogwildReplica:
         delta = self.take_delta()
         for prefix in self.offload:
             e = self.net.layout[f"{prefix}.weight"]
-            delta[e.offset:e.offset + e.size] = 0.0
+            delta[e.offset : e.offset + e.size] = 0.0
         return delta, terms
 
     def peek_delta(self) -> np.ndarray:
@@ -239,8 +266,9 @@ class HogwildReplica:
         updates not yet taken are re-applied on top of ``flat`` and stay in the delta."""
         flat = np.asarray(flat, dtype=np.float32)
         if flat.shape != self.net.flat.shape:
-            raise InputShapeError(f"expected {self.net.flat.shape[0]} weights, got shape "
-                                  f"{flat.shape}")
+            raise InputShapeError(
+                f"expected {self.net.flat.shape[0]} weights, got shape {flat.shape}"
+            )
         if keep_pending:
             pending = self.net.flat - self._snapshot
             self._snapshot[...] = flat
@@ -262,8 +290,13 @@ class HogwildReplica:
 
     # -- training ---------------------------------------------------------------------------------
 
-    def train(self, batches: Iterable, on_images: Callable[[HogwildReplica], None] | None = None,
-              every: int | None = None, stop_event: threading.Event | None = None) -> TrainStats:
+    def train(
+        self,
+        batches: Iterable,
+        on_images: Callable[[HogwildReplica], None] | None = None,
+        every: int | None = None,
+        stop_event: threading.Event | None = None,
+    ) -> TrainStats:
         """Train on ``batches`` with the replica's threads until it is exhausted or stopped.
 
         Parameters
@@ -295,11 +328,15 @@ class HogwildReplica:
         else:
             # each thread runs in a copy of the caller's context, so context variables (a Dask
             # worker's identity inside a task, for instance) reach the callbacks and iterators
-            workers = [threading.Thread(target=contextvars.copy_context().run,
-                                        name=f"hogwild-{t}", daemon=True,
-                                        args=(self._run, t, it, results, on_images, every,
-                                              stop_event))
-                       for t in range(self.threads)]
+            workers = [
+                threading.Thread(
+                    target=contextvars.copy_context().run,
+                    name=f"hogwild-{t}",
+                    daemon=True,
+                    args=(self._run, t, it, results, on_images, every, stop_event),
+                )
+                for t in range(self.threads)
+            ]
             for w in workers:
                 w.start()
             for w in workers:
@@ -315,12 +352,19 @@ class HogwildReplica:
         logger.debug("trained %d images in %.3fs (loss %.4f)", images, seconds, loss)
         return TrainStats(images, loss, seconds, stopped)
 
-    def train_images(self, x, y, epochs: int = 1, shuffle: bool = True, seed: int | None = None,
-                     first_epoch: int = 0, schedule: bool = True,
-                     on_images: Callable[[HogwildReplica], None] | None = None,
-                     every: int | None = None,
-                     on_epoch: Callable[[HogwildReplica, int, TrainStats], None] | None = None,
-                     ) -> TrainStats:
+    def train_images(
+        self,
+        x,
+        y,
+        epochs: int = 1,
+        shuffle: bool = True,
+        seed: int | None = None,
+        first_epoch: int = 0,
+        schedule: bool = True,
+        on_images: Callable[[HogwildReplica], None] | None = None,
+        every: int | None = None,
+        on_epoch: Callable[[HogwildReplica, int, TrainStats], None] | None = None,
+    ) -> TrainStats:
         """Train on in-memory images for ``epochs`` epochs (reshuffled each epoch).
 
         ``x`` is anything :meth:`Network.as_images` accepts (uint8 images are scaled by 1/255),
@@ -339,7 +383,7 @@ class HogwildReplica:
                 if schedule:
                     self.set_epoch(first_epoch + e)
                 order = rng.permutation(len(x)) if shuffle else np.arange(len(x))
-                gen = (_Gather(order[s:s + bs]) for s in range(0, len(x), bs))
+                gen = (_Gather(order[s : s + bs]) for s in range(0, len(x), bs))
                 st = self.train(gen, on_images=on_images, every=every)
                 images += st.images
                 loss_sum += st.loss * st.images if st.images else 0.0
@@ -351,8 +395,7 @@ class HogwildReplica:
                     break
         finally:
             self._data = None
-        return TrainStats(images, loss_sum / images if images else float("nan"), seconds,
-                          stopped)
+        return TrainStats(images, loss_sum / images if images else float("nan"), seconds, stopped)
 
     # -- the thread body ----------------------------------------------------------------------------
 
@@ -391,8 +434,8 @@ class HogwildReplica:
                 n = x.shape[0]
                 chunks = [(s, min(bs, n - s)) for s in range(0, n, bs)]
             for s, m in chunks:
-                xs = x[s:s + m] if s else x
-                ys = y[s:s + m] if s else y
+                xs = x[s : s + m] if s else x
+                ys = y[s : s + m] if s else y
                 terms = {} if self.offload else None
                 loss = net.backward_into(ctx, xs, ys, m, dense_terms=terms)
                 K.sgd_update(flat, ctx.grad, vel, self.lr, self.momentum)

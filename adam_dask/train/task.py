@@ -15,6 +15,7 @@ images) it pushes its delta divided by the number of replicas and waits at a
 :class:`SyncBarrier` until every replica has pushed, then pulls. The PS thus applies the average
 of the replicas' updates, and every replica starts each step from the same weights.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,15 +44,15 @@ class ReplicaJob:
     replica: int
     replicas: int
     epoch: int
-    model: dict                 # Network.to_dict()
-    mode: str                   # "async" or "sync"
+    model: dict  # Network.to_dict()
+    mode: str  # "async" or "sync"
     push_every: int
     lr: float
     momentum: float
     batch_size: int
     threads: int
     seed: int = 0
-    delay: float = 0.0          # seconds of sleep per batch: a deliberately slow replica (experiments)
+    delay: float = 0.0  # seconds of sleep per batch: a deliberately slow replica (experiments)
     report_interval: float = 0.5
     sync_timeout: float = 60.0  # seconds a sync step waits for the other replicas
     offload_dense: bool | tuple = False  # True: the profitable dense layers; or layer prefixes
@@ -97,9 +98,13 @@ class SyncBarrier:
             try:
                 await asyncio.wait_for(cond.wait_for(lambda: self.generation != gen), timeout)
                 return True
-            except asyncio.TimeoutError:
-                logger.warning("sync barrier: generation %d timed out with %d of %d replicas",
-                               gen, self.count, self.parties)
+            except TimeoutError:
+                logger.warning(
+                    "sync barrier: generation %d timed out with %d of %d replicas",
+                    gen,
+                    self.count,
+                    self.parties,
+                )
                 if self.generation == gen:
                     self._release()
                 return False
@@ -146,8 +151,12 @@ class _Communicator:
         self.lock = threading.Lock()
         self.queue: queue.Queue = queue.Queue(maxsize=1)
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=contextvars.copy_context().run, args=(self._run,),
-                                       name="adam-communicator", daemon=True)
+        self.thread = threading.Thread(
+            target=contextvars.copy_context().run,
+            args=(self._run,),
+            name="adam-communicator",
+            daemon=True,
+        )
         self.thread.start()
 
     def take_update(self) -> tuple[np.ndarray, dict]:
@@ -201,10 +210,19 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
     t0 = time.perf_counter()
     net = Network.from_dict(job.model)
     sync = job.mode == "sync"
-    offload = (profitable_offload(net, job.push_every) if job.offload_dense is True
-               else list(job.offload_dense or ()))
-    rep = HogwildReplica(net, threads=1 if sync else job.threads, lr=job.lr,
-                         momentum=job.momentum, batch_size=job.batch_size, offload=offload)
+    offload = (
+        profitable_offload(net, job.push_every)
+        if job.offload_dense is True
+        else list(job.offload_dense or ())
+    )
+    rep = HogwildReplica(
+        net,
+        threads=1 if sync else job.threads,
+        lr=job.lr,
+        momentum=job.momentum,
+        batch_size=job.batch_size,
+        offload=offload,
+    )
     offsets = {p: net.layout[f"{p}.weight"].offset for p in offload}
     rep.set_weights(server.pull())
     stream = data.stream(job.replica, job.replicas, job.epoch)
@@ -216,10 +234,18 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
         if not final and now - state["last_report"] < job.report_interval:
             return
         state["last_report"] = now
-        worker.log_event(PROGRESS_TOPIC, {
-            "run": job.run_id, "epoch": job.epoch, "replica": job.replica,
-            "images": batches.images, "pushes": state["pushes"], "final": final,
-            "seconds": now - t0})
+        worker.log_event(
+            PROGRESS_TOPIC,
+            {
+                "run": job.run_id,
+                "epoch": job.epoch,
+                "replica": job.replica,
+                "images": batches.images,
+                "pushes": state["pushes"],
+                "final": final,
+                "seconds": now - t0,
+            },
+        )
 
     def push(update: tuple[np.ndarray, dict], scale: float = 1.0) -> None:
         delta, terms = update
@@ -229,10 +255,12 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
             for prefix, (acts, errs) in terms.items():  # the PS computes these layers' updates
                 server.push_outer(offsets[prefix], errs, acts, scale=scale)
         except UpdateRejected as exc:
-            raise UpdateRejected(f"replica {job.replica} produced a non-finite update in epoch "
-                                 f"{job.epoch} (the model diverged): {exc.message}",
-                                 "lower the learning rate (--lr) or push_every",
-                                 shard=exc.shard) from exc
+            raise UpdateRejected(
+                f"replica {job.replica} produced a non-finite update in epoch "
+                f"{job.epoch} (the model diverged): {exc.message}",
+                "lower the learning rate (--lr) or push_every",
+                shard=exc.shard,
+            ) from exc
         state["ps_seconds"] += time.perf_counter() - t
         state["pushes"] += 1
 
@@ -279,9 +307,13 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
         stream.close()
     report(final=True)
     return {
-        "replica": job.replica, "epoch": job.epoch, "images": stats.images,
-        "loss": stats.loss, "seconds": time.perf_counter() - t0,
-        "train_seconds": stats.seconds, "pushes": state["pushes"],
+        "replica": job.replica,
+        "epoch": job.epoch,
+        "images": stats.images,
+        "loss": stats.loss,
+        "seconds": time.perf_counter() - t0,
+        "train_seconds": stats.seconds,
+        "pushes": state["pushes"],
         "ps_seconds": state["ps_seconds"],
         "stopped": bool(state["stopped"] or stats.stopped),
         "stall_fraction": float(stream_stats.get("stall_fraction", 0.0)),

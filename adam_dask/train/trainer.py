@@ -10,6 +10,7 @@ workers. The epoch ends when ``epoch_quorum`` of the replicas have finished thei
 section 3.2.5): the Trainer then sets the epoch's stop event, the stragglers stop at once, and
 the test set is evaluated on the parameter server's current weights.
 """
+
 from __future__ import annotations
 
 import logging
@@ -73,16 +74,35 @@ class Trainer:
         experiments (``benchmarks/time_to_accuracy.py --straggler``).
     """
 
-    def __init__(self, data: str, model=None, client=None, *, replicas: int | None = None,
-                 mode: str | None = None, push_every: int | None = None, lr: float | None = None,
-                 momentum: float | None = None, lr_decay: float | None = None,
-                 batch_size: int | None = None, threads: int | None = None, augment=None,
-                 checkpoint: str | None = None, epoch_quorum: float | None = None,
-                 storage_options: dict | None = None, metrics_out: str | None = None,
-                 progress: bool = True, seed: int | None = None,
-                 slow_replicas: dict[int, float] | None = None, shard_bytes: int | None = None,
-                 offload_dense: bool | None = None, overwrite: bool = False,
-                 _server=None, _history: History | None = None, _first_epoch: int = 0):
+    def __init__(
+        self,
+        data: str,
+        model=None,
+        client=None,
+        *,
+        replicas: int | None = None,
+        mode: str | None = None,
+        push_every: int | None = None,
+        lr: float | None = None,
+        momentum: float | None = None,
+        lr_decay: float | None = None,
+        batch_size: int | None = None,
+        threads: int | None = None,
+        augment=None,
+        checkpoint: str | None = None,
+        epoch_quorum: float | None = None,
+        storage_options: dict | None = None,
+        metrics_out: str | None = None,
+        progress: bool = True,
+        seed: int | None = None,
+        slow_replicas: dict[int, float] | None = None,
+        shard_bytes: int | None = None,
+        offload_dense: bool | None = None,
+        overwrite: bool = False,
+        _server=None,
+        _history: History | None = None,
+        _first_epoch: int = 0,
+    ):
         from ..data.datasets import open_split
         from ..model.network import Network
 
@@ -100,12 +120,15 @@ class Trainer:
         self.seed = int(config.get("train.seed", seed))
         quorum = float(config.get("train.epoch-quorum", epoch_quorum))
         if not 0 < quorum <= 1:
-            raise ConfigError(f"epoch_quorum={quorum} must lie in (0, 1]",
-                              "e.g. 0.75 ends an epoch when 3 of 4 replicas are done")
+            raise ConfigError(
+                f"epoch_quorum={quorum} must lie in (0, 1]",
+                "e.g. 0.75 ends an epoch when 3 of 4 replicas are done",
+            )
         self.epoch_quorum = 1.0 if self.mode == "sync" else quorum
         if self.push_every < 1 or self.lr <= 0:
-            raise ConfigError(f"push_every={self.push_every}, lr={self.lr}",
-                              "both must be positive")
+            raise ConfigError(
+                f"push_every={self.push_every}, lr={self.lr}", "both must be positive"
+            )
         self.checkpoint = checkpoint
         if checkpoint and _server is None and not overwrite:
             self._refuse_existing_checkpoint(checkpoint, storage_options)
@@ -114,8 +137,10 @@ class Trainer:
         self.shard_bytes = shard_bytes
         self.offload_dense = bool(config.get("train.offload-dense", offload_dense))
         if self.offload_dense and self.momentum > 0:
-            raise ConfigError("offload_dense needs momentum 0 (the PS applies plain outer-product "
-                              "updates)", "set momentum=0 or offload_dense=False")
+            raise ConfigError(
+                "offload_dense needs momentum 0 (the PS applies plain outer-product updates)",
+                "set momentum=0 or offload_dense=False",
+            )
         self.augment = self._augment(augment)
         self._replicas = None
         if replicas is not None:
@@ -125,23 +150,30 @@ class Trainer:
         try:
             self.test_split = open_split(data, "test", storage_options)
         except DatasetError:
-            logger.warning("%s has no test split: validating on the first 10000 training images", data)
+            logger.warning(
+                "%s has no test split: validating on the first 10000 training images", data
+            )
             self.test_split = None
         if isinstance(model, Network):
             self.net = model.copy()
         else:
             spec = config.get("model.spec", model)
-            self.net = Network.from_spec(spec, input_shape=self.train_split.input_shape,
-                                         seed=self.seed)
+            self.net = Network.from_spec(
+                spec, input_shape=self.train_split.input_shape, seed=self.seed
+            )
         if tuple(self.net.input_shape) != tuple(self.train_split.input_shape):
-            raise ConfigError(f"the model takes inputs {tuple(self.net.input_shape)} but {data} "
-                              f"holds images {self.train_split.input_shape}",
-                              "give a model spec for these images")
+            raise ConfigError(
+                f"the model takes inputs {tuple(self.net.input_shape)} but {data} "
+                f"holds images {self.train_split.input_shape}",
+                "give a model spec for these images",
+            )
         self.num_classes = self.train_split.num_classes
         if self.net.classes < self.num_classes:
-            raise ConfigError(f"the model has {self.net.classes} outputs but {data} has "
-                              f"{self.num_classes} classes", "end the spec with fc"
-                              f"{self.num_classes}")
+            raise ConfigError(
+                f"the model has {self.net.classes} outputs but {data} has "
+                f"{self.num_classes} classes",
+                f"end the spec with fc{self.num_classes}",
+            )
 
         self._own_client = client is None
         self.client = client
@@ -179,29 +211,46 @@ class Trainer:
         self.client.subscribe_topic(PROGRESS_TOPIC, self._on_progress)
         trainers = workers_with_role(self.client, TRAIN)
         if not trainers:
-            raise ClusterError("the cluster has no TRAIN workers",
-                               "start workers with --resources TRAIN=1 or use "
-                               "adam_dask.cluster.assign_roles")
+            raise ClusterError(
+                "the cluster has no TRAIN workers",
+                "start workers with --resources TRAIN=1 or use adam_dask.cluster.assign_roles",
+            )
         if not workers_with_role(self.client, PS):
-            raise ClusterError("the cluster has no PS workers",
-                               "start workers with --resources PS=1 or use assign_roles")
+            raise ClusterError(
+                "the cluster has no PS workers",
+                "start workers with --resources PS=1 or use assign_roles",
+            )
         self.replicas = self._replicas or len(trainers)
         if self.replicas > len(trainers):
-            logger.warning("%d replicas on %d TRAIN workers: replicas queue for a worker",
-                           self.replicas, len(trainers))
+            logger.warning(
+                "%d replicas on %d TRAIN workers: replicas queue for a worker",
+                self.replicas,
+                len(trainers),
+            )
         if self.server is None:
             from ..ps.server import ParameterServer
 
             self.server = ParameterServer.create(
-                self.client, layout=self.net.layout, init=self.net.flat,
-                shard_bytes=self.shard_bytes, checkpoint=self.checkpoint,
-                storage_options=self.storage_options, meta=self._meta())
+                self.client,
+                layout=self.net.layout,
+                init=self.net.flat,
+                shard_bytes=self.shard_bytes,
+                checkpoint=self.checkpoint,
+                storage_options=self.storage_options,
+                meta=self._meta(),
+            )
         if self.dataservice is None:
             from ..data.serving import DataService
 
             self.dataservice = DataService.create(
-                self.client, self.data_url, split="train", storage_options=self.storage_options,
-                augment=self.augment, seed=self.seed, batch_size=self._stream_batch())
+                self.client,
+                self.data_url,
+                split="train",
+                storage_options=self.storage_options,
+                augment=self.augment,
+                seed=self.seed,
+                batch_size=self._stream_batch(),
+            )
 
     @staticmethod
     def _refuse_existing_checkpoint(url: str, storage_options: dict | None) -> None:
@@ -214,15 +263,22 @@ class Trainer:
             raise DestinationExistsError(
                 f"a checkpoint already exists at {url}",
                 "continue it with --resume (Trainer.resume), replace it with --overwrite "
-                "(overwrite=True), or choose another URL")
+                "(overwrite=True), or choose another URL",
+            )
 
     def _stream_batch(self) -> int:
         # batches from the stream: a multiple of the update mini-batch, big enough to amortize calls
         return self.batch_size * max(1, 64 // self.batch_size)
 
     def _meta(self) -> dict:
-        return {"model": self.net.to_dict(), "data": self.data_url, "mode": self.mode,
-                "lr": self.lr, "push_every": self.push_every, "run": self.run_id}
+        return {
+            "model": self.net.to_dict(),
+            "data": self.data_url,
+            "mode": self.mode,
+            "lr": self.lr,
+            "push_every": self.push_every,
+            "run": self.run_id,
+        }
 
     def set_replicas(self, n: int) -> None:
         if n < 1:
@@ -243,8 +299,12 @@ class Trainer:
 
     # -- training ---------------------------------------------------------------------------------
 
-    def fit(self, epochs: int | None = None, target_accuracy: float | None = None,
-            max_seconds: float | None = None) -> History:
+    def fit(
+        self,
+        epochs: int | None = None,
+        target_accuracy: float | None = None,
+        max_seconds: float | None = None,
+    ) -> History:
         """Train for ``epochs`` more epochs, or until ``target_accuracy`` or ``max_seconds``.
 
         Returns the :attr:`history`; ``self.seconds_to_target`` holds the wall seconds from the
@@ -260,14 +320,22 @@ class Trainer:
             record["wall_seconds"] = round(time.perf_counter() - t_start, 3)
             self.history.append(record)
             self._save_history()
-            logger.info("epoch %d: loss %.4f, test accuracy %.4f, %.0f images/s",
-                        record["epoch"], record["loss"], record["test_accuracy"],
-                        record["images_per_second"])
+            logger.info(
+                "epoch %d: loss %.4f, test accuracy %.4f, %.0f images/s",
+                record["epoch"],
+                record["loss"],
+                record["test_accuracy"],
+                record["images_per_second"],
+            )
             if record["test_accuracy"] <= 1.5 / self.num_classes:
-                logger.warning("epoch %d: test accuracy %.3f is at chance level: the model has "
-                               "stopped learning (diverged?); lower the learning rate (lr=%g) "
-                               "or push_every, or use fewer replicas", record["epoch"],
-                               record["test_accuracy"], self.lr)
+                logger.warning(
+                    "epoch %d: test accuracy %.3f is at chance level: the model has "
+                    "stopped learning (diverged?); lower the learning rate (lr=%g) "
+                    "or push_every, or use fewer replicas",
+                    record["epoch"],
+                    record["test_accuracy"],
+                    self.lr,
+                )
             self.epoch += 1
             if target_accuracy is not None and record["test_accuracy"] >= target_accuracy:
                 self.seconds_to_target = time.perf_counter() - t_start
@@ -280,23 +348,40 @@ class Trainer:
         from distributed import Event, as_completed
 
         epoch, R = self.epoch, self.replicas
-        lr = self.lr * self.lr_decay ** epoch
-        jobs = [ReplicaJob(run_id=self.run_id, replica=i, replicas=R, epoch=epoch,
-                           model=self.net.to_dict(), mode=self.mode, push_every=self.push_every,
-                           lr=lr, momentum=self.momentum, batch_size=self.batch_size,
-                           threads=self.threads, seed=self.seed,
-                           delay=float(self.slow_replicas.get(i, 0.0)),
-                           sync_timeout=float(config.get("train.sync-timeout")),
-                           offload_dense=self.offload_dense)
-                for i in range(R)]
+        lr = self.lr * self.lr_decay**epoch
+        jobs = [
+            ReplicaJob(
+                run_id=self.run_id,
+                replica=i,
+                replicas=R,
+                epoch=epoch,
+                model=self.net.to_dict(),
+                mode=self.mode,
+                push_every=self.push_every,
+                lr=lr,
+                momentum=self.momentum,
+                batch_size=self.batch_size,
+                threads=self.threads,
+                seed=self.seed,
+                delay=float(self.slow_replicas.get(i, 0.0)),
+                sync_timeout=float(config.get("train.sync-timeout")),
+                offload_dense=self.offload_dense,
+            )
+            for i in range(R)
+        ]
         stop = Event(jobs[0].stop_name, client=self.client)
         stop.clear()
         barrier = None
         if self.mode == "sync":
             host = workers_with_role(self.client, PS)[0]
-            barrier = self.client.submit(SyncBarrier, R, actor=True, workers=[host],
-                                         allow_other_workers=False,
-                                         key=f"adam-{self.run_id}-barrier-{epoch}").result()
+            barrier = self.client.submit(
+                SyncBarrier,
+                R,
+                actor=True,
+                workers=[host],
+                allow_other_workers=False,
+                key=f"adam-{self.run_id}-barrier-{epoch}",
+            ).result()
         self._progress_state = {}
         total_images = len(self.train_split)
         self._bar = Progress(total_images, desc=f"epoch {epoch + 1}", enabled=self.progress)
@@ -307,10 +392,16 @@ class Trainer:
         # by one, a replica that already seceded leaves its worker looking idle, and the next
         # could queue there behind the held TRAIN resource; pinning instead breaks the rerun of
         # a replica whose worker died.)
-        futures = self.client.map(run_replica, jobs, server=self.server, data=self.dataservice,
-                                  barrier=barrier, resources={TRAIN: 1}, pure=False,
-                                  key=[f"adam-{self.run_id}-e{epoch}-r{job.replica}"
-                                       for job in jobs])
+        futures = self.client.map(
+            run_replica,
+            jobs,
+            server=self.server,
+            data=self.dataservice,
+            barrier=barrier,
+            resources={TRAIN: 1},
+            pure=False,
+            key=[f"adam-{self.run_id}-e{epoch}-r{job.replica}" for job in jobs],
+        )
         needed = max(1, math.ceil(self.epoch_quorum * R - 1e-9))
         results = []
         quorum_seconds = None
@@ -320,8 +411,9 @@ class Trainer:
                 logger.debug("replica result %s", results[-1])
                 if len(results) == needed and needed < R:
                     quorum_seconds = time.perf_counter() - t0
-                    logger.info("epoch %d: %d of %d replicas done; stopping the rest", epoch,
-                                needed, R)
+                    logger.info(
+                        "epoch %d: %d of %d replicas done; stopping the rest", epoch, needed, R
+                    )
                     stop.set()
         except BaseException:
             stop.set()
@@ -334,8 +426,11 @@ class Trainer:
             stop.clear()
         seconds = time.perf_counter() - t0
         images = sum(r["images"] for r in results)
-        loss = (sum(r["loss"] * r["images"] for r in results if r["images"]) / images
-                if images else float("nan"))
+        loss = (
+            sum(r["loss"] * r["images"] for r in results if r["images"]) / images
+            if images
+            else float("nan")
+        )
         flush_t = time.perf_counter()
         self.server.flush(epoch=epoch)
         flush_seconds = time.perf_counter() - flush_t
@@ -345,19 +440,27 @@ class Trainer:
         pushes = stats_after.get("pushes_applied", 0) - stats_before.get("pushes_applied", 0)
         replica_seconds = sum(r["seconds"] for r in results)
         return {
-            "epoch": epoch, "loss": loss, "test_accuracy": acc, "images": images,
-            "images_per_second": images / seconds if seconds else 0.0, "seconds": seconds,
-            "quorum_seconds": quorum_seconds, "flush_seconds": flush_seconds,
+            "epoch": epoch,
+            "loss": loss,
+            "test_accuracy": acc,
+            "images": images,
+            "images_per_second": images / seconds if seconds else 0.0,
+            "seconds": seconds,
+            "quorum_seconds": quorum_seconds,
+            "flush_seconds": flush_seconds,
             "stall_fraction": max((r["stall_fraction"] for r in results), default=0.0),
             "ps_updates_per_second": pushes / seconds if seconds else 0.0,
-            "ps_fraction": (sum(r["ps_seconds"] for r in results) / replica_seconds
-                              if replica_seconds else 0.0),
+            "ps_fraction": (
+                sum(r["ps_seconds"] for r in results) / replica_seconds if replica_seconds else 0.0
+            ),
             "replication_lag": stats_after.get("max_replication_lag"),
             "writeback_lag": stats_after.get("writeback_lag_seconds"),
             "writeback_lag_versions": stats_after.get("writeback_lag_versions"),
-            "replicas_finished": sum(not r["stopped"] for r in results), "replicas": R,
+            "replicas_finished": sum(not r["stopped"] for r in results),
+            "replicas": R,
             "replica_workers": sorted(r["worker"] for r in results),
-            "lr": lr, "mode": self.mode,
+            "lr": lr,
+            "mode": self.mode,
         }
 
     def _ps_stats(self) -> dict:
@@ -409,8 +512,15 @@ class Trainer:
         return self.checkpoint
 
     @classmethod
-    def resume(cls, checkpoint: str, data: str | None = None, client=None, *,
-               storage_options: dict | None = None, **kwargs: Any) -> Trainer:
+    def resume(
+        cls,
+        checkpoint: str,
+        data: str | None = None,
+        client=None,
+        *,
+        storage_options: dict | None = None,
+        **kwargs: Any,
+    ) -> Trainer:
         """A Trainer that continues from the checkpoint at ``checkpoint`` (weights, epoch and
         history)."""
         from ..model.network import Network
@@ -433,11 +543,23 @@ class Trainer:
                 records = History.load(url, options_for(url, storage_options)).records
             except FileNotFoundError:
                 logger.warning("no history at %s; the resumed run starts a new one", url)
-            epoch = int(server.epoch + 1) if getattr(server, "epoch", None) is not None else len(records)
+            epoch = (
+                int(server.epoch + 1)
+                if getattr(server, "epoch", None) is not None
+                else len(records)
+            )
             kwargs.setdefault("mode", meta.get("mode"))
-            trainer = cls(data or meta["data"], model=net, client=client, checkpoint=checkpoint,
-                          storage_options=storage_options, _server=server,
-                          _history=History(records=records), _first_epoch=epoch, **kwargs)
+            trainer = cls(
+                data or meta["data"],
+                model=net,
+                client=client,
+                checkpoint=checkpoint,
+                storage_options=storage_options,
+                _server=server,
+                _history=History(records=records),
+                _first_epoch=epoch,
+                **kwargs,
+            )
         except BaseException:
             if own:
                 client.close()

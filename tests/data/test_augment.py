@@ -1,5 +1,6 @@
 """Augmentation kernels: identity, exact translations and rotations, the elastic field,
 reproducibility per (seed, epoch, index), output range, colour images, configuration."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,19 +10,20 @@ from adam_dask.data.augment import Augment, affine_batch, as_model_input, elasti
 from adam_dask.errors import ConfigError, InputShapeError
 from tests.conftest import synthetic_digits
 
-FULL = Augment(rotation=10.0, translation=2.0, scale=0.1, shear=0.1, elastic_alpha=34.0,
-               elastic_sigma=4.0)
+FULL = Augment(
+    rotation=10.0, translation=2.0, scale=0.1, shear=0.1, elastic_alpha=34.0, elastic_sigma=4.0
+)
 
 
 @pytest.fixture(scope="module")
 def grey():
-    return synthetic_digits(16, seed=3)[0]            # (16, 28, 28) uint8
+    return synthetic_digits(16, seed=3)[0]  # (16, 28, 28) uint8
 
 
 @pytest.fixture(scope="module")
 def colour():
     rng = np.random.default_rng(5)
-    return rng.integers(0, 256, size=(4, 20, 24, 3), dtype=np.uint8)   # non-square, RGB
+    return rng.integers(0, 256, size=(4, 20, 24, 3), dtype=np.uint8)  # non-square, RGB
 
 
 def _bhwc(images):
@@ -44,8 +46,9 @@ def _expected(images):
 def test_identity_gives_the_input_back(request, which):
     images = request.getfixturevalue(which)
     n = len(images)
-    np.testing.assert_array_equal(Augment().apply(images, np.arange(n), seed=1, epoch=7),
-                                  _expected(images))
+    np.testing.assert_array_equal(
+        Augment().apply(images, np.arange(n), seed=1, epoch=7), _expected(images)
+    )
     np.testing.assert_array_equal(_warp(images, [[0, 1, 0, 0, 0]] * n), _expected(images))
     np.testing.assert_array_equal(as_model_input(images), _expected(images))
 
@@ -58,15 +61,17 @@ def test_translation_moves_by_the_right_pixels(request, which, tx, ty):
     want = np.zeros_like(out)
     src = _expected(images)
     H, W = src.shape[2:]
-    want[:, :, max(0, ty):H + min(0, ty), max(0, tx):W + min(0, tx)] = \
-        src[:, :, max(0, -ty):H - max(0, ty), max(0, -tx):W - max(0, tx)]
+    want[:, :, max(0, ty) : H + min(0, ty), max(0, tx) : W + min(0, tx)] = src[
+        :, :, max(0, -ty) : H - max(0, ty), max(0, -tx) : W - max(0, tx)
+    ]
     np.testing.assert_array_equal(out, want)
 
 
 def test_quarter_turn_is_a_rotation_about_the_centre(grey):
     out = _warp(grey, [[np.pi / 2, 1, 0, 0, 0]] * len(grey))
-    np.testing.assert_allclose(out[:, 0], np.rot90(_expected(grey)[:, 0], k=-1, axes=(1, 2)),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        out[:, 0], np.rot90(_expected(grey)[:, 0], k=-1, axes=(1, 2)), atol=1e-5
+    )
 
 
 def test_elastic_field_is_smooth_and_bounded():
@@ -77,16 +82,16 @@ def test_elastic_field_is_smooth_and_bounded():
         elastic_field(dx, dy, 0, 0, 11, alpha, sigma)
         for d in (dx, dy):
             assert np.all(np.isfinite(d))
-            assert np.abs(d).max() <= alpha          # a weighted mean of values in [-1, 1], times alpha
+            assert np.abs(d).max() <= alpha  # a weighted mean of values in [-1, 1], times alpha
             assert d.std() > 0
         # neighbouring displacements differ far less than the field varies (white noise: ~1.4)
         step = np.abs(np.diff(dx, axis=1)).mean() + np.abs(np.diff(dx, axis=0)).mean()
         roughness[sigma] = step / (2 * dx.std())
         assert roughness[sigma] < 0.6
-    assert roughness[6.0] < roughness[2.0]           # a wider Gaussian is smoother
+    assert roughness[6.0] < roughness[2.0]  # a wider Gaussian is smoother
     zero_x, zero_y = np.ones((H, W)), np.ones((H, W))
     elastic_field(zero_x, zero_y, 0, 0, 11, 0.0, 4.0)
-    assert not zero_x.any() and not zero_y.any()     # alpha = 0: no displacement
+    assert not zero_x.any() and not zero_y.any()  # alpha = 0: no displacement
 
 
 def test_same_seed_same_output_new_epoch_new_output(grey):
@@ -104,11 +109,14 @@ def test_same_seed_same_output_new_epoch_new_output(grey):
     assert not np.array_equal(a[0], FULL.apply(grey[:1], idx[1:2], seed=7, epoch=3)[0])
 
 
-@pytest.mark.parametrize("aug", [
-    FULL,
-    Augment(rotation=180.0, translation=10.0, scale=0.9, shear=2.0),
-    Augment(elastic_alpha=200.0, elastic_sigma=1.0),
-])
+@pytest.mark.parametrize(
+    "aug",
+    [
+        FULL,
+        Augment(rotation=180.0, translation=10.0, scale=0.9, shear=2.0),
+        Augment(elastic_alpha=200.0, elastic_sigma=1.0),
+    ],
+)
 @pytest.mark.parametrize("which", ["grey", "colour"])
 def test_output_stays_in_range(request, aug, which):
     images = request.getfixturevalue(which)
@@ -124,7 +132,7 @@ def test_augmentation_changes_images_but_keeps_their_mass(grey):
     src = _expected(grey)
     assert not np.array_equal(out, src)
     ratio = out.sum(axis=(1, 2, 3)) / src.sum(axis=(1, 2, 3))
-    assert np.all((ratio > 0.5) & (ratio < 1.5))    # a warp, not a wipe-out
+    assert np.all((ratio > 0.5) & (ratio < 1.5))  # a warp, not a wipe-out
 
 
 def test_config_and_validation():

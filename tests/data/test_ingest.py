@@ -1,4 +1,5 @@
 """adam-dask ingest and info: IDX and image-folder sources, local and S3, and every bad input."""
+
 from __future__ import annotations
 
 import hashlib
@@ -46,6 +47,7 @@ def assert_not_complete(url, storage_options=None):
 
 # -- IDX ------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("gz", [True, False])
 def test_idx_ingest_equals_source(tmp_path, capsys, gz):
     src = write_mnist_like(tmp_path / "src", n_train=600, n_test=130, gz=gz)
@@ -70,8 +72,14 @@ def test_blocks_and_shards_written_by_several_tasks(tmp_path, capsys, local_clie
     from adam_dask.data.ingest import ingest
 
     src = write_mnist_like(tmp_path / "src", n_train=700, n_test=64)
-    summary = ingest(str(src), str(tmp_path / "s"), client=local_client, chunk_images=64,
-                     shard_images=128, block_images=256)
+    summary = ingest(
+        str(src),
+        str(tmp_path / "s"),
+        client=local_client,
+        chunk_images=64,
+        shard_images=128,
+        block_images=256,
+    )
     assert summary["images"] == 764
     s = open_split(str(tmp_path / "s"), "train")
     assert s.images.chunks[0] == 64 and s.images.shards[0] == 128
@@ -99,6 +107,7 @@ def test_read_idx_parses_header(tmp_path):
 
 # -- image folders -----------------------------------------------------------------------------------
 
+
 def write_png_folder(root, per_class=6, size=(20, 24), rgb_one=False, seed=0):
     rng = np.random.default_rng(seed)
     for c, name in enumerate(["cat", "dog", "eel"]):
@@ -108,7 +117,9 @@ def write_png_folder(root, per_class=6, size=(20, 24), rgb_one=False, seed=0):
             arr = rng.integers(0, 255, size, dtype=np.uint8)
             Image.fromarray(arr, "L").save(d / f"{i:03d}.png")
     if rgb_one:
-        Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8), "RGB").save(root / "dog" / "rgb.png")
+        Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8), "RGB").save(
+            root / "dog" / "rgb.png"
+        )
     return root
 
 
@@ -131,7 +142,9 @@ def test_image_folder_ingest(tmp_path, capsys):
 
 def test_image_folder_rgb_rule_and_explicit_size(tmp_path, capsys):
     src = write_png_folder(tmp_path / "src", rgb_one=True)
-    status, result, err = cli(capsys, "ingest", str(src), str(tmp_path / "d"), "--image-size", "16x16")
+    status, result, err = cli(
+        capsys, "ingest", str(src), str(tmp_path / "d"), "--image-size", "16x16"
+    )
     assert status == 0, err
     s = open_split(str(tmp_path / "d"), "train")
     assert s.image_shape == (16, 16, 3) and s.input_shape == (3, 16, 16)
@@ -144,7 +157,9 @@ def test_bad_image_fails_or_is_skipped(tmp_path, capsys, caplog):
     status, _, err = cli(capsys, "ingest", str(src), str(tmp_path / "d"))
     assert_clean_error(status, err, "notes.png", "--on-bad-image skip")
     assert not (tmp_path / "d").exists()
-    status, result, err = cli(capsys, "ingest", str(src), str(tmp_path / "d"), "--on-bad-image", "skip")
+    status, result, err = cli(
+        capsys, "ingest", str(src), str(tmp_path / "d"), "--on-bad-image", "skip"
+    )
     assert status == 0, err
     assert result["splits"]["train"]["skipped"] == 1
     assert "notes.png" in caplog.text  # the warning lists it
@@ -152,6 +167,7 @@ def test_bad_image_fails_or_is_skipped(tmp_path, capsys, caplog):
 
 
 # -- bad input ------------------------------------------------------------------------------------------
+
 
 def test_truncated_gzip(tmp_path, capsys):
     src = write_mnist_like(tmp_path / "src")
@@ -186,7 +202,9 @@ def test_label_out_of_range(tmp_path, capsys):
     status, _, err = cli(capsys, "ingest", str(src), str(tmp_path / "d"))
     assert_clean_error(status, err, "class 12 at index 17", "--num-classes 13")
     assert_not_complete(str(tmp_path / "d"))
-    status, result, err = cli(capsys, "ingest", str(src), str(tmp_path / "d"), "--num-classes", "13")
+    status, result, err = cli(
+        capsys, "ingest", str(src), str(tmp_path / "d"), "--num-classes", "13"
+    )
     assert status == 0, err
     assert len(result["classes"]) == 13
 
@@ -229,6 +247,7 @@ def test_bad_flags(tmp_path, capsys):
 
 # -- info ------------------------------------------------------------------------------------------------
 
+
 def test_info(tmp_path, capsys):
     src = write_mnist_like(tmp_path / "src", n_train=300, n_test=100)
     cli(capsys, "ingest", str(src), str(tmp_path / "d"))
@@ -243,6 +262,7 @@ def test_info(tmp_path, capsys):
 
 # -- S3 (moto's server on 127.0.0.1) -------------------------------------------------------------------
 
+
 def test_s3_to_s3_with_process_workers(tmp_path, s3, local_client):
     """From an S3 source into an S3 store; the writes happen in worker processes."""
     import s3fs
@@ -253,8 +273,9 @@ def test_s3_to_s3_with_process_workers(tmp_path, s3, local_client):
     src = write_mnist_like(tmp_path / "src", n_train=300, n_test=100)
     fs = s3fs.S3FileSystem(**opts)
     fs.put(str(src) + "/", f"{bucket[5:]}/raw/", recursive=True)
-    summary = ingest(f"{bucket}/raw", f"{bucket}/mnist.zarr", client=local_client,
-                     storage_options=opts)
+    summary = ingest(
+        f"{bucket}/raw", f"{bucket}/mnist.zarr", client=local_client, storage_options=opts
+    )
     assert summary["images"] == 400
     s = open_split(f"{bucket}/mnist.zarr", "test", opts)
     np.testing.assert_array_equal(s.images[:], synthetic_digits(100, seed=1)[0])
@@ -277,20 +298,36 @@ def test_aws_environment_variables(tmp_path, s3, monkeypatch, capsys):
 
 def test_unreachable_s3_endpoint(tmp_path, capsys):
     src = write_mnist_like(tmp_path / "src", n_train=40, n_test=20)
-    opts = json.dumps({"key": "k", "secret": "s", "endpoint_url": "http://127.0.0.1:9",
-                       "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}})
-    status, _, err = cli(capsys, "ingest", str(src), "s3://nobucket/x.zarr", "--storage-options", opts)
+    opts = json.dumps(
+        {
+            "key": "k",
+            "secret": "s",
+            "endpoint_url": "http://127.0.0.1:9",
+            "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}},
+        }
+    )
+    status, _, err = cli(
+        capsys, "ingest", str(src), "s3://nobucket/x.zarr", "--storage-options", opts
+    )
     assert_clean_error(status, err, "127.0.0.1:9")
 
 
 def test_console_script_last_line_is_json(tmp_path):
     src = write_mnist_like(tmp_path / "src", n_train=40, n_test=20)
-    proc = subprocess.run([sys.executable, "-m", "adam_dask.cli", "ingest", str(src),
-                           str(tmp_path / "d")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "adam_dask.cli", "ingest", str(src), str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1])["images"] == 60
-    proc = subprocess.run([sys.executable, "-m", "adam_dask.cli", "ingest", str(src),
-                           str(tmp_path / "d")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "adam_dask.cli", "ingest", str(src), str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().startswith("error: ") and "Traceback" not in proc.stderr
 
@@ -303,7 +340,9 @@ def test_mnist_alias_and_md5sums(tmp_path, capsys, monkeypatch):
         images, labels = synthetic_digits(n, seed=seed)
         write_idx(src / f"{prefix}-images-idx3-ubyte.gz", images)
         write_idx(src / f"{prefix}-labels-idx1-ubyte.gz", labels)
-    sums = "".join(f"{hashlib.md5(p.read_bytes()).hexdigest()}  {p.name}\n" for p in sorted(src.iterdir()))
+    sums = "".join(
+        f"{hashlib.md5(p.read_bytes()).hexdigest()}  {p.name}\n" for p in sorted(src.iterdir())
+    )
     (src / "MD5SUMS").write_text(sums)
     monkeypatch.setenv("ADAM_DASK_MNIST", str(src))
     status, result, err = cli(capsys, "ingest", "mnist", str(tmp_path / "d"))

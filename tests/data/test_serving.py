@@ -1,5 +1,6 @@
 """Data serving: DataServer actors on DATA workers, BatchStreams, exactly-once epochs, early
 stops, local serving, the cache bound, S3, bad stores, and a DataServer whose worker dies."""
+
 from __future__ import annotations
 
 import time
@@ -63,6 +64,7 @@ def replica_task(service, replica, replicas, epoch):
 
 # -- exactly once --------------------------------------------------------------------------------
 
+
 def test_every_image_exactly_once_per_epoch(cluster, store, arrays):
     svc = DataService.create(cluster, store, augment=AUG, seed=3, batch_size=48)
     try:
@@ -72,7 +74,7 @@ def test_every_image_exactly_once_per_epoch(cluster, store, arrays):
             # replica 0 in a task on the TRAIN worker, 1 and 2 here, all at the same time
             fut = cluster.submit(replica_task, svc, 0, 3, epoch, resources={"TRAIN": 1}, pure=False)
             streams = [svc.stream(r, 3, epoch, return_index=True) for r in (1, 2)]
-            assert [len(s) for s in streams] == [8, 8]          # ceil(166/48) + ceil(167/48)
+            assert [len(s) for s in streams] == [8, 8]  # ceil(166/48) + ceil(167/48)
             got = [drain(s) for s in streams]
             idx0, stats0 = fut.result()
             all_idx = np.concatenate([idx0] + [g[2] for g in got])
@@ -85,12 +87,13 @@ def test_every_image_exactly_once_per_epoch(cluster, store, arrays):
                 assert st["batches"] == len(s) and 0.0 <= st["stall_fraction"] <= 1.0
                 assert st["wait_seconds"] >= 0.0
             orders.append(all_idx)
-        assert not np.array_equal(orders[0], orders[1])      # a new order every epoch
+        assert not np.array_equal(orders[0], orders[1])  # a new order every epoch
         stats = svc.stats()
         assert stats["images_served"] == 2 * N_TRAIN
         assert [s["images_served"] for s in stats["servers"]] == [
-            2 * (b - a) for a, b in (svc.layout.partition(p) for p in (0, 1))]
-        assert all(s["streams"] == 0 for s in stats["servers"])   # finished streams released
+            2 * (b - a) for a, b in (svc.layout.partition(p) for p in (0, 1))
+        ]
+        assert all(s["streams"] == 0 for s in stats["servers"])  # finished streams released
     finally:
         svc.close()
 
@@ -111,16 +114,17 @@ def test_local_serving_matches_the_servers(cluster, store, arrays):
 
 # -- early stops and abandoned consumers ---------------------------------------------------------
 
+
 def test_a_consumer_that_stops_does_not_block_the_others(cluster, store):
     svc = DataService.create(cluster, store, augment=AUG, batch_size=32, buffer_batches=2)
     try:
         quitter = svc.stream(0, 2, 0)
-        next(quitter)                       # takes one batch, then never reads again
+        next(quitter)  # takes one batch, then never reads again
         other = svc.stream(1, 2, 0, return_index=True)
         _, _, idx = drain(other)
         assert len(idx) == other.images == N_TRAIN // 2
-        assert any(s["streams"] == 1 for s in svc.stats()["servers"])   # the quitter's state
-        quitter.close()                     # the 75% rule stops a straggler at once
+        assert any(s["streams"] == 1 for s in svc.stats()["servers"])  # the quitter's state
+        quitter.close()  # the 75% rule stops a straggler at once
         assert list(quitter) == []
         deadline = time.monotonic() + 10
         while any(s["streams"] for s in svc.stats()["servers"]):
@@ -139,7 +143,7 @@ def test_a_stream_dropped_for_idleness_is_reopened(cluster, store):
     try:
         stream = svc.stream(0, 1, 0, return_index=True)
         first = [next(stream)[2] for _ in range(2)]
-        deadline = time.monotonic() + 20          # the servers drop the idle stream
+        deadline = time.monotonic() + 20  # the servers drop the idle stream
         while any(s["streams"] for s in svc.stats()["servers"]):
             assert time.monotonic() < deadline
             time.sleep(0.2)
@@ -164,8 +168,9 @@ def test_closing_the_service_ends_its_streams_with_a_clear_error(cluster, store)
 
 def test_cache_bound_reads_chunks_on_demand(cluster, store, arrays):
     chunk_bytes = 64 * 28 * 28
-    svc = DataService.create(cluster, store, augment=None, batch_size=40,
-                             cache_bytes=4 * chunk_bytes)
+    svc = DataService.create(
+        cluster, store, augment=None, batch_size=40, cache_bytes=4 * chunk_bytes
+    )
     try:
         assert svc.layout.window_chunks == 2
         got = [drain(svc.stream(r, 2, 1, return_index=True)) for r in range(2)]
@@ -208,6 +213,7 @@ def test_serving_from_s3(cluster, s3, tmp_path):
 
 # -- bad stores ---------------------------------------------------------------------------------------
 
+
 def _bad_store(path: Path, images: np.ndarray | None, labels: np.ndarray | None) -> str:
     root = zarr.open_group(str(path), mode="w", zarr_format=3)
     g = root.create_group("train")
@@ -223,8 +229,11 @@ def _bad_store(path: Path, images: np.ndarray | None, labels: np.ndarray | None)
 def test_a_bad_store_is_named_in_a_clear_error(cluster, tmp_path, case):
     images = np.zeros((100, 28, 28), np.uint8)
     labels = np.zeros(100 if case != "mismatch" else 90, np.uint8)
-    url = _bad_store(tmp_path / "bad", None if case == "no-images" else images,
-                     None if case == "no-labels" else labels)
+    url = _bad_store(
+        tmp_path / "bad",
+        None if case == "no-images" else images,
+        None if case == "no-labels" else labels,
+    )
     with pytest.raises(DatasetError) as err:
         DataService.create(cluster, url)
     assert url in str(err.value) and err.value.url == url
@@ -235,7 +244,7 @@ def test_an_unreadable_chunk_is_named_in_a_clear_error(cluster, tmp_path, where)
     src = write_mnist_like(tmp_path / "src", 300, 20)
     url = str(tmp_path / "store")
     ingest(str(src), url, chunk_images=64, shard_images=128)
-    shard = Path(url) / "train" / "images" / "c" / "1" / "0" / "0"   # images 128..255
+    shard = Path(url) / "train" / "images" / "c" / "1" / "0" / "0"  # images 128..255
     assert shard.exists()
     shard.write_bytes(b"\x00garbage" * 100)
     svc = DataService.create(cluster if where == "cluster" else None, url, batch_size=50)
@@ -251,6 +260,7 @@ def test_an_unreadable_chunk_is_named_in_a_clear_error(cluster, tmp_path, where)
 
 # -- a DataServer whose worker dies -----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("recovery", ["new-actor", "local-fallback"])
 def test_a_dead_data_server_is_replaced_and_the_epoch_completes(store, arrays, recovery):
     import dask
@@ -258,17 +268,21 @@ def test_a_dead_data_server_is_replaced_and_the_epoch_completes(store, arrays, r
     # "local-fallback": no replacement actor can start in time, so the stream serves the rest
     # of the dead server's partition itself
     timeout = 30 if recovery == "new-actor" else 1e-3
-    with adam_dask.cluster.local(ps_nodes=0, data_nodes=2, trainers=0,
-                                 memory_limit="2 GiB") as client, \
-            dask.config.set({"adam.serving.recover-timeout": timeout}):
-        svc = DataService.create(client, store, augment=AUG, seed=1, batch_size=25,
-                                 buffer_batches=2)
+    with (
+        adam_dask.cluster.local(
+            ps_nodes=0, data_nodes=2, trainers=0, memory_limit="2 GiB"
+        ) as client,
+        dask.config.set({"adam.serving.recover-timeout": timeout}),
+    ):
+        svc = DataService.create(
+            client, store, augment=AUG, seed=1, batch_size=25, buffer_batches=2
+        )
         try:
             victim = svc.servers()[0]
             assert victim in adam_dask.cluster.workers_with_role(client, "DATA")
             streams = [svc.stream(r, 2, 0, return_index=True) for r in range(2)]
             got = [[], []]
-            for r, s in enumerate(streams):          # both consumers are part-way through
+            for r, s in enumerate(streams):  # both consumers are part-way through
                 for _ in range(5):
                     got[r].append(next(s))
             kill_workers(client, [victim])
@@ -284,7 +298,7 @@ def test_a_dead_data_server_is_replaced_and_the_epoch_completes(store, arrays, r
             later = svc.stream(0, 1, 1, return_index=True)
             _, _, idx = drain(later)
             assert np.array_equal(np.sort(idx), np.arange(N_TRAIN))
-            if recovery == "new-actor":   # the next epoch finds the new generation at once
+            if recovery == "new-actor":  # the next epoch finds the new generation at once
                 assert later.stats()["recoveries"] == 0
                 assert svc._gens[0] >= 1
         finally:

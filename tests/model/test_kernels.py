@@ -1,5 +1,6 @@
 """Each numba kernel against its numpy reference, and the reference gradients against finite
 differences (float64), on small shapes drawn by hypothesis."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +10,7 @@ from hypothesis import strategies as st
 from adam_dask.model import kernels as K
 from adam_dask.model import reference as R
 
-SETTINGS = settings(max_examples=12, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 RTOL, ATOL = 1e-4, 1e-5
 
 
@@ -34,9 +34,16 @@ def rand(rng, *shape):
     return rng.standard_normal(shape).astype(np.float32)
 
 
-conv_shapes = st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 4),
-                        st.integers(1, 4), st.integers(1, 3), st.integers(0, 3),
-                        st.integers(0, 3), st.integers(0, 2**31))
+conv_shapes = st.tuples(
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.integers(0, 3),
+    st.integers(0, 3),
+    st.integers(0, 2**31),
+)
 
 
 @SETTINGS
@@ -53,13 +60,13 @@ def test_conv2d_matches_reference_and_finite_differences(shape):
     np.testing.assert_allclose(out, R.conv2d_forward(x, w, b), rtol=RTOL, atol=ATOL)
 
     dout = rand(rng, B, OC, OH, OW)
-    dx = np.full((B, C, H, W), 7.0, np.float32)          # overwritten
+    dx = np.full((B, C, H, W), 7.0, np.float32)  # overwritten
     dcols = np.zeros((C * KH * KW, OH * OW), np.float32)
     K.conv2d_backward_input(dx, dcols, dout, w)
     ref_dx = R.conv2d_backward_input(dout, w, H, W)
     np.testing.assert_allclose(dx, ref_dx, rtol=RTOL, atol=ATOL)
 
-    dw = np.ones_like(w)                                  # accumulated into
+    dw = np.ones_like(w)  # accumulated into
     db = np.ones_like(b)
     K.conv2d_backward_weights(dw, db, dout, cols)
     ref_dw, ref_db = R.conv2d_backward_weights(dout, x, KH, KW)
@@ -67,20 +74,28 @@ def test_conv2d_matches_reference_and_finite_differences(shape):
     np.testing.assert_allclose(db - 1, ref_db, rtol=RTOL, atol=1e-4)
 
     d64 = dout.astype(np.float64)
-    np.testing.assert_allclose(fd_grad(lambda v: (R.conv2d_forward(v, w, b) * d64).sum(), x),
-                               ref_dx, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(fd_grad(lambda v: (R.conv2d_forward(x, v, b) * d64).sum(), w),
-                               ref_dw, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(fd_grad(lambda v: (R.conv2d_forward(x, w, v) * d64).sum(), b),
-                               ref_db, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        fd_grad(lambda v: (R.conv2d_forward(v, w, b) * d64).sum(), x), ref_dx, rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        fd_grad(lambda v: (R.conv2d_forward(x, v, b) * d64).sum(), w), ref_dw, rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        fd_grad(lambda v: (R.conv2d_forward(x, w, v) * d64).sum(), b), ref_db, rtol=1e-5, atol=1e-6
+    )
 
 
 @SETTINGS
-@given(st.integers(1, 3), st.integers(1, 3), st.integers(2, 7), st.integers(2, 7),
-       st.integers(0, 2**31))
+@given(
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.integers(2, 7),
+    st.integers(2, 7),
+    st.integers(0, 2**31),
+)
 def test_maxpool2_matches_reference_and_finite_differences(B, C, H, W, seed):
     rng = np.random.default_rng(seed)
-    x = rand(rng, B, C, H, W)                              # distinct values: no ties
+    x = rand(rng, B, C, H, W)  # distinct values: no ties
     out = np.zeros((B, C, H // 2, W // 2), np.float32)
     arg = np.zeros(out.shape, np.int8)
     K.maxpool2_forward(out, arg, x)
@@ -124,10 +139,12 @@ def test_dense_matches_reference_and_finite_differences(B, I, O, seed):
     np.testing.assert_allclose(db2, ref_db, rtol=RTOL, atol=ATOL)
 
     d64 = dout.astype(np.float64)
-    np.testing.assert_allclose(fd_grad(lambda v: (R.dense_forward(v, w, b) * d64).sum(), x),
-                               ref_dx, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(fd_grad(lambda v: (R.dense_forward(x, v, b) * d64).sum(), w),
-                               ref_dw, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        fd_grad(lambda v: (R.dense_forward(v, w, b) * d64).sum(), x), ref_dx, rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        fd_grad(lambda v: (R.dense_forward(x, v, b) * d64).sum(), w), ref_dw, rtol=1e-5, atol=1e-6
+    )
 
 
 @SETTINGS
@@ -145,7 +162,7 @@ def test_activations_match_reference_and_finite_differences(name, n, seed):
     bwd(dz, y)
     np.testing.assert_allclose(dz, rb(dy, rf(z)), rtol=1e-5, atol=1e-6)
     z64 = z.astype(np.float64)
-    z64[np.abs(z64) < 1e-3] = 0.5                         # keep relu's kink out of the FD
+    z64[np.abs(z64) < 1e-3] = 0.5  # keep relu's kink out of the FD
     fd = fd_grad(lambda v: (rf(v) * dy.astype(np.float64)).sum(), z64)
     np.testing.assert_allclose(fd, rb(dy, rf(z64)), rtol=1e-5, atol=1e-6)
 
@@ -189,5 +206,5 @@ def test_sgd_update_applies_and_zeroes_the_gradient():
     for _ in range(2):
         grad = np.ones(3, np.float32)
         K.sgd_update(flat, grad, vel, 1.0, 0.5)
-    np.testing.assert_allclose(vel, -1.5)                 # 0.5 * -1 - 1
+    np.testing.assert_allclose(vel, -1.5)  # 0.5 * -1 - 1
     np.testing.assert_allclose(flat, -2.5)

@@ -1,4 +1,5 @@
 """ParameterLayout: named views and a shard split that covers the flat buffer exactly."""
+
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """Network: the spec, the parameter contract, loss_and_gradient against a float64 reference and
 finite differences, the dense-layer offload terms, and clear errors for bad specs and inputs."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,11 @@ SMALL = "conv3x3:3,maxpool2,conv2x2:4,fc6,fc3"
 def reference_loss(net: Network, flat: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
     """The mean loss of ``net``'s plan with weights ``flat``, composed from the float64
     references in the textbook order (conv -> act -> pool)."""
-    p = net.layout.views(flat.astype(np.float32)) if flat.dtype == np.float32 else {
-        e.name: flat[e.offset:e.offset + e.size].reshape(e.shape) for e in net.layout}
+    p = (
+        net.layout.views(flat.astype(np.float32))
+        if flat.dtype == np.float32
+        else {e.name: flat[e.offset : e.offset + e.size].reshape(e.shape) for e in net.layout}
+    )
     act = R.tanh_forward if net.activation == "tanh" else R.relu_forward
     h = x.astype(np.float64)
     for L in net.layers:
@@ -47,10 +51,18 @@ def small(request):
 def test_paper_network_names_and_torch_layouts():
     net = Network.from_spec(PAPER, input_shape=(1, 28, 28), activation="tanh", seed=0)
     shapes = {k: v.shape for k, v in net.parameters.items()}
-    assert shapes == {"0.weight": (10, 1, 5, 5), "0.bias": (10,), "2.weight": (20, 10, 5, 5),
-                      "2.bias": (20,), "4.weight": (400, 320), "4.bias": (400,),
-                      "5.weight": (400, 400), "5.bias": (400,), "6.weight": (10, 400),
-                      "6.bias": (10,)}
+    assert shapes == {
+        "0.weight": (10, 1, 5, 5),
+        "0.bias": (10,),
+        "2.weight": (20, 10, 5, 5),
+        "2.bias": (20,),
+        "4.weight": (400, 320),
+        "4.bias": (400,),
+        "5.weight": (400, 400),
+        "5.bias": (400,),
+        "6.weight": (10, 400),
+        "6.bias": (10,),
+    }
     assert list(net.parameters) == [e.name for e in net.layout]
     assert isinstance(net.layout, ParameterLayout)
     assert net.flat.dtype == np.float32 and net.flat.ndim == 1
@@ -58,7 +70,7 @@ def test_paper_network_names_and_torch_layouts():
     for v in net.parameters.values():
         assert np.shares_memory(v, net.flat)
     w = net.parameters["4.weight"]
-    assert 0 < np.abs(w).max() <= np.sqrt(6 / (320 + 400)) + 1e-6   # Glorot for tanh
+    assert 0 < np.abs(w).max() <= np.sqrt(6 / (320 + 400)) + 1e-6  # Glorot for tanh
     assert not net.parameters["4.bias"].any()
     x = np.random.default_rng(0).random((3, 1, 28, 28), dtype=np.float32)
     logits = net.forward(x)
@@ -73,7 +85,7 @@ def test_seed_and_activation_initialisation():
     np.testing.assert_array_equal(a.flat, b.flat)
     assert not np.array_equal(a.flat, c.flat)
     r = Network.from_spec("fc300,fc10", (1, 20, 20), "relu", seed=0)
-    assert abs(r.parameters["0.weight"].std() - np.sqrt(2 / 400)) < 0.005   # He for relu
+    assert abs(r.parameters["0.weight"].std() - np.sqrt(2 / 400)) < 0.005  # He for relu
 
 
 def test_forward_matches_reference(small):
@@ -89,8 +101,9 @@ def test_loss_and_gradient_against_finite_differences(small):
     w64 = net.flat.astype(np.float64)
     eps = 1e-6
     rng = np.random.default_rng(0)
-    idx = np.concatenate([rng.choice(e.size, min(e.size, 6), replace=False) + e.offset
-                          for e in net.layout])
+    idx = np.concatenate(
+        [rng.choice(e.size, min(e.size, 6), replace=False) + e.offset for e in net.layout]
+    )
     for i in idx:
         wp, wm = w64.copy(), w64.copy()
         wp[i] += eps
@@ -181,17 +194,20 @@ def test_config_defaults_are_used():
     assert net.activation == "tanh" and net.spec == "conv3x3:2,fc10"
 
 
-@pytest.mark.parametrize("spec, layer", [
-    ("conv5x5:10,maxpool2,bogus,fc10", 2),
-    ("conv5x5:10,maxpool3,fc10", 1),
-    ("conv30x30:4,fc10", 0),
-    ("conv5x5:10,maxpool2,conv5x5:20,maxpool2,conv5x5:8,fc10", 4),
-    ("fc10,conv3x3:2,fc10", 1),
-    ("fc10,maxpool2,fc10", 1),
-    ("conv5x5:10,maxpool2", 1),
-    ("fc1", 0),
-    ("conv5x5:0,fc10", 0),
-])
+@pytest.mark.parametrize(
+    "spec, layer",
+    [
+        ("conv5x5:10,maxpool2,bogus,fc10", 2),
+        ("conv5x5:10,maxpool3,fc10", 1),
+        ("conv30x30:4,fc10", 0),
+        ("conv5x5:10,maxpool2,conv5x5:20,maxpool2,conv5x5:8,fc10", 4),
+        ("fc10,conv3x3:2,fc10", 1),
+        ("fc10,maxpool2,fc10", 1),
+        ("conv5x5:10,maxpool2", 1),
+        ("fc1", 0),
+        ("conv5x5:0,fc10", 0),
+    ],
+)
 def test_bad_specs_name_the_layer(spec, layer):
     with pytest.raises(ModelSpecError) as info:
         Network.from_spec(spec, input_shape=(1, 28, 28))
@@ -208,15 +224,18 @@ def test_bad_spec_arguments():
         Network.from_spec("fc10", input_shape=(1, 0, 28))
 
 
-@pytest.mark.parametrize("bad", [
-    np.zeros((2, 28, 28), np.float32),                 # missing channel axis
-    np.zeros((2, 1, 27, 28), np.float32),              # wrong size
-    np.zeros((2, 3, 28, 28), np.float32),              # wrong channels
-    np.zeros((2, 1, 28, 28), np.int32),                # not float
-    np.zeros((2, 1, 28, 28), np.uint8),
-    np.zeros((0, 1, 28, 28), np.float32),              # empty
-    "not an array",
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.zeros((2, 28, 28), np.float32),  # missing channel axis
+        np.zeros((2, 1, 27, 28), np.float32),  # wrong size
+        np.zeros((2, 3, 28, 28), np.float32),  # wrong channels
+        np.zeros((2, 1, 28, 28), np.int32),  # not float
+        np.zeros((2, 1, 28, 28), np.uint8),
+        np.zeros((0, 1, 28, 28), np.float32),  # empty
+        "not an array",
+    ],
+)
 def test_bad_inputs_give_input_shape_error(bad):
     net = Network.from_spec("conv5x5:2,maxpool2,fc10", input_shape=(1, 28, 28))
     with pytest.raises(InputShapeError):
@@ -225,9 +244,16 @@ def test_bad_inputs_give_input_shape_error(bad):
         net.loss_and_gradient(bad, np.zeros(2, np.int64))
 
 
-@pytest.mark.parametrize("labels", [np.zeros(3, np.int64), np.array([0, 10]),
-                                    np.array([0, -1]), np.array([0.0, 1.0]),
-                                    np.zeros((2, 1), np.int64)])
+@pytest.mark.parametrize(
+    "labels",
+    [
+        np.zeros(3, np.int64),
+        np.array([0, 10]),
+        np.array([0, -1]),
+        np.array([0.0, 1.0]),
+        np.zeros((2, 1), np.int64),
+    ],
+)
 def test_bad_labels_give_input_shape_error(labels):
     net = Network.from_spec("conv5x5:2,maxpool2,fc10", input_shape=(1, 28, 28))
     with pytest.raises(InputShapeError):

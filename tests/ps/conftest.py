@@ -1,5 +1,6 @@
 """Fixtures of the parameter-server tests: a small embedded cluster (3 PS workers on distinct
 loopback hosts, one TRAIN worker), and servers that are closed after each test."""
+
 from __future__ import annotations
 
 import logging
@@ -12,8 +13,9 @@ logger = logging.getLogger(__name__)
 def small_cluster(ps_nodes: int = 3, trainers: int = 1):
     import adam_dask
 
-    return adam_dask.cluster.local(ps_nodes=ps_nodes, data_nodes=0, trainers=trainers,
-                                   trainer_threads=1, memory_limit="1 GiB")
+    return adam_dask.cluster.local(
+        ps_nodes=ps_nodes, data_nodes=0, trainers=trainers, trainer_threads=1, memory_limit="1 GiB"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """Checkpoint write-back to S3 (moto's real server on 127.0.0.1), through an outage: writes
 are retried with back-off and reported, nothing is dropped, and they land when S3 returns."""
+
 from __future__ import annotations
 
 import time
@@ -23,9 +24,12 @@ def own_s3():
     srv = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     srv.start()
     host, port = srv.get_host_and_port()
-    opts = {"key": "testing", "secret": "testing", "endpoint_url": f"http://{host}:{port}",
-            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1,
-                              "read_timeout": 5}}
+    opts = {
+        "key": "testing",
+        "secret": "testing",
+        "endpoint_url": f"http://{host}:{port}",
+        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1, "read_timeout": 5},
+    }
     s3fs.S3FileSystem(**opts, skip_instance_cache=True).mkdir("adam-ps-outage")
     state = {"server": srv, "port": port, "options": opts}
     yield state
@@ -37,10 +41,12 @@ def test_writeback_survives_s3_outage(ps_client, own_s3):
 
     url = "s3://adam-ps-outage/ckpt"
     opts = own_s3["options"]
-    with dask.config.set({"adam.ps.writeback-interval": 0.1, "adam.ps.retry-base": 0.1,
-                          "adam.ps.retry-max": 0.5}):
-        s = ParameterServer.create(ps_client, size=N, shard_bytes=65536, checkpoint=url,
-                                   storage_options=opts)
+    with dask.config.set(
+        {"adam.ps.writeback-interval": 0.1, "adam.ps.retry-base": 0.1, "adam.ps.retry-max": 0.5}
+    ):
+        s = ParameterServer.create(
+            ps_client, size=N, shard_bytes=65536, checkpoint=url, storage_options=opts
+        )
     try:
         s.push(np.ones(N, np.float32))
         s.flush(epoch=1)
@@ -69,8 +75,14 @@ def test_writeback_survives_s3_outage(ps_client, own_s3):
 def test_restore_from_s3(ps_client, s3):
     base, opts = s3
     url = f"{base}/ckpt"
-    s = ParameterServer.create(ps_client, size=N, shard_bytes=65536, checkpoint=url,
-                               storage_options=opts, meta={"spec": "fc10"})
+    s = ParameterServer.create(
+        ps_client,
+        size=N,
+        shard_bytes=65536,
+        checkpoint=url,
+        storage_options=opts,
+        meta={"spec": "fc10"},
+    )
     try:
         rng = np.random.default_rng(0)
         s.push(rng.standard_normal(N).astype(np.float32))

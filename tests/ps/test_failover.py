@@ -1,6 +1,7 @@
 """Fail-over on a real cluster: PS workers are killed (os._exit) while pushes go on; the nanny
 restarts them empty under new addresses. Every shard must return to 3 copies on distinct hosts
 and no acknowledged update may be lost (ack="all")."""
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,9 @@ def host(addr: str) -> str:
 def fo_client():
     import adam_dask
 
-    with adam_dask.cluster.local(ps_nodes=3, data_nodes=0, trainers=0,
-                                 memory_limit="1 GiB") as client:
+    with adam_dask.cluster.local(
+        ps_nodes=3, data_nodes=0, trainers=0, memory_limit="1 GiB"
+    ) as client:
         yield client
 
 
@@ -85,7 +87,9 @@ def test_kill_primary_holder_while_pushing(fo_client):
         info = wait_healed(s, {victim})
         n_at_heal = sum(p.count for p in pushers)
         while sum(p.count for p in pushers) < n_at_heal + 10:  # pushes go on after the heal
-            assert all(p.error is None and p.is_alive() for p in pushers), [p.error for p in pushers]
+            assert all(p.error is None and p.is_alive() for p in pushers), [
+                p.error for p in pushers
+            ]
             time.sleep(0.02)
         for p in pushers:
             p.stop.set()
@@ -96,8 +100,12 @@ def test_kill_primary_holder_while_pushing(fo_client):
         check_placement(s)
         heal = info["heal_times"][heals_before:]
         assert heal
-        logger.warning("time to heal after losing primary holder %s: %.2fs (%d pushes)",
-                       victim, heal[-1], sum(p.count for p in pushers))
+        logger.warning(
+            "time to heal after losing primary holder %s: %.2fs (%d pushes)",
+            victim,
+            heal[-1],
+            sum(p.count for p in pushers),
+        )
     finally:
         s.close()
 

@@ -1,4 +1,5 @@
 """The placement policy (pure functions of the scheduler plugin)."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -6,8 +7,12 @@ from collections import Counter
 import pytest
 
 from adam_dask.errors import ClusterError
-from adam_dask.ps.placement import (PlacementWarning, choose_new_holder, choose_primary,
-                                    plan_placement)
+from adam_dask.ps.placement import (
+    PlacementWarning,
+    choose_new_holder,
+    choose_primary,
+    plan_placement,
+)
 
 
 def workers(n, hosts=None):
@@ -19,7 +24,7 @@ def workers(n, hosts=None):
 def test_distinct_hosts_and_balanced_primaries(n_workers, n_shards):
     w = workers(n_workers)
     plan = plan_placement(n_shards, w, 3)
-    for sid, holders in plan.items():
+    for holders in plan.values():
         assert len(holders) == 3
         assert len({w[a] for a in holders}) == 3
     prim = Counter(h[0] for h in plan.values())

@@ -1,5 +1,6 @@
 """ParameterServer on a real embedded cluster: placement, exact sums, outer products, rejection,
 use from worker tasks, checkpoint and restore."""
+
 from __future__ import annotations
 
 import json
@@ -78,7 +79,7 @@ def test_push_outer_equals_explicit_delta(make_server):
     act = rng.standard_normal((B, inp)).astype(np.float32)
     s.push_outer(offset, err, act, scale=-0.1)
     expected = np.zeros(30_000, np.float32)
-    expected[offset:offset + out_ * inp] = (-0.1 * (err.T @ act)).reshape(-1)
+    expected[offset : offset + out_ * inp] = (-0.1 * (err.T @ act)).reshape(-1)
     np.testing.assert_allclose(s.pull(), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(UpdateRejected):
         s.push_outer(29_000, err, act)  # does not fit
@@ -121,8 +122,10 @@ def _push_from_task(server, seed, n):
 
 def test_pickled_server_in_tasks_on_train_worker(ps_client, make_server):
     s = make_server(size=N, shard_bytes=SHARD)
-    futs = [ps_client.submit(_push_from_task, s, i, 5, resources={"TRAIN": 1}, pure=False)
-            for i in range(2)]
+    futs = [
+        ps_client.submit(_push_from_task, s, i, 5, resources={"TRAIN": 1}, pure=False)
+        for i in range(2)
+    ]
     results = ps_client.gather(futs)
     train = set(workers_with_role(ps_client, "TRAIN"))
     assert {addr for addr, _, _ in results} <= train
@@ -138,15 +141,18 @@ def test_attach_by_name(ps_client, make_server):
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
-@given(st.lists(st.lists(st.integers(-3, 3), min_size=1, max_size=6), min_size=2, max_size=4),
-       st.integers(0, 2**31))
+@given(
+    st.lists(st.lists(st.integers(-3, 3), min_size=1, max_size=6), min_size=2, max_size=4),
+    st.integers(0, 2**31),
+)
 def test_any_interleaving_sums_the_same(make_server_module, per_client, seed):
     """Several clients (threads) push concurrently in any order: the result is the sum."""
     s = make_server_module
     start = s.pull()
     rng = np.random.default_rng(seed)
-    deltas = [[(v * rng.integers(0, 2, s.size)).astype(np.float32) for v in seq]
-              for seq in per_client]
+    deltas = [
+        [(v * rng.integers(0, 2, s.size)).astype(np.float32) for v in seq] for seq in per_client
+    ]
     barrier = threading.Barrier(len(deltas))
     errors = []
 
@@ -160,8 +166,9 @@ def test_any_interleaving_sums_the_same(make_server_module, per_client, seed):
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(seq, rng.integers(0, 3, len(seq))))
-               for seq in deltas]
+    threads = [
+        threading.Thread(target=run, args=(seq, rng.integers(0, 3, len(seq)))) for seq in deltas
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -179,6 +186,7 @@ def make_server_module(ps_client):
 
 
 # -- checkpoint ---------------------------------------------------------------------------------
+
 
 def test_checkpoint_restore_equals_flush(ps_client, make_server, tmp_path):
     url = "file://" + str(tmp_path / "ckpt")
@@ -213,9 +221,8 @@ def test_restore_missing_checkpoint(ps_client, tmp_path):
 def test_writeback_without_flush_and_manifest_never_ahead_of_data(make_server, tmp_path):
     """Every push adds 1 everywhere, so version v means every value is v. A reader polling the
     checkpoint while pushes go on must never see a manifest version above the data's."""
-    import zarr
-
     import dask
+    import zarr
 
     url = str(tmp_path / "ck2")
     with dask.config.set({"adam.ps.writeback-interval": 0.05}):

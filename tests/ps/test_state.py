@@ -1,4 +1,5 @@
 """ShardState: the pure shard logic (no Dask)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -81,10 +82,10 @@ def test_outer_product_parts(start, stop):
     err = rng.standard_normal((B, out)).astype(np.float32)
     act = rng.standard_normal((B, inp)).astype(np.float32)
     full = np.zeros(2000, np.float32)
-    full[offset:offset + out * inp] = (0.5 * err.T @ act).reshape(-1)
+    full[offset : offset + out * inp] = (0.5 * err.T @ act).reshape(-1)
     st = ShardState(0, start, stop)
     part = outer_part(offset, out, inp, start, stop)
-    cols = err if part is None else err[:, part.row0:part.row1]
+    cols = err if part is None else err[:, part.row0 : part.row1]
     st.apply_outer(offset, out, inp, cols, act, 0.5)
     np.testing.assert_allclose(st.values, full[start:stop], rtol=1e-5, atol=1e-6)
 

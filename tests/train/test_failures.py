@@ -1,4 +1,5 @@
 """Training goes on when machines die: a TRAIN worker, then a PS worker, killed mid-epoch."""
+
 from __future__ import annotations
 
 import threading
@@ -22,8 +23,9 @@ def store(tmp_path_factory):
 @pytest.fixture
 def cluster():
     # 4 PS workers: after one dies, every shard can again have 3 copies on distinct hosts
-    with adam_dask.cluster.local(ps_nodes=4, data_nodes=1, trainers=2, trainer_threads=1,
-                                 memory_limit="2 GiB") as client:
+    with adam_dask.cluster.local(
+        ps_nodes=4, data_nodes=1, trainers=2, trainer_threads=1, memory_limit="2 GiB"
+    ) as client:
         yield client
 
 
@@ -51,8 +53,16 @@ def _wait_for_images(trainer, epoch, n, timeout=120):
 
 
 def test_train_worker_killed_mid_epoch(store, cluster):
-    t = Trainer(store, model=SPEC, client=cluster, lr=0.05, push_every=64, batch_size=8,
-                progress=False, slow_replicas={0: 0.1, 1: 0.1})
+    t = Trainer(
+        store,
+        model=SPEC,
+        client=cluster,
+        lr=0.05,
+        push_every=64,
+        batch_size=8,
+        progress=False,
+        slow_replicas={0: 0.1, 1: 0.1},
+    )
     th, box = _fit_in_background(t, epochs=2)
     _wait_for_images(t, 0, 128)
     victim = workers_with_role(cluster, TRAIN)[0]  # each TRAIN worker runs one replica now
@@ -70,8 +80,17 @@ def test_train_worker_killed_mid_epoch(store, cluster):
 
 
 def test_ps_worker_killed_mid_epoch(store, cluster):
-    t = Trainer(store, model=SPEC, client=cluster, lr=0.05, push_every=64, batch_size=8,
-                progress=False, shard_bytes=4096, slow_replicas={0: 0.02, 1: 0.02})
+    t = Trainer(
+        store,
+        model=SPEC,
+        client=cluster,
+        lr=0.05,
+        push_every=64,
+        batch_size=8,
+        progress=False,
+        shard_bytes=4096,
+        slow_replicas={0: 0.02, 1: 0.02},
+    )
     th, box = _fit_in_background(t, epochs=2)
     _wait_for_images(t, 0, 128)
     placement = t.server.placement()
@@ -85,8 +104,10 @@ def test_ps_worker_killed_mid_epoch(store, cluster):
     deadline = time.time() + 30
     while True:
         placement = t.server.placement()
-        ok = all(len(addrs) == 3 and len({hosts_of.get(a) for a in addrs}) == 3
-                 and victim not in addrs for addrs in placement.values())
+        ok = all(
+            len(addrs) == 3 and len({hosts_of.get(a) for a in addrs}) == 3 and victim not in addrs
+            for addrs in placement.values()
+        )
         if ok or time.time() > deadline:
             break
         time.sleep(0.2)

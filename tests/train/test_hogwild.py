@@ -1,4 +1,5 @@
 """HogwildReplica: threads learn lock-free, the delta is exact, callbacks and stop work."""
+
 from __future__ import annotations
 
 import threading
@@ -22,16 +23,16 @@ def synthetic(n, seed=0):
     x = rng.normal(0, 0.2, (n, *SHAPE)).astype(np.float32)
     for i, c in enumerate(y):
         if c < 2:
-            x[i, 0, 2 + 5 * c: 4 + 5 * c, 1:9] += 1.0
+            x[i, 0, 2 + 5 * c : 4 + 5 * c, 1:9] += 1.0
         else:
-            x[i, 0, 1:9, 2 + 5 * (c - 2): 4 + 5 * (c - 2)] += 1.0
+            x[i, 0, 1:9, 2 + 5 * (c - 2) : 4 + 5 * (c - 2)] += 1.0
     return x, y
 
 
 def batches(x, y, bs, epochs=1):
     for _ in range(epochs):
         for s in range(0, len(x), bs):
-            yield x[s:s + bs], y[s:s + bs]
+            yield x[s : s + bs], y[s : s + bs]
 
 
 @pytest.fixture
@@ -58,11 +59,12 @@ def test_train_images_with_momentum_and_schedule(data):
     before, _ = net.loss_and_gradient(x, y)
     rep = HogwildReplica(net, threads=2, lr=0.05, momentum=0.9, batch_size=8, lr_decay=0.5)
     seen = []
-    stats = rep.train_images(x, y, epochs=2, seed=0,
-                             on_epoch=lambda r, e, st: seen.append((e, r.lr, st.images)))
+    stats = rep.train_images(
+        x, y, epochs=2, seed=0, on_epoch=lambda r, e, st: seen.append((e, r.lr, st.images))
+    )
     assert seen == [(0, 0.05, 512), (1, 0.025, 512)]
     assert stats.images == 1024 and rep.images_seen == 1024
-    assert rep.lr_at(3) == pytest.approx(0.05 * 0.5 ** 3)
+    assert rep.lr_at(3) == pytest.approx(0.05 * 0.5**3)
     assert net.loss_and_gradient(x, y)[0] < 0.5 * before
 
 
@@ -120,8 +122,8 @@ def test_callback_every_k_images_while_training(data):
     start = net.flat.copy()
     stats = rep.train(batches(x, y, 16), on_images=push, every=64)
     pushed += rep.take_delta()
-    assert 5 <= len(calls) <= 8                  # 512 images / 64
-    assert max(overlap) == 1                     # never two callbacks at once
+    assert 5 <= len(calls) <= 8  # 512 images / 64
+    assert max(overlap) == 1  # never two callbacks at once
     np.testing.assert_allclose(start + pushed, net.flat, atol=1e-5)
     assert stats.images == 512
 
@@ -160,8 +162,9 @@ def test_config_defaults_and_bad_settings():
     net = Network.from_spec(SPEC, SHAPE, seed=0)
     import dask
 
-    with dask.config.set({"adam.cluster.trainer-threads": 3, "adam.train.batch-size": 5,
-                          "adam.train.lr": 0.02}):
+    with dask.config.set(
+        {"adam.cluster.trainer-threads": 3, "adam.train.batch-size": 5, "adam.train.lr": 0.02}
+    ):
         rep = HogwildReplica(net)
     assert rep.threads == 3 and rep.batch_size == 5 and rep.lr == 0.02
     assert HogwildReplica(net, threads=2).threads == 2  # an argument wins over the config
@@ -175,6 +178,7 @@ def test_config_defaults_and_bad_settings():
 
 # -- dense-layer offload (the paper's "send activations and error terms") -----------------------
 
+
 def test_offload_terms_reproduce_the_dense_update():
     from adam_dask.train.replica import profitable_offload
 
@@ -184,21 +188,22 @@ def test_offload_terms_reproduce_the_dense_update():
     y = rng.integers(0, 4, 96)
     rep = HogwildReplica(net, threads=1, lr=0.1, momentum=0.0, batch_size=8, offload=["2"])
     before = net.flat.copy()
-    rep.train([(x[i:i + 16], y[i:i + 16]) for i in range(0, 96, 16)])
+    rep.train([(x[i : i + 16], y[i : i + 16]) for i in range(0, 96, 16)])
     applied = net.flat - before
     delta, terms = rep.take_update()
     w = net.layout["2.weight"]
     acts, errs = terms["2"]
     assert acts.shape == (96, 64) and errs.shape == (96, 32)
-    np.testing.assert_allclose((errs.T @ acts).ravel(), applied[w.offset:w.offset + w.size],
-                               atol=1e-5)
-    assert not delta[w.offset:w.offset + w.size].any()          # travels as terms instead
+    np.testing.assert_allclose(
+        (errs.T @ acts).ravel(), applied[w.offset : w.offset + w.size], atol=1e-5
+    )
+    assert not delta[w.offset : w.offset + w.size].any()  # travels as terms instead
     rest = np.ones(delta.size, bool)
-    rest[w.offset:w.offset + w.size] = False
+    rest[w.offset : w.offset + w.size] = False
     np.testing.assert_allclose(delta[rest], applied[rest], atol=1e-6)  # conv, biases, fc4
-    assert rep.take_update()[1] == {}                           # taken once
+    assert rep.take_update()[1] == {}  # taken once
     # the rule: k * (in + out) < in * out
-    assert profitable_offload(net, 16) == ["2"]          # 16 * 96 < 2048; fc4: 16 * 36 > 128
+    assert profitable_offload(net, 16) == ["2"]  # 16 * 96 < 2048; fc4: 16 * 36 > 128
     assert profitable_offload(net, 64) == []
 
 

@@ -1,4 +1,5 @@
 """End-to-end training on the embedded cluster: async, sync, the epoch quorum, failures, resume, CLI."""
+
 from __future__ import annotations
 
 import json
@@ -60,7 +61,7 @@ def test_quorum_ends_epoch_while_straggler_runs(store, adam_cluster):
     t = fit(store, adam_cluster, epochs=1, epoch_quorum=0.5, slow_replicas={1: 0.25})
     rec = t.history.last
     assert rec["replicas_finished"] == 1
-    assert rec["images"] < 768            # the straggler did not finish its share
+    assert rec["images"] < 768  # the straggler did not finish its share
     assert rec["quorum_seconds"] is not None
 
 
@@ -69,8 +70,9 @@ def test_diverged_model_fails_with_a_clear_error(store, adam_cluster):
     run stops with an error that says what to change."""
     from adam_dask.errors import UpdateRejected
 
-    t = Trainer(store, model=SPEC, client=adam_cluster, lr=1e30, push_every=64, batch_size=8,
-                progress=False)
+    t = Trainer(
+        store, model=SPEC, client=adam_cluster, lr=1e30, push_every=64, batch_size=8, progress=False
+    )
     try:
         with pytest.raises(UpdateRejected, match=r"diverged.*lower the learning rate"):
             t.fit(epochs=1)
@@ -86,8 +88,9 @@ def test_plot_draws_the_history(store, adam_cluster):
     fig = t.history.plot()
     loss_ax, acc_ax = fig.axes
     assert len(loss_ax.lines[0].get_xdata()) == 2
-    np.testing.assert_allclose(acc_ax.lines[0].get_ydata(),
-                               [100 * a for a in t.history.column("test_accuracy")])
+    np.testing.assert_allclose(
+        acc_ax.lines[0].get_ydata(), [100 * a for a in t.history.column("test_accuracy")]
+    )
 
 
 def test_resume_continues_history(store, adam_cluster, tmp_path):
@@ -115,6 +118,7 @@ def test_resume_continues_history(store, adam_cluster, tmp_path):
 
 # -- CLI ------------------------------------------------------------------------------------------
 
+
 def _cli(capsys, *argv):
     status = run(list(argv))
     out = capsys.readouterr()
@@ -124,26 +128,50 @@ def _cli(capsys, *argv):
 
 def test_cli_train_and_evaluate(store, tmp_path, capsys):
     ckpt = str(tmp_path / "ck")
-    status, res, err = _cli(capsys, "train", "--data", store, "--epochs", "2", "--model", SPEC,
-                            "--ps-nodes", "3", "--data-nodes", "1", "--trainers", "1",
-                            "--checkpoint", ckpt, "--target-accuracy", "0.5", "--no-progress",
-                            "--metrics-out", str(tmp_path / "h.jsonl"))
+    status, res, err = _cli(
+        capsys,
+        "train",
+        "--data",
+        store,
+        "--epochs",
+        "2",
+        "--model",
+        SPEC,
+        "--ps-nodes",
+        "3",
+        "--data-nodes",
+        "1",
+        "--trainers",
+        "1",
+        "--checkpoint",
+        ckpt,
+        "--target-accuracy",
+        "0.5",
+        "--no-progress",
+        "--metrics-out",
+        str(tmp_path / "h.jsonl"),
+    )
     assert status == 0, err
-    assert {"test_accuracy", "epochs", "seconds", "images_per_second", "seconds_to_target"} <= set(res)
+    assert {"test_accuracy", "epochs", "seconds", "images_per_second", "seconds_to_target"} <= set(
+        res
+    )
     assert res["test_accuracy"] >= 0.5 and res["seconds_to_target"] is not None
     status, ev, err = _cli(capsys, "evaluate", ckpt, "--data", store)
     assert status == 0, err
     assert abs(ev["test_accuracy"] - res["test_accuracy"]) < 1e-9
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["train", "--data", "/nonexistent/store.zarr"], ["no dataset store", "adam-dask ingest"]),
-    (["train", "--data", "{store}", "--epochs", "0"], ["--epochs 0"]),
-    (["train", "--data", "{store}", "--mode", "fast"], ["invalid choice"]),
-    (["train", "--data", "{store}", "--resume"], ["--resume needs --checkpoint"]),
-    (["train", "--data", "{store}", "--target-accuracy", "99"], ["(0, 1]"]),
-    (["evaluate", "/nonexistent/ckpt", "--data", "{store}"], ["checkpoint"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["train", "--data", "/nonexistent/store.zarr"], ["no dataset store", "adam-dask ingest"]),
+        (["train", "--data", "{store}", "--epochs", "0"], ["--epochs 0"]),
+        (["train", "--data", "{store}", "--mode", "fast"], ["invalid choice"]),
+        (["train", "--data", "{store}", "--resume"], ["--resume needs --checkpoint"]),
+        (["train", "--data", "{store}", "--target-accuracy", "99"], ["(0, 1]"]),
+        (["evaluate", "/nonexistent/ckpt", "--data", "{store}"], ["checkpoint"]),
+    ],
+)
 def test_cli_bad_input(store, capsys, argv, words):
     argv = [a.replace("{store}", store) for a in argv]
     try:
@@ -165,8 +193,16 @@ def test_offload_dense_learns(store, adam_cluster):
 
     spec = "conv5x5:6,maxpool2,fc256,fc10"
     assert profitable_offload(Network.from_spec(spec, (1, 28, 28)), 64) == ["2"]
-    t = Trainer(store, model=spec, client=adam_cluster, lr=0.05, push_every=64, batch_size=8,
-                progress=False, offload_dense=True)
+    t = Trainer(
+        store,
+        model=spec,
+        client=adam_cluster,
+        lr=0.05,
+        push_every=64,
+        batch_size=8,
+        progress=False,
+        offload_dense=True,
+    )
     try:
         t.fit(epochs=2)
     finally:
@@ -185,10 +221,33 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_checkpoint(store, tmp_path):
     ckpt = tmp_path / "ck"
     metrics = tmp_path / "m.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "adam_dask.cli", "train", "--data", store, "--epochs", "50",
-         "--model", SPEC, "--checkpoint", str(ckpt), "--metrics-out", str(metrics),
-         "--ps-nodes", "3", "--data-nodes", "0", "--trainers", "1", "--no-progress"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "adam_dask.cli",
+            "train",
+            "--data",
+            store,
+            "--epochs",
+            "50",
+            "--model",
+            SPEC,
+            "--checkpoint",
+            str(ckpt),
+            "--metrics-out",
+            str(metrics),
+            "--ps-nodes",
+            "3",
+            "--data-nodes",
+            "0",
+            "--trainers",
+            "1",
+            "--no-progress",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 180
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
