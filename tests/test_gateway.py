@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import synthetic_store
+from adam_dask.testing import synthetic_store
 
 pytest.importorskip("dask_gateway_server", reason="the gateway test needs the [test] extra")
 

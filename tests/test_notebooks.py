@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import synthetic_store
+from adam_dask.testing import synthetic_store
 
 nbformat = pytest.importorskip("nbformat", reason="the notebook test needs the [test] extra")
 nbclient = pytest.importorskip("nbclient", reason="the notebook test needs the [test] extra")

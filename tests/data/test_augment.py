@@ -8,7 +8,7 @@ import pytest
 
 from adam_dask.data.augment import Augment, affine_batch, as_model_input, elastic_field
 from adam_dask.errors import ConfigError, InputShapeError
-from tests.conftest import synthetic_digits
+from adam_dask.testing import synthetic_digits
 
 FULL = Augment(
     rotation=10.0, translation=2.0, scale=0.1, shear=0.1, elastic_alpha=34.0, elastic_sigma=4.0

@@ -16,7 +16,7 @@ from adam_dask.cli import run
 from adam_dask.data.datasets import open_split
 from adam_dask.data.ingest import parse_idx, read_idx
 from adam_dask.errors import DatasetError, SourceError
-from tests.conftest import synthetic_digits, write_idx, write_mnist_like
+from adam_dask.testing import synthetic_digits, write_idx, write_mnist_like
 
 
 def cli(capsys, *argv):

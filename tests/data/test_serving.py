@@ -14,7 +14,8 @@ import adam_dask
 from adam_dask.data import Augment, DataService, load_arrays
 from adam_dask.data.ingest import ingest
 from adam_dask.errors import ClusterError, ConfigError, DatasetError
-from tests.conftest import kill_workers, write_mnist_like
+from adam_dask.testing import hard_kill as kill_workers
+from adam_dask.testing import write_mnist_like
 
 N_TRAIN, N_TEST = 1000, 100
 AUG = Augment(rotation=8.0, translation=1.5, elastic_alpha=20.0, elastic_sigma=4.0)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from adam_dask.ps import ParameterServer
-from tests.conftest import kill_workers
+from adam_dask.testing import hard_kill as kill_workers
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,9 @@ import pytest
 
 import adam_dask
 from adam_dask.cluster import PS, TRAIN, workers_with_role
+from adam_dask.testing import hard_kill as kill_workers
+from adam_dask.testing import synthetic_store
 from adam_dask.train.trainer import Trainer
-from tests.conftest import kill_workers, synthetic_store
 
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"
 

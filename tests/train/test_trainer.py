@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from adam_dask.cli import run
+from adam_dask.testing import synthetic_store
 from adam_dask.train.trainer import Trainer
-from tests.conftest import synthetic_store
 
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"  # small and quick, same kinds of layers as the paper's
 

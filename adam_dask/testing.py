@@ -1,0 +1,169 @@
+"""Helpers for tests, notebooks and benchmarks: small synthetic datasets and real faults.
+
+Synthetic data
+    :func:`synthetic_digits` draws learnable 28x28 "digits" (a bar whose angle is the class),
+    :func:`write_idx` / :func:`write_mnist_like` write them as MNIST IDX files and
+    :func:`synthetic_store` ingests them into a Zarr store, so a test trains on real files
+    without downloading anything.
+
+Faults from outside
+    A machine failure is not a worker that exits by itself just after answering: it is a
+    process killed or frozen by someone else, in the middle of whatever it was doing.
+    :func:`worker_pids` asks each worker for its process id once; :func:`hard_kill` then sends
+    ``SIGKILL`` from this process and waits until the scheduler has noticed, :func:`freeze` sends
+    ``SIGSTOP`` (sockets stay open, nothing answers) and :func:`thaw` ``SIGCONT``.
+
+>>> images, labels = synthetic_digits(4, seed=1)
+>>> images.shape, images.dtype.name, labels.shape
+((4, 28, 28), 'uint8', (4,))
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import signal
+import struct
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "freeze",
+    "hard_kill",
+    "synthetic_digits",
+    "synthetic_store",
+    "thaw",
+    "wait_workers_gone",
+    "worker_pids",
+    "write_idx",
+    "write_mnist_like",
+]
+
+
+# -- synthetic data --------------------------------------------------------------------------------
+
+
+def synthetic_digits(
+    n: int, size: int = 28, classes: int = 10, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` learnable uint8 images ``(n, size, size)`` and their labels ``(n,)`` uint8.
+
+    Class ``c`` draws a bar through the centre (jittered) at the angle ``pi * c / classes``,
+    with pixel noise.
+    """
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, classes, size=n).astype(np.uint8)
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
+    images = np.empty((n, size, size), dtype=np.uint8)
+    for i, c in enumerate(labels):
+        angle = np.pi * c / classes
+        cx, cy = size / 2 + rng.normal(0, 1.0), size / 2 + rng.normal(0, 1.0)
+        d = np.abs((xx - cx) * np.sin(angle) - (yy - cy) * np.cos(angle))
+        img = np.clip(1.5 - d, 0, 1) * 255 + rng.normal(0, 12, (size, size))
+        images[i] = np.clip(img, 0, 255).astype(np.uint8)
+    return images, labels
+
+
+def write_idx(
+    path: str | Path, array: np.ndarray, *, gz: bool = True, magic: int | None = None
+) -> Path:
+    """Write ``array`` (uint8) as an IDX file (gzipped when ``gz``); ``magic`` overrides the
+    header's magic number (to make a bad file)."""
+    array = np.ascontiguousarray(array, dtype=np.uint8)
+    header = struct.pack(">HBB", 0, 0x08, array.ndim) if magic is None else struct.pack(">I", magic)
+    header += struct.pack(f">{array.ndim}I", *array.shape)
+    data = header + array.tobytes()
+    path = Path(path)
+    path.write_bytes(gzip.compress(data, compresslevel=1) if gz else data)
+    return path
+
+
+def write_mnist_like(
+    folder: str | Path, n_train: int = 300, n_test: int = 100, *, gz: bool = True, seed: int = 0
+) -> Path:
+    """A folder holding the four MNIST-style IDX files of a small synthetic dataset."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    ext = ".gz" if gz else ""
+    for split, n, s in (("train", n_train, seed), ("t10k", n_test, seed + 1)):
+        images, labels = synthetic_digits(n, seed=s)
+        write_idx(folder / f"{split}-images-idx3-ubyte{ext}", images, gz=gz)
+        write_idx(folder / f"{split}-labels-idx1-ubyte{ext}", labels, gz=gz)
+    return folder
+
+
+def synthetic_store(
+    folder: str | Path, n_train: int = 512, n_test: int = 128, seed: int = 0
+) -> str:
+    """Ingest a synthetic MNIST-like dataset into ``folder/digits.zarr``; returns its path."""
+    from .data.ingest import ingest
+
+    folder = Path(folder)
+    src = write_mnist_like(folder / "src", n_train=n_train, n_test=n_test, seed=seed)
+    ingest(str(src), str(folder / "digits.zarr"))
+    return str(folder / "digits.zarr")
+
+
+# -- faults from outside ---------------------------------------------------------------------------
+
+
+def worker_pids(client: Any, addrs: Iterable[str] | None = None) -> dict[str, int]:
+    """{worker address: process id} of ``addrs`` (all workers by default)."""
+    workers = None if addrs is None else list(addrs)
+    return {a: int(p) for a, p in client.run(os.getpid, workers=workers).items()}
+
+
+def wait_workers_gone(client: Any, addrs: Iterable[str], timeout: float = 60.0) -> float:
+    """Block until the scheduler no longer lists ``addrs``; returns the seconds waited."""
+    addrs = set(addrs)
+    start = time.monotonic()
+    while addrs & set(client.scheduler_info(n_workers=-1)["workers"]):
+        if time.monotonic() - start > timeout:
+            raise TimeoutError(f"workers {sorted(addrs)} were still listed after {timeout}s")
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def _signal(pids: Iterable[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            logger.info("process %d is already gone (%s not sent)", pid, sig.name)
+
+
+def hard_kill(
+    client: Any, addrs: Iterable[str], *, wait: bool = True, timeout: float = 60.0
+) -> None:
+    """SIGKILL the worker processes at ``addrs`` from this process, as a machine failure would
+    (no clean shutdown, actors and in-flight calls lost); with ``wait``, return once the
+    scheduler has noticed they are gone. A nanny, if any, starts a fresh worker under a new
+    address."""
+    addrs = list(addrs)
+    pids = worker_pids(client, addrs)
+    _signal(pids.values(), signal.SIGKILL)
+    logger.info("sent SIGKILL to %s", pids)
+    if wait:
+        wait_workers_gone(client, addrs, timeout)
+
+
+def freeze(client: Any, addrs: Iterable[str]) -> dict[str, int]:
+    """SIGSTOP the worker processes at ``addrs``: their sockets stay open and nothing answers,
+    like a stalled VM or a long GC pause. Returns {address: pid} for :func:`thaw`."""
+    pids = worker_pids(client, addrs)
+    _signal(pids.values(), signal.SIGSTOP)
+    logger.info("sent SIGSTOP to %s", pids)
+    return pids
+
+
+def thaw(pids: dict[str, int] | Iterable[int]) -> None:
+    """SIGCONT processes frozen by :func:`freeze`."""
+    values = pids.values() if isinstance(pids, dict) else pids
+    _signal(list(values), signal.SIGCONT)
