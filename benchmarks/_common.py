@@ -1,11 +1,74 @@
-"""Helpers shared by the benchmark scripts: where MNIST is, and a ready MNIST store."""
+"""Helpers shared by the benchmark scripts: where MNIST is, a ready MNIST store, and
+:func:`record`, which prints a benchmark's JSON line and appends it, stamped with the date, the
+commit and the machine's CPU count, to ``benchmarks/results/NAME.jsonl`` (committed; the README's
+figures are generated from those files by ``benchmarks/report.py``)."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
+from typing import Any
 
 from adam_dask.data.ingest import mnist_location
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        return out + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _rounded(v: Any) -> Any:
+    if isinstance(v, float):
+        return round(v, 4)
+    if isinstance(v, dict):
+        return {k: _rounded(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_rounded(x) for x in v]
+    return v
+
+
+def record(name: str, result: dict, *, save: bool = True) -> dict:
+    """Print ``result`` as one JSON line on stdout and append it to
+    ``benchmarks/results/{name}.jsonl`` with ``benchmark``, ``date`` (UTC), ``commit`` and
+    ``cpus``. Returns the stamped line."""
+    line = {
+        "benchmark": name,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": _commit(),
+        "cpus": os.cpu_count(),
+        **_rounded(result),
+    }
+    text = json.dumps(line)
+    print(text)
+    sys.stdout.flush()
+    if save:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        with open(RESULTS / f"{name}.jsonl", "a") as f:
+            f.write(text + "\n")
+    return line
 
 
 def mnist_folder() -> str:
