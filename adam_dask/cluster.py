@@ -8,13 +8,21 @@ A Project Adam cluster has three roles, expressed as Dask worker resources:
 
 :func:`local` starts all of them on this machine. Each PS worker binds a distinct loopback host
 (127.0.0.2, 127.0.0.3, ...), so "three copies on distinct hosts" is real even on one box; the
-whole 127.0.0.0/8 range is loopback on Linux.
+whole 127.0.0.0/8 range is loopback on Linux. The embedded cluster serves the Dask dashboard
+(``adam.cluster.dashboard-address``) and, when asked (``tls=True``, ``adam.cluster.tls``), speaks
+TLS between every scheduler, worker and client with certificates made for this cluster only.
+
+:func:`connect` reaches an existing scheduler or creates a cluster on a dask-gateway;
+:func:`client_for` picks one of the three for a job (the CLI and the pipelines use it), and
+:func:`assign_roles` gives roles to workers started without them.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Iterable
+from typing import Any
 
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
@@ -22,6 +30,21 @@ from . import config
 from .errors import ClusterError, ConfigError
 
 logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DATA",
+    "PS",
+    "ROLES",
+    "TRAIN",
+    "EmbeddedClient",
+    "assign_roles",
+    "client_for",
+    "connect",
+    "dashboard_link",
+    "local",
+    "local_spec",
+    "workers_with_role",
+]
 
 PS, DATA, TRAIN = "PS", "DATA", "TRAIN"
 ROLES = (PS, DATA, TRAIN)
@@ -42,6 +65,27 @@ class EmbeddedClient(Client):
                     logger.exception("closing the embedded cluster failed")
 
 
+def _free_dashboard_address(address: str) -> str:
+    """``address`` when its port is free (or 0), else the same host on a free port.
+
+    distributed would fall back by itself, but with a ``UserWarning`` (an error where warnings
+    are errors) and only after binding failed; asking first keeps the start quiet.
+    """
+    from distributed.utils import clean_dashboard_address
+
+    first = clean_dashboard_address(address)[0]
+    host, port = first["address"], int(first["port"])
+    if port == 0:
+        return address
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            logger.info("dashboard port %d is in use; serving on a free port", port)
+            return f"{host}:0"
+    return address
+
+
 def local_spec(
     ps_nodes: int | None = None,
     data_nodes: int | None = None,
@@ -50,10 +94,14 @@ def local_spec(
     trainer_threads: int | None = None,
     memory_limit: str | int | None = None,
     dashboard_address: str | None = None,
+    security: Any = None,
 ) -> tuple[dict, dict]:
     """The scheduler and worker specs of the embedded cluster (for :class:`SpecCluster`).
 
-    PS worker ``i`` binds ``127.0.0.{2+i}``; DATA and TRAIN workers bind 127.0.0.1.
+    PS worker ``i`` binds ``127.0.0.{2+i}``; DATA and TRAIN workers bind 127.0.0.1. The
+    scheduler serves the dashboard at ``dashboard_address`` (``""`` or ``"none"`` turns it off);
+    workers serve none, as in :class:`distributed.LocalCluster`. A
+    :class:`distributed.security.Security` makes every connection TLS.
     """
     ps_nodes = int(config.get("cluster.ps-nodes", ps_nodes))
     data_nodes = int(config.get("cluster.data-nodes", data_nodes))
@@ -61,6 +109,8 @@ def local_spec(
     trainer_threads = int(config.get("cluster.trainer-threads", trainer_threads))
     memory_limit = config.get("cluster.memory-limit", memory_limit)
     dashboard_address = config.get("cluster.dashboard-address", dashboard_address)
+    if str(dashboard_address).lower() in ("", "none", "false"):
+        dashboard_address = None
     for name, n in (("ps_nodes", ps_nodes), ("data_nodes", data_nodes), ("trainers", trainers)):
         if n < 0:
             raise ConfigError(f"{name}={n} is negative", "give a count of 0 or more")
@@ -71,13 +121,17 @@ def local_spec(
         )
     if ps_nodes + data_nodes + trainers == 0:
         raise ConfigError("the cluster would have no workers", "ask for at least one worker")
+    if dashboard_address is not None:
+        dashboard_address = _free_dashboard_address(str(dashboard_address))
+    tls = {"protocol": "tls://", "security": security} if security is not None else {}
 
     scheduler = {
         "cls": Scheduler,
         "options": {
             "host": "127.0.0.1",
             "dashboard": dashboard_address is not None,
-            "dashboard_address": dashboard_address or ":0",
+            "dashboard_address": dashboard_address,
+            **tls,
         },
     }
     workers: dict[str, dict] = {}
@@ -91,7 +145,8 @@ def local_spec(
                 "resources": {role: 1},
                 "memory_limit": memory_limit,
                 "name": name,
-                "dashboard": dashboard_address is not None,
+                "dashboard": False,
+                **tls,
             },
         }
 
@@ -105,6 +160,20 @@ def local_spec(
     return scheduler, workers
 
 
+def _temporary_security() -> Any:
+    """TLS credentials made for one cluster: a self-signed certificate and key, in memory only
+    (never written to disk or logged), required for every connection."""
+    from distributed.security import Security
+
+    try:
+        return Security.temporary()
+    except ImportError as exc:  # pragma: no cover - cryptography is a dependency
+        raise ConfigError(
+            "TLS for the embedded cluster needs the cryptography package",
+            "pip install cryptography",
+        ) from exc
+
+
 def local(
     ps_nodes: int | None = None,
     data_nodes: int | None = None,
@@ -113,6 +182,7 @@ def local(
     trainer_threads: int | None = None,
     memory_limit: str | int | None = None,
     dashboard_address: str | None = None,
+    tls: bool | None = None,
     timeout: float | None = None,
 ) -> EmbeddedClient:
     """Start the embedded Adam cluster on this machine and return a client that owns it.
@@ -120,10 +190,14 @@ def local(
     Use it as a context manager; leaving the block closes client and cluster::
 
         with adam_dask.cluster.local(ps_nodes=3, data_nodes=1, trainers=2) as client:
-            ...
+            print(client.dashboard_link)
 
+    With ``tls=True`` every connection (client, scheduler, workers, actors) is TLS with a
+    certificate made for this cluster, and the scheduler's address is ``tls://...``.
     Parameters default to the ``adam.cluster`` section of the configuration.
     """
+    tls = bool(config.get("cluster.tls", tls))
+    security = _temporary_security() if tls else None
     scheduler, workers = local_spec(
         ps_nodes,
         data_nodes,
@@ -131,12 +205,17 @@ def local(
         trainer_threads=trainer_threads,
         memory_limit=memory_limit,
         dashboard_address=dashboard_address,
+        security=security,
     )
     timeout = float(config.get("cluster.start-timeout", timeout))
-    logger.info("starting the embedded cluster: %s", ", ".join(sorted(workers)))
-    cluster = SpecCluster(workers=workers, scheduler=scheduler, name="adam-local")
+    logger.info(
+        "starting the embedded cluster%s: %s", " (TLS)" if tls else "", ", ".join(sorted(workers))
+    )
+    cluster = SpecCluster(
+        workers=workers, scheduler=scheduler, name="adam-local", security=security
+    )
     try:
-        client = EmbeddedClient(cluster, direct_to_workers=True)
+        client = EmbeddedClient(cluster, direct_to_workers=True, security=security)
         client.wait_for_workers(len(workers), timeout=timeout)
     except Exception as exc:
         cluster.close()
@@ -145,6 +224,17 @@ def local(
             "check free memory and that 127.0.0.x addresses are usable",
         ) from exc
     return client
+
+
+def dashboard_link(client: Client) -> str | None:
+    """The URL of the cluster's Dask dashboard, or ``None`` when it serves none."""
+    try:
+        info = client.scheduler_info(n_workers=0)
+    except Exception:  # a closed or unreachable scheduler has no dashboard to show
+        return None
+    if "dashboard" not in info.get("services", {}):
+        return None
+    return client.dashboard_link
 
 
 def connect(address: str | None = None, *, gateway: str | None = None, **kwargs) -> Client:
@@ -197,6 +287,61 @@ def connect(address: str | None = None, *, gateway: str | None = None, **kwargs)
             cluster.shutdown()
 
     client.close = close
+    return client
+
+
+def client_for(
+    scheduler: str | None = None,
+    gateway: str | None = None,
+    *,
+    ps_nodes: int | None = None,
+    data_nodes: int | None = None,
+    trainers: int | None = None,
+    roles: bool = True,
+    embedded: bool = True,
+    **local_kwargs: Any,
+) -> Client | None:
+    """The client a job runs on, and the one place that decides where that is.
+
+    * ``scheduler``: the Dask scheduler at that address (TLS credentials for a ``tls://``
+      address come from dask's own ``distributed.comm.tls`` settings);
+    * ``gateway``: a new cluster on the dask-gateway at that URL with ``ps_nodes + data_nodes +
+      trainers`` workers, shut down when the client closes;
+    * neither: the embedded cluster (:func:`local`, which takes ``local_kwargs`` such as
+      ``tls=True``; they size and secure the embedded cluster only), or ``None`` when
+      ``embedded`` is false (the job then makes its own).
+
+    With ``roles``, workers of an existing or gateway cluster are given roles
+    (:func:`assign_roles`) when none of them is a PS worker yet. Role counts default to the
+    ``adam.cluster`` settings. Closing the returned client releases whatever was started.
+    """
+    if scheduler and gateway:
+        raise ConfigError(
+            "give a scheduler address or a gateway URL, not both",
+            "use one of --scheduler ADDRESS and --gateway URL",
+        )
+    ps = int(config.get("cluster.ps-nodes", ps_nodes))
+    data = int(config.get("cluster.data-nodes", data_nodes))
+    train = int(config.get("cluster.trainers", trainers))
+    if not scheduler and not gateway:
+        if not embedded:
+            return None
+        return local(ps, data, train, **local_kwargs)
+    if local_kwargs.get("tls"):
+        raise ConfigError(
+            "TLS (--tls) applies to the embedded cluster only",
+            "an existing cluster's TLS is set on its own side; the client's certificates "
+            "come from dask's distributed.comm.tls settings",
+        )
+    client = (
+        connect(scheduler) if scheduler else connect(gateway=gateway, workers=ps + data + train)
+    )
+    try:
+        if roles and not workers_with_role(client, PS):
+            assign_roles(client, ps_nodes=ps, data_nodes=data)
+    except BaseException:
+        client.close()
+        raise
     return client
 
 

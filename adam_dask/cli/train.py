@@ -1,0 +1,301 @@
+"""``adam-dask train`` and ``adam-dask evaluate``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any
+
+from .. import config
+from ..cluster import client_for, dashboard_link
+from ..errors import CheckpointError, ConfigError, DestinationExistsError
+from ._common import add_cluster, add_storage, count, fraction, positive_float, positive_int
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["cmd_evaluate", "cmd_train", "register", "train_result"]
+
+
+def register(sub) -> None:
+    """Add the ``train`` and ``evaluate`` sub-commands to ``sub`` (argparse sub-parsers)."""
+    p = sub.add_parser("train", help="train a network on a dataset store (Project Adam)")
+    p.add_argument("--data", required=True, metavar="URL", help="dataset store (adam-dask ingest)")
+    p.add_argument(
+        "--epochs",
+        type=positive_int,
+        default=None,
+        help=f"the run's total epochs, as Keras counts them: with --resume, only the ones "
+        f"not yet trained run (default {config.get('train.epochs')})",
+    )
+    p.add_argument(
+        "--target-accuracy",
+        type=fraction,
+        default=None,
+        metavar="A",
+        help="stop at the first epoch whose test accuracy reaches A (e.g. 0.99)",
+    )
+    p.add_argument(
+        "--max-seconds", type=positive_float, default=None, help="stop after this many seconds"
+    )
+    p.add_argument(
+        "--replicas",
+        type=positive_int,
+        default=None,
+        help="model replicas (default: one per TRAIN worker)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("async", "sync"),
+        default=None,
+        help="asynchronous Adam or the synchronous baseline (default "
+        f"{config.get('train.mode')}; a resumed run keeps its own)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="SPEC",
+        help=f"network spec (default {config.get('model.spec')})",
+    )
+    p.add_argument(
+        "--lr",
+        type=positive_float,
+        default=None,
+        help=f"learning rate (default {config.get('train.lr')})",
+    )
+    p.add_argument(
+        "--push-every",
+        type=positive_int,
+        default=None,
+        metavar="K",
+        help=f"images between pushes to the PS (default {config.get('train.push-every')})",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help=f"Hogwild threads per replica (default {config.get('cluster.trainer-threads')})",
+    )
+    p.add_argument(
+        "--epoch-quorum",
+        type=fraction,
+        default=None,
+        help=f"fraction of replicas that ends an epoch (default {config.get('train.epoch-quorum')})",
+    )
+    p.add_argument(
+        "--augment",
+        action="store_true",
+        default=None,
+        help="augment on the data servers (affine + elastic distortions)",
+    )
+    p.add_argument(
+        "--offload-dense",
+        action="store_true",
+        default=None,
+        help="send dense layers' activations and error terms; the PS computes their "
+        "updates (where that saves bytes)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        metavar="URL",
+        default=None,
+        help="checkpoint URL (write-back target); with --resume, the one to continue",
+    )
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing checkpoint at --checkpoint (otherwise refused)",
+    )
+    p.add_argument("--metrics-out", metavar="FILE", default=None, help="per-epoch JSONL history")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--ps-nodes",
+        type=count,
+        default=None,
+        help="PS workers of the embedded or gateway cluster (or to assign roles to)",
+    )
+    p.add_argument("--data-nodes", type=count, default=None, help="DATA workers, likewise")
+    p.add_argument("--trainers", type=count, default=None, help="TRAIN workers, likewise")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_storage(p)
+    add_cluster(p, tls=True)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("evaluate", help="test accuracy of a checkpoint on a dataset store")
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint URL")
+    p.add_argument("--data", required=True, metavar="URL", help="dataset store")
+    p.add_argument(
+        "--split",
+        default=None,
+        help=f"split to evaluate (default {config.get('cli.evaluate-split')})",
+    )
+    add_storage(p)
+    p.set_defaults(func=cmd_evaluate)
+
+
+def _check_before_start(args: argparse.Namespace) -> None:
+    """The checks that need no cluster, so bad input fails in a second, not after a start-up."""
+    from ..data.datasets import open_split
+    from ..model.network import Network
+    from ..ps.checkpoint import read_manifest
+
+    if args.resume and not args.checkpoint:
+        raise ConfigError("--resume needs --checkpoint URL", "give the checkpoint to continue")
+    if args.resume and args.overwrite:
+        raise ConfigError(
+            "--resume and --overwrite contradict each other",
+            "continue the run with --resume, or start afresh with --overwrite",
+        )
+    if args.resume and args.model:
+        raise ConfigError(
+            "--model cannot change the network of a resumed run",
+            "drop --model (the checkpoint names its network)",
+        )
+    split = open_split(args.data, "train", args.storage_options)
+    if not args.resume:
+        Network.from_spec(config.get("model.spec", args.model), input_shape=split.input_shape)
+    if args.resume:
+        read_manifest(args.checkpoint, args.storage_options)  # CheckpointError when none
+    elif args.checkpoint and not args.overwrite:
+        try:
+            read_manifest(args.checkpoint, args.storage_options)
+        except CheckpointError:
+            return  # nothing complete there: a new run may write it
+        raise DestinationExistsError(
+            f"a checkpoint already exists at {args.checkpoint}",
+            "continue it with --resume, replace it with --overwrite, or choose another URL",
+        )
+
+
+def train_result(trainer: Any, first_epoch: int, seconds: float, target: float | None) -> dict:
+    """The JSON result of a training run: this invocation's epochs and the last validation."""
+    records = trainer.history.records
+    new = [r for r in records if r["epoch"] >= first_epoch]
+    last = records[-1] if records else None
+    images = sum(r["images"] for r in new)
+    train_seconds = sum(r["seconds"] for r in new)
+    result: dict[str, Any] = {
+        "test_accuracy": last["test_accuracy"] if last else None,
+        "epochs": len(new),
+        "epoch": last["epoch"] if last else None,
+        "seconds": round(seconds, 3),
+        "images_per_second": round(images / train_seconds, 1) if train_seconds else 0.0,
+        "mode": trainer.mode,
+        "replicas": getattr(trainer, "replicas", None),
+        "loss": last["loss"] if last else None,
+    }
+    if target is not None:
+        result["target_accuracy"] = target
+        reached = trainer.seconds_to_target if new else None
+        result["seconds_to_target"] = round(reached, 3) if reached is not None else None
+    if trainer.checkpoint:
+        result["checkpoint"] = trainer.checkpoint
+    return result
+
+
+def cmd_train(args: argparse.Namespace) -> dict:
+    from ..train import Trainer
+
+    _check_before_start(args)
+    total = int(config.get("train.epochs", args.epochs))
+    t0 = time.perf_counter()
+    client = client_for(
+        args.scheduler,
+        args.gateway,
+        ps_nodes=args.ps_nodes,
+        data_nodes=args.data_nodes,
+        trainers=args.trainers,
+        trainer_threads=args.threads,
+        tls=args.tls,
+    )
+    assert client is not None  # with the embedded default there is always one
+    link = dashboard_link(client)
+    if link:
+        sys.stderr.write(f"dashboard: {link}\n")
+    trainer = None
+    try:
+        given = dict(
+            replicas=args.replicas,
+            mode=args.mode,  # None on --resume: the run keeps its own mode
+            push_every=args.push_every,
+            lr=args.lr,
+            threads=args.threads,
+            epoch_quorum=args.epoch_quorum,
+            augment=args.augment,
+            metrics_out=args.metrics_out,
+            seed=args.seed,
+            offload_dense=args.offload_dense,
+        )
+        kw = {k: v for k, v in given.items() if v is not None}
+        kw["progress"] = not args.no_progress
+        if args.resume:
+            trainer = Trainer.resume(
+                args.checkpoint, args.data, client, storage_options=args.storage_options, **kw
+            )
+        else:
+            trainer = Trainer(
+                args.data,
+                model=args.model,
+                client=client,
+                checkpoint=args.checkpoint,
+                storage_options=args.storage_options,
+                overwrite=args.overwrite,
+                **kw,
+            )
+        first = trainer.epoch
+        if total > first:
+            trainer.fit(
+                epochs=total - first,
+                target_accuracy=args.target_accuracy,
+                max_seconds=args.max_seconds,
+            )
+        else:
+            logger.warning(
+                "the run at %s has trained %d epochs already; --epochs %d is the total, "
+                "so nothing is left to train",
+                args.checkpoint,
+                first,
+                total,
+            )
+        return train_result(trainer, first, time.perf_counter() - t0, args.target_accuracy)
+    finally:
+        if trainer is not None:
+            trainer.close()
+        client.close()
+
+
+def cmd_evaluate(args: argparse.Namespace) -> dict:
+    """Evaluate a checkpoint in this process: no cluster needed to read a manifest and weights."""
+    from ..data.datasets import open_split
+    from ..model.network import Network
+    from ..ps.checkpoint import read_checkpoint
+
+    t0 = time.perf_counter()
+    split_name = config.get("cli.evaluate-split", args.split)
+    manifest, values = read_checkpoint(args.checkpoint, args.storage_options)
+    meta = manifest.get("meta") or {}
+    if "model" not in meta:
+        raise ConfigError(
+            f"the checkpoint at {args.checkpoint} names no model",
+            "it was not written by adam-dask train",
+        )
+    net = Network.from_dict(meta["model"])
+    net.flat = values
+    split = open_split(args.data, split_name, args.storage_options)
+    if tuple(split.input_shape) != tuple(net.input_shape):
+        raise ConfigError(
+            f"the checkpoint's model takes {tuple(net.input_shape)} but "
+            f"{args.data} holds {split.input_shape}",
+            "evaluate on matching data",
+        )
+    x, y = split.read()
+    return {
+        "test_accuracy": float(net.evaluate(x, y)),
+        "images": len(y),
+        "epoch": manifest.get("epoch"),
+        "checkpoint": args.checkpoint,
+        "split": split_name,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }

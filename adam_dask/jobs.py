@@ -1,0 +1,205 @@
+"""Running a command as a batch job: the contract shared by ``adam-dask`` and ``pipelines/``.
+
+A job prints progress and logs on stderr and, as its last line on stdout, one JSON object of
+its results. A failure prints one line ``error: <what was wrong>; <what to do>`` on stderr, no
+traceback, and exits with a status a scheduler of jobs can act on:
+
+====  =====================================================================================
+0     done
+1     an unforeseen failure (a bug, or an environment failure nothing diagnosed); ``-v``
+      shows the traceback
+2     a diagnosed error (:class:`~adam_dask.errors.AdamError`): bad input or an unreachable
+      or refusing service; the message says what to do, a plain retry will not help
+130   interrupted (SIGINT, Ctrl-C)
+143   terminated (SIGTERM, e.g. Kubernetes stopping the pod); cleaned up like an interrupt
+====  =====================================================================================
+
+Credentials never reach the output: :class:`Redactor` replaces the secret values of storage
+options, of the AWS environment variables, and passwords written into URLs
+(``scheme://user:password@host``) with ``***`` in the result line, the error line and every
+log record.
+
+>>> r = Redactor([{"key": "AKIAEXAMPLE", "secret": "wJalrXUtnFEMI"}], environ={})
+>>> r("signed with wJalrXUtnFEMI for https://bob:hunter22@example.org/x")
+'signed with *** for https://***@example.org/x'
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from .errors import AdamError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "EXIT_ERROR",
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_TERMINATED",
+    "Redactor",
+    "Terminated",
+    "run_job",
+    "setup_logging",
+]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+
+# option names whose values are credentials (s3fs, gcsfs, adlfs, botocore spellings)
+_SECRET_NAME = re.compile(r"key|secret|token|password|passwd|credential|session|sas", re.I)
+_SECRET_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "DASK_GATEWAY__AUTH__KWARGS",
+)
+_URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s\"']+@")
+_SHORTEST_SECRET = 4  # shorter values would blank out ordinary words
+
+
+class Redactor:
+    """Replaces credentials in text with ``***``.
+
+    Parameters
+    ----------
+    options : iterable of dict
+        Storage options (nested dicts too, e.g. ``client_kwargs``); the string values of keys
+        that name a credential (key, secret, token, password, ...) are secrets.
+    environ : mapping, optional
+        Where the AWS variables are read (default ``os.environ``).
+    """
+
+    def __init__(
+        self,
+        options: Iterable[Mapping[str, Any] | None] = (),
+        environ: Mapping[str, str] | None = None,
+    ):
+        env = os.environ if environ is None else environ
+        self._secrets: set[str] = set()
+        for opts in options:
+            self._collect(opts or {})
+        for name in _SECRET_ENV:
+            if env.get(name):
+                self.add(env[name])
+
+    def _collect(self, opts: Mapping[str, Any]) -> None:
+        for k, v in opts.items():
+            if isinstance(v, Mapping):
+                self._collect(v)
+            elif isinstance(v, str) and _SECRET_NAME.search(str(k)):
+                self.add(v)
+
+    def add(self, secret: str) -> None:
+        """Treat ``secret`` as a credential from now on."""
+        if len(secret) >= _SHORTEST_SECRET:
+            self._secrets.add(secret)
+
+    def __call__(self, text: str) -> str:
+        text = _URL_USERINFO.sub(r"\g<scheme>***@", text)
+        for s in sorted(self._secrets, key=len, reverse=True):
+            text = text.replace(s, "***")
+        return text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """A :mod:`logging` filter (add it to a handler) that redacts the record in place."""
+        record.msg = self(record.getMessage())
+        record.args = ()
+        if record.exc_info:
+            record.exc_text = self("".join(traceback.format_exception(*record.exc_info)))
+            record.exc_info = None
+        return True
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: the job unwinds like an interrupt (its cleanup runs)."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
+
+
+def setup_logging(verbose: int, redactor: Redactor) -> None:
+    """Log on stderr: warnings (0), this package's info (1) or debug and Dask's own logs of this
+    process (2), every record redacted (when the process has no logging set up yet). Worker processes started from here keep Dask's logs at
+    ``critical`` (their task-failure records print task arguments, storage options included)
+    unless ``DASK_DISTRIBUTED__LOGGING__DISTRIBUTED`` says otherwise."""
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    root = logging.getLogger()
+    if not root.handlers:  # a program that embeds the job (a test) keeps its own logging
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.addFilter(redactor.filter)
+        root.addHandler(handler)
+        root.setLevel(level)
+    dask_level = logging.INFO if verbose >= 2 else logging.CRITICAL
+    for name in ("distributed", "tornado", "asyncio", "bokeh"):
+        lg = logging.getLogger(name)
+        lg.setLevel(dask_level)
+        for h in lg.handlers:  # distributed installs its own handler on its logger
+            h.addFilter(redactor.filter)
+    os.environ.setdefault("DASK_DISTRIBUTED__LOGGING__DISTRIBUTED", "critical")
+
+
+def run_job(
+    func: Callable[[], dict],
+    redactor: Redactor,
+    *,
+    verbose: int = 0,
+    out: Callable[[str], None] | None = None,
+) -> int:
+    """Run ``func`` as a job; returns the exit status (see the module docstring).
+
+    The result goes to ``out`` (default: stdout) as one JSON line; a failure writes one
+    ``error:`` line to stderr. SIGTERM is handled like SIGINT while the job runs (in the main
+    thread).
+    """
+    out = out or (lambda s: print(s, flush=True))
+    previous = None
+    if hasattr(signal, "SIGTERM"):
+        try:
+            previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        except ValueError:  # not the main thread: leave SIGTERM alone
+            previous = None
+    try:
+        result = func()
+    except AdamError as exc:
+        _error(redactor, str(exc))
+        return EXIT_ERROR
+    except Terminated:
+        _error(
+            redactor, "terminated (SIGTERM); completed work (checkpoints, finished stores) is kept"
+        )
+        return EXIT_TERMINATED
+    except KeyboardInterrupt:
+        _error(redactor, "interrupted; completed work (checkpoints, finished stores) is kept")
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # anything unforeseen still gets one line, not a traceback
+        if verbose:
+            logger.exception("unexpected failure")
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        _error(redactor, f"{type(exc).__name__}: {first}; run again with -v for details")
+        return EXIT_FAILED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    out(redactor(json.dumps(result, default=str)))
+    return EXIT_OK
+
+
+def _error(redactor: Redactor, message: str) -> None:
+    sys.stderr.write(redactor(f"error: {message}") + "\n")
+    sys.stderr.flush()
