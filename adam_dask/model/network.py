@@ -37,10 +37,14 @@ import numpy as np
 
 from .. import config
 from ..errors import InputShapeError, ModelSpecError
+from . import fused as F
 from . import kernels as K
+from .context import Context
 from .layout import ParameterLayout
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["ACTIVATIONS", "Context", "Layer", "Network", "parse_spec"]
 
 ACTIVATIONS = ("tanh", "relu")
 _CONV = re.compile(r"^conv(\d+)(?:x(\d+))?:(\d+)$")
@@ -150,38 +154,6 @@ def parse_spec(spec: str, input_shape: tuple[int, ...], activation: str) -> list
         else:
             L.act = activation
     return layers
-
-
-class Context:
-    """Pre-allocated work buffers for batches of up to ``batch_size`` images: activations, error
-    terms, im2col patches, pooling winners, and a flat gradient buffer with named views.
-    One per thread; never shared."""
-
-    def __init__(self, net: Network, batch_size: int):
-        B = self.batch_size = int(batch_size)
-        self.acts: list[np.ndarray] = []
-        self.errs: list[np.ndarray] = []
-        self.cols: dict[int, np.ndarray] = {}
-        self.dcols: dict[int, np.ndarray] = {}
-        self.argmax: dict[int, np.ndarray] = {}
-        for L in net.layers:
-            self.acts.append(np.zeros((B, *L.out_shape), np.float32))
-            self.errs.append(np.zeros((B, *L.out_shape), np.float32))
-            if L.kind == "conv":
-                c = L.in_shape[0]
-                kh, kw = L.kernel
-                p = L.out_shape[1] * L.out_shape[2]
-                self.cols[L.index] = np.zeros((B, c * kh * kw, p), np.float32)
-                self.dcols[L.index] = np.zeros((c * kh * kw, p), np.float32)
-            elif L.kind == "maxpool":
-                self.argmax[L.index] = np.zeros((B, *L.out_shape), np.int8)
-        k = net.classes
-        self.probs = np.zeros((B, k), np.float32)
-        self.losses = np.zeros(B, np.float32)
-        self.labels = np.zeros(B, np.int64)
-        self.grad = net.layout.allocate()
-        self.gviews = net.layout.views(self.grad)
-        self.dummy = np.zeros((1, 1), np.float32)
 
 
 class Network:
@@ -433,7 +405,7 @@ class Network:
                 _ACT_BWD[L.act](dout, ctx.acts[i][:n])
             inp = x[:n] if j == 0 else ctx.acts[i - 1][:n]
             need_dx = j > 0
-            dinp = ctx.errs[i - 1][:n] if need_dx else None
+            dinp = ctx.errs[i - 1][:n] if need_dx else ctx.dummy
             if L.kind == "conv":
                 K.conv2d_backward_weights(g[f"{i}.weight"], g[f"{i}.bias"], dout, ctx.cols[i][:n])
                 if need_dx:
@@ -455,6 +427,28 @@ class Network:
                     need_dx,
                 )
         return float(loss)
+
+    def step_into(
+        self,
+        ctx: Context,
+        x: np.ndarray,
+        y: np.ndarray,
+        n: int | None,
+        lr: float,
+        momentum: float,
+        velocity: np.ndarray,
+        dense_terms: dict | None = None,
+    ) -> float:
+        """One SGD step on ``x[:n]``, ``y[:n]`` in one numba call (the GIL is released for all
+        of it): forward, backward and ``flat += u, u = momentum * velocity - lr * grad``
+        (``velocity`` like ``flat`` when momentum > 0, else unused). The same parameters as
+        :meth:`backward_into` followed by ``kernels.sgd_update(flat, ctx.grad, velocity, lr,
+        momentum)``, up to float rounding. Returns the mean loss.
+
+        ``x`` float32 C-contiguous (B, C, H, W), ``y`` int64 (B,), already checked
+        (:meth:`check_input`, :meth:`check_labels`); ``ctx.grad`` must be zero (as every step
+        leaves it). With ``dense_terms`` a dict, it is filled like :meth:`backward_into`'s."""
+        return F.step(self, ctx, x, y, n, lr, momentum, velocity, dense_terms)
 
     # -- the public passes ------------------------------------------------------------------------
 

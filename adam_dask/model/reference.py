@@ -12,6 +12,25 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "conv2d_backward_input",
+    "conv2d_backward_weights",
+    "conv2d_forward",
+    "dense_backward_input",
+    "dense_backward_update",
+    "dense_backward_weights",
+    "dense_forward",
+    "maxpool2_backward",
+    "maxpool2_forward",
+    "network_loss",
+    "relu_backward",
+    "relu_forward",
+    "softmax_cross_entropy_backward",
+    "softmax_cross_entropy_forward",
+    "tanh_backward",
+    "tanh_forward",
+]
+
 
 def conv2d_forward(x, w, bias):
     """x (B, C, H, W), w (OC, C, KH, KW), bias (OC,) -> (B, OC, OH, OW), valid, stride 1."""
@@ -92,6 +111,40 @@ def dense_backward_weights(dout, x):
     """dout (B, O), x (B, I) -> (dw (O, I), dbias (O,))."""
     dout = np.asarray(dout, np.float64)
     return dout.T @ np.asarray(x, np.float64), dout.sum(axis=0)
+
+
+def dense_backward_update(dout, x, w, bias, lr, momentum=0.0, vw=None, vb=None):
+    """The dense layer's backward pass and SGD update (``fused.dense_backward_update``):
+    dout (B, O), x (B, I), w (O, I), bias (O,) -> (dx (B, I) from the old weights, new w, new
+    bias, new vw, new vb); ``u = momentum * v - lr * grad`` is added to the weights and becomes
+    the velocity (vw, vb zero when None)."""
+    dout, x = np.asarray(dout, np.float64), np.asarray(x, np.float64)
+    w, bias = np.asarray(w, np.float64), np.asarray(bias, np.float64)
+    dx = dense_backward_input(dout, w)
+    dw, db = dense_backward_weights(dout, x)
+    vw = np.zeros_like(w) if vw is None else np.asarray(vw, np.float64)
+    vb = np.zeros_like(bias) if vb is None else np.asarray(vb, np.float64)
+    uw, ub = momentum * vw - lr * dw, momentum * vb - lr * db
+    return dx, w + uw, bias + ub, uw, ub
+
+
+def network_loss(layers, params, x, labels, activation):
+    """The mean softmax cross-entropy of a network's layer plan (``Network.layers``) with the
+    parameters ``params`` (name -> array, e.g. ``layout.views(flat)``) on images x (B, C, H, W),
+    in float64 and the textbook order (conv -> act -> pool)."""
+    act = tanh_forward if activation == "tanh" else relu_forward
+    h = np.asarray(x, np.float64)
+    for L in layers:
+        i = L.index
+        if L.kind == "conv":
+            h = conv2d_forward(h, params[f"{i}.weight"], params[f"{i}.bias"])
+        elif L.kind == "maxpool":
+            h = maxpool2_forward(h)[0]
+        else:
+            h = dense_forward(h.reshape(len(h), -1), params[f"{i}.weight"], params[f"{i}.bias"])
+        if L is not layers[-1] and L.kind != "maxpool":
+            h = act(h)
+    return softmax_cross_entropy_forward(h, labels)[1]
 
 
 def tanh_forward(z):

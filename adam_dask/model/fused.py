@@ -1,0 +1,332 @@
+"""The fused mini-batch step: forward, backward and SGD update of a whole network in one numba call.
+
+The layer-by-layer path (:meth:`Network.backward_into` then :func:`kernels.sgd_update`) makes
+about 20 kernel calls per mini-batch from Python and holds the GIL between them, which caps how
+well a replica's Hogwild threads scale. :func:`train_step` walks the network's plan (an int64
+table, one row per layer, built by :class:`~adam_dask.model.context.Context`) inside numba and
+calls the same kernels, so a thread takes the GIL once per mini-batch to enter, and releases it
+for the whole step.
+
+The update is applied layer by layer during the backward pass, right after a layer's gradients
+are known and its input gradient has been computed with the old weights; the result equals the
+unfused step's (``flat += momentum * v - lr * grad`` over every parameter), up to float rounding.
+
+* conv layers accumulate their gradient in ``grad`` and apply it with :func:`kernels.sgd_update`
+  on their slice (which zeroes it again);
+* dense layers use :func:`dense_backward_update`, which never writes a gradient buffer: it builds
+  one weight-gradient row at a time in a small scratch row (L1-resident) and applies it to the
+  weights at once. For large dense layers this halves the memory traffic of the step (no full
+  gradient written, read back and zeroed).
+
+Shapes follow the legend of :mod:`adam_dask.model.kernels`; every buffer is flat float32 and
+C-contiguous (argmax int8, labels int64), sized by the Context; nothing here checks shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import InputShapeError
+from . import kernels as K
+from .kernels import _kernel
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .network import Network
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["dense_backward_update", "forward_plan", "step", "train_step"]
+
+# plan columns (see context.PLAN_COLUMNS) and codes (context.KINDS, context.ACT_CODES)
+_KIND, _ACT, _C, _H, _W, _OC, _OH, _OW, _KH, _KW = range(10)
+_WOFF, _BOFF, _AOFF, _COFF, _DCOFF, _MOFF = range(10, 16)
+_CONV, _POOL, _FC = 0, 1, 2
+_TANH, _RELU = 1, 2
+
+
+@_kernel
+def dense_backward_update(dx, w, bias, vw, vb, row, dout, x, lr, momentum, need_dx):
+    """The backward pass and SGD update of a dense layer, without a gradient buffer.
+
+    dx (B, I) = dout (B, O) @ w (O, I) with the weights as they were (overwritten; skipped when
+    not need_dx); then, per output o, the gradient row g = dout[:, o] @ x (B, I) is built in
+    ``row`` (I,) scratch and applied: ``u = momentum * v - lr * g``, ``w[o] += u``, ``v <- u``
+    (vw (O, I) and vb (O,) velocities, untouched and possibly empty when momentum == 0); the
+    bias likewise with dout.sum(0)."""
+    B, I = x.shape
+    O = w.shape[0]
+    B4 = B - B % 4
+    O4 = O - O % 4
+    lr = np.float32(lr)
+    momentum = np.float32(momentum)
+    if need_dx:
+        for b in range(B):
+            dxr = dx[b]
+            for i in range(I):
+                dxr[i] = 0.0
+            for o in range(0, O4, 4):
+                g0, g1, g2, g3 = dout[b, o], dout[b, o + 1], dout[b, o + 2], dout[b, o + 3]
+                w0, w1, w2, w3 = w[o], w[o + 1], w[o + 2], w[o + 3]
+                for i in range(I):
+                    dxr[i] += g0 * w0[i] + g1 * w1[i] + g2 * w2[i] + g3 * w3[i]
+            for o in range(O4, O):
+                g = dout[b, o]
+                wr = w[o]
+                for i in range(I):
+                    dxr[i] += g * wr[i]
+    for o in range(O):
+        s = np.float32(0.0)
+        for b in range(B):
+            s += dout[b, o]
+        for i in range(I):
+            row[i] = 0.0
+        for b in range(0, B4, 4):
+            g0, g1, g2, g3 = dout[b, o], dout[b + 1, o], dout[b + 2, o], dout[b + 3, o]
+            x0, x1, x2, x3 = x[b], x[b + 1], x[b + 2], x[b + 3]
+            for i in range(I):
+                row[i] += g0 * x0[i] + g1 * x1[i] + g2 * x2[i] + g3 * x3[i]
+        for b in range(B4, B):
+            g = dout[b, o]
+            xr = x[b]
+            for i in range(I):
+                row[i] += g * xr[i]
+        wr = w[o]
+        if momentum > 0.0:
+            u = momentum * vb[o] - lr * s
+            vb[o] = u
+            bias[o] += u
+            vr = vw[o]
+            for i in range(I):
+                u = momentum * vr[i] - lr * row[i]
+                vr[i] = u
+                wr[i] += u
+        else:
+            bias[o] -= lr * s
+            for i in range(I):
+                wr[i] -= lr * row[i]
+
+
+@_kernel
+def forward_plan(plan, flat, x, n, acts, cols, argmax):
+    """Forward x (n * C*H*W values of the first layer's input, flat) through every layer of
+    ``plan`` with the weights in ``flat``; each layer's output lands in its region of ``acts``
+    (also fills the conv patches ``cols`` and pooling winners ``argmax`` the backward reads)."""
+    for j in range(plan.shape[0]):
+        p = plan[j]
+        C, H, W = p[_C], p[_H], p[_W]
+        OC, OH, OW = p[_OC], p[_OH], p[_OW]
+        in_sz = C * H * W
+        out_sz = OC * OH * OW
+        if j == 0:
+            src = x[: n * in_sz]
+        else:
+            q = plan[j - 1, _AOFF]
+            src = acts[q : q + n * in_sz]
+        a0 = p[_AOFF]
+        dst = acts[a0 : a0 + n * out_sz]
+        kind = p[_KIND]
+        if kind == _CONV:
+            KH, KW = p[_KH], p[_KW]
+            ckk = C * KH * KW
+            P = OH * OW
+            w0, b0, c0 = p[_WOFF], p[_BOFF], p[_COFF]
+            K.conv2d_forward(
+                dst.reshape((n, OC, OH, OW)),
+                cols[c0 : c0 + n * ckk * P].reshape((n, ckk, P)),
+                src.reshape((n, C, H, W)),
+                flat[w0 : w0 + OC * ckk].reshape((OC, C, KH, KW)),
+                flat[b0 : b0 + OC],
+            )
+        elif kind == _POOL:
+            m0 = p[_MOFF]
+            K.maxpool2_forward(
+                dst.reshape((n, OC, OH, OW)),
+                argmax[m0 : m0 + n * out_sz].reshape((n, OC, OH, OW)),
+                src.reshape((n, C, H, W)),
+            )
+        else:
+            w0, b0 = p[_WOFF], p[_BOFF]
+            K.dense_forward(
+                dst.reshape((n, OC)),
+                src.reshape((n, in_sz)),
+                flat[w0 : w0 + OC * in_sz].reshape((OC, in_sz)),
+                flat[b0 : b0 + OC],
+            )
+        act = p[_ACT]
+        if act == _TANH:
+            K.tanh_forward(dst)
+        elif act == _RELU:
+            K.relu_forward(dst)
+
+
+@_kernel
+def train_step(
+    plan,
+    flat,
+    grad,
+    velocity,
+    x,
+    labels,
+    n,
+    acts,
+    errs,
+    cols,
+    dcols,
+    argmax,
+    probs,
+    losses,
+    row,
+    lr,
+    momentum,
+):
+    """One SGD step on the mini-batch x[:n] (any shape, C-contiguous), labels[:n] (int64):
+    forward, softmax cross-entropy (mean over the n images), backward, and the update
+    ``flat += u, u = momentum * velocity - lr * grad`` (velocity <- u when momentum > 0;
+    velocity like flat then, else unused). ``grad`` must be zero on entry and is zero on exit.
+    Returns the mean loss (float64)."""
+    xf = x.reshape(x.size)
+    forward_plan(plan, flat, xf, n, acts, cols, argmax)
+    L = plan.shape[0]
+    k = plan[L - 1, _OC]
+    a0 = plan[L - 1, _AOFF]
+    logits = acts[a0 : a0 + n * k].reshape((n, k))
+    pr = probs[:n]
+    loss = K.softmax_cross_entropy_forward(pr, losses[:n], logits, labels[:n])
+    K.softmax_cross_entropy_backward(
+        errs[a0 : a0 + n * k].reshape((n, k)), pr, labels[:n], np.float32(1.0 / n)
+    )
+    for j in range(L - 1, -1, -1):
+        p = plan[j]
+        C, H, W = p[_C], p[_H], p[_W]
+        OC, OH, OW = p[_OC], p[_OH], p[_OW]
+        in_sz = C * H * W
+        out_sz = OC * OH * OW
+        a0 = p[_AOFF]
+        dout = errs[a0 : a0 + n * out_sz]
+        act = p[_ACT]
+        if act == _TANH:
+            K.tanh_backward(dout, acts[a0 : a0 + n * out_sz])
+        elif act == _RELU:
+            K.relu_backward(dout, acts[a0 : a0 + n * out_sz])
+        need_dx = j > 0
+        if need_dx:
+            q = plan[j - 1, _AOFF]
+            src = acts[q : q + n * in_sz]
+            dsrc = errs[q : q + n * in_sz]
+        else:
+            src = xf[: n * in_sz]
+            dsrc = errs[:0]
+        kind = p[_KIND]
+        if kind == _CONV:
+            KH, KW = p[_KH], p[_KW]
+            ckk = C * KH * KW
+            P = OH * OW
+            w0, b0, c0, d0 = p[_WOFF], p[_BOFF], p[_COFF], p[_DCOFF]
+            hi = b0 + OC
+            dout4 = dout.reshape((n, OC, OH, OW))
+            K.conv2d_backward_weights(
+                grad[w0:b0].reshape((OC, C, KH, KW)),
+                grad[b0:hi],
+                dout4,
+                cols[c0 : c0 + n * ckk * P].reshape((n, ckk, P)),
+            )
+            if need_dx:
+                K.conv2d_backward_input(
+                    dsrc.reshape((n, C, H, W)),
+                    dcols[d0 : d0 + ckk * P].reshape((ckk, P)),
+                    dout4,
+                    flat[w0:b0].reshape((OC, C, KH, KW)),
+                )
+            K.sgd_update(flat[w0:hi], grad[w0:hi], velocity[w0:hi], lr, momentum)
+        elif kind == _POOL:
+            if need_dx:
+                m0 = p[_MOFF]
+                K.maxpool2_backward(
+                    dsrc.reshape((n, C, H, W)),
+                    dout.reshape((n, OC, OH, OW)),
+                    argmax[m0 : m0 + n * out_sz].reshape((n, OC, OH, OW)),
+                )
+        else:
+            w0, b0 = p[_WOFF], p[_BOFF]
+            if momentum > 0.0:
+                vw = velocity[w0:b0].reshape((OC, in_sz))
+                vb = velocity[b0 : b0 + OC]
+            else:
+                vw = velocity[:0].reshape((0, in_sz))
+                vb = velocity[:0]
+            dense_backward_update(
+                dsrc.reshape((n if need_dx else 0, in_sz)),
+                flat[w0:b0].reshape((OC, in_sz)),
+                flat[b0 : b0 + OC],
+                vw,
+                vb,
+                row[:in_sz],
+                dout.reshape((n, OC)),
+                src.reshape((n, in_sz)),
+                lr,
+                momentum,
+                need_dx,
+            )
+    return loss
+
+
+def step(
+    net: Network,
+    ctx: Context,
+    x: np.ndarray,
+    y: np.ndarray,
+    n: int | None,
+    lr: float,
+    momentum: float,
+    velocity: np.ndarray,
+    dense_terms: dict | None = None,
+) -> float:
+    """:meth:`Network.step_into`: check what would corrupt memory (the kernels check nothing),
+    run :func:`train_step`, and copy the dense layers' offload terms out of the context."""
+    n = x.shape[0] if n is None else n
+    if not 0 < n <= min(ctx.batch_size, x.shape[0], y.shape[0]):
+        raise InputShapeError(
+            f"a step of {n} images needs n <= the context's batch size "
+            f"({ctx.batch_size}) and the {x.shape[0]} images and {y.shape[0]} labels given"
+        )
+    if ctx.spec != net.spec or ctx.input_shape != net.input_shape:
+        raise InputShapeError(
+            f"{ctx!r} was made for another network", "make it with net.context(batch_size)"
+        )
+    flat = net.flat
+    if momentum > 0 and velocity.shape[0] != flat.shape[0]:
+        raise InputShapeError(
+            f"momentum {momentum} needs a velocity of {flat.shape[0]} values, "
+            f"got {velocity.shape[0]}"
+        )
+    loss = train_step(
+        ctx.plan,
+        flat,
+        ctx.grad,
+        velocity,
+        x,
+        y,
+        n,
+        ctx.act_buf,
+        ctx.err_buf,
+        ctx.col_buf,
+        ctx.dcol_buf,
+        ctx.argmax_buf,
+        ctx.probs,
+        ctx.losses,
+        ctx.row,
+        lr,
+        momentum,
+    )
+    if dense_terms is not None:
+        # the step left each dense layer's input in the previous layer's activations and its
+        # error terms (after the activation's derivative) in its own errs region
+        for j, L in enumerate(net.layers):
+            if L.kind == "fc":
+                a = x[:n] if j == 0 else ctx.acts[j - 1][:n]
+                dense_terms[str(L.index)] = (a.reshape(n, -1).copy(), ctx.errs[j][:n].copy())
+    return float(loss)

@@ -1,0 +1,174 @@
+"""The fused mini-batch step: the same parameters as the layer-by-layer step, gradients that match
+finite differences, its dense kernel against the float64 reference, and clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from adam_dask.errors import InputShapeError
+from adam_dask.model import Network
+from adam_dask.model import fused as F
+from adam_dask.model import kernels as K
+from adam_dask.model import reference as R
+
+SPECS = [
+    ("conv3x3:3,maxpool2,conv2x2:4,fc6,fc3", (2, 9, 9)),  # conv, pool (odd edge), conv, fc
+    ("conv5x5:10,maxpool2,conv5x5:20,maxpool2,fc40,fc40,fc10", (1, 28, 28)),  # the paper's kinds
+    ("fc50,fc20,fc10", (1, 8, 8)),  # dense first: the large-model benchmark's kind
+    ("maxpool2,conv3x3:5,fc7", (3, 10, 11)),  # pooling first, 3 channels
+]
+
+
+def batch(net: Network, n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.random((n, *net.input_shape), dtype=np.float32)
+    y = rng.integers(0, net.classes, n).astype(np.int64)
+    return x, y
+
+
+@pytest.mark.parametrize("spec, shape", SPECS)
+@pytest.mark.parametrize("activation", ["tanh", "relu"])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_fused_step_equals_backward_then_sgd_update(spec, shape, activation, momentum):
+    a = Network.from_spec(spec, shape, activation, seed=1)
+    b = a.copy()
+    ca, cb = a.context(8), b.context(8)
+    va = np.zeros(a.layout.size if momentum else 1, np.float32)
+    vb = va.copy()
+    for step, n in enumerate([8, 5, 8, 1]):  # full and partial batches
+        x, y = batch(a, 8, seed=step)
+        la = a.backward_into(ca, x, y, n)
+        K.sgd_update(a.flat, ca.grad, va, 0.05, momentum)
+        lb = b.step_into(cb, x, y, n, 0.05, momentum, vb)
+        assert lb == pytest.approx(la, rel=1e-6)
+        np.testing.assert_allclose(b.flat, a.flat, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(vb, va, rtol=1e-6, atol=1e-7)
+        assert not cb.grad.any(), "the step leaves the gradient buffer zeroed"
+    assert not np.array_equal(b.flat, Network.from_spec(spec, shape, activation, seed=1).flat)
+
+
+@pytest.mark.parametrize("activation", ["tanh", "relu"])
+def test_fused_step_follows_the_finite_difference_gradient(activation):
+    spec, shape = SPECS[0]
+    net = Network.from_spec(spec, shape, activation, seed=3)
+    x, y = batch(net, 4, seed=1)
+    before = net.flat.astype(np.float64)
+    lr = 1e-3
+    net.step_into(net.context(4), x, y, None, lr, 0.0, np.zeros(1, np.float32))
+    step_grad = (before - net.flat.astype(np.float64)) / lr  # what the step applied, / lr
+
+    def loss(flat64):
+        params = {e.name: flat64[e.offset : e.offset + e.size].reshape(e.shape) for e in net.layout}
+        return R.network_loss(net.layers, params, x, y, activation)
+
+    rng = np.random.default_rng(0)
+    eps = 1e-6
+    for e in net.layout:
+        for i in rng.choice(e.size, min(e.size, 5), replace=False) + e.offset:
+            wp, wm = before.copy(), before.copy()
+            wp[i] += eps
+            wm[i] -= eps
+            fd = (loss(wp) - loss(wm)) / (2 * eps)
+            # float32 weights: the applied step is exact to ~1e-7 / lr of the gradient
+            assert abs(fd - step_grad[i]) <= 2e-3 + 2e-3 * abs(fd), (e.name, i, fd, step_grad[i])
+
+
+def test_fused_step_records_the_same_dense_terms():
+    spec, shape = SPECS[0]
+    a = Network.from_spec(spec, shape, "relu", seed=2)
+    b = a.copy()
+    x, y = batch(a, 6, seed=4)
+    ta: dict = {}
+    tb: dict = {}
+    a.backward_into(a.context(6), x, y, 5, dense_terms=ta)
+    b.step_into(b.context(6), x, y, 5, 0.1, 0.0, np.zeros(1, np.float32), dense_terms=tb)
+    assert set(ta) == set(tb) == {"3", "4"}
+    for k in ta:
+        for u, v in zip(ta[k], tb[k], strict=True):
+            assert u.shape == v.shape and u.shape[0] == 5
+            np.testing.assert_array_equal(u, v)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.integers(1, 9),
+    st.integers(1, 9),
+    st.integers(1, 9),
+    st.sampled_from([0.0, 0.5]),
+    st.integers(0, 2**31),
+)
+def test_dense_backward_update_matches_reference_and_finite_differences(B, I, O, momentum, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((B, I)).astype(np.float32)
+    w = rng.standard_normal((O, I)).astype(np.float32)
+    b = rng.standard_normal(O).astype(np.float32)
+    dout = rng.standard_normal((B, O)).astype(np.float32)
+    vw = (
+        rng.standard_normal((O, I)).astype(np.float32) if momentum else np.zeros((0, I), np.float32)
+    )
+    vb = rng.standard_normal(O).astype(np.float32) if momentum else np.zeros(0, np.float32)
+    lr = 0.1
+    ref = R.dense_backward_update(
+        dout, x, w, b, lr, momentum, vw if momentum else None, vb if momentum else None
+    )
+    w1, b1, vw1, vb1 = w.copy(), b.copy(), vw.copy(), vb.copy()
+    dx = np.full((B, I), 3.0, np.float32)  # overwritten
+    F.dense_backward_update(
+        dx, w1, b1, vw1, vb1, np.zeros(I, np.float32), dout, x, lr, momentum, True
+    )
+    tol = {"rtol": 1e-4, "atol": 1e-5}
+    np.testing.assert_allclose(dx, ref[0], **tol)
+    np.testing.assert_allclose(w1, ref[1], **tol)
+    np.testing.assert_allclose(b1, ref[2], **tol)
+    if momentum:
+        np.testing.assert_allclose(vw1, ref[3], **tol)
+        np.testing.assert_allclose(vb1, ref[4], **tol)
+    else:
+        # plain SGD: what the kernel subtracted, / lr, is the finite-difference gradient of
+        # sum(dense(x) * dout) with respect to the weights and the bias
+        d64 = dout.astype(np.float64)
+        w64 = w.astype(np.float64)
+        fd_w = np.zeros((O, I))
+        for o in range(O):
+            for i in range(I):
+                wp, wm = w64.copy(), w64.copy()
+                wp[o, i] += 1e-6
+                wm[o, i] -= 1e-6
+                fp = (R.dense_forward(x, wp, b) * d64).sum()
+                fm = (R.dense_forward(x, wm, b) * d64).sum()
+                fd_w[o, i] = (fp - fm) / 2e-6
+        np.testing.assert_allclose((w - w1.astype(np.float64)) / lr, fd_w, rtol=1e-3, atol=1e-4)
+        np.testing.assert_allclose(
+            (b - b1.astype(np.float64)) / lr, d64.sum(0), rtol=1e-3, atol=1e-4
+        )
+    # without need_dx, dx is not touched and the update is the same
+    w2, b2, vw2, vb2 = w.copy(), b.copy(), vw.copy(), vb.copy()
+    untouched = np.zeros((0, I), np.float32)
+    F.dense_backward_update(
+        untouched, w2, b2, vw2, vb2, np.zeros(I, np.float32), dout, x, lr, momentum, False
+    )
+    np.testing.assert_array_equal(w2, w1)
+    np.testing.assert_array_equal(b2, b1)
+
+
+def test_fused_step_refuses_unsafe_arguments():
+    spec, shape = SPECS[0]
+    net = Network.from_spec(spec, shape, "relu", seed=0)
+    ctx = net.context(4)
+    x, y = batch(net, 8)
+    v = np.zeros(1, np.float32)
+    with pytest.raises(InputShapeError, match="batch size"):
+        net.step_into(ctx, x, y, 8, 0.1, 0.0, v)  # more images than the context holds
+    with pytest.raises(InputShapeError, match="batch size"):
+        net.step_into(ctx, x[:2], y[:2], 3, 0.1, 0.0, v)
+    with pytest.raises(InputShapeError, match="velocity"):
+        net.step_into(ctx, x, y, 4, 0.1, 0.9, v)  # momentum without a velocity like flat
+    other = Network.from_spec("fc5,fc3", shape, "relu", seed=0)
+    with pytest.raises(InputShapeError, match="another network"):
+        other.step_into(ctx, x, y, 4, 0.1, 0.0, v)
+    before = net.flat.copy()
+    net.step_into(ctx, x, y, 4, 0.1, 0.0, v)  # and a valid step still works afterwards
+    assert not np.array_equal(before, net.flat)
