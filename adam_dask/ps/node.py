@@ -334,9 +334,27 @@ class PSNode:
             self._drain_scheduled = True
             loop.call_soon(self._drain)
         versions = {sid: await f for sid, f in futs.items()}
-        if (ack or self.cfg.get("ack", "primary")) == "all":
+        if (ack or self.cfg["ack"]) == "all":
             await asyncio.gather(*(self._wait_replicated(s, v) for s, v in versions.items()))
-        return {"per_shard": versions, "moved": moved}
+        return {
+            "per_shard": versions,
+            "moved": moved,
+            "confirmed": {s: self._confirmed(s) for s in versions},
+        }
+
+    def _confirmed(self, sid: int) -> int:
+        """The newest version of primary ``sid`` that every current backup holds."""
+        held = [self.acked.get(a, {}).get(sid, -1) for a, _ in self.backups.get(sid, [])]
+        return min([self.shards[sid].version, *held])
+
+    async def confirmed(self, sids: Iterable[int]) -> dict:
+        """``{"per_shard": {sid: version held by every copy}, "moved": [...]}`` for the
+        primaries among ``sids`` (a pusher drops the pushes it kept up to that version)."""
+        sids = [int(s) for s in sids]
+        return {
+            "per_shard": {s: self._confirmed(s) for s in sids if s in self.backups},
+            "moved": [s for s in sids if s not in self.backups],
+        }
 
     def _drain(self) -> None:
         """Apply every queued delta, one blocked batch per shard."""

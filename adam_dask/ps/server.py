@@ -12,11 +12,17 @@ scheduler) and from inside Dask tasks on any worker (peer-to-peer).
 >>> ParameterServer.restore(client, "file:///srv/ckpt").pull()                       # doctest: +SKIP
 
 Delivery: a push is split per shard and sent to the primaries concurrently; a push carries a
-random id, so one retried on a new primary after a fail-over is applied once. With
-``ack="primary"`` (the default, as in the paper) a push is acknowledged once its primary applied
-it, and the updates of the last ``forward-interval`` can be lost if that primary dies before
-forwarding; with ``ack="all"`` it is acknowledged once every backup holds it, and no
-acknowledged update is ever lost while one copy survives.
+random id, so one retried on a new primary after a fail-over is applied once. ``ack`` says when
+``push`` returns and what a lost primary may take with it:
+
+* ``"replay"`` (the default): once the primary applied it; the handle keeps the push until the
+  primary reports every copy holds it, and sends it again to the new primary after a fail-over
+  (:mod:`adam_dask.ps._replay`). No acknowledged update is lost while one copy or the pusher
+  survives, at the cost of a copy of each push kept for about a ``forward-interval``.
+* ``"all"``: once every copy holds it; nothing acknowledged is lost while one copy survives,
+  but every push waits for a forward.
+* ``"primary"``: once the primary applied it, as in the paper; the updates of the last
+  ``forward-interval`` are lost when that primary dies before forwarding.
 
 Epochs: ``flush(epoch=...)`` stores the epoch number (and ``meta=``) in the manifest;
 ``checkpoint_meta(epoch=..., meta=...)`` does it without waiting for the flush.
@@ -37,6 +43,7 @@ import numpy as np
 from .. import config
 from ..errors import ConfigError, ShardUnavailable, UpdateRejected
 from ..model.layout import ParameterLayout, shard_ranges
+from ._replay import HeldPush, ReplayLog
 from .checkpoint import init_checkpoint, read_checkpoint, write_manifest
 from .node import call_actor
 from .placement import PLUGIN_NAME, ReplicaPlacement
@@ -44,7 +51,8 @@ from .state import OuterPart, first_nonfinite, outer_part
 
 logger = logging.getLogger(__name__)
 
-_ACKS = ("primary", "all")
+_ACKS = ("replay", "all", "primary")
+_settlers: set[asyncio.Task] = set()  # background settle tasks, kept alive until they finish
 
 
 class _Retry(Exception):
@@ -89,6 +97,8 @@ class ParameterServer:
         self._rng = random.Random()
         self._closed = False
         self._last_stats: tuple[float, int] | None = None
+        self._log = ReplayLog()
+        self._settler: asyncio.Task | None = None
 
     def __repr__(self) -> str:
         return (
@@ -103,12 +113,15 @@ class ParameterServer:
         d["_client"] = None
         d["_rng"] = None
         d["_last_stats"] = None
+        d["_log"] = None
+        d["_settler"] = None
         d["layout"] = self.layout.to_dict() if self.layout is not None else None
         return d
 
     def __setstate__(self, d: dict) -> None:
         self.__dict__.update(d)
         self._rng = random.Random()
+        self._log = ReplayLog()
         if isinstance(self.layout, dict):
             self.layout = ParameterLayout.from_dict(self.layout)
 
@@ -173,7 +186,9 @@ class ParameterServer:
         replicas = int(config.get("ps.replicas", replicas))
         ack = config.get("ps.ack", ack)
         if ack not in _ACKS:
-            raise ConfigError(f"ack={ack!r} is not one of {_ACKS}", "use ack='primary' or 'all'")
+            raise ConfigError(
+                f"ack={ack!r} is not one of {_ACKS}", "use ack='replay', 'all' or 'primary'"
+            )
         if replicas < 1:
             raise ConfigError(f"replicas={replicas}", "keep at least one copy of every shard")
         shards = shard_ranges(size, shard_bytes)
@@ -407,11 +422,13 @@ class ParameterServer:
         method: str,
         make_args: Any,
         call_timeout: float | None = None,
+        on_reply: Any = None,
         **kwargs: Any,
     ) -> dict[int, Any]:
         """Call ``method`` on the primary of every shard in ``sids`` (one call per node, all
         concurrently), retrying on the new primary after a fail-over. ``make_args(sids)``
-        gives the positional arguments for a node. Returns {sid: per-shard result}."""
+        gives the positional arguments for a node; ``on_reply(addr, reply)`` sees every
+        node's answer. Returns {sid: per-shard result}."""
         pending = set(sids)
         results: dict[int, Any] = {}
         deadline = time.monotonic() + float(config.get("ps.failover-timeout"))
@@ -449,6 +466,8 @@ class ParameterServer:
                         r,
                     )
                     continue
+                if on_reply is not None:
+                    on_reply(a, r)
                 for sid, val in r["per_shard"].items():
                     results[int(sid)] = val
                     pending.discard(int(sid))
@@ -528,11 +547,18 @@ class ParameterServer:
 
     async def _push(self, rpc: Any, sched: Any, delta: np.ndarray, ack: str | None) -> None:
         push_id = self._rng.getrandbits(62)
+        ack = ack or self.ack
 
         def args(sids: list[int]) -> tuple:
             return ({s: delta[self.shards[s][0] : self.shards[s][1]] for s in sids}, push_id, ack)
 
-        await self._each_primary(rpc, sched, range(len(self.shards)), "push", args)
+        def payload(sid: int) -> tuple[Any, int]:
+            part = delta[self.shards[sid][0] : self.shards[sid][1]].copy()
+            return part, part.nbytes
+
+        await self._send_push(
+            rpc, sched, range(len(self.shards)), "push", args, push_id, ack, payload
+        )
 
     def push_outer(
         self,
@@ -587,12 +613,142 @@ class ParameterServer:
         ack: str | None,
     ) -> None:
         push_id = self._rng.getrandbits(62)
+        ack = ack or self.ack
+
+        def cols(s: int) -> np.ndarray:
+            return np.ascontiguousarray(errors[:, parts[s].row0 : parts[s].row1])
 
         def args(sids: list[int]) -> tuple:
-            cols = {s: np.ascontiguousarray(errors[:, parts[s].row0 : parts[s].row1]) for s in sids}
-            return (cols, offset, out, inp, activations, scale, push_id, ack)
+            return ({s: cols(s) for s in sids}, offset, out, inp, activations, scale, push_id, ack)
 
-        await self._each_primary(rpc, sched, parts, "push_outer", args)
+        def payload(sid: int) -> tuple[Any, int]:
+            c = cols(sid).copy()
+            return (c, offset, out, inp, activations, scale), c.nbytes + activations.nbytes
+
+        await self._send_push(rpc, sched, parts, "push_outer", args, push_id, ack, payload)
+
+    # -- replay (ack="replay") -------------------------------------------------------------------
+
+    async def _send_push(
+        self,
+        rpc: Any,
+        sched: Any,
+        sids: Iterable[int],
+        method: str,
+        args: Any,
+        push_id: int,
+        ack: str,
+        payload: Any,
+    ) -> None:
+        """Send one push to the primaries of ``sids``; with ``ack="replay"`` keep each shard's
+        part (``payload(sid)`` -> (payload, nbytes)) until every copy holds it."""
+        keep = ack == "replay"
+        if keep and self._log.nbytes > int(config.get("ps.replay-bytes")):
+            await self._settle(rpc, sched, below=int(config.get("ps.replay-bytes")))
+
+        def on_reply(addr: str, reply: dict) -> None:
+            if keep:
+                for sid, version in reply["per_shard"].items():
+                    part, nbytes = payload(int(sid))
+                    self._log.add(
+                        int(sid), HeldPush(push_id, method, part, addr, int(version), nbytes)
+                    )
+            self._confirm(addr, reply)
+
+        await self._each_primary(rpc, sched, sids, method, args, on_reply=on_reply)
+        if keep:
+            await self._replay_moved(rpc, sched)
+            if self._log and (self._settler is None or self._settler.done()):
+                self._settler = asyncio.ensure_future(self._settle_in_background(rpc, sched))
+                _settlers.add(self._settler)
+                self._settler.add_done_callback(_settlers.discard)
+
+    def _confirm(self, addr: str, reply: dict) -> None:
+        for sid, version in (reply.get("confirmed") or {}).items():
+            self._log.confirm(int(sid), addr, int(version))
+
+    def _primary_of(self) -> dict[int, str]:
+        return {
+            s: h[0]
+            for s, h in enumerate(self._routing)
+            if h and s not in self._pending and s not in self._lost
+        }
+
+    async def _replay_moved(self, rpc: Any, sched: Any) -> int:
+        """Send the held pushes of shards whose primary changed to the new primary (same push
+        ids: a push the survivors already hold is applied once). Returns how many were sent."""
+        sent = 0
+        while True:
+            moved = self._log.moved(self._primary_of())
+            if not moved:
+                return sent
+            for sid, items in moved.items():
+                for h in items:
+                    await self._replay_one(rpc, sched, sid, h)
+                    sent += 1
+            self._log.replayed += sent
+
+    async def _replay_one(self, rpc: Any, sched: Any, sid: int, h: HeldPush) -> None:
+        if h.method == "push":
+            args: tuple = ({sid: h.payload}, h.push_id, "replay")
+        else:
+            cols, offset, out, inp, activations, scale = h.payload
+            args = ({sid: cols}, offset, out, inp, activations, scale, h.push_id, "replay")
+
+        def on_reply(addr: str, reply: dict) -> None:
+            for s, version in reply["per_shard"].items():
+                self._log.acknowledged(int(s), h.push_id, addr, int(version))
+            self._confirm(addr, reply)
+
+        logger.info(
+            "server %s: replaying push %x to the new primary of shard %d",
+            self.server_id,
+            h.push_id,
+            sid,
+        )
+        await self._each_primary(rpc, sched, [sid], h.method, lambda _: args, on_reply=on_reply)
+
+    async def _settle(self, rpc: Any, sched: Any, below: int = 0) -> None:
+        """Until the held pushes take at most ``below`` bytes: replay moved ones, ask the
+        primaries what every copy holds. :class:`ShardUnavailable` after the fail-over
+        timeout."""
+        deadline = time.monotonic() + float(config.get("ps.failover-timeout"))
+        interval = float(config.get("ps.forward-interval"))
+        while self._log and self._log.nbytes > below:
+            await self._replay_moved(rpc, sched)
+            sids = self._log.shards()
+            if sids:
+                await self._each_primary(
+                    rpc, sched, sids, "confirmed", lambda s: (s,), on_reply=self._confirm
+                )
+            if not self._log or self._log.nbytes <= below:
+                return
+            if time.monotonic() > deadline:
+                sid = self._log.shards()[0]
+                raise ShardUnavailable(
+                    f"server {self.server_id}: the copies of shard {sid} did not confirm "
+                    f"{len(self._log)} acknowledged push(es) in time",
+                    "check the PS workers (adam.ps.failover-timeout)",
+                    shard=sid,
+                )
+            await asyncio.sleep(interval / 2)
+            await self._refresh(sched)
+
+    async def _settle_in_background(self, rpc: Any, sched: Any) -> None:
+        """Keep settling while pushes are held (so they are replayed after a fail-over even
+        when no more pushes come); ends when every held push is confirmed."""
+        interval = float(config.get("ps.forward-interval"))
+        while self._log and not self._closed:
+            await asyncio.sleep(interval)
+            try:
+                await self._settle(rpc, sched)
+            except Exception as exc:
+                logger.warning(
+                    "server %s: %d held push(es) not confirmed yet (%s); still trying",
+                    self.server_id,
+                    len(self._log),
+                    exc,
+                )
 
     def pull(
         self, shards: Iterable[int] | None = None, *, out: np.ndarray | None = None
@@ -614,6 +770,8 @@ class ParameterServer:
         return out
 
     async def _pull(self, rpc: Any, sched: Any, sids: list[int], out: np.ndarray) -> None:
+        if self._log:
+            await self._replay_moved(rpc, sched)
         got = await self._each_primary(rpc, sched, sids, "pull", lambda s: (s,))
         for sid, values in got.items():
             a, b = self.shards[sid]
@@ -659,7 +817,13 @@ class ParameterServer:
                 self.server_id,
                 self.replicas,
             )
+        await self._replay_moved(rpc, sched)
         remaining = max(deadline - time.monotonic(), 1.0)
+
+        def flushed(addr: str, reply: dict) -> None:  # every copy holds the flushed versions
+            for sid, version in reply["per_shard"].items():
+                self._log.confirm(int(sid), addr, int(version))
+
         return await self._each_primary(
             rpc,
             sched,
@@ -667,6 +831,7 @@ class ParameterServer:
             "flush",
             lambda s: (s,),
             call_timeout=remaining + 5,
+            on_reply=flushed,
             limit=remaining,
         )
 
