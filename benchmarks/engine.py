@@ -21,14 +21,17 @@ augmentation, and evaluates on the 10000 test images after each epoch. PyTorch i
 from __future__ import annotations
 
 import argparse
-import json
+import itertools
 import os
 import sys
+import threading
 import time
 
 import numpy as np
+from _common import record
 
 from adam_dask.model import Network
+from adam_dask.model import kernels as K
 from adam_dask.train.replica import HogwildReplica
 
 SPEC = "conv5x5:10,maxpool2,conv5x5:20,maxpool2,fc400,fc400,fc10"
@@ -59,6 +62,98 @@ def ours(x, y, images, threads, batch_size, lr=0.01, repeats=2):
         st = rep.train_images(x[:n], y[:n], seed=r, schedule=False)
         best = max(best, st.images_per_second)
     return best
+
+
+def hogwild_rate(x, y, images, threads, batch_size, fused, lr=0.01, repeats=2):
+    """Best images/s of ``repeats`` runs of ``threads`` Hogwild threads over ``images`` images,
+    each thread stepping its mini-batches with the fused step or the layered one."""
+    net = Network.from_spec(SPEC, (1, 28, 28), "tanh", seed=0)
+    c, h, w = net.input_shape
+    bs = batch_size
+    ctxs = [net.context(bs) for _ in range(threads)]
+    xbufs = [np.zeros((bs, c, h, w), np.float32) for _ in range(threads)]
+    ybufs = [np.zeros(bs, np.int64) for _ in range(threads)]
+    vel = np.zeros(1, np.float32)
+    flat = net.flat
+
+    def body(t, order, counter):
+        ctx, xb, yb = ctxs[t], xbufs[t], ybufs[t]
+        while True:
+            s = next(counter) * bs  # itertools.count: atomic under the GIL
+            if s >= len(order):
+                return
+            idx = order[s : s + bs]
+            m = len(idx)
+            np.take(x, idx, axis=0, out=xb[:m])
+            np.take(y, idx, out=yb[:m])
+            if fused:
+                net.step_into(ctx, xb, yb, m, lr, 0.0, vel)
+            else:
+                net.backward_into(ctx, xb, yb, m)
+                K.sgd_update(flat, ctx.grad, vel, lr, 0.0)
+
+    def run(n, seed):
+        order = np.random.default_rng(seed).permutation(len(x))[:n]
+        counter = itertools.count()
+        ts = [threading.Thread(target=body, args=(t, order, counter)) for t in range(threads)]
+        t0 = time.perf_counter()
+        for th in ts:
+            th.start()
+        for th in ts:
+            th.join()
+        return n / (time.perf_counter() - t0)
+
+    run(256, 0)  # compile / warm up
+    return max(run(min(images, len(x)), r + 1) for r in range(repeats))
+
+
+def python_us_per_step(batch_size, repeats=2000):
+    """Microseconds per mini-batch spent outside the kernels' work, where the GIL is held: the
+    best time of each step on a network with the paper's layer kinds and count but 1x1
+    convolutions on 4x4 images and two-unit dense layers, so its kernels do almost nothing.
+    Robust to a busy machine (the minimum of many calls), unlike the scaling runs."""
+    net = Network.from_spec(
+        "conv1x1:1,maxpool2,conv1x1:1,maxpool2,fc2,fc2,fc2", (1, 4, 4), "tanh", seed=0
+    )
+    ctx = net.context(batch_size)
+    rng = np.random.default_rng(0)
+    xb = rng.random((batch_size, 1, 4, 4), dtype=np.float32)
+    yb = rng.integers(0, 2, batch_size).astype(np.int64)
+    vel = np.zeros(1, np.float32)
+
+    def fused():
+        net.step_into(ctx, xb, yb, batch_size, 1e-3, 0.0, vel)
+
+    def layered():
+        net.backward_into(ctx, xb, yb, batch_size)
+        K.sgd_update(net.flat, ctx.grad, vel, 1e-3, 0.0)
+
+    out = {}
+    for name, f in (("fused", fused), ("layered", layered)):
+        f()
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f()
+            best = min(best, time.perf_counter() - t0)
+        out[name] = round(best * 1e6, 1)
+    return out
+
+
+def scaling(x, y, images, threads, batch_size):
+    """images/s of the fused and layered steps at 1..threads threads, the measurements
+    interleaved so that a change in the machine's load hits both alike."""
+    out: dict = {"fused": {}, "layered": {}}
+    for t in range(1, threads + 1):
+        for name in ("fused", "layered"):
+            rate = hogwild_rate(x, y, images, t, batch_size, name == "fused")
+            out[name][str(t)] = round(rate, 1)
+    for name in ("fused", "layered"):
+        r = out[name]
+        out[f"thread_scaling_{name}"] = round(r[str(threads)] / r["1"], 3)
+    out["fused_speedup_1thread"] = round(out["fused"]["1"] / out["layered"]["1"], 3)
+    out["python_us_per_step"] = python_us_per_step(batch_size)
+    return out
 
 
 def torch_net(torch):
@@ -123,7 +218,16 @@ def main(argv=None):
     ap.add_argument(
         "--images", type=int, default=20000, help="images per timed run (default 20000)"
     )
-    ap.add_argument("--threads", type=int, default=2, help="Hogwild / torch threads (default 2)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="Hogwild / torch threads (default 2); the scaling line measures 1..threads",
+    )
+    ap.add_argument(
+        "--no-scaling", action="store_true", help="skip the fused / layered scaling line"
+    )
+    ap.add_argument("--no-save", action="store_true", help="print the line, do not append it")
     ap.add_argument(
         "--batch-size",
         type=int,
@@ -164,13 +268,14 @@ def main(argv=None):
     xtr8, ytr, xte8, yte = load_mnist()
     xtr = (xtr8.astype(np.float32) / 255)[:, None]
     out: dict = {
-        "benchmark": "engine",
         "spec": SPEC,
         "threads": args.threads,
         "batch_size": bs,
         "images": min(args.images, len(xtr)),
-        "cpus": os.cpu_count(),
+        "load": [round(v, 2) for v in os.getloadavg()],
     }
+    if args.images > 0 and not args.no_scaling:
+        out.update(scaling(xtr, ytr, args.images, args.threads, bs))
     if args.images > 0:
         out["images_per_s"] = round(ours(xtr, ytr, args.images, args.threads, bs), 1)
         out["images_per_s_1thread"] = round(ours(xtr, ytr, args.images, 1, bs), 1)
@@ -232,7 +337,8 @@ def main(argv=None):
                 "curve": curve,
             }
         )
-    print(json.dumps(out))
+    out["load_after"] = [round(v, 2) for v in os.getloadavg()]
+    record("engine", out, save=not args.no_save)
 
 
 if __name__ == "__main__":

@@ -39,30 +39,33 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["dense_backward_update", "forward_plan", "step", "train_step"]
+__all__ = ["dense_backward_update", "forward_plan", "sgd_update_into", "step", "train_step"]
 
 # plan columns (see context.PLAN_COLUMNS) and codes (context.KINDS, context.ACT_CODES)
 _KIND, _ACT, _C, _H, _W, _OC, _OH, _OW, _KH, _KW = range(10)
 _WOFF, _BOFF, _AOFF, _COFF, _DCOFF, _MOFF = range(10, 16)
 _CONV, _POOL, _FC = 0, 1, 2
 _TANH, _RELU = 1, 2
+_NO_ACC = np.zeros(0, np.float32)
 
 
 @_kernel
-def dense_backward_update(dx, w, bias, vw, vb, row, dout, x, lr, momentum, need_dx):
+def dense_backward_update(dx, w, bias, vw, vb, aw, ab, row, dout, x, lr, momentum, need_dx):
     """The backward pass and SGD update of a dense layer, without a gradient buffer.
 
     dx (B, I) = dout (B, O) @ w (O, I) with the weights as they were (overwritten; skipped when
     not need_dx); then, per output o, the gradient row g = dout[:, o] @ x (B, I) is built in
     ``row`` (I,) scratch and applied: ``u = momentum * v - lr * g``, ``w[o] += u``, ``v <- u``
-    (vw (O, I) and vb (O,) velocities, untouched and possibly empty when momentum == 0); the
-    bias likewise with dout.sum(0)."""
+    (vw (O, I) and vb (O,) velocities, untouched and possibly empty when momentum == 0), and
+    ``a[o] += u`` into the accumulators aw (O, I), ab (O,) unless they are empty; the bias
+    likewise with dout.sum(0)."""
     B, I = x.shape
     O = w.shape[0]
     B4 = B - B % 4
     O4 = O - O % 4
     lr = np.float32(lr)
     momentum = np.float32(momentum)
+    accumulate = ab.shape[0] > 0
     if need_dx:
         for b in range(B):
             dxr = dx[b]
@@ -94,20 +97,48 @@ def dense_backward_update(dx, w, bias, vw, vb, row, dout, x, lr, momentum, need_
             xr = x[b]
             for i in range(I):
                 row[i] += g * xr[i]
-        wr = w[o]
         if momentum > 0.0:
             u = momentum * vb[o] - lr * s
             vb[o] = u
-            bias[o] += u
             vr = vw[o]
             for i in range(I):
-                u = momentum * vr[i] - lr * row[i]
-                vr[i] = u
-                wr[i] += u
+                g = momentum * vr[i] - lr * row[i]
+                vr[i] = g
+                row[i] = g
         else:
-            bias[o] -= lr * s
+            u = -lr * s
             for i in range(I):
-                wr[i] -= lr * row[i]
+                row[i] = -lr * row[i]
+        bias[o] += u
+        wr = w[o]
+        for i in range(I):
+            wr[i] += row[i]
+        if accumulate:
+            ab[o] += u
+            ar = aw[o]
+            for i in range(I):
+                ar[i] += row[i]
+
+
+@_kernel
+def sgd_update_into(flat, acc, grad, velocity, lr, momentum):
+    """:func:`kernels.sgd_update` that also adds each update to ``acc`` (N,) unless it is empty:
+    flat += u and acc += u, u = momentum * velocity - lr * grad (velocity <- u when momentum > 0);
+    zeroes grad (N,)."""
+    n = flat.shape[0]
+    lr = np.float32(lr)
+    momentum = np.float32(momentum)
+    accumulate = acc.shape[0] > 0
+    for i in range(n):
+        if momentum > 0.0:
+            u = momentum * velocity[i] - lr * grad[i]
+            velocity[i] = u
+        else:
+            u = -lr * grad[i]
+        flat[i] += u
+        if accumulate:
+            acc[i] += u
+        grad[i] = 0.0
 
 
 @_kernel
@@ -169,6 +200,7 @@ def train_step(
     flat,
     grad,
     velocity,
+    acc,
     x,
     labels,
     n,
@@ -186,8 +218,9 @@ def train_step(
     """One SGD step on the mini-batch x[:n] (any shape, C-contiguous), labels[:n] (int64):
     forward, softmax cross-entropy (mean over the n images), backward, and the update
     ``flat += u, u = momentum * velocity - lr * grad`` (velocity <- u when momentum > 0;
-    velocity like flat then, else unused). ``grad`` must be zero on entry and is zero on exit.
-    Returns the mean loss (float64)."""
+    velocity like flat then, else unused), and ``acc += u`` unless ``acc`` is empty (a
+    replica's accumulator of the updates for the parameter server). ``grad`` must be zero on
+    entry and is zero on exit. Returns the mean loss (float64)."""
     xf = x.reshape(x.size)
     forward_plan(plan, flat, xf, n, acts, cols, argmax)
     L = plan.shape[0]
@@ -241,7 +274,8 @@ def train_step(
                     dout4,
                     flat[w0:b0].reshape((OC, C, KH, KW)),
                 )
-            K.sgd_update(flat[w0:hi], grad[w0:hi], velocity[w0:hi], lr, momentum)
+            # an unused velocity or accumulator is empty (or length 1): its slices are too
+            sgd_update_into(flat[w0:hi], acc[w0:hi], grad[w0:hi], velocity[w0:hi], lr, momentum)
         elif kind == _POOL:
             if need_dx:
                 m0 = p[_MOFF]
@@ -258,12 +292,20 @@ def train_step(
             else:
                 vw = velocity[:0].reshape((0, in_sz))
                 vb = velocity[:0]
+            if acc.shape[0] > 0:
+                aw = acc[w0:b0].reshape((OC, in_sz))
+                ab = acc[b0 : b0 + OC]
+            else:
+                aw = acc[:0].reshape((0, in_sz))
+                ab = acc[:0]
             dense_backward_update(
                 dsrc.reshape((n if need_dx else 0, in_sz)),
                 flat[w0:b0].reshape((OC, in_sz)),
                 flat[b0 : b0 + OC],
                 vw,
                 vb,
+                aw,
+                ab,
                 row[:in_sz],
                 dout.reshape((n, OC)),
                 src.reshape((n, in_sz)),
@@ -283,6 +325,7 @@ def step(
     lr: float,
     momentum: float,
     velocity: np.ndarray,
+    acc: np.ndarray | None = None,
     dense_terms: dict | None = None,
 ) -> float:
     """:meth:`Network.step_into`: check what would corrupt memory (the kernels check nothing),
@@ -303,11 +346,19 @@ def step(
             f"momentum {momentum} needs a velocity of {flat.shape[0]} values, "
             f"got {velocity.shape[0]}"
         )
+    if acc is None:
+        acc = _NO_ACC
+    elif acc.shape != flat.shape or acc.dtype != np.float32:
+        raise InputShapeError(
+            f"an accumulator must be float32 like net.flat ({flat.shape[0]} values), "
+            f"got {acc.dtype} {acc.shape}"
+        )
     loss = train_step(
         ctx.plan,
         flat,
         ctx.grad,
         velocity,
+        acc,
         x,
         y,
         n,

@@ -437,18 +437,21 @@ class Network:
         lr: float,
         momentum: float,
         velocity: np.ndarray,
+        acc: np.ndarray | None = None,
         dense_terms: dict | None = None,
     ) -> float:
         """One SGD step on ``x[:n]``, ``y[:n]`` in one numba call (the GIL is released for all
         of it): forward, backward and ``flat += u, u = momentum * velocity - lr * grad``
-        (``velocity`` like ``flat`` when momentum > 0, else unused). The same parameters as
-        :meth:`backward_into` followed by ``kernels.sgd_update(flat, ctx.grad, velocity, lr,
-        momentum)``, up to float rounding. Returns the mean loss.
+        (``velocity`` like ``flat`` when momentum > 0, else unused), each layer updated as soon
+        as its gradients are known. The same parameters as :meth:`backward_into` followed by
+        ``kernels.sgd_update(flat, ctx.grad, velocity, lr, momentum)``, up to float rounding.
+        With ``acc`` (float32 like ``flat``), ``acc += u`` too: a replica's accumulator of its
+        updates. Returns the mean loss.
 
         ``x`` float32 C-contiguous (B, C, H, W), ``y`` int64 (B,), already checked
         (:meth:`check_input`, :meth:`check_labels`); ``ctx.grad`` must be zero (as every step
         leaves it). With ``dense_terms`` a dict, it is filled like :meth:`backward_into`'s."""
-        return F.step(self, ctx, x, y, n, lr, momentum, velocity, dense_terms)
+        return F.step(self, ctx, x, y, n, lr, momentum, velocity, acc, dense_terms)
 
     # -- the public passes ------------------------------------------------------------------------
 

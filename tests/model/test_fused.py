@@ -38,14 +38,18 @@ def test_fused_step_equals_backward_then_sgd_update(spec, shape, activation, mom
     ca, cb = a.context(8), b.context(8)
     va = np.zeros(a.layout.size if momentum else 1, np.float32)
     vb = va.copy()
+    acc_a = np.zeros(a.layout.size, np.float32)  # the updates, summed
+    acc_b = np.full(a.layout.size, 0.5, np.float32)  # step_into adds to what is there
     for step, n in enumerate([8, 5, 8, 1]):  # full and partial batches
         x, y = batch(a, 8, seed=step)
         la = a.backward_into(ca, x, y, n)
+        acc_a += (momentum * va if momentum else 0.0) - np.float32(0.05) * ca.grad
         K.sgd_update(a.flat, ca.grad, va, 0.05, momentum)
-        lb = b.step_into(cb, x, y, n, 0.05, momentum, vb)
+        lb = b.step_into(cb, x, y, n, 0.05, momentum, vb, acc=acc_b)
         assert lb == pytest.approx(la, rel=1e-6)
         np.testing.assert_allclose(b.flat, a.flat, rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(vb, va, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(acc_b - 0.5, acc_a, rtol=1e-5, atol=1e-6)
         assert not cb.grad.any(), "the step leaves the gradient buffer zeroed"
     assert not np.array_equal(b.flat, Network.from_spec(spec, shape, activation, seed=1).flat)
 
@@ -116,13 +120,15 @@ def test_dense_backward_update_matches_reference_and_finite_differences(B, I, O,
     )
     w1, b1, vw1, vb1 = w.copy(), b.copy(), vw.copy(), vb.copy()
     dx = np.full((B, I), 3.0, np.float32)  # overwritten
-    F.dense_backward_update(
-        dx, w1, b1, vw1, vb1, np.zeros(I, np.float32), dout, x, lr, momentum, True
-    )
+    aw, ab = np.ones((O, I), np.float32), np.ones(O, np.float32)  # accumulators
+    row = np.zeros(I, np.float32)
+    F.dense_backward_update(dx, w1, b1, vw1, vb1, aw, ab, row, dout, x, lr, momentum, True)
     tol = {"rtol": 1e-4, "atol": 1e-5}
     np.testing.assert_allclose(dx, ref[0], **tol)
     np.testing.assert_allclose(w1, ref[1], **tol)
     np.testing.assert_allclose(b1, ref[2], **tol)
+    np.testing.assert_allclose(aw - 1, ref[1] - w, **tol)  # the update, added to aw and ab
+    np.testing.assert_allclose(ab - 1, ref[2] - b, **tol)
     if momentum:
         np.testing.assert_allclose(vw1, ref[3], **tol)
         np.testing.assert_allclose(vb1, ref[4], **tol)
@@ -144,11 +150,11 @@ def test_dense_backward_update_matches_reference_and_finite_differences(B, I, O,
         np.testing.assert_allclose(
             (b - b1.astype(np.float64)) / lr, d64.sum(0), rtol=1e-3, atol=1e-4
         )
-    # without need_dx, dx is not touched and the update is the same
+    # without need_dx and accumulators (empty), the update is the same
     w2, b2, vw2, vb2 = w.copy(), b.copy(), vw.copy(), vb.copy()
-    untouched = np.zeros((0, I), np.float32)
+    none = np.zeros((0, I), np.float32)
     F.dense_backward_update(
-        untouched, w2, b2, vw2, vb2, np.zeros(I, np.float32), dout, x, lr, momentum, False
+        none, w2, b2, vw2, vb2, none, np.zeros(0, np.float32), row, dout, x, lr, momentum, False
     )
     np.testing.assert_array_equal(w2, w1)
     np.testing.assert_array_equal(b2, b1)
@@ -169,6 +175,8 @@ def test_fused_step_refuses_unsafe_arguments():
     other = Network.from_spec("fc5,fc3", shape, "relu", seed=0)
     with pytest.raises(InputShapeError, match="another network"):
         other.step_into(ctx, x, y, 4, 0.1, 0.0, v)
+    with pytest.raises(InputShapeError, match="accumulator"):
+        net.step_into(ctx, x, y, 4, 0.1, 0.0, v, acc=np.zeros(3, np.float32))
     before = net.flat.copy()
     net.step_into(ctx, x, y, 4, 0.1, 0.0, v)  # and a valid step still works afterwards
     assert not np.array_equal(before, net.flat)
