@@ -19,7 +19,7 @@ Shape legend::
 
     B = images in the batch, H, W = image height and width, C = channels (1 for grey)
     images  (B, H, W, C) uint8      as stored (a grey store's (N, H, W) is viewed as C = 1)
-    out     (B, C, H, W) float32    the model's layout, values in [0, 1]
+    out     (B, C, H, W) float32    the model's layout, values in [0, 1] (see :func:`to_float`)
     indices (B,) int64              global image indices (the key of the random draws)
 
 Example
@@ -51,7 +51,7 @@ __all__ = [
     "as_model_input",
     "augment_batch",
     "elastic_field",
-    "to_float_batch",
+    "to_float",
 ]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -273,17 +273,6 @@ def elastic_field(dx, dy, seed, epoch, index, alpha, sigma):
     _field_one(dx, dy, _key(seed, epoch, index), alpha, taps, pad_x, pad_y)
 
 
-@njit(cache=True, nogil=True)
-def to_float_batch(out, images):
-    """No augmentation: out (B, C, H, W) float32 = images (B, H, W, C) uint8 / 255."""
-    B, H, W, C = images.shape
-    for b in range(B):
-        for y in range(H):
-            for x in range(W):
-                for c in range(C):
-                    out[b, c, y, x] = np.float32(images[b, y, x, c] / 255.0)
-
-
 # -- the configuration object ---------------------------------------------------------------------
 
 
@@ -300,12 +289,33 @@ def _as_bhwc(images: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(images)
 
 
+def to_float(images: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Pixels uint8 -> float32 in [0, 1]: ``images / 255``, correctly rounded, shape kept.
+
+    The package's one input conversion: served batches, evaluation arrays and unaugmented
+    images all go through it, so a pixel has the same float everywhere. ``out`` (float32, the
+    shape of ``images``) receives the result when given; a transposed view of ``images`` with
+    a C-ordered ``out`` changes the layout in the same pass.
+
+    >>> to_float(np.array([0, 51, 255], np.uint8))
+    array([0. , 0.2, 1. ], dtype=float32)
+    """
+    x = np.asarray(images)
+    if x.dtype != np.uint8:
+        raise InputShapeError(
+            f"to_float takes uint8 pixels, got {x.dtype}", "pass the arrays of a dataset store"
+        )
+    if out is None:
+        out = np.empty(x.shape, np.float32)
+    np.divide(x, np.float32(255.0), out=out, dtype=np.float32)
+    return out
+
+
 def as_model_input(images: np.ndarray) -> np.ndarray:
     """Stored images (N, H, W[, C]) uint8 -> the model's input (N, C, H, W) float32 in [0, 1]."""
     x = _as_bhwc(images)
     out = np.empty((x.shape[0], x.shape[3], x.shape[1], x.shape[2]), np.float32)
-    to_float_batch(out, x)
-    return out
+    return to_float(x.transpose(0, 3, 1, 2), out=out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,7 +417,7 @@ class Augment:
                 "allocate out with the batch's shape",
             )
         if self.is_identity:
-            to_float_batch(out, x)
+            to_float(x.transpose(0, 3, 1, 2), out=out)
         else:
             augment_batch(
                 out,

@@ -20,6 +20,8 @@ from ..storage import normalize_url, zarr_store
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["SPLITS", "Split", "describe", "load_arrays", "open_split"]
+
 SPLITS = ("train", "test")
 
 
@@ -96,7 +98,7 @@ def open_split(url: str, split: str = "train", storage_options: dict | None = No
             "ingest the split or choose another",
             url=url,
         )
-    g = root[split]
+    g: Any = root[split]  # a zarr.Group (checked below through its arrays)
     for name in ("images", "labels"):
         if name not in g:
             raise DatasetError(
@@ -104,8 +106,9 @@ def open_split(url: str, split: str = "train", storage_options: dict | None = No
                 "it was not written by `adam-dask ingest`; ingest it again",
                 url=url,
             )
-    images, labels = g["images"], g["labels"]
-    attrs = dict(g.attrs)
+    images: Any = g["images"]
+    labels: Any = g["labels"]
+    attrs: dict[str, Any] = dict(g.attrs)
     if not attrs.get("complete"):
         raise DatasetError(
             f"{where} is incomplete (its ingest was interrupted)",
@@ -133,6 +136,21 @@ def open_split(url: str, split: str = "train", storage_options: dict | None = No
     if not classes:
         raise DatasetError(f"{where} has no 'classes' attribute", "ingest the data again", url=url)
     return Split(url=url, name=split, images=images, labels=labels, classes=classes, attrs=attrs)
+
+
+def load_arrays(
+    url: str,
+    split: str = "test",
+    storage_options: dict | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """All of split ``split`` in memory: (images uint8 (N, H, W[, C]), labels int64 (N,)).
+
+    For evaluation; :func:`adam_dask.data.augment.to_float` turns the images into the model's
+    (N, C, H, W) float32 input. Errors name the store.
+    """
+    s = open_split(url, split, storage_options)
+    images, labels = s.read(0, len(s))
+    return images, labels.astype(np.int64)
 
 
 def describe(url: str, storage_options: dict | None = None) -> dict:

@@ -301,6 +301,6 @@ def test_a_dead_data_server_is_replaced_and_the_epoch_completes(store, arrays, r
             assert np.array_equal(np.sort(idx), np.arange(N_TRAIN))
             if recovery == "new-actor":  # the next epoch finds the new generation at once
                 assert later.stats()["recoveries"] == 0
-                assert svc._gens[0] >= 1
+                assert svc.generation(0) >= 1
         finally:
             svc.close()

@@ -1,0 +1,383 @@
+"""The core of a DataServer, without Dask: one partition, any number of open streams.
+
+A :class:`PartitionServer` owns a partition of a split (a chunk-aligned image range), keeps it
+in a :class:`~._cache.ChunkCache`, and builds the next batches of every open stream ahead of
+demand in its own producer threads, into a bounded buffer per stream. It answers
+:meth:`~PartitionServer.try_take` with the messages of :mod:`._messages`. The DataServer actor
+wraps one; a stream whose servers are gone runs one in-process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ... import config
+from ...errors import AdamError, ClusterError, ConfigError, DatasetError
+from ..augment import Augment, augment_batch
+from ..datasets import open_split
+from ._cache import ChunkCache
+from ._layout import PartitionLayout, check_share
+from ._messages import Batch, End, Message, ServerClosed, ServingError, StreamExpired
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PartitionServer", "ServerSettings"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """How a partition server works; :meth:`from_config` fills what is not given from
+    ``adam.serving``. ``augment`` is ``None`` for none."""
+
+    augment: Augment | None
+    seed: int
+    buffer_batches: int
+    cache_bytes: int
+    threads: int
+    read_ahead: int
+    readers: int
+    idle_timeout: float
+
+    @classmethod
+    def from_config(
+        cls,
+        *,
+        augment: Augment | None,
+        seed: int | None = None,
+        buffer_batches: int | None = None,
+        cache_bytes: int | None = None,
+        threads: int | None = None,
+    ) -> ServerSettings:
+        s = cls(
+            augment=None if augment is None or augment.is_identity else augment,
+            seed=int(config.get("serving.seed", seed)),
+            buffer_batches=int(config.get("serving.buffer-batches", buffer_batches)),
+            cache_bytes=int(config.get("serving.cache-bytes", cache_bytes)),
+            threads=int(config.get("serving.threads", threads)),
+            read_ahead=int(config.get("serving.read-ahead")),
+            readers=int(config.get("serving.readers")),
+            idle_timeout=float(config.get("serving.idle-timeout")),
+        )
+        for name in ("buffer_batches", "threads", "readers"):
+            if getattr(s, name) < 1:
+                raise ConfigError(
+                    f"{name}={getattr(s, name)} must be at least 1",
+                    f"set it or adam.serving.{name.replace('_', '-')}",
+                )
+        if not s.idle_timeout > 0:
+            raise ConfigError(
+                f"idle_timeout={s.idle_timeout} must be positive",
+                "give seconds (adam.serving.idle-timeout)",
+            )
+        if s.cache_bytes < 0 or s.read_ahead < 0:
+            raise ConfigError(
+                f"cache_bytes={s.cache_bytes}, read_ahead={s.read_ahead}: neither may be negative",
+                "give byte and batch counts (adam.serving.cache-bytes, read-ahead)",
+            )
+        return s
+
+
+@dataclass(slots=True)
+class _StreamState:
+    sid: str
+    epoch: int
+    batches: list[tuple[int, np.ndarray]]  # (batch number k, global indices) still to produce
+    make: int = 0  # next position to produce
+    out: int = 0  # next position to hand out
+    ready: dict[int, Batch] = field(default_factory=dict)
+    error: ServingError | None = None
+    last_used: float = 0.0
+
+
+class PartitionServer:
+    """Partition ``partition`` of split ``split`` of the store at ``url``, served to streams.
+
+    ``settings.threads`` producer threads pick the open stream with the fewest ready batches
+    and build its next batch (read from the chunk cache, augment with the GIL released); each
+    stream's buffer holds at most ``settings.buffer_batches`` ready batches, so an abandoned
+    stream never holds the others back, and a stream nobody reads for ``idle_timeout`` seconds
+    is dropped. ``notify(sid)`` is called (from a producer thread) when stream ``sid`` has news.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        split: str,
+        storage_options: dict | None,
+        layout: PartitionLayout,
+        partition: int,
+        settings: ServerSettings,
+        *,
+        notify: Callable[[str], None] | None = None,
+    ):
+        self.url, self.split_name, self.layout, self.partition = url, split, layout, partition
+        self.settings = settings
+        self._notify = notify
+        self.start, self.stop = layout.partition(partition)
+        self._split = open_split(url, split, storage_options)
+        if len(self._split) != layout.n:
+            raise DatasetError(
+                f"{url}/{split} has {len(self._split)} images, but the service was "
+                f"created for {layout.n}",
+                "create the DataService again",
+                url=url,
+            )
+        self.cache = ChunkCache(
+            self._split,
+            self.start,
+            self.stop,
+            cache_bytes=settings.cache_bytes,
+            readers=settings.readers,
+        )
+        self.shape = self.cache.hwc
+        self._cond = threading.Condition()
+        self._streams: dict[str, _StreamState] = {}
+        self._closed = False
+        self.images_served = 0
+        self.batches_served = 0
+        self.batches_made = 0
+        if layout.window_chunks is None:  # it fits: load the whole partition now
+            self.cache.prefetch(self.cache.chunk_ids)
+        self._warm = threading.Event()
+        threading.Thread(
+            target=self._warm_up, name=f"adam-data-p{partition}-warm", daemon=True
+        ).start()
+        for i in range(settings.threads):
+            threading.Thread(
+                target=self._produce, name=f"adam-data-p{partition}-{i}", daemon=True
+            ).start()
+
+    def _warm_up(self) -> None:
+        """Load the partition (when it fits) and the kernels, so the first batch is quick."""
+        try:
+            if self.layout.window_chunks is None:
+                for cid in self.cache.chunk_ids:
+                    self.cache.load(cid)
+            if self.stop > self.start:
+                self._make(0, 0, np.array([self.start], np.int64))
+        except Exception as exc:  # surfaces, with the store's name, when a stream needs it
+            logger.warning("partition %d: warm-up failed: %s", self.partition, exc)
+        finally:
+            self._warm.set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the warm-up finished (True) or ``timeout`` passed (False)."""
+        return self._warm.wait(timeout)
+
+    # -- streams ---------------------------------------------------------------------------------
+
+    def open_stream(
+        self,
+        sid: str,
+        epoch: int,
+        replica: int,
+        replicas: int,
+        batch_size: int,
+        done: Sequence[int] = (),
+    ) -> int:
+        """Open stream ``sid``: replica's share of this partition in ``epoch``, minus the batch
+        numbers in ``done`` (already delivered). Returns the number of batches to hand out."""
+        check_share(replica, replicas, epoch)
+        if self._closed:
+            raise ClusterError(
+                f"the DataServer of partition {self.partition} was shut down",
+                "the DataService was closed; create a new one",
+            )
+        share = self.layout.share(self.partition, epoch, self.settings.seed, replica, replicas)
+        skip = {int(k) for k in done}
+        batches = [
+            (k, share[i : i + batch_size])
+            for k, i in enumerate(range(0, len(share), batch_size))
+            if k not in skip
+        ]
+        with self._cond:
+            self._streams[sid] = _StreamState(sid, epoch, batches, last_used=time.monotonic())
+            self._cond.notify_all()
+        logger.debug(
+            "partition %d: stream %s opened (epoch %d, %d batches)",
+            self.partition,
+            sid,
+            epoch,
+            len(batches),
+        )
+        return len(batches)
+
+    def close_stream(self, sid: str) -> bool:
+        with self._cond:
+            st = self._streams.pop(sid, None)
+            self._cond.notify_all()
+        return st is not None
+
+    def try_take(self, sid: str) -> Message | None:
+        """The stream's next :class:`Batch`, :class:`End` past its last one, an error message,
+        or ``None`` when the next batch is not ready yet."""
+        with self._cond:
+            if self._closed:
+                return ServerClosed(
+                    f"the DataServer of partition {self.partition} was shut down",
+                    "the DataService was closed; create a new one",
+                )
+            st = self._streams.get(sid)
+            if st is None:
+                return StreamExpired(f"stream {sid} is not open on partition {self.partition}")
+            st.last_used = time.monotonic()
+            if st.error is not None:
+                return st.error
+            if st.out >= len(st.batches):
+                return End()
+            item = st.ready.pop(st.out, None)
+            if item is None:
+                return None
+            st.out += 1
+            self.images_served += len(item)
+            self.batches_served += 1
+            self._cond.notify_all()
+            return item
+
+    def take(self, sid: str, timeout: float | None = None) -> Message:
+        """Blocking :meth:`try_take` (the in-process path); ``TimeoutError`` after ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                item = self.try_take(sid)
+                if item is not None:
+                    return item
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"no batch from partition {self.partition} in {timeout} s")
+                self._cond.wait(left)
+
+    # -- the producers -----------------------------------------------------------------------------
+
+    def _claim(self) -> tuple[_StreamState, int] | None:
+        """The stream with the fewest ready batches that wants more, and its next position."""
+        best: tuple[int, _StreamState] | None = None
+        now = time.monotonic()
+        for st in list(self._streams.values()):
+            if now - st.last_used > self.settings.idle_timeout:
+                logger.info(
+                    "partition %d: stream %s idle for %.0f s, released",
+                    self.partition,
+                    st.sid,
+                    now - st.last_used,
+                )
+                del self._streams[st.sid]
+                self._cond.notify_all()  # a blocked take() sees StreamExpired
+                continue
+            if st.error is not None or st.make >= len(st.batches):
+                continue
+            queued = st.make - st.out
+            if queued < self.settings.buffer_batches and (best is None or queued < best[0]):
+                best = (queued, st)
+        if best is None:
+            return None
+        st = best[1]
+        st.make += 1
+        return st, st.make - 1
+
+    def _produce(self) -> None:
+        while True:
+            with self._cond:
+                claim = None
+                while not self._closed:
+                    claim = self._claim()
+                    if claim is not None:
+                        break
+                    # woken by every change; the timeout only lets idle streams expire
+                    self._cond.wait(self.settings.idle_timeout / 2)
+                if self._closed or claim is None:
+                    return
+                st, pos = claim
+                ahead: list[tuple[int, np.ndarray]] = []
+                if self.layout.window_chunks is not None:
+                    ahead = st.batches[pos + 1 : pos + 1 + self.settings.read_ahead]
+            try:
+                if ahead:
+                    idx = np.concatenate([i for _, i in ahead])
+                    self.cache.prefetch(np.unique(idx // self.cache.chunk).tolist())
+                item = self._make(st.epoch, *st.batches[pos])
+            except Exception as exc:
+                logger.exception("partition %d: making a batch failed", self.partition)
+                with self._cond:
+                    st.error = self._error(exc)
+                    self._cond.notify_all()
+                self._tell(st.sid)
+                continue
+            with self._cond:
+                if self._streams.get(st.sid) is st:
+                    st.ready[pos] = item
+                    self.batches_made += 1
+                self._cond.notify_all()
+            self._tell(st.sid)
+
+    def _tell(self, sid: str) -> None:
+        if self._notify is not None:
+            self._notify(sid)
+
+    def _error(self, exc: Exception) -> ServingError:
+        if isinstance(exc, AdamError):
+            return ServingError(exc.message, exc.hint, getattr(exc, "url", None) or self.url)
+        return ServingError(
+            f"serving {self.url} failed: {type(exc).__name__}: {exc}",
+            "see the DATA worker's log",
+            self.url,
+        )
+
+    def _make(self, epoch: int, k: int, idx: np.ndarray) -> Batch:
+        images = self.cache.get(idx)
+        y = self.cache.labels[idx - self.start]
+        a = self.settings.augment
+        if a is None:  # ship the stored bytes: a quarter of float32's traffic
+            return Batch(int(k), images, y, idx)
+        H, W, C = self.shape
+        x = np.empty((len(idx), C, H, W), np.float32)
+        augment_batch(
+            x,
+            images,
+            idx,
+            self.settings.seed & 0xFFFFFFFFFFFFFFFF,
+            int(epoch),
+            float(a.rotation),
+            float(a.translation),
+            float(a.scale),
+            float(a.shear),
+            float(a.elastic_alpha),
+            float(a.elastic_sigma),
+        )
+        return Batch(int(k), x, y, idx)
+
+    # -- introspection and shutdown ----------------------------------------------------------------
+
+    def stats(self) -> dict:
+        with self._cond:
+            ready = sum(len(st.ready) for st in self._streams.values())
+            streams = len(self._streams)
+        capacity = streams * self.settings.buffer_batches
+        return {
+            "partition": self.partition,
+            "images": self.stop - self.start,
+            "images_served": self.images_served,
+            "batches_served": self.batches_served,
+            "batches_made": self.batches_made,
+            "streams": streams,
+            "buffered_batches": ready,
+            "buffer_capacity": capacity,
+            "buffer_occupancy": ready / capacity if capacity else 0.0,
+            "cached_images": self.cache.cached_images,
+            "cached_bytes": self.cache.nbytes,
+            "cache_bytes": self.cache.cache_bytes,
+            "chunk_reads": self.cache.reads,
+        }
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._streams.clear()
+            self._cond.notify_all()
+        self.cache.close()

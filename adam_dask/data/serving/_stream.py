@@ -1,0 +1,500 @@
+"""The client side: a :class:`BatchStream` is one replica's share of one epoch.
+
+The stream keeps ``prefetch`` ``next_batch`` requests in flight (peer-to-peer actor calls) and
+hands out ``(x, y)``. It records which batch numbers of each partition it delivered; whenever a
+partition changes server (its worker died or froze, the stream expired, the data workers came
+back) the new server is opened with those numbers and produces only the others, so every image
+of the share is delivered **exactly once**, and identically (the augmentation is
+deterministic).
+
+A server that stops answering is noticed within seconds, not after ``call-timeout``: a
+request that waits longer than ``adam.serving.probe-after`` sends the server a ``ping``, and a
+server that does not answer it within ``probe-timeout`` is lost (a frozen process keeps its
+sockets open but answers nothing). The stream then asks the service for a replacement on a live
+DATA worker and, with none, serves the partition itself; every ``return-interval`` seconds it
+looks for a DATA worker again and moves the partition back when one answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ... import config
+from ...errors import AdamError
+from ..augment import as_model_input
+from ._layout import batch_plan
+from ._messages import (
+    Batch,
+    End,
+    Message,
+    ServerClosed,
+    ServerLost,
+    ServingError,
+    StreamExpired,
+)
+from ._partition import PartitionServer
+
+if TYPE_CHECKING:
+    from tornado.ioloop import IOLoop
+
+    from ._service import DataService, ServerRef
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BatchStream"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Timing:
+    call_timeout: float
+    probe_after: float
+    probe_timeout: float
+    return_interval: float
+
+    @classmethod
+    def from_config(cls) -> _Timing:
+        return cls(
+            call_timeout=float(config.get("serving.call-timeout")),
+            probe_after=float(config.get("serving.probe-after")),
+            probe_timeout=float(config.get("serving.probe-timeout")),
+            return_interval=float(config.get("serving.return-interval")),
+        )
+
+
+class _Remote:
+    """Actor calls made from the consumer's thread, each a :class:`concurrent.futures.Future`
+    that Dask's event loop completes. Reading a finished one costs no trip through the event
+    loop (``ActorFuture.result`` always makes one, ~1 ms from a task thread), and waiting on
+    one with a timeout leaves the call running."""
+
+    def __init__(self) -> None:
+        from distributed import get_client, get_worker
+
+        loop: IOLoop | None
+        try:  # in a task: the worker's loop, which its actor handles use
+            loop = get_worker().loop
+        except ValueError:
+            loop = get_client().loop
+        assert loop is not None, "a running client has an event loop"
+        self._loop = loop
+
+    def call(self, actor: Any, method: str, *args: Any) -> Future:
+        out: Future = Future()
+
+        async def run() -> None:
+            if not out.set_running_or_notify_cancel():
+                return
+            try:
+                out.set_result(await getattr(actor, method)(*args))
+            except BaseException as exc:  # handed to the consumer, which decides
+                out.set_exception(exc)
+
+        self._loop.add_callback(run)
+        return out
+
+
+class _ActorSource:
+    """Stream ``sid`` on a DataServer actor."""
+
+    local = False
+
+    def __init__(self, ref: ServerRef, sid: str, remote: _Remote, timing: _Timing):
+        self.ref, self.sid, self.remote, self.timing = ref, sid, remote, timing
+
+    def request(self) -> Future:
+        return self.remote.call(self.ref.actor, "next_batch", self.sid)
+
+    def wait(self, call: Future) -> Any:
+        """The call's answer, or :class:`ServerLost` when the server's worker is gone, does
+        not answer a probe, or gives no answer within ``call-timeout``."""
+        t = self.timing
+        start = time.monotonic()
+        while True:
+            try:
+                return call.result(timeout=t.probe_after)
+            except TimeoutError:
+                pass
+            except AdamError:
+                raise
+            except Exception as exc:
+                return ServerLost(f"{type(exc).__name__}: {exc}", "error")
+            if not self.alive():
+                call.cancel()
+                return ServerLost(
+                    f"its worker {self.ref.address} did not answer a ping within "
+                    f"{t.probe_timeout} s (frozen?)",
+                    "unanswered",
+                )
+            if time.monotonic() - start > t.call_timeout:
+                call.cancel()
+                return ServerLost(
+                    f"no answer within {t.call_timeout} s (adam.serving.call-timeout)", "timeout"
+                )
+
+    def alive(self) -> bool:
+        """Whether the server answers a ping within ``probe-timeout``."""
+        ping = self.remote.call(self.ref.actor, "ping")
+        try:
+            ping.result(timeout=self.timing.probe_timeout)
+            return True
+        except Exception:
+            ping.cancel()
+            return False
+
+    def close(self) -> None:
+        try:  # fire and forget: a frozen server gets it when it wakes
+            self.remote.call(self.ref.actor, "close_stream", self.sid)
+        except RuntimeError:  # the event loop is closed: the process is shutting down
+            pass
+
+
+class _LocalSource:
+    """Stream ``sid`` on a partition server in this process (the last resort)."""
+
+    local = True
+
+    def __init__(self, server: PartitionServer, sid: str, timing: _Timing, lost: ServerRef | None):
+        self.server, self.sid, self.timing = server, sid, timing
+        self.lost = lost  # the DataServer this replaces (None: the service serves locally)
+        self.next_check = time.monotonic() + timing.return_interval
+
+    def request(self) -> Future:
+        return Future()  # a placeholder: wait() takes the batch from the server
+
+    def wait(self, call: Future) -> Message:
+        try:
+            return self.server.take(self.sid, self.timing.call_timeout)
+        except TimeoutError as exc:
+            return ServerLost(str(exc), "timeout")
+
+    def close(self) -> None:
+        self.server.close()
+
+
+_Source = _ActorSource | _LocalSource
+
+
+@dataclass(slots=True)
+class _Request:
+    p: int
+    source: _Source
+    call: Future
+
+
+class BatchStream:
+    """One replica's share of one epoch; iterate for ``(x, y)`` batches.
+
+    Keeps ``prefetch`` requests in flight (``adam.serving.prefetch``). ``len(stream)`` is the
+    number of batches, ``stream.images`` the images in the share. Stop early with :meth:`close`
+    (it releases the servers' state for this stream; other streams never wait for it).
+    :meth:`stats` reports what was served, how long the consumer waited, and the recoveries.
+    """
+
+    def __init__(
+        self,
+        service: DataService,
+        replica: int,
+        replicas: int,
+        epoch: int,
+        batch_size: int,
+        *,
+        prefetch: int | None = None,
+        return_index: bool = False,
+    ):
+        self.service, self.replica, self.replicas, self.epoch = service, replica, replicas, epoch
+        self.batch_size = batch_size
+        self.prefetch = max(1, int(config.get("serving.prefetch", prefetch)))
+        self.return_index = return_index
+        self.sid = f"{service.name}-e{epoch}-r{replica}of{replicas}-{uuid.uuid4().hex[:8]}"
+        lay = service.layout
+        self._counts, self._schedule = batch_plan(
+            lay, replica, replicas, epoch, batch_size, service.seed
+        )
+        self.images = sum(lay.share_size(p, replica, replicas) for p in range(lay.partitions))
+        self._timing = _Timing.from_config()
+        self._remote = None if service.local else _Remote()
+        self._pos = 0
+        self._opened = 0
+        self._pending: deque[_Request] = deque()
+        self._received: list[set[int]] = [set() for _ in range(lay.partitions)]
+        self._sources: dict[int, _Source] = {}
+        self._closed = False
+        self.wait_seconds = self.max_wait_seconds = 0.0
+        self.images_delivered = self.batches_delivered = self.local_batches = 0
+        self.recoveries = self.unanswered = self.call_timeouts = self.returns = 0
+        self._t_first: float | None = None
+        self._t_last: float | None = None
+        self._open_sources()
+
+    # -- sources ------------------------------------------------------------------------------------
+
+    def _next_sid(self, p: int) -> str:
+        """A new stream id per opening: late answers for an older one can never be taken
+        for answers to this one."""
+        self._opened += 1
+        return f"{self.sid}-p{p}-o{self._opened}"
+
+    def _open_args(self, p: int) -> tuple:
+        done = sorted(self._received[p])
+        return (self.epoch, self.replica, self.replicas, self.batch_size, done)
+
+    def _open_sources(self) -> None:
+        parts = [p for p, c in enumerate(self._counts) if c > 0]
+        if self.service.local:
+            for p in parts:
+                self._sources[p] = self._serve_locally(p, None)
+            return
+        live = self.service.live_data_workers()
+        opening = []
+        for p in parts:  # open every partition at once, then collect the answers
+            ref = self.service.server(p)
+            if live is not None and ref.address not in live:
+                lost = ServerLost(f"its worker {ref.address} sends no heartbeats", "unanswered")
+                self._sources[p] = self._recover(p, lost, ref)
+            else:
+                opening.append((p, ref, *self._start_open(p, ref)))
+        for p, ref, sid, call in opening:
+            src = _ActorSource(ref, sid, self._remote_calls(), self._timing)
+            out = src.wait(call)
+            self._sources[p] = self._recover(p, out, ref) if isinstance(out, ServerLost) else src
+
+    def _remote_calls(self) -> _Remote:
+        assert self._remote is not None, "a local service has no remote servers"
+        return self._remote
+
+    def _start_open(self, p: int, ref: ServerRef) -> tuple[str, Future]:
+        sid = self._next_sid(p)
+        return sid, self._remote_calls().call(ref.actor, "open", sid, *self._open_args(p))
+
+    def _connect(self, p: int, ref: ServerRef) -> _ActorSource | ServerLost:
+        sid, call = self._start_open(p, ref)
+        src = _ActorSource(ref, sid, self._remote_calls(), self._timing)
+        out = src.wait(call)
+        return out if isinstance(out, ServerLost) else src
+
+    def _serve_locally(self, p: int, lost: ServerRef | None) -> _LocalSource:
+        sid = self._next_sid(p)
+        server = self.service.local_server(p)
+        server.open_stream(sid, *self._open_args(p))
+        return _LocalSource(server, sid, self._timing, lost)
+
+    def _recover(self, p: int, lost: ServerLost, failed: ServerRef | None) -> _Source:
+        """A new source for partition ``p`` after its server was lost."""
+        self.recoveries += 1
+        self.unanswered += lost.cause == "unanswered"
+        self.call_timeouts += lost.cause == "timeout"
+        logger.warning(
+            "stream %s: the DataServer of partition %d is lost (%s); recovering with %d "
+            "batches already received",
+            self.sid,
+            p,
+            lost.reason,
+            len(self._received[p]),
+        )
+        if self.service.local or failed is None:
+            return self._serve_locally(p, failed)
+        for _ in range(2):
+            ref = self.service.replacement(p, failed)
+            if ref is None:
+                break
+            src = self._connect(p, ref)
+            if not isinstance(src, ServerLost):
+                return src
+            failed = ref
+        logger.warning(
+            "stream %s: no DATA worker can serve partition %d; serving it here", self.sid, p
+        )
+        return self._serve_locally(p, failed)
+
+    def _switch(self, p: int, new: _Source, reissue: int) -> None:
+        """Make ``new`` partition ``p``'s source: requests to the old one are dropped and
+        asked again of the new one (``reissue`` more for requests already taken out)."""
+        dropped = [r for r in self._pending if r.p == p]
+        self._pending = deque(r for r in self._pending if r.p != p)
+        for r in dropped:
+            r.call.cancel()
+        old = self._sources[p]
+        if old is not new:
+            old.close()
+        self._sources[p] = new
+        for _ in range(reissue + len(dropped)):
+            self._issue(p)
+
+    def _check_returns(self) -> None:
+        """Partitions served here move back to a DATA worker when one answers again."""
+        now = time.monotonic()
+        for p, src in list(self._sources.items()):
+            if not (
+                isinstance(src, _LocalSource) and src.lost is not None and now >= src.next_check
+            ):
+                continue
+            src.next_check = now + self._timing.return_interval
+            live = self.service.live_data_workers()
+            if not live:
+                continue
+            ref = self.service.server(p)
+            back: _Source | ServerLost | None = None
+            if ref.address in live:
+                back = self._connect(p, ref)
+            if back is None or isinstance(back, ServerLost):
+                ref2 = self.service.replacement(p, ref)
+                back = None if ref2 is None else self._connect(p, ref2)
+            if back is not None and not isinstance(back, ServerLost):
+                logger.warning(
+                    "stream %s: partition %d is served by a DATA worker again", self.sid, p
+                )
+                self.returns += 1
+                self._switch(p, back, 0)
+
+    # -- iteration ----------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._schedule)
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def _fill(self) -> None:
+        while len(self._pending) < self.prefetch and self._pos < len(self._schedule):
+            self._pos += 1
+            self._issue(self._schedule[self._pos - 1])
+
+    def _issue(self, p: int) -> None:
+        src = self._sources[p]
+        self._pending.append(_Request(p, src, src.request()))
+
+    def __next__(self) -> tuple:
+        if self._closed:
+            raise StopIteration
+        t0 = time.perf_counter()
+        if self._t_first is None:
+            self._t_first = t0
+        try:
+            got = self._next_batch()
+        finally:
+            waited = time.perf_counter() - t0
+            self.wait_seconds += waited
+            self.max_wait_seconds = max(self.max_wait_seconds, waited)
+        if got is None:
+            self._finish()
+            raise StopIteration
+        return self._deliver(*got)
+
+    def _next_batch(self) -> tuple[_Request, Batch] | None:
+        self._check_returns()
+        self._fill()
+        while self._pending:
+            req = self._pending.popleft()
+            batch = self._take(req, req.source.wait(req.call))
+            if batch is not None:
+                return req, batch
+        return None
+
+    def _take(self, req: _Request, msg: Message) -> Batch | None:
+        """A new batch, or ``None`` after acting on any other answer."""
+        p = req.p
+        match msg:
+            case Batch() if msg.k in self._received[p]:
+                logger.warning("stream %s: batch %d of partition %d came twice", self.sid, msg.k, p)
+                self._issue(p)
+            case Batch():
+                return msg
+            case ServingError() | ServerClosed():
+                self.close()
+                raise msg.exception()
+            case StreamExpired():  # the server dropped the stream (idle): open it again
+                logger.warning("stream %s: partition %d dropped the stream; reopening", self.sid, p)
+                self._switch(p, self._reopen(p, req.source), 1)
+            case End():
+                self._lost(p, ServerLost("the server ran out of batches early", "error"))
+            case ServerLost():
+                self._lost(p, msg)
+        return None
+
+    def _reopen(self, p: int, src: _Source) -> _Source:
+        if isinstance(src, _LocalSource):  # the same server, a new stream id
+            src.sid = self._next_sid(p)
+            src.server.open_stream(src.sid, *self._open_args(p))
+            return src
+        new = self._connect(p, src.ref)
+        return self._recover(p, new, src.ref) if isinstance(new, ServerLost) else new
+
+    def _lost(self, p: int, lost: ServerLost) -> None:
+        src = self._sources[p]
+        failed = src.lost if isinstance(src, _LocalSource) else src.ref
+        self._switch(p, self._recover(p, lost, failed), 1)
+
+    def _deliver(self, req: _Request, batch: Batch) -> tuple:
+        self._received[req.p].add(batch.k)
+        self.batches_delivered += 1
+        self.images_delivered += len(batch)
+        self.local_batches += isinstance(req.source, _LocalSource)
+        self._fill()
+        self._t_last = time.perf_counter()
+        x = batch.x if batch.x.dtype == np.float32 else as_model_input(batch.x)
+        if self.return_index:
+            return x, batch.y, batch.idx
+        return x, batch.y
+
+    def _finish(self) -> None:
+        if not self._closed:
+            self._closed = True
+            for r in self._pending:
+                r.call.cancel()
+            self._pending.clear()
+            for src in self._sources.values():
+                src.close()
+
+    def close(self) -> None:
+        """Stop early: release this stream's state on every server (does not wait)."""
+        self._finish()
+
+    def __enter__(self) -> BatchStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self._finish()
+        except Exception:
+            pass
+
+    def stats(self) -> dict:
+        """What was served and how it went.
+
+        images, batches (delivered), share_images, share_batches, wait_seconds (the consumer
+        blocked in ``next``), max_wait_seconds (the longest such wait), elapsed_seconds (first
+        ``next`` to the last batch), stall_fraction (their ratio), recoveries (servers lost),
+        unanswered (of those, found frozen by a probe), call_timeouts (of those, lost after
+        ``call-timeout``), local_batches (served in this process), returns (partitions moved
+        back to a DATA worker).
+        """
+        elapsed = 0.0
+        if self._t_first is not None:
+            elapsed = (self._t_last or time.perf_counter()) - self._t_first
+        return {
+            "images": self.images_delivered,
+            "batches": self.batches_delivered,
+            "share_images": self.images,
+            "share_batches": len(self),
+            "wait_seconds": self.wait_seconds,
+            "max_wait_seconds": self.max_wait_seconds,
+            "elapsed_seconds": elapsed,
+            "stall_fraction": self.wait_seconds / elapsed if elapsed > 0 else 0.0,
+            "recoveries": self.recoveries,
+            "unanswered": self.unanswered,
+            "call_timeouts": self.call_timeouts,
+            "local_batches": self.local_batches,
+            "returns": self.returns,
+        }
