@@ -270,7 +270,14 @@ def connect(address: str | None = None, *, gateway: str | None = None, **kwargs)
     if n is None:
         n = sum(int(config.get(f"cluster.{k}")) for k in ("ps-nodes", "data-nodes", "trainers"))
     gw = Gateway(gateway, **{k: kwargs.pop(k) for k in ("auth", "proxy_address") if k in kwargs})
-    cluster = gw.new_cluster(**kwargs)
+    try:
+        cluster = gw.new_cluster(**kwargs)
+    except Exception as exc:  # aiohttp's and the gateway's own errors are not OSErrors
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ClusterError(
+            f"cannot create a cluster on the dask-gateway at {gateway}: {text}",
+            "check the URL, that the gateway is up, and dask-gateway's auth settings",
+        ) from exc
     try:
         cluster.scale(int(n))
         client = cluster.get_client()

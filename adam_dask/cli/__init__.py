@@ -16,9 +16,8 @@ import sys
 from collections.abc import Callable, Sequence
 
 from .. import __version__
-from ..jobs import Redactor, run_job, setup_logging
+from ..jobs import ArgumentParser, Redactor, run_job, setup_logging
 from . import data, train
-from ._common import Parser
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +26,7 @@ __all__ = ["build_parser", "main", "run"]
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``adam-dask`` argument parser, every sub-command included."""
-    parser = Parser(
+    parser = ArgumentParser(
         prog="adam-dask",
         description="Project Adam on Dask: asynchronous "
         "data-parallel training with a replicated parameter server.",
@@ -40,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="more logging on stderr (-vv for Dask's own in this process)",
     )
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     data.register(sub)
     train.register(sub)
     return parser

@@ -7,7 +7,8 @@ import logging
 
 from .. import config
 from ..cluster import client_for
-from ._common import add_cluster, add_storage, json_object, positive_int, size
+from ..jobs import json_object, positive_int, size
+from ._common import add_cluster, add_storage
 
 logger = logging.getLogger(__name__)
 

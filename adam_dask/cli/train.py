@@ -11,7 +11,8 @@ from typing import Any
 from .. import config
 from ..cluster import client_for, dashboard_link
 from ..errors import CheckpointError, ConfigError, DestinationExistsError
-from ._common import add_cluster, add_storage, count, fraction, positive_float, positive_int
+from ..jobs import count, fraction, positive_float, positive_int
+from ._common import add_cluster, add_storage
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +27,8 @@ def register(sub) -> None:
         "--epochs",
         type=positive_int,
         default=None,
-        help=f"the run's total epochs, as Keras counts them: with --resume, only the ones "
-        f"not yet trained run (default {config.get('train.epochs')})",
+        help="the run's total epochs, as Keras counts them: with --resume, only the ones not "
+        f"trained yet run (default {config.get('train.epochs')}, or the resumed run's plan)",
     )
     p.add_argument(
         "--target-accuracy",
@@ -199,7 +200,6 @@ def cmd_train(args: argparse.Namespace) -> dict:
     from ..train import Trainer
 
     _check_before_start(args)
-    total = int(config.get("train.epochs", args.epochs))
     t0 = time.perf_counter()
     client = client_for(
         args.scheduler,
@@ -245,19 +245,15 @@ def cmd_train(args: argparse.Namespace) -> dict:
                 **kw,
             )
         first = trainer.epoch
-        if total > first:
-            trainer.fit(
-                epochs=total - first,
-                target_accuracy=args.target_accuracy,
-                max_seconds=args.max_seconds,
-            )
-        else:
+        # --epochs is the run's total (Keras's epochs with initial_epoch); None: the plan
+        trainer.fit(
+            epochs=args.epochs, target_accuracy=args.target_accuracy, max_seconds=args.max_seconds
+        )
+        if trainer.epoch == first:
             logger.warning(
-                "the run at %s has trained %d epochs already; --epochs %d is the total, "
-                "so nothing is left to train",
+                "the run at %s had %d epochs already: nothing was left to train",
                 args.checkpoint,
                 first,
-                total,
             )
         return train_result(trainer, first, time.perf_counter() - t0, args.target_accuracy)
     finally:

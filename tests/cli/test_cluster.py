@@ -1,0 +1,136 @@
+"""The clusters the commands run on (adam_dask.cluster): the embedded cluster with TLS and its
+dashboard, and client_for's choice between a scheduler, a gateway and the embedded cluster."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+import adam_dask
+from adam_dask.cluster import client_for, dashboard_link, local_spec
+from adam_dask.data.datasets import open_split
+from adam_dask.errors import ConfigError
+from adam_dask.testing import synthetic_digits, synthetic_store, write_mnist_like
+
+SPEC = "conv5x5:6,maxpool2,fc32,fc10"
+
+
+def test_tls_cluster_ingests_and_trains(tmp_path):
+    """--tls: every address is tls://, and ingest and training work over it."""
+    from adam_dask.data.ingest import ingest
+    from adam_dask.train import Trainer
+
+    src = write_mnist_like(tmp_path / "src", n_train=512, n_test=128)
+    with adam_dask.cluster.local(
+        ps_nodes=3, data_nodes=1, trainers=1, trainer_threads=1, memory_limit="2 GiB", tls=True
+    ) as client:
+        assert client.scheduler.address.startswith("tls://")
+        workers = client.scheduler_info(n_workers=-1)["workers"]
+        assert len(workers) == 5 and all(a.startswith("tls://") for a in workers)
+        ingest(str(src), str(tmp_path / "d.zarr"), client=client)
+        train = open_split(str(tmp_path / "d.zarr"), "train")
+        assert (train.images[:] == synthetic_digits(512, seed=0)[0]).all()
+        t = Trainer(
+            str(tmp_path / "d.zarr"),
+            model=SPEC,
+            client=client,
+            push_every=64,
+            progress=False,
+            checkpoint=str(tmp_path / "ck"),
+        )
+        try:
+            t.fit(epochs=2)
+        finally:
+            t.close()
+        assert t.history.last["test_accuracy"] >= 0.5, t.history.records
+        assert (tmp_path / "ck" / "manifest.json").exists()
+
+
+def test_cli_train_tls_prints_the_dashboard_and_no_key(tmp_path):
+    store = synthetic_store(tmp_path, n_train=256, n_test=64)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "adam_dask.cli",
+            "-vv",
+            "train",
+            "--tls",
+            "--data",
+            store,
+            "--model",
+            SPEC,
+            "--epochs",
+            "1",
+            "--ps-nodes",
+            "1",
+            "--data-nodes",
+            "0",
+            "--trainers",
+            "1",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["epochs"] == 1
+    assert "tls://127.0.0.1:" in proc.stderr  # Dask's own logs (-vv) show the TLS addresses
+    links = [line for line in proc.stderr.splitlines() if line.startswith("dashboard: http")]
+    assert len(links) == 1 and "127.0.0.1:" in links[0]
+    assert "PRIVATE KEY" not in proc.stderr + proc.stdout
+    assert "BEGIN CERTIFICATE" not in proc.stderr + proc.stdout
+
+
+def test_dashboard_is_served_and_moves_off_a_taken_port():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with adam_dask.cluster.local(
+            ps_nodes=1, data_nodes=0, trainers=1, dashboard_address=f"127.0.0.1:{port}"
+        ) as client:
+            link = dashboard_link(client)
+            assert link is not None and link.startswith("http://127.0.0.1:")
+            assert f":{port}/" not in link
+            with urllib.request.urlopen(link, timeout=30) as page:
+                assert page.status == 200
+
+
+def test_dashboard_can_be_turned_off():
+    scheduler, workers = local_spec(1, 0, 1, dashboard_address="")
+    assert scheduler["options"]["dashboard"] is False
+    assert not any(w["options"]["dashboard"] for w in workers.values())
+    scheduler, _ = local_spec(1, 0, 1)  # the default: the scheduler serves it
+    assert scheduler["options"]["dashboard"] is True
+
+
+def test_client_for_refuses_contradictions():
+    with pytest.raises(ConfigError, match="not both"):
+        client_for("tcp://127.0.0.1:1", "http://127.0.0.1:2")
+    with pytest.raises(ConfigError, match="embedded cluster only"):
+        client_for("tcp://127.0.0.1:1", tls=True)
+    assert client_for(embedded=False) is None
+
+
+def test_client_for_a_scheduler_assigns_roles_once(local_client):
+    """A plain cluster's workers get roles on the first connection, and keep them."""
+    from distributed import LocalCluster
+
+    from adam_dask.cluster import DATA, PS, TRAIN, workers_with_role
+
+    with LocalCluster(
+        n_workers=3, threads_per_worker=1, processes=False, dashboard_address=":0"
+    ) as cluster:
+        with client_for(cluster.scheduler_address, ps_nodes=1, data_nodes=1) as client:
+            first = {r: workers_with_role(client, r) for r in (PS, DATA, TRAIN)}
+            assert [len(v) for v in first.values()] == [1, 1, 1]
+        with client_for(cluster.scheduler_address, ps_nodes=2, data_nodes=0) as client:
+            assert {r: workers_with_role(client, r) for r in (PS, DATA, TRAIN)} == first
