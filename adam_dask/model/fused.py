@@ -28,6 +28,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import numpy as np
+from numba import njit
 
 from ..errors import InputShapeError
 from . import kernels as K
@@ -49,75 +50,104 @@ _TANH, _RELU = 1, 2
 _NO_ACC = np.zeros(0, np.float32)
 
 
-@_kernel
-def dense_backward_update(dx, w, bias, vw, vb, aw, ab, row, dout, x, lr, momentum, need_dx):
-    """The backward pass and SGD update of a dense layer, without a gradient buffer.
-
-    dx (B, I) = dout (B, O) @ w (O, I) with the weights as they were (overwritten; skipped when
-    not need_dx); then, per output o, the gradient row g = dout[:, o] @ x (B, I) is built in
-    ``row`` (I,) scratch and applied: ``u = momentum * v - lr * g``, ``w[o] += u``, ``v <- u``
-    (vw (O, I) and vb (O,) velocities, untouched and possibly empty when momentum == 0), and
-    ``a[o] += u`` into the accumulators aw (O, I), ab (O,) unless they are empty; the bias
-    likewise with dout.sum(0)."""
-    B, I = x.shape
-    O = w.shape[0]
+@njit(nogil=True, cache=True, fastmath=K._FASTMATH, error_model="numpy", inline="always")
+def _dense_row_update(w, bias, vw, vb, aw, ab, row, dout, x, o, t0, t1, lr, momentum):
+    """Apply row o of the dense update on the columns [t0, t1) (and the bias when t0 == 0):
+    g = dout[:, o] @ x[:, t0:t1] built in ``row``, u = momentum * v - lr * g (v <- u), w += u,
+    and the accumulators += u unless they are empty."""
+    B = x.shape[0]
     B4 = B - B % 4
-    O4 = O - O % 4
-    lr = np.float32(lr)
-    momentum = np.float32(momentum)
+    T = t1 - t0
     accumulate = ab.shape[0] > 0
-    if need_dx:
-        for b in range(B):
-            dxr = dx[b]
-            for i in range(I):
-                dxr[i] = 0.0
-            for o in range(0, O4, 4):
-                g0, g1, g2, g3 = dout[b, o], dout[b, o + 1], dout[b, o + 2], dout[b, o + 3]
-                w0, w1, w2, w3 = w[o], w[o + 1], w[o + 2], w[o + 3]
-                for i in range(I):
-                    dxr[i] += g0 * w0[i] + g1 * w1[i] + g2 * w2[i] + g3 * w3[i]
-            for o in range(O4, O):
-                g = dout[b, o]
-                wr = w[o]
-                for i in range(I):
-                    dxr[i] += g * wr[i]
-    for o in range(O):
+    if t0 == 0:
         s = np.float32(0.0)
         for b in range(B):
             s += dout[b, o]
-        for i in range(I):
-            row[i] = 0.0
-        for b in range(0, B4, 4):
-            g0, g1, g2, g3 = dout[b, o], dout[b + 1, o], dout[b + 2, o], dout[b + 3, o]
-            x0, x1, x2, x3 = x[b], x[b + 1], x[b + 2], x[b + 3]
-            for i in range(I):
-                row[i] += g0 * x0[i] + g1 * x1[i] + g2 * x2[i] + g3 * x3[i]
-        for b in range(B4, B):
-            g = dout[b, o]
-            xr = x[b]
-            for i in range(I):
-                row[i] += g * xr[i]
         if momentum > 0.0:
             u = momentum * vb[o] - lr * s
             vb[o] = u
-            vr = vw[o]
-            for i in range(I):
-                g = momentum * vr[i] - lr * row[i]
-                vr[i] = g
-                row[i] = g
         else:
             u = -lr * s
-            for i in range(I):
-                row[i] = -lr * row[i]
         bias[o] += u
-        wr = w[o]
-        for i in range(I):
-            wr[i] += row[i]
         if accumulate:
             ab[o] += u
-            ar = aw[o]
-            for i in range(I):
-                ar[i] += row[i]
+    for i in range(T):
+        row[i] = 0.0
+    for b in range(0, B4, 4):
+        g0, g1, g2, g3 = dout[b, o], dout[b + 1, o], dout[b + 2, o], dout[b + 3, o]
+        x0, x1, x2, x3 = x[b, t0:t1], x[b + 1, t0:t1], x[b + 2, t0:t1], x[b + 3, t0:t1]
+        for i in range(T):
+            row[i] += g0 * x0[i] + g1 * x1[i] + g2 * x2[i] + g3 * x3[i]
+    for b in range(B4, B):
+        g = dout[b, o]
+        xr = x[b, t0:t1]
+        for i in range(T):
+            row[i] += g * xr[i]
+    if momentum > 0.0:
+        vr = vw[o, t0:t1]
+        for i in range(T):
+            u = momentum * vr[i] - lr * row[i]
+            vr[i] = u
+            row[i] = u
+    else:
+        for i in range(T):
+            row[i] = -lr * row[i]
+    wr = w[o, t0:t1]
+    for i in range(T):
+        wr[i] += row[i]
+    if accumulate:
+        ar = aw[o, t0:t1]
+        for i in range(T):
+            ar[i] += row[i]
+
+
+@_kernel
+def dense_backward_update(dx, w, bias, vw, vb, aw, ab, row, dout, x, lr, momentum, need_dx):
+    """The backward pass and SGD update of a dense layer, in one pass over the weights and
+    without a gradient buffer.
+
+    dx (B, I) = dout (B, O) @ w (O, I) with the weights as they were (overwritten; skipped when
+    not need_dx); the gradient g = dout.T @ x is applied as it is made: ``u = momentum * v -
+    lr * g``, ``w += u``, ``v <- u`` (vw (O, I) and vb (O,) velocities, untouched and possibly
+    empty when momentum == 0), and ``a += u`` into the accumulators aw (O, I), ab (O,) unless
+    they are empty; the bias likewise with dout.sum(0). ``row`` (I,) is scratch.
+
+    The columns go in tiles small enough that a tile of dx and of x (B x tile each) stays in L2
+    while four weight rows at a time stream through: each weight is read and written once per
+    call, where a loop over images would read all of w once per image."""
+    B, I = x.shape
+    O = w.shape[0]
+    O4 = O - O % 4
+    lr = np.float32(lr)
+    momentum = np.float32(momentum)
+    T = max(64, (8192 // max(B, 1)) // 16 * 16)
+    for t0 in range(0, I, T):
+        t1 = min(t0 + T, I)
+        if need_dx:
+            for b in range(B):
+                for i in range(t0, t1):
+                    dx[b, i] = 0.0
+        for o in range(0, O4, 4):
+            if need_dx:
+                w0, w1, w2, w3 = w[o, t0:t1], w[o + 1, t0:t1], w[o + 2, t0:t1], w[o + 3, t0:t1]
+                for b in range(B):
+                    g0, g1, g2, g3 = dout[b, o], dout[b, o + 1], dout[b, o + 2], dout[b, o + 3]
+                    dxr = dx[b, t0:t1]
+                    for i in range(t1 - t0):
+                        dxr[i] += g0 * w0[i] + g1 * w1[i] + g2 * w2[i] + g3 * w3[i]
+            for k in range(4):
+                _dense_row_update(
+                    w, bias, vw, vb, aw, ab, row, dout, x, o + k, t0, t1, lr, momentum
+                )
+        for o in range(O4, O):
+            if need_dx:
+                wr = w[o, t0:t1]
+                for b in range(B):
+                    g = dout[b, o]
+                    dxr = dx[b, t0:t1]
+                    for i in range(t1 - t0):
+                        dxr[i] += g * wr[i]
+            _dense_row_update(w, bias, vw, vb, aw, ab, row, dout, x, o, t0, t1, lr, momentum)
 
 
 @_kernel

@@ -19,6 +19,7 @@ SPECS = [
     ("conv5x5:10,maxpool2,conv5x5:20,maxpool2,fc40,fc40,fc10", (1, 28, 28)),  # the paper's kinds
     ("fc50,fc20,fc10", (1, 8, 8)),  # dense first: the large-model benchmark's kind
     ("maxpool2,conv3x3:5,fc7", (3, 10, 11)),  # pooling first, 3 channels
+    ("fc9,fc3", (1, 40, 30)),  # 1200 inputs: the dense kernel's column tiles (1024 at 8 images)
 ]
 
 
@@ -158,6 +159,30 @@ def test_dense_backward_update_matches_reference_and_finite_differences(B, I, O,
     )
     np.testing.assert_array_equal(w2, w1)
     np.testing.assert_array_equal(b2, b1)
+
+
+@pytest.mark.parametrize("B, momentum", [(8, 0.0), (3, 0.9), (32, 0.0)])
+def test_dense_backward_update_over_several_column_tiles(B, momentum):
+    # 2100 inputs: two full tiles and a partial one at 8 images; 7 outputs: a block of four
+    # rows and three left over
+    I, O = 2100, 7
+    rng = np.random.default_rng(B)
+    x = rng.standard_normal((B, I)).astype(np.float32)
+    w = rng.standard_normal((O, I)).astype(np.float32)
+    b = rng.standard_normal(O).astype(np.float32)
+    dout = rng.standard_normal((B, O)).astype(np.float32)
+    vw = rng.standard_normal((O, I)).astype(np.float32)
+    vb = rng.standard_normal(O).astype(np.float32)
+    ref = R.dense_backward_update(dout, x, w, b, 0.1, momentum, vw, vb)
+    dx, aw, ab = np.zeros((B, I), np.float32), np.zeros((O, I), np.float32), np.zeros(O, np.float32)
+    F.dense_backward_update(
+        dx, w, b, vw, vb, aw, ab, np.zeros(I, np.float32), dout, x, 0.1, momentum, True
+    )
+    tol = {"rtol": 1e-4, "atol": 1e-4}
+    for got, want in zip((dx, w, b), ref[:3], strict=True):
+        np.testing.assert_allclose(got, want, **tol)
+    np.testing.assert_allclose(aw, ref[3], **tol)  # every update landed once in the accumulator
+    np.testing.assert_allclose(ab, ref[4], **tol)
 
 
 def test_fused_step_refuses_unsafe_arguments():
