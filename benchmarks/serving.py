@@ -1,6 +1,7 @@
 """Benchmark: one augmented epoch of MNIST through the DataServers, against its peers.
 
-Prints one JSON line:
+Prints one JSON line and appends it to ``benchmarks/results/serving.jsonl`` (with date, commit
+and CPU count):
 
 * ``augmented_images_per_s``: a consumer task on the TRAIN worker drains one epoch of the real
   MNIST store, augmented (affine + elastic, the ``adam.augment`` ranges), served by the DataServer
@@ -22,7 +23,6 @@ folder beside the checkout, or the public mirror.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -157,9 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
+    from _common import record
+
     import adam_dask
     from adam_dask import config
-    from adam_dask.data import Augment, DataService, load_arrays
+    from adam_dask.data import Augment, DataService
+    from adam_dask.data.datasets import load_arrays
     from adam_dask.data.ingest import ingest
 
     aug = Augment.from_config()
@@ -186,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     torch_rate, torch_note = torch_loader(images, labels, aug, args.torch_images, batch_size)
     augmented = fast["images"] / fast["seconds"]
     result = {
-        "benchmark": "serving",
         "images": fast["images"],
         "batch_size": batch_size,
         "data_nodes": args.data_nodes,
@@ -207,9 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         "unpaced_stall_fraction": round(fast["stall_fraction"], 4),
         "images_served": served["images_served"],
         "torch_note": torch_note,
-        "cpus": os.cpu_count(),
     }
-    print(json.dumps(result))
+    record("serving", result)
     return 0
 
 

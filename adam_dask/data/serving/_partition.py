@@ -154,13 +154,14 @@ class PartitionServer:
             ).start()
 
     def _warm_up(self) -> None:
-        """Load the partition (when it fits) and the kernels, so the first batch is quick."""
+        """Load the kernels (while the readers read) and the partition (when it fits), so the
+        first batch is quick."""
         try:
+            if self.settings.augment is not None:  # loading the kernels takes ~1 s of CPU
+                self._augment(np.zeros((1, *self.shape), np.uint8), np.zeros(1, np.int64), 0)
             if self.layout.window_chunks is None:
                 for cid in self.cache.chunk_ids:
                     self.cache.load(cid)
-            if self.stop > self.start:
-                self._make(0, 0, np.array([self.start], np.int64))
         except Exception as exc:  # surfaces, with the store's name, when a stream needs it
             logger.warning("partition %d: warm-up failed: %s", self.partition, exc)
         finally:
@@ -303,6 +304,8 @@ class PartitionServer:
                     self.cache.prefetch(np.unique(idx // self.cache.chunk).tolist())
                 item = self._make(st.epoch, *st.batches[pos])
             except Exception as exc:
+                if self._closed:  # close() stopped the cache under this producer
+                    return
                 logger.exception("partition %d: making a batch failed", self.partition)
                 with self._cond:
                     st.error = self._error(exc)
@@ -332,9 +335,14 @@ class PartitionServer:
     def _make(self, epoch: int, k: int, idx: np.ndarray) -> Batch:
         images = self.cache.get(idx)
         y = self.cache.labels[idx - self.start]
-        a = self.settings.augment
-        if a is None:  # ship the stored bytes: a quarter of float32's traffic
+        if self.settings.augment is None:  # ship the stored bytes: a quarter of float32's traffic
             return Batch(int(k), images, y, idx)
+        return Batch(int(k), self._augment(images, idx, epoch), y, idx)
+
+    def _augment(self, images: np.ndarray, idx: np.ndarray, epoch: int) -> np.ndarray:
+        """(B, H, W, C) uint8 -> (B, C, H, W) float32, augmented (the GIL released)."""
+        a = self.settings.augment
+        assert a is not None
         H, W, C = self.shape
         x = np.empty((len(idx), C, H, W), np.float32)
         augment_batch(
@@ -350,7 +358,7 @@ class PartitionServer:
             float(a.elastic_alpha),
             float(a.elastic_sigma),
         )
-        return Batch(int(k), x, y, idx)
+        return x
 
     # -- introspection and shutdown ----------------------------------------------------------------
 

@@ -1,0 +1,123 @@
+"""Data servers that freeze: a DATA worker stopped with SIGSTOP (sockets open, nothing answers)
+mid-epoch. Its partition moves to the other DATA worker, or to the stream itself when there is
+none and back once the worker answers again; every image of the epoch arrives exactly once, and
+the frozen server is found by a liveness probe, not by waiting out ``call-timeout``."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import adam_dask
+from adam_dask import config
+from adam_dask.data import Augment, DataService, load_arrays
+from adam_dask.testing import freeze, synthetic_store, thaw
+
+N_TRAIN = 1024
+AUG = Augment(rotation=8.0, translation=1.5)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    return synthetic_store(tmp_path_factory.mktemp("faults"), n_train=N_TRAIN, n_test=64)
+
+
+@pytest.fixture(scope="module")
+def arrays(store):
+    return load_arrays(store, "train")
+
+
+def check_exactly_once(batches, arrays, seed: int, epoch: int) -> None:
+    """Every image of the split once, each batch the right labels and augmentation."""
+    images, labels = arrays
+    idx = np.concatenate([b[2] for b in batches])
+    assert len(idx) == N_TRAIN and np.array_equal(np.sort(idx), np.arange(N_TRAIN))
+    for x, y, i in batches:
+        assert np.array_equal(y, labels[i])
+        np.testing.assert_array_equal(x, AUG.apply(images[i], i, seed=seed, epoch=epoch))
+
+
+def replica_task(service, replica: int, replicas: int, before: int, go: str):
+    """On a TRAIN worker: take ``before`` batches, say so, wait for ``go``, take the rest."""
+    from distributed import Event
+
+    stream = service.stream(replica, replicas, 0, return_index=True)
+    got = [next(stream) for _ in range(before)]
+    Event(f"{go}-ready").set()
+    Event(go).wait(timeout=60)
+    got.extend(stream)
+    return got, stream.stats()
+
+
+def test_a_frozen_data_server_is_replaced_and_the_epoch_completes_once(store, arrays):
+    from distributed import Event
+
+    with adam_dask.cluster.local(
+        ps_nodes=0, data_nodes=2, trainers=1, memory_limit="2 GiB"
+    ) as client:
+        svc = DataService.create(client, store, augment=AUG, seed=5, batch_size=32)
+        pids: dict[str, int] = {}
+        try:
+            victim = svc.servers()[0]
+            other = svc.servers()[1]
+            task = client.submit(
+                replica_task, svc, 0, 2, 4, "go", resources={"TRAIN": 1}, pure=False
+            )
+            here = svc.stream(1, 2, 0, return_index=True)
+            got = [next(here) for _ in range(4)]
+            assert Event("go-ready", client=client).wait(timeout=60)
+            pids = freeze(client, [victim])  # both streams are part-way through the epoch
+            Event("go", client=client).set()
+            got.extend(here)
+            remote, remote_stats = task.result()
+            check_exactly_once(got + remote, arrays, seed=5, epoch=0)
+            for st in (here.stats(), remote_stats):
+                assert st["images"] == st["share_images"] == N_TRAIN // 2
+                # the frozen server was found by a probe, never by waiting out call-timeout
+                assert st["recoveries"] >= 1 and st["unanswered"] >= 1
+                assert st["call_timeouts"] == 0
+                assert st["local_batches"] == 0  # the other DATA worker took the partition
+            assert svc.generation(0) >= 1 and svc.servers()[0] == other
+            # the next epoch goes straight to the new server
+            later = svc.stream(0, 1, 1, return_index=True)
+            check_exactly_once(list(later), arrays, seed=5, epoch=1)
+            assert later.stats()["recoveries"] == 0
+        finally:
+            thaw(pids)
+            svc.close()
+
+
+def test_the_only_data_server_frozen_serves_locally_then_returns(store, arrays):
+    with adam_dask.cluster.local(
+        ps_nodes=0, data_nodes=1, trainers=0, memory_limit="2 GiB"
+    ) as client:
+        svc = DataService.create(client, store, augment=AUG, seed=2, batch_size=16)
+        pids: dict[str, int] = {}
+        try:
+            (victim,) = svc.servers()
+            stream = svc.stream(0, 1, 0, return_index=True)
+            assert len(stream) == N_TRAIN // 16
+            got = [next(stream) for _ in range(5)]
+            pids = freeze(client, [victim])
+            got.extend(next(stream) for _ in range(5))  # no DATA worker left: served here
+            frozen = stream.stats()
+            assert frozen["unanswered"] == 1 and frozen["local_batches"] >= 1
+            assert frozen["call_timeouts"] == 0
+            thaw(pids)
+            pids = {}
+            deadline = time.monotonic() + 60
+            while victim not in (svc.live_data_workers() or ()):
+                assert time.monotonic() < deadline, "the thawed worker sends no heartbeats"
+                time.sleep(0.2)
+            time.sleep(float(config.get("serving.return-interval")))  # the stream looks again
+            got.extend(stream)
+            check_exactly_once(got, arrays, seed=2, epoch=0)
+            st = stream.stats()
+            assert st["returns"] == 1  # back on the DATA worker for the rest of the epoch
+            assert st["local_batches"] == frozen["local_batches"]  # none served here since
+            assert svc.servers() == [victim]
+        finally:
+            thaw(pids)
+            svc.close()
