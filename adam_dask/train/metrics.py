@@ -15,6 +15,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+__all__ = ["History", "Progress"]
+
 logger = logging.getLogger(__name__)
 
 
@@ -66,17 +68,16 @@ class History:
         rec = {k: _jsonable(v) for k, v in record.items()}
         self.records.append(rec)
         if self.path:
-            self._write_line(rec)
+            self._write_line(self.path, rec)
 
-    def _write_line(self, rec: dict) -> None:
+    def _write_line(self, path: str, rec: dict) -> None:
         line = json.dumps(rec) + "\n"
-        if "://" not in self.path:
-            d = os.path.dirname(os.path.abspath(self.path))
-            os.makedirs(d, exist_ok=True)
-            with open(self.path, "a") as f:
+        if "://" not in path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "a") as f:
                 f.write(line)
             return
-        self.save(self.path, self.storage_options)  # object stores have no append
+        self.save(path, self.storage_options)  # object stores have no append
 
     def save(self, path: str, storage_options: dict | None = None) -> None:
         """Write every record to ``path`` (any fsspec URL) as JSON lines, replacing it."""

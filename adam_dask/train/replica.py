@@ -1,26 +1,26 @@
 """A model replica in one process: T threads train one set of weights lock-free (Hogwild).
 
 This is the compute core of a model-training machine (Adam paper, section 3.2), free of Dask:
-the distributed trainer wraps it in a long-running task and talks to the parameter server.
+the distributed trainer wraps it in a long-running task (task.py) whose exchange (_exchange.py)
+talks to the parameter server.
 
-* The T threads share ``net.flat`` and add their updates to it without locks. Updates are sums,
-  so they commute; a rare lost update between two threads is noise SGD tolerates (Hogwild).
+* The T threads share ``net.flat`` and add their updates to it without a common lock. Updates
+  are sums, so they commute; a rare update lost between two threads is noise SGD tolerates.
 * Each thread owns a pre-allocated :class:`~adam_dask.model.network.Context` (activations, error
   terms, im2col patches, a private gradient buffer), so the hot loop allocates nothing.
-* Granularity: each thread computes the gradient of a small mini-batch (``batch_size``, config
-  ``adam.train.batch-size``, default 8) into its private buffer and applies it in one pass.
-  Per-image updates, as in the paper, work (``batch_size=1``) but are slower here: every update
-  writes all 1.2 MB of weights, one image's dense layers are matrix-vector products that reuse no
-  weight row from cache, and the per-call overhead (~20 kernel calls) is paid per image.
-  Measured on the paper's MNIST net, 2 threads, 2 shared cores (``benchmarks/engine.py
-  --granularity``, images/s by batch size): 1: 5.9k, 2: 8.5k, 4: 11.3k, 8: 12.9k, 16: 16.0k,
-  32: 14.0k (noisy: the box was shared). Past ~16 the im2col patches and activations leave L2.
-  8 keeps updates frequent (Hogwild staleness stays small, 3-epoch accuracy unchanged) at most of
-  the speed; 16 is a reasonable choice for pure throughput.
-* The delta for the parameter server: the updates applied to ``flat`` since the last sync are
-  ``flat - snapshot``, where ``snapshot`` is the weights at the last :meth:`take_delta` /
-  :meth:`set_weights`. Keeping the snapshot instead of a running sum costs nothing in the hot loop
-  and stays exact under Hogwild races (a lost update is lost from both).
+* Granularity: each thread steps a small mini-batch (``batch_size``, config
+  ``adam.train.batch-size``) with the fused step (:meth:`Network.step_into`: forward, backward
+  and update in one numba call that releases the GIL throughout). Per-image
+  updates, as in the paper, work (``batch_size=1``) but are slower here: every update writes all
+  the weights, and one image's dense layers reuse no weight row from cache. Measured on the
+  paper's MNIST net, 2 threads, 2 shared cores (``benchmarks/engine.py --granularity``, images/s
+  by batch size): 1: 5.9k, 2: 8.5k, 4: 11.3k, 8: 12.9k, 16: 16.0k, 32: 14.0k.
+* The delta for the parameter server is kept exactly (:mod:`._updates`): each thread also adds
+  its update to its own accumulator, swapped out at a mini-batch boundary by :meth:`take`, and
+  pulled weights are installed by :meth:`install` while no thread applies. No update is dropped
+  or pushed twice, however pulls and updates interleave.
+* The learning rate follows a :class:`~adam_dask.train.schedule.Schedule` of the run's progress
+  (:meth:`set_progress`), the one schedule of the package.
 
 >>> from adam_dask.model import Network
 >>> net = Network.from_spec("conv3x3:4,maxpool2,fc10", input_shape=(1, 8, 8), seed=0)
@@ -39,9 +39,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .. import config
+from ..data.augment import to_float
 from ..errors import ConfigError, InputShapeError
-from ..model import kernels as K
 from ..model.network import Network
+from ._updates import Update, Updates
+from .schedule import Schedule
+
+__all__ = ["HogwildReplica", "TrainStats", "profitable_offload"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,22 +68,26 @@ class TrainStats:
 
 
 class _SafeIterator:
-    """An iterator several threads may pull from; ``next()`` returns None when exhausted."""
+    """An iterator several threads may pull from: ``next()`` returns ``(n, item)``, ``n`` the
+    item's draw number (0, 1, ...), or None when exhausted."""
 
     def __init__(self, iterable: Iterable):
         self._it = iter(iterable)
         self._lock = threading.Lock()
         self._done = False
+        self._n = 0
 
-    def next(self):
+    def next(self) -> tuple[int, object] | None:
         with self._lock:
             if self._done:
                 return None
             try:
-                return next(self._it)
+                item = next(self._it)
             except StopIteration:
                 self._done = True
                 return None
+            n, self._n = self._n, self._n + 1
+            return n, item
 
 
 class _Gather:
@@ -106,7 +114,8 @@ def profitable_offload(net: Network, push_every: int) -> list[str]:
 
 
 class HogwildReplica:
-    """T threads training ``net`` in place, lock-free, with a delta ready for a parameter server.
+    """T threads training ``net`` in place, lock-free, with an exact update ready for a
+    parameter server.
 
     Parameters
     ----------
@@ -122,8 +131,12 @@ class HogwildReplica:
     batch_size : int, optional
         Images per update in each thread (config ``adam.train.batch-size``); 1 = the paper's
         per-image updates.
-    lr_decay : float, optional
-        Factor per epoch for :meth:`lr_at` (config ``adam.train.lr-decay``).
+    offload : iterable of str, optional
+        Dense layers (prefixes such as ``"4"``) whose weight updates also leave as
+        (activations, -lr * errors) terms (:func:`profitable_offload`).
+    schedule : Schedule, optional
+        The learning rate over the run, applied by :meth:`set_progress` (default: constant
+        ``lr``).
     """
 
     def __init__(
@@ -133,16 +146,18 @@ class HogwildReplica:
         lr: float | None = None,
         momentum: float | None = None,
         batch_size: int | None = None,
-        lr_decay: float | None = None,
         offload: Iterable[str] | None = None,
+        schedule: Schedule | None = None,
     ):
         self.net = net
         self.threads = int(config.get("cluster.trainer-threads", threads))
+        if lr is None and schedule is not None:
+            lr = schedule.lr
         self.base_lr = float(config.get("train.lr", lr))
         self.lr = self.base_lr
+        self.schedule = schedule
         self.momentum = float(config.get("train.momentum", momentum))
         self.batch_size = int(config.get("train.batch-size", batch_size))
-        self.lr_decay = float(config.get("train.lr-decay", lr_decay))
         if self.threads < 1:
             raise ConfigError(
                 f"threads={self.threads}: a replica needs at least one thread",
@@ -168,8 +183,7 @@ class HogwildReplica:
         self._ybufs = [np.zeros(self.batch_size, np.int64) for _ in range(self.threads)]
         n = net.layout.size if self.momentum > 0 else 1
         self._velocity = [np.zeros(n, np.float32) for _ in range(self.threads)]
-        self._snapshot = net.flat.copy()
-        # dense layers whose updates also leave as (activations, -lr * errors) terms
+        # dense layers whose updates leave as (activations, -lr * errors) terms
         self.offload = sorted(set(offload or ()))
         for prefix in self.offload:
             if (
@@ -186,8 +200,11 @@ class HogwildReplica:
                 "plain outer-product updates)",
                 "set momentum=0 or offload=None",
             )
-        self._terms: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {p: [] for p in self.offload}
-        self._terms_lock = threading.Lock()
+        spans = {}
+        for p in self.offload:
+            entry = net.layout[f"{p}.weight"]
+            spans[p] = (entry.offset, entry.size)
+        self._updates = Updates(net.layout.size, self.threads, spans)
         self._stop = threading.Event()
         self._count_lock = threading.Lock()
         self._since = 0
@@ -203,79 +220,51 @@ class HogwildReplica:
 
     # -- schedule ---------------------------------------------------------------------------------
 
-    def lr_at(self, epoch: int) -> float:
-        """The scheduled learning rate of ``epoch`` (0-based): ``base_lr * lr_decay ** epoch``."""
-        return self.base_lr * self.lr_decay ** int(epoch)
-
-    def set_epoch(self, epoch: int) -> float:
-        """Set ``lr`` to :meth:`lr_at` ``(epoch)`` and return it."""
-        self.lr = self.lr_at(epoch)
+    def set_progress(self, epochs: float) -> float:
+        """Set ``lr`` to the schedule's rate after ``epochs`` (fractional) epochs of the run and
+        return it; without a schedule ``lr`` stays as it is."""
+        if self.schedule is not None:
+            self.lr = self.schedule.at(epochs)
         return self.lr
 
     # -- parameter-server sync ------------------------------------------------------------------
 
-    def take_delta(self) -> np.ndarray:
-        """A copy of the updates applied to ``net.flat`` since the last take_delta/set_weights,
-        and reset that delta to zero. Safe while threads train: an update landing during the
-        call is counted now or in the next delta, never twice and never dropped."""
-        now = self.net.flat.copy()  # one read of each value: the cut between deltas
-        delta = now - self._snapshot
-        self._snapshot = now
-        return delta
-
-    def _record_terms(self, terms: dict) -> None:
-        scale = np.float32(-self.lr)
-        with self._terms_lock:
-            for prefix in self.offload:
-                a, e = terms[prefix]
-                e *= scale
-                self._terms[prefix].append((a, e))
-
-    def take_offload(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """The dense-layer terms recorded since the last call, and reset them: prefix ->
-        (activations (N, in), errors (N, out)) with ``errors.T @ activations`` equal to the
-        updates applied to ``<prefix>.weight`` (the bias updates stay in the delta)."""
-        with self._terms_lock:
-            taken = self._terms
-            self._terms = {p: [] for p in self.offload}
-        out = {}
-        for prefix, items in taken.items():
-            if items:
-                out[prefix] = (
-                    np.concatenate([a for a, _ in items]),
-                    np.concatenate([e for _, e in items]),
-                )
-        return out
+    def take(self) -> Update:
+        """The updates applied since the last take (whole mini-batches, each exactly once), with
+        the images and stream items they cover; the offloaded dense weights travel as terms.
+        Safe while the threads train."""
+        return self._updates.take()
 
     def take_update(self) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
-        """:meth:`take_delta` and :meth:`take_offload` together, the offloaded weights zeroed in
-        the delta (they travel as terms). Without offloaded layers the terms are empty."""
-        terms = self.take_offload()
-        delta = self.take_delta()
-        for prefix in self.offload:
-            e = self.net.layout[f"{prefix}.weight"]
-            delta[e.offset : e.offset + e.size] = 0.0
-        return delta, terms
+        """``(delta, terms)`` of :meth:`take`."""
+        u = self.take()
+        return u.delta, u.terms
+
+    def take_delta(self) -> np.ndarray:
+        """The delta of :meth:`take` (without offloaded layers: every update since the last
+        take, the sum of what the threads applied)."""
+        return self.take().delta
 
     def peek_delta(self) -> np.ndarray:
-        """The accumulated delta, without resetting it."""
-        return self.net.flat - self._snapshot
+        """The updates not yet taken, without taking them."""
+        return self._updates.pending()
 
-    def set_weights(self, flat: np.ndarray, keep_pending: bool = False) -> None:
-        """Copy new weights in (after a pull) and zero the delta. With ``keep_pending``, the
-        updates not yet taken are re-applied on top of ``flat`` and stay in the delta."""
-        flat = np.asarray(flat, dtype=np.float32)
-        if flat.shape != self.net.flat.shape:
+    def install(self, weights: np.ndarray) -> None:
+        """Pulled weights in, the updates not yet taken re-applied on top (and still pending).
+        Safe while the threads train: it waits for their current mini-batch applies."""
+        self._updates.install(self.net.flat, self._check_weights(weights), keep_pending=True)
+
+    def set_weights(self, weights: np.ndarray, keep_pending: bool = False) -> None:
+        """Copy new weights in and drop the pending updates (or keep them: :meth:`install`)."""
+        self._updates.install(self.net.flat, self._check_weights(weights), keep_pending)
+
+    def _check_weights(self, weights: np.ndarray) -> np.ndarray:
+        weights = np.asarray(weights, dtype=np.float32)
+        if weights.shape != self.net.flat.shape:
             raise InputShapeError(
-                f"expected {self.net.flat.shape[0]} weights, got shape {flat.shape}"
+                f"expected {self.net.flat.shape[0]} weights, got shape {weights.shape}"
             )
-        if keep_pending:
-            pending = self.net.flat - self._snapshot
-            self._snapshot[...] = flat
-            self.net.flat[...] = flat + pending
-        else:
-            self._snapshot[...] = flat
-            self.net.flat[...] = flat
+        return weights
 
     # -- stopping ---------------------------------------------------------------------------------
 
@@ -304,11 +293,11 @@ class HogwildReplica:
         batches : iterable of (x, y)
             x float32 (B, C, H, W), y integer (B,). The threads pull from it (one at a time,
             under a lock); a batch larger than ``batch_size`` is split into updates of
-            ``batch_size`` images.
+            ``batch_size`` images. The n-th batch drawn is stream item n of :meth:`take`.
         on_images : callable(replica), optional
             Called about every ``every`` images (config ``adam.train.push-every``) by one of the
             training threads, while the others go on; never two calls at once. The place to
-            :meth:`take_delta`, push, pull and :meth:`set_weights`.
+            :meth:`take`, push, pull and :meth:`install`.
         stop_event : threading.Event, optional
             Also stop when this event is set (besides :meth:`stop`).
 
@@ -345,8 +334,9 @@ class HogwildReplica:
         for r in results:
             if isinstance(r, BaseException):
                 raise r
-        images = sum(r[0] for r in results)
-        loss = sum(r[1] for r in results) / images if images else float("nan")
+        images = sum(r[0] for r in results if not isinstance(r, BaseException))
+        loss_sum = sum(r[1] for r in results if not isinstance(r, BaseException))
+        loss = loss_sum / images if images else float("nan")
         stopped = self._stop.is_set() or (stop_event is not None and stop_event.is_set())
         self.images_seen += images
         logger.debug("trained %d images in %.3fs (loss %.4f)", images, seconds, loss)
@@ -360,7 +350,7 @@ class HogwildReplica:
         shuffle: bool = True,
         seed: int | None = None,
         first_epoch: int = 0,
-        schedule: bool = True,
+        schedule: Schedule | bool = True,
         on_images: Callable[[HogwildReplica], None] | None = None,
         every: int | None = None,
         on_epoch: Callable[[HogwildReplica, int, TrainStats], None] | None = None,
@@ -368,22 +358,31 @@ class HogwildReplica:
         """Train on in-memory images for ``epochs`` epochs (reshuffled each epoch).
 
         ``x`` is anything :meth:`Network.as_images` accepts (uint8 images are scaled by 1/255),
-        ``y`` integer labels. With ``schedule``, epoch ``e`` runs at ``lr_at(first_epoch + e)``.
-        ``on_epoch(replica, epoch, stats)`` runs after each epoch. Returns the totals.
+        ``y`` integer labels. ``schedule``: True follows the replica's schedule, or one over
+        ``first_epoch + epochs`` planned epochs from ``lr`` (``adam.train.lr-schedule``,
+        ``lr-floor``), moved at every mini-batch; a :class:`Schedule` is used as given; False
+        keeps ``lr``. ``on_epoch(replica, epoch, stats)`` runs after each epoch. Returns the
+        totals.
         """
+        x = np.asarray(x)
+        if x.dtype == np.uint8:
+            x = to_float(x)  # the package's one input conversion; the layout is the model's
         x = self.net.as_images(x)
         y = self.net.check_labels(y, x.shape[0])
         seed = int(config.get("train.seed", seed))
         rng = np.random.default_rng(seed)
         bs = self.batch_size
+        if schedule is True:
+            schedule = self.schedule or Schedule.from_config(
+                lr=self.base_lr, epochs=first_epoch + int(epochs)
+            )
+        plan = schedule if isinstance(schedule, Schedule) else None
         self._data = (x, y)
         images, loss_sum, seconds, stopped = 0, 0.0, 0.0, False
         try:
             for e in range(int(epochs)):
-                if schedule:
-                    self.set_epoch(first_epoch + e)
                 order = rng.permutation(len(x)) if shuffle else np.arange(len(x))
-                gen = (_Gather(order[s : s + bs]) for s in range(0, len(x), bs))
+                gen = self._gathers(order, bs, plan, first_epoch + e)
                 st = self.train(gen, on_images=on_images, every=every)
                 images += st.images
                 loss_sum += st.loss * st.images if st.images else 0.0
@@ -396,6 +395,13 @@ class HogwildReplica:
         finally:
             self._data = None
         return TrainStats(images, loss_sum / images if images else float("nan"), seconds, stopped)
+
+    def _gathers(self, order: np.ndarray, bs: int, plan: Schedule | None, epoch: int):
+        n = len(order)
+        for s in range(0, n, bs):
+            if plan is not None:
+                self.lr = plan.at(epoch + s / n)
+            yield _Gather(order[s : s + bs])
 
     # -- the thread body ----------------------------------------------------------------------------
 
@@ -411,17 +417,19 @@ class HogwildReplica:
         ctx = self._contexts[t]
         xbuf, ybuf = self._xbufs[t], self._ybufs[t]
         vel = self._velocity[t]
-        flat = net.flat
         bs = self.batch_size
         stop = self._stop
+        updates = self._updates
         images, loss_sum = 0, 0.0
-        ctx.grad[...] = 0.0
+        ctx.grad[...] = 0.0  # the fused step leaves it zero; start from zero too
         while not stop.is_set() and (stop_event is None or not stop_event.is_set()):
-            item = it.next()
-            if item is None:
+            drawn = it.next()
+            if drawn is None:
                 break
+            seq, item = drawn
             if isinstance(item, _Gather):
                 n = len(item.idx)
+                assert self._data is not None  # train_images set it
                 X, Y = self._data
                 np.take(X, item.idx, axis=0, out=xbuf[:n])
                 np.take(Y, item.idx, axis=0, out=ybuf[:n])
@@ -436,11 +444,18 @@ class HogwildReplica:
             for s, m in chunks:
                 xs = x[s : s + m] if s else x
                 ys = y[s : s + m] if s else y
-                terms = {} if self.offload else None
-                loss = net.backward_into(ctx, xs, ys, m, dense_terms=terms)
-                K.sgd_update(flat, ctx.grad, vel, self.lr, self.momentum)
-                if terms:
-                    self._record_terms(terms)
+                terms: dict | None = {} if self.offload else None
+                lr = self.lr
+                with updates.hold(t) as slot:  # the update goes to the weights and slot.acc
+                    loss = net.step_into(
+                        ctx, xs, ys, m, lr, self.momentum, vel, acc=slot.acc, dense_terms=terms
+                    )
+                    if terms:
+                        scale = np.float32(-lr)
+                        for prefix in self.offload:
+                            terms[prefix][1][...] *= scale
+                        terms = {p: terms[p] for p in self.offload}
+                    slot.record(m, seq, terms)
                 images += m
                 loss_sum += loss * m
                 if every:

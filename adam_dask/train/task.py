@@ -2,41 +2,38 @@
 
 :func:`run_replica` runs on a TRAIN worker. It secedes (so it holds no thread slot and is never
 stolen), builds a :class:`~adam_dask.train.replica.HogwildReplica` (the Dask-free engine), pulls
-the weights from the parameter server, and trains on its share of the epoch from a
-:class:`~adam_dask.data.serving.BatchStream`. Every ``push_every`` images (the paper's *k*) one
-training thread pushes the accumulated delta and pulls fresh weights while the others go on.
+the weights from the parameter server, and trains on its share of the epoch from the data
+service's stream. Every ``push_every`` images its exchange (:mod:`._exchange`) pushes the update
+and pulls fresh weights: on a communicator thread in async mode, at a :class:`SyncBarrier` in
+sync mode (the PS then applies the average of the replicas' updates, and every replica starts
+each step from the same weights).
 
-Control and reporting stay cheap: the stop signal (the 75% epoch rule) is a
+Control and reporting stay cheap: the stop signal (the epoch quorum) is a
 :class:`distributed.Event` polled once per push, and progress goes to the client as a
-``log_event`` on the topic ``adam-progress`` at most twice a second.
-
-Mode ``sync`` (the baseline): each replica runs one thread; at every step (``push_every``
-images) it pushes its delta divided by the number of replicas and waits at a
-:class:`SyncBarrier` until every replica has pushed, then pulls. The PS thus applies the average
-of the replicas' updates, and every replica starts each step from the same weights.
+``log_event`` on the topic ``adam-progress`` at most every ``adam.train.report-interval``
+seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
+from ._settings import RunSettings
+from .schedule import Schedule
 
-from ..errors import UpdateRejected
+__all__ = ["PROGRESS_TOPIC", "ReplicaJob", "SyncBarrier", "run_replica"]
 
 logger = logging.getLogger(__name__)
 
 PROGRESS_TOPIC = "adam-progress"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ReplicaJob:
     """Everything one replica needs for one epoch; small and picklable."""
 
@@ -45,17 +42,10 @@ class ReplicaJob:
     replicas: int
     epoch: int
     model: dict  # Network.to_dict()
-    mode: str  # "async" or "sync"
-    push_every: int
-    lr: float
-    momentum: float
-    batch_size: int
-    threads: int
-    seed: int = 0
-    delay: float = 0.0  # seconds of sleep per batch: a deliberately slow replica (experiments)
-    report_interval: float = 0.5
-    sync_timeout: float = 60.0  # seconds a sync step waits for the other replicas
-    offload_dense: bool | tuple = False  # True: the profitable dense layers; or layer prefixes
+    settings: RunSettings
+    schedule: Schedule
+    share_images: int  # about this replica's share of the epoch (for the schedule's progress)
+    delay: float  # seconds of sleep per batch: a deliberately slow replica (experiments)
 
     @property
     def stop_name(self) -> str:
@@ -63,18 +53,21 @@ class ReplicaJob:
 
 
 class SyncBarrier:
-    """A barrier for synchronous mode, as a Dask actor with async methods (no thread needed).
+    """The barrier of synchronous mode, as a Dask actor with async methods (no thread needed).
 
-    ``await wait()`` returns once every party still in the epoch has arrived at the current
-    generation (one step), which then advances. A replica restarted after its worker died simply
-    joins the current generation. ``leave()`` takes a party out (a replica that finished its
-    share); a barrier that waits longer than ``timeout`` lets its waiters go rather than hang.
+    ``await wait(replica, timeout)`` returns once every replica still in the epoch has arrived
+    at the current step (generation), which then advances: ``{"ok": True, "generation": g}``.
+    A replica re-run after its worker died rejoins under the same number. ``leave(replica)``
+    takes a replica out (it finished its share). When a step waits longer than ``timeout``,
+    every waiter of that step gets ``{"ok": False, "missing": [replicas not arrived], ...}``
+    and the step is failed: the replicas raise an error naming the missing ones.
     """
 
-    def __init__(self, parties: int):
-        self.parties = int(parties)
-        self.count = 0
+    def __init__(self, replicas: int):
+        self.expected = set(range(int(replicas)))
+        self.arrived: set[int] = set()
         self.generation = 0
+        self.failed: dict[int, list[int]] = {}
         self._cond: asyncio.Condition | None = None
 
     def _condition(self) -> asyncio.Condition:
@@ -84,52 +77,63 @@ class SyncBarrier:
 
     def _release(self) -> None:
         self.generation += 1
-        self.count = 0
+        self.arrived = set()
         self._condition().notify_all()
 
-    async def wait(self, timeout: float = 60.0) -> bool:
+    async def wait(self, replica: int, timeout: float) -> dict:
         cond = self._condition()
         async with cond:
             gen = self.generation
-            self.count += 1
-            if self.count >= self.parties:
+            if gen - 1 in self.failed:
+                return self._failure(gen - 1, timeout)
+            self.arrived.add(int(replica))
+            if self.expected <= self.arrived:
                 self._release()
-                return True
+                return {"ok": True, "generation": gen}
             try:
-                await asyncio.wait_for(cond.wait_for(lambda: self.generation != gen), timeout)
-                return True
-            except TimeoutError:
-                logger.warning(
-                    "sync barrier: generation %d timed out with %d of %d replicas",
-                    gen,
-                    self.count,
-                    self.parties,
+                await asyncio.wait_for(
+                    cond.wait_for(lambda: self.generation != gen), float(timeout)
                 )
+            except TimeoutError:
                 if self.generation == gen:
+                    self.failed[gen] = sorted(self.expected - self.arrived)
+                    logger.warning(
+                        "sync barrier: step %d timed out after %ss; missing replicas %s",
+                        gen,
+                        timeout,
+                        self.failed[gen],
+                    )
                     self._release()
-                return False
+            if gen in self.failed:
+                return self._failure(gen, timeout)
+            return {"ok": True, "generation": gen}
 
-    async def leave(self) -> int:
+    def _failure(self, gen: int, timeout: float) -> dict:
+        return {"ok": False, "generation": gen, "missing": self.failed[gen], "timeout": timeout}
+
+    async def leave(self, replica: int) -> int:
         cond = self._condition()
         async with cond:
-            self.parties = max(0, self.parties - 1)
-            if self.count and self.count >= self.parties:
+            self.expected.discard(int(replica))
+            self.arrived.discard(int(replica))
+            if self.arrived and self.expected <= self.arrived:
                 self._release()
-            return self.parties
+            return len(self.expected)
 
 
 class _Counted:
     """Wraps a batch iterator: counts the images drawn (live progress), and sleeps ``delay``
     seconds per batch when set (a deliberately slow replica, for straggler experiments)."""
 
-    def __init__(self, it, delay: float = 0.0):
-        self.it, self.delay = iter(it), delay
+    def __init__(self, it: Any, delay: float = 0.0):
+        self.it: Iterator = iter(it)
+        self.delay = delay
         self.images = 0
 
-    def __iter__(self):
+    def __iter__(self) -> _Counted:
         return self
 
-    def __next__(self):
+    def __next__(self) -> Any:
         item = next(self.it)
         self.images += len(item[1])
         if self.delay:
@@ -137,62 +141,34 @@ class _Counted:
         return item
 
 
-class _Communicator:
-    """One background thread per replica that pushes deltas and pulls fresh weights, so the
-    training threads never wait for the parameter server (async mode).
+class _Reporter:
+    """Progress events to the client, at most every ``interval`` seconds (and a final one)."""
 
-    At most one delta waits behind the one in flight: a replica that outruns the PS slows down
-    rather than piling up memory. Taking a delta and installing pulled weights share a lock,
-    because both move the replica's snapshot; the training threads never take it.
-    """
+    def __init__(self, worker: Any, job: ReplicaJob, t0: float):
+        self.worker, self.job, self.t0 = worker, job, t0
+        self.last = 0.0
 
-    def __init__(self, rep, push: Callable, pull: Callable):
-        self.rep, self.push, self.pull = rep, push, pull
-        self.lock = threading.Lock()
-        self.queue: queue.Queue = queue.Queue(maxsize=1)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(
-            target=contextvars.copy_context().run,
-            args=(self._run,),
-            name="adam-communicator",
-            daemon=True,
+    def report(self, images: int, pushes: int, final: bool = False) -> None:
+        now = time.perf_counter()
+        if not final and now - self.last < self.job.settings.report_interval:
+            return
+        self.last = now
+        self.worker.log_event(
+            PROGRESS_TOPIC,
+            {
+                "run": self.job.run_id,
+                "epoch": self.job.epoch,
+                "replica": self.job.replica,
+                "worker": self.worker.address,
+                "images": images,
+                "pushes": pushes,
+                "final": final,
+                "seconds": now - self.t0,
+            },
         )
-        self.thread.start()
-
-    def take_update(self) -> tuple[np.ndarray, dict]:
-        with self.lock:
-            return self.rep.take_update()
-
-    def submit(self, update: tuple[np.ndarray, dict]) -> None:
-        if self.error is not None:
-            raise self.error
-        self.queue.put(update)
-
-    def _run(self) -> None:
-        while True:
-            update = self.queue.get()
-            if update is None:
-                return
-            if self.error is not None:
-                continue
-            try:
-                self.push(update)
-                weights = self.pull()
-                with self.lock:
-                    self.rep.set_weights(weights, keep_pending=True)
-            except BaseException as exc:  # raised in the training thread at the next submit
-                self.error = exc
-                self.rep.stop()
-
-    def close(self) -> None:
-        """Wait until every submitted delta is pushed; raise the first error."""
-        self.queue.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
 
 
-def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
+def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: Any = None) -> dict:
     """Train replica ``job.replica`` for epoch ``job.epoch``; returns its statistics.
 
     Runs inside a Dask task on a TRAIN worker. ``server`` is a
@@ -203,120 +179,80 @@ def run_replica(job: ReplicaJob, server, data, barrier=None) -> dict:
     from distributed import Event, get_worker, secede
 
     from ..model.network import Network
+    from ._exchange import AsyncExchange, Exchange, SyncExchange
     from .replica import HogwildReplica, profitable_offload
 
     secede()
     worker = get_worker()
     t0 = time.perf_counter()
+    s = job.settings
     net = Network.from_dict(job.model)
-    sync = job.mode == "sync"
-    offload = (
-        profitable_offload(net, job.push_every)
-        if job.offload_dense is True
-        else list(job.offload_dense or ())
-    )
+    sync = s.mode == "sync"
+    offload = profitable_offload(net, s.push_every) if s.offload_dense else []
     rep = HogwildReplica(
         net,
-        threads=1 if sync else job.threads,
-        lr=job.lr,
-        momentum=job.momentum,
-        batch_size=job.batch_size,
+        threads=1 if sync else s.threads,
+        momentum=s.momentum,
+        batch_size=s.batch_size,
         offload=offload,
+        schedule=job.schedule,
     )
-    offsets = {p: net.layout[f"{p}.weight"].offset for p in offload}
+    rep.set_progress(job.epoch)
     rep.set_weights(server.pull())
-    stream = data.stream(job.replica, job.replicas, job.epoch)
+    label = f"replica {job.replica} in epoch {job.epoch}"
+    exchange: Exchange
+    if sync:
+
+        def wait() -> dict:
+            return barrier.wait(job.replica, s.sync_timeout).result()
+
+        exchange = SyncExchange(rep, server, wait=wait, scale=1.0 / job.replicas, label=label)
+    else:
+        exchange = AsyncExchange(rep, server, label=label)
     stop = Event(job.stop_name)
-    state = {"pushes": 0, "last_report": 0.0, "ps_seconds": 0.0, "stopped": False}
-
-    def report(final: bool = False) -> None:
-        now = time.perf_counter()
-        if not final and now - state["last_report"] < job.report_interval:
-            return
-        state["last_report"] = now
-        worker.log_event(
-            PROGRESS_TOPIC,
-            {
-                "run": job.run_id,
-                "epoch": job.epoch,
-                "replica": job.replica,
-                "images": batches.images,
-                "pushes": state["pushes"],
-                "final": final,
-                "seconds": now - t0,
-            },
-        )
-
-    def push(update: tuple[np.ndarray, dict], scale: float = 1.0) -> None:
-        delta, terms = update
-        t = time.perf_counter()
-        try:  # the server checks every value (NaN/Inf refused, nothing applied)
-            server.push(delta * scale if scale != 1.0 else delta)
-            for prefix, (acts, errs) in terms.items():  # the PS computes these layers' updates
-                server.push_outer(offsets[prefix], errs, acts, scale=scale)
-        except UpdateRejected as exc:
-            raise UpdateRejected(
-                f"replica {job.replica} produced a non-finite update in epoch "
-                f"{job.epoch} (the model diverged): {exc.message}",
-                "lower the learning rate (--lr) or push_every",
-                shard=exc.shard,
-            ) from exc
-        state["ps_seconds"] += time.perf_counter() - t
-        state["pushes"] += 1
-
-    def pull() -> np.ndarray:
-        t = time.perf_counter()
-        w = server.pull()
-        state["ps_seconds"] += time.perf_counter() - t
-        return w
+    stream = data.stream(job.replica, job.replicas, job.epoch)
+    batches = _Counted(stream, job.delay)
+    reporter = _Reporter(worker, job, t0)
+    stopped = False
 
     def on_images(r: HogwildReplica) -> None:
-        if sync:
-            push(r.take_update(), 1.0 / job.replicas)
-            barrier.wait(job.sync_timeout).result()
-            r.set_weights(pull())
-        else:
-            comm.submit(comm.take_update())
-        report()
+        nonlocal stopped
+        r.set_progress(job.epoch + min(1.0, batches.images / max(1, job.share_images)))
+        exchange.step()
+        reporter.report(batches.images, exchange.pushes)
         if stop.is_set():
-            state["stopped"] = True
+            stopped = True
             r.stop()
 
-    comm = None if sync else _Communicator(rep, push, pull)
-    batches = _Counted(stream, job.delay)
     if stop.is_set():  # the epoch's quorum was reached before this replica started
-        state["stopped"] = True
+        stopped = True
         batches = _Counted(())
+    done = False
     try:
-        stats = rep.train(batches, on_images=on_images, every=job.push_every)
-        if comm is not None:
-            comm.close()
-            comm = None
-        rest = rep.take_update()
-        if np.any(rest[0]) or rest[1]:
-            push(rest, 1.0 / job.replicas if sync else 1.0)
+        stats = rep.train(batches, on_images=on_images, every=s.push_every)
+        exchange.finish()
+        done = True
     finally:
-        if comm is not None:  # training failed: stop the communicator, keep the first error
-            try:
-                comm.close()
-            except BaseException:
-                logger.debug("communicator error after a training error", exc_info=True)
+        if not done:
+            exchange.close()
         if sync and barrier is not None:
-            barrier.leave().result()
+            barrier.leave(job.replica).result()
         stream_stats = stream.stats()
         stream.close()
-    report(final=True)
+    reporter.report(batches.images, exchange.pushes, final=True)
     return {
         "replica": job.replica,
         "epoch": job.epoch,
         "images": stats.images,
+        "images_pushed": exchange.images_pushed,
         "loss": stats.loss,
         "seconds": time.perf_counter() - t0,
         "train_seconds": stats.seconds,
-        "pushes": state["pushes"],
-        "ps_seconds": state["ps_seconds"],
-        "stopped": bool(state["stopped"] or stats.stopped),
+        "pushes": exchange.pushes,
+        "ps_seconds": exchange.ps_seconds,
+        "stopped": bool(stopped or stats.stopped),
         "stall_fraction": float(stream_stats.get("stall_fraction", 0.0)),
         "wait_seconds": float(stream_stats.get("wait_seconds", 0.0)),
         "worker": worker.address,
+        "lr_end": rep.lr,
     }

@@ -11,6 +11,7 @@ import pytest
 from adam_dask.errors import ConfigError, InputShapeError
 from adam_dask.model import Network
 from adam_dask.train.replica import HogwildReplica, TrainStats
+from adam_dask.train.schedule import Schedule
 
 SPEC = "conv3x3:4,maxpool2,fc16,fc4"
 SHAPE = (1, 10, 10)
@@ -57,15 +58,28 @@ def test_train_images_with_momentum_and_schedule(data):
     x, y = data
     net = Network.from_spec(SPEC, SHAPE, "relu", seed=0)
     before, _ = net.loss_and_gradient(x, y)
-    rep = HogwildReplica(net, threads=2, lr=0.05, momentum=0.9, batch_size=8, lr_decay=0.5)
+    rep = HogwildReplica(net, threads=2, lr=0.05, momentum=0.9, batch_size=8)
+    plan = Schedule(lr=0.05, epochs=2, kind="linear", floor=0.1)
     seen = []
     stats = rep.train_images(
-        x, y, epochs=2, seed=0, on_epoch=lambda r, e, st: seen.append((e, r.lr, st.images))
+        x,
+        y,
+        epochs=2,
+        seed=0,
+        schedule=plan,
+        on_epoch=lambda r, e, st: seen.append((e, r.lr, st.images)),
     )
-    assert seen == [(0, 0.05, 512), (1, 0.025, 512)]
+    # the rate moves at every mini-batch: the last one of each epoch starts 8 images before its end
+    last = (512 - 8) / 512
+    assert [(e, n) for e, _, n in seen] == [(0, 512), (1, 512)]
+    assert [lr for _, lr, _ in seen] == pytest.approx([plan.at(last), plan.at(1 + last)])
+    assert plan.at(0) == 0.05 and plan.at(2) == pytest.approx(0.005)
     assert stats.images == 1024 and rep.images_seen == 1024
-    assert rep.lr_at(3) == pytest.approx(0.05 * 0.5**3)
     assert net.loss_and_gradient(x, y)[0] < 0.5 * before
+    # by default the plan is the epochs of the call, from the replica's lr, to the configured floor
+    rep2 = HogwildReplica(Network.from_spec(SPEC, SHAPE, seed=0), threads=1, lr=0.05, batch_size=8)
+    rep2.train_images(x[:64], y[:64], epochs=3)
+    assert rep2.lr < 0.05 * 0.1
 
 
 def test_uint8_images_and_per_image_updates():
@@ -83,7 +97,8 @@ def test_delta_is_the_sum_of_updates_and_resets(data):
     rep = HogwildReplica(net, threads=2, lr=0.1, momentum=0.0, batch_size=4)
     rep.train(batches(x, y, 32))
     d = rep.take_delta()
-    np.testing.assert_allclose(start + d, net.flat, atol=1e-6)
+    # the delta is summed apart from the weights: equal up to float32 rounding (a few ulps)
+    np.testing.assert_allclose(start + d, net.flat, atol=1e-5)
     assert not rep.take_delta().any()
     rep.train(batches(x[:64], y[:64], 32))
     mid = net.flat.copy()
@@ -122,10 +137,16 @@ def test_callback_every_k_images_while_training(data):
     start = net.flat.copy()
     stats = rep.train(batches(x, y, 16), on_images=push, every=64)
     pushed += rep.take_delta()
-    assert 5 <= len(calls) <= 8  # 512 images / 64
+    # at most 512 / 64; fewer when images arrive while a callback runs (one call covers them)
+    assert 1 <= len(calls) <= 8
     assert max(overlap) == 1  # never two callbacks at once
     np.testing.assert_allclose(start + pushed, net.flat, atol=1e-5)
     assert stats.images == 512
+    # one thread: exactly every 64 images
+    calls.clear()
+    solo = HogwildReplica(Network.from_spec(SPEC, SHAPE, seed=0), threads=1, lr=0.05, batch_size=4)
+    assert solo.train(batches(x, y, 16), on_images=push, every=64).images == 512
+    assert len(calls) == 8
 
 
 def test_stop_interrupts_promptly(data):
@@ -200,7 +221,7 @@ def test_offload_terms_reproduce_the_dense_update():
     assert not delta[w.offset : w.offset + w.size].any()  # travels as terms instead
     rest = np.ones(delta.size, bool)
     rest[w.offset : w.offset + w.size] = False
-    np.testing.assert_allclose(delta[rest], applied[rest], atol=1e-6)  # conv, biases, fc4
+    np.testing.assert_allclose(delta[rest], applied[rest], atol=1e-5)  # conv, biases, fc4
     assert rep.take_update()[1] == {}  # taken once
     # the rule: k * (in + out) < in * out
     assert profitable_offload(net, 16) == ["2"]  # 16 * 96 < 2048; fc4: 16 * 36 > 128

@@ -48,11 +48,21 @@ def test_async_training_learns(store, adam_cluster, tmp_path):
     assert h.records[0]["images"] == 768
 
 
-def test_sync_training_learns(store, adam_cluster):
-    t = fit(store, adam_cluster, mode="sync", epochs=3)
+def test_sync_training_learns_and_resumes_in_sync_mode(store, adam_cluster, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    t = fit(store, adam_cluster, mode="sync", epochs=3, checkpoint=ckpt)
     assert t.epoch_quorum == 1.0
     assert t.history.last["test_accuracy"] >= 0.85, t.history.records
     assert t.history.records[0]["images"] == 768
+    # resuming (mode not given, as the CLI does without --mode) keeps the synchronous mode
+    r = Trainer.resume(ckpt, client=adam_cluster, progress=False, mode=None)
+    try:
+        assert r.mode == "sync" and r.epoch_quorum == 1.0 and r.epoch == 3
+        r.fit(epochs=4)  # the run's total
+        assert r.history.column("epoch") == [0, 1, 2, 3]
+        assert r.history.last["mode"] == "sync"
+    finally:
+        r.close()
 
 
 def test_quorum_ends_epoch_while_straggler_runs(store, adam_cluster):
@@ -100,8 +110,9 @@ def test_resume_continues_history(store, adam_cluster, tmp_path):
     r = Trainer.resume(ckpt, client=adam_cluster, progress=False, lr=0.05, push_every=64)
     try:
         assert r.epoch == 2 and len(r.history) == 2
+        assert r.epochs == 2  # the plan it was trained with (the schedule's horizon)
         assert abs(r.evaluate() - acc) < 1e-9  # the restored weights are the checkpoint's
-        r.fit(epochs=1)
+        r.fit(epochs=3)  # epochs counts the whole run, as Keras's epochs with initial_epoch
         assert r.history.column("epoch") == [0, 1, 2]
     finally:
         r.close()

@@ -1,0 +1,99 @@
+"""The Trainer's side of a checkpoint: refuse to overwrite one, its history file, and the state a
+resumed run starts from (weights, epoch, history, plan and settings)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import DestinationExistsError
+from .metrics import History
+
+__all__ = ["HISTORY", "Resumed", "history_url", "refuse_existing", "resumed_state"]
+
+logger = logging.getLogger(__name__)
+
+HISTORY = "history.jsonl"
+
+# the stored settings a resumed run keeps unless the caller gives new ones
+_RESUMABLE = (
+    "mode",
+    "push_every",
+    "lr",
+    "lr_schedule",
+    "lr_floor",
+    "momentum",
+    "batch_size",
+    "threads",
+    "seed",
+    "epoch_quorum",
+    "offload_dense",
+)
+
+
+def refuse_existing(url: str, storage_options: dict | None) -> None:
+    """A new run must not write over a checkpoint that holds another run's weights."""
+    from ..ps.checkpoint import MANIFEST
+    from ..storage import filesystem
+
+    fs, path = filesystem(url, storage_options)
+    if fs.exists(path.rstrip("/") + "/" + MANIFEST):
+        raise DestinationExistsError(
+            f"a checkpoint already exists at {url}",
+            "continue it with --resume (Trainer.resume), replace it with --overwrite "
+            "(overwrite=True), or choose another URL",
+        )
+
+
+def history_url(checkpoint: str) -> str:
+    from ..storage import normalize_url
+
+    return normalize_url(checkpoint) + "/" + HISTORY
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """What a resumed Trainer starts from."""
+
+    net: Any  # Network holding the checkpoint's weights
+    data: str
+    settings: dict  # keywords for the Trainer: the caller's, else the stored ones
+    records: list[dict]
+    epoch: int  # the next epoch to train
+    epochs: int | None  # the run's planned total
+    mode: str | None  # the stored mode
+
+
+def resumed_state(
+    server: Any, checkpoint: str, data: str | None, storage_options: dict | None, given: dict
+) -> Resumed:
+    """The state in the checkpoint that ``server`` was restored from; ``given`` are the
+    caller's Trainer keywords (None = keep the stored setting)."""
+    from ..model.network import Network
+    from ..storage import options_for
+
+    meta = server.meta or {}
+    net = Network.from_dict(meta["model"])
+    net.flat = server.pull()
+    kwargs = dict(given)
+    stored = dict(meta.get("settings") or {"mode": meta.get("mode")})
+    for name, value in stored.items():
+        if name in _RESUMABLE and kwargs.get(name) is None:
+            kwargs[name] = value
+    url = history_url(checkpoint)
+    try:
+        records = History.load(url, options_for(url, storage_options)).records
+    except FileNotFoundError:
+        logger.warning("no history at %s; the resumed run starts a new one", url)
+        records = []
+    epoch = int(server.epoch) + 1 if server.epoch is not None else len(records)
+    return Resumed(
+        net=net,
+        data=data or meta["data"],
+        settings=kwargs,
+        records=records,
+        epoch=epoch,
+        epochs=meta.get("epochs"),
+        mode=meta.get("mode"),
+    )

@@ -1,0 +1,96 @@
+"""The pure arithmetic of an epoch: how many replicas, when the quorum is reached, the record.
+
+No Dask: the Trainer (trainer.py) does the I/O and calls these.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+from ..errors import ClusterError, ConfigError
+
+__all__ = ["epoch_record", "quorum_size", "replica_count", "share_sizes"]
+
+logger = logging.getLogger(__name__)
+
+
+def replica_count(fixed: int | None, train_workers: int) -> int:
+    """Replicas for the next epoch: ``fixed``, or one per TRAIN worker present now (elastic)."""
+    if train_workers < 1 and fixed is None:
+        raise ClusterError(
+            "the cluster has no TRAIN workers",
+            "start workers with --resources TRAIN=1 or use adam_dask.cluster.assign_roles",
+        )
+    if fixed is None:
+        return train_workers
+    if fixed < 1:
+        raise ConfigError(f"replicas={fixed}", "use at least one replica, or 'auto'")
+    if fixed > train_workers:
+        logger.warning(
+            "%d replicas on %d TRAIN workers: replicas queue for a worker", fixed, train_workers
+        )
+    return fixed
+
+
+def quorum_size(replicas: int, quorum: float) -> int:
+    """Replicas whose end ends the epoch: ``ceil(quorum * replicas)``, at least one."""
+    return max(1, math.ceil(quorum * replicas - 1e-9))
+
+
+def share_sizes(images: int, replicas: int) -> list[int]:
+    """About each replica's images of an epoch (for the schedule's progress)."""
+    return [images * (r + 1) // replicas - images * r // replicas for r in range(replicas)]
+
+
+def epoch_record(
+    epoch: int,
+    results: Sequence[dict],
+    *,
+    replicas: int,
+    seconds: float,
+    quorum_seconds: float | None,
+    flush_seconds: float,
+    accuracy: float,
+    ps_before: dict,
+    ps_after: dict,
+    lr: float,
+    lr_end: float,
+    mode: str,
+) -> dict:
+    """The history record of one epoch from the results of its replicas."""
+    images = sum(r["images"] for r in results)
+    loss = (
+        sum(r["loss"] * r["images"] for r in results if r["images"]) / images
+        if images
+        else float("nan")
+    )
+    # shard updates applied by the primaries during the epoch
+    pushes = ps_after.get("pushes_applied", 0) - ps_before.get("pushes_applied", 0)
+    replica_seconds = sum(r["seconds"] for r in results)
+    return {
+        "epoch": epoch,
+        "loss": loss,
+        "test_accuracy": accuracy,
+        "images": images,
+        "images_pushed": sum(r["images_pushed"] for r in results),
+        "images_per_second": images / seconds if seconds else 0.0,
+        "seconds": seconds,
+        "quorum_seconds": quorum_seconds,
+        "flush_seconds": flush_seconds,
+        "stall_fraction": max((r["stall_fraction"] for r in results), default=0.0),
+        "ps_updates_per_second": pushes / seconds if seconds else 0.0,
+        "ps_fraction": (
+            sum(r["ps_seconds"] for r in results) / replica_seconds if replica_seconds else 0.0
+        ),
+        "replication_lag": ps_after.get("max_replication_lag"),
+        "writeback_lag": ps_after.get("writeback_lag_seconds"),
+        "writeback_lag_versions": ps_after.get("writeback_lag_versions"),
+        "replicas_finished": sum(not r["stopped"] for r in results),
+        "replicas": replicas,
+        "replica_workers": sorted(r["worker"] for r in results),
+        "lr": lr,
+        "lr_end": lr_end,
+        "mode": mode,
+    }

@@ -1,0 +1,209 @@
+"""One object owns a replica's exchange with the parameter server: take -> push -> pull -> install.
+
+A training thread calls :meth:`Exchange.step` every ``push_every`` images (the paper's *k*) and
+:meth:`Exchange.finish` once its share is done. Two kinds:
+
+* :class:`AsyncExchange` (Adam): the step takes the update (:meth:`HogwildReplica.take`, exact,
+  at a mini-batch boundary) and hands it to one communicator thread, which pushes it, pulls
+  fresh weights and installs them (:meth:`HogwildReplica.install`, exact too) while the
+  training threads go on. At most one update waits behind the one in flight: a replica that
+  outruns the parameter server slows down rather than piling up memory.
+* :class:`SyncExchange` (the baseline): one training thread; the step pushes ``1/R`` of the
+  update, waits until every replica of the step has pushed (the barrier), pulls and installs.
+  A barrier that times out is an error naming the replicas that did not arrive.
+
+The server is anything with ``push(delta)``, ``push_outer(offset, errors, activations,
+scale=)`` and ``pull()`` (a :class:`~adam_dask.ps.server.ParameterServer`, or an in-process
+stand-in in tests). The exchange counts what it pushed: ``pushes``, ``images_pushed`` (images
+whose updates the server acknowledged) and ``items`` (per stream item, the images pushed: the
+replica's data position).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..errors import ClusterError, ConfigError, UpdateRejected
+from ._updates import Update
+from .replica import HogwildReplica
+
+__all__ = ["AsyncExchange", "Exchange", "SyncExchange"]
+
+logger = logging.getLogger(__name__)
+
+
+class Exchange:
+    """The common part: push one :class:`Update` (scaled by ``scale``), pull, count.
+
+    ``offsets``: offloaded layer prefix -> flat offset of its weight (for ``push_outer``);
+    ``label``: who is exchanging, for error messages (e.g. ``"replica 2 in epoch 3"``).
+    """
+
+    def __init__(
+        self,
+        replica: HogwildReplica,
+        server: Any,
+        *,
+        scale: float = 1.0,
+        label: str = "the replica",
+    ):
+        self.replica = replica
+        self.server = server
+        self.scale = float(scale)
+        self.label = label
+        self.offsets = {p: replica.net.layout[f"{p}.weight"].offset for p in replica.offload}
+        self.pushes = 0
+        self.pulls = 0
+        self.images_pushed = 0
+        self.items: dict[int, int] = {}
+        self.ps_seconds = 0.0
+
+    def step(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Push what is left after training ended; raise the first error of the exchange."""
+        self._push(self.replica.take())
+
+    def close(self) -> None:
+        """Release what the exchange holds after a failed training (never raises)."""
+
+    # -- the parameter-server calls -----------------------------------------------------------------
+
+    def _push(self, update: Update) -> None:
+        if update.empty:
+            return
+        t = time.perf_counter()
+        scale = self.scale
+        try:  # the server checks every value (NaN/Inf refused, nothing applied)
+            self.server.push(update.delta * scale if scale != 1.0 else update.delta)
+            for prefix, (acts, errs) in update.terms.items():  # the PS computes these updates
+                self.server.push_outer(self.offsets[prefix], errs, acts, scale=scale)
+        except UpdateRejected as exc:
+            raise UpdateRejected(
+                f"{self.label} produced a non-finite update (the model diverged): {exc.message}",
+                "lower the learning rate (--lr) or push_every",
+                shard=exc.shard,
+            ) from exc
+        self.ps_seconds += time.perf_counter() - t
+        self.pushes += 1
+        self.images_pushed += update.images
+        for k, n in update.items.items():
+            self.items[k] = self.items.get(k, 0) + n
+
+    def _pull(self) -> np.ndarray:
+        t = time.perf_counter()
+        weights = self.server.pull()
+        self.ps_seconds += time.perf_counter() - t
+        self.pulls += 1
+        return weights
+
+
+class AsyncExchange(Exchange):
+    """Adam's exchange: pushes and pulls on a communicator thread, training never waits for it
+    (except behind one queued update)."""
+
+    def __init__(self, replica: HogwildReplica, server: Any, **kwargs: Any):
+        super().__init__(replica, server, **kwargs)
+        self._queue: queue.Queue[Update | None] = queue.Queue(maxsize=1)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=contextvars.copy_context().run,
+            args=(self._run,),
+            name="adam-exchange",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def step(self) -> None:
+        """Take the update and queue it for the communicator; raises its first error."""
+        if self._error is not None:
+            raise self._error
+        self._queue.put(self.replica.take())
+
+    def _run(self) -> None:
+        while True:
+            update = self._queue.get()
+            if update is None:
+                return
+            if self._error is not None:
+                continue
+            try:
+                self._push(update)
+                self.replica.install(self._pull())
+            except BaseException as exc:  # raised in the training thread at the next step
+                self._error = exc
+                self.replica.stop()
+
+    def _drain(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def finish(self) -> None:
+        """Wait for the queued updates, push the rest; raise the first error."""
+        self._drain()
+        if self._error is not None:
+            raise self._error
+        super().finish()
+
+    def close(self) -> None:
+        try:
+            self._drain()
+        except BaseException:  # pragma: no cover - best effort after a training error
+            logger.debug("exchange thread did not stop cleanly", exc_info=True)
+        if self._error is not None:
+            logger.debug("exchange error after a training error: %r", self._error)
+
+
+class SyncExchange(Exchange):
+    """The synchronous baseline's exchange (one training thread).
+
+    ``wait()`` blocks until every replica of the current step has pushed and returns the
+    barrier's answer ``{"ok": bool, "missing": [replicas], "generation": int, "timeout": s}``
+    (:class:`~adam_dask.train.task.SyncBarrier`); ``ok`` False raises :class:`ClusterError`.
+    """
+
+    def __init__(
+        self,
+        replica: HogwildReplica,
+        server: Any,
+        *,
+        wait: Callable[[], dict],
+        **kwargs: Any,
+    ):
+        if replica.threads != 1:
+            raise ConfigError(
+                f"a synchronous replica runs one thread, not {replica.threads}",
+                "build the replica with threads=1",
+            )
+        super().__init__(replica, server, **kwargs)
+        self._wait = wait
+
+    def step(self) -> None:
+        self._push(self.replica.take())
+        answer = self._wait()
+        if not answer.get("ok"):
+            raise barrier_timeout(answer, self.label)
+        self.replica.install(self._pull())
+
+
+def barrier_timeout(answer: dict, label: str) -> ClusterError:
+    """The error of a synchronous step whose barrier timed out."""
+    missing = answer.get("missing") or []
+    who = ", ".join(str(r) for r in missing) or "unknown"
+    return ClusterError(
+        f"synchronous step {answer.get('generation')}: {label} waited "
+        f"{answer.get('timeout')} s for replica(s) {who}, which never pushed (their TRAIN "
+        "worker is frozen, overloaded or lost)",
+        "check those workers, raise adam.train.sync-timeout, or train with mode='async', "
+        "which does not wait for stragglers",
+    )

@@ -1,0 +1,145 @@
+"""A training run's settings, resolved once: keyword, else ``adam.train.*`` / ``adam.cluster.*``.
+
+:class:`RunSettings` is built where the Trainer is built (keyword ``None`` -> config), checked
+there, stored in the checkpoint's manifest and read back by :meth:`Trainer.resume`, so a resumed
+run keeps its mode, learning rate and schedule unless the caller gives new ones. The replica
+tasks receive it inside their :class:`~adam_dask.train.task.ReplicaJob`. Pure: no Dask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from .. import config
+from ..errors import ConfigError
+from .schedule import KINDS
+
+__all__ = ["MODES", "RunSettings", "resolve_augment"]
+
+MODES = ("async", "sync")
+
+# keyword -> config key, for every setting read from adam.yaml
+_KEYS = {
+    "mode": "train.mode",
+    "push_every": "train.push-every",
+    "lr": "train.lr",
+    "lr_schedule": "train.lr-schedule",
+    "lr_floor": "train.lr-floor",
+    "momentum": "train.momentum",
+    "batch_size": "train.batch-size",
+    "threads": "cluster.trainer-threads",
+    "seed": "train.seed",
+    "epoch_quorum": "train.epoch-quorum",
+    "offload_dense": "train.offload-dense",
+    "sync_timeout": "train.sync-timeout",
+    "report_interval": "train.report-interval",
+    "stream_images": "train.stream-images",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    """Everything that shapes how the replicas train (not where: data, cluster, checkpoint)."""
+
+    mode: str
+    push_every: int
+    lr: float
+    lr_schedule: str
+    lr_floor: float
+    momentum: float
+    batch_size: int
+    threads: int
+    seed: int
+    epoch_quorum: float
+    offload_dense: bool
+    sync_timeout: float
+    report_interval: float
+    stream_images: int
+
+    @classmethod
+    def resolve(cls, base: RunSettings | dict | None = None, **given: Any) -> RunSettings:
+        """Settings from the keywords ``given`` (None = not given), else ``base`` (a resumed
+        run's stored settings), else the configuration; checked."""
+        unknown = set(given) - set(_KEYS)
+        if unknown:
+            raise ConfigError(f"unknown training settings {sorted(unknown)}")
+        stored = asdict(base) if isinstance(base, RunSettings) else dict(base or {})
+        values = {}
+        for f in fields(cls):
+            v = given.get(f.name)
+            if v is None:
+                v = stored.get(f.name)
+            values[f.name] = config.get(_KEYS[f.name], v)
+        s = cls(
+            mode=str(values["mode"]),
+            push_every=int(values["push_every"]),
+            lr=float(values["lr"]),
+            lr_schedule=str(values["lr_schedule"]),
+            lr_floor=float(values["lr_floor"]),
+            momentum=float(values["momentum"]),
+            batch_size=int(values["batch_size"]),
+            threads=int(values["threads"]),
+            seed=int(values["seed"]),
+            epoch_quorum=float(values["epoch_quorum"]),
+            offload_dense=bool(values["offload_dense"]),
+            sync_timeout=float(values["sync_timeout"]),
+            report_interval=float(values["report_interval"]),
+            stream_images=int(values["stream_images"]),
+        )
+        s.check()
+        if s.mode == "sync" and s.epoch_quorum != 1.0:
+            s = replace(s, epoch_quorum=1.0)  # every replica finishes every synchronous step
+        return s
+
+    def check(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode={self.mode!r}", "use 'async' or 'sync'")
+        if not 0 < self.epoch_quorum <= 1:
+            raise ConfigError(
+                f"epoch_quorum={self.epoch_quorum} must lie in (0, 1]",
+                "e.g. 0.75 ends an epoch when 3 of 4 replicas are done",
+            )
+        if self.push_every < 1 or self.lr <= 0:
+            raise ConfigError(
+                f"push_every={self.push_every}, lr={self.lr}", "both must be positive"
+            )
+        if self.lr_schedule not in KINDS:
+            raise ConfigError(
+                f"lr_schedule={self.lr_schedule!r} is not one of {', '.join(KINDS)}",
+                "set lr_schedule= or adam.train.lr-schedule",
+            )
+        if self.offload_dense and self.momentum > 0:
+            raise ConfigError(
+                "offload_dense needs momentum 0 (the PS applies plain outer-product updates)",
+                "set momentum=0 or offload_dense=False",
+            )
+        if self.sync_timeout <= 0:
+            raise ConfigError(
+                f"sync_timeout={self.sync_timeout} must be positive",
+                "set adam.train.sync-timeout",
+            )
+
+    @property
+    def stream_batch(self) -> int:
+        """Images per batch from the data stream: a multiple of the update mini-batch near
+        ``stream_images``, big enough to amortize the calls."""
+        return self.batch_size * max(1, self.stream_images // self.batch_size)
+
+    def to_dict(self) -> dict:
+        """JSON-safe, for the checkpoint's manifest."""
+        return asdict(self)
+
+
+def resolve_augment(augment: Any) -> Any:
+    """The data servers' augmentation: an ``Augment``, or None for none; ``True`` builds one
+    from ``adam.augment``, ``None`` follows ``adam.augment.enabled``."""
+    from ..data import augment as aug
+
+    if augment is None:
+        augment = config.get("augment.enabled")
+    if augment is True:
+        return aug.Augment.from_config()
+    if augment is False:
+        return None
+    return augment

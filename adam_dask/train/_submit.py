@@ -1,0 +1,90 @@
+"""Running one epoch's replicas on the cluster: submit, wait for the quorum, stop the rest.
+
+The Dask side of the Trainer's epoch (the arithmetic is in ``_epoch.py``, the replica itself in
+``task.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..cluster import PS, TRAIN, workers_with_role
+from ._epoch import quorum_size
+from .task import ReplicaJob, SyncBarrier, run_replica
+
+__all__ = ["EpochRun", "run_replicas"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EpochRun:
+    """What the replicas of one epoch returned."""
+
+    results: list[dict]
+    seconds: float
+    quorum_seconds: float | None
+
+
+def run_replicas(
+    client: Any, jobs: Sequence[ReplicaJob], *, server: Any, data: Any, quorum: float
+) -> EpochRun:
+    """Run ``jobs`` (one epoch, one per replica) until ``quorum`` of them finished; the others
+    are stopped through the epoch's stop event. A replica's error stops the epoch and is
+    raised."""
+    from distributed import Event, as_completed
+
+    first = jobs[0]
+    R, epoch = len(jobs), first.epoch
+    stop = Event(first.stop_name, client=client)
+    stop.clear()
+    barrier = None
+    if first.settings.mode == "sync":
+        host = workers_with_role(client, PS)[0]
+        barrier = client.submit(
+            SyncBarrier,
+            R,
+            actor=True,
+            workers=[host],
+            allow_other_workers=False,
+            key=f"adam-{first.run_id}-barrier-{epoch}",
+        ).result()
+    t0 = time.perf_counter()
+    # One graph for all replicas: the scheduler places them in one pass, each placement
+    # raising its worker's occupancy, so they spread over the TRAIN workers. (Submitted one
+    # by one, a replica that already seceded leaves its worker looking idle, and the next
+    # could queue there behind the held TRAIN resource; pinning instead breaks the rerun of
+    # a replica whose worker died.)
+    futures = client.map(
+        run_replica,
+        list(jobs),
+        server=server,
+        data=data,
+        barrier=barrier,
+        resources={TRAIN: 1},
+        pure=False,
+        key=[f"adam-{job.run_id}-e{epoch}-r{job.replica}" for job in jobs],
+    )
+    needed = quorum_size(R, quorum)
+    results: list[dict] = []
+    quorum_seconds = None
+    try:
+        for fut in as_completed(futures):
+            results.append(fut.result())
+            logger.debug("replica result %s", results[-1])
+            if len(results) == needed and needed < R:
+                quorum_seconds = time.perf_counter() - t0
+                logger.info("epoch %d: %d of %d replicas done; stopping the rest", epoch, needed, R)
+                stop.set()
+    except BaseException:
+        stop.set()
+        for f in futures:
+            f.cancel()
+        raise
+    finally:
+        stop.clear()
+    return EpochRun(results, time.perf_counter() - t0, quorum_seconds)

@@ -1,0 +1,209 @@
+"""Exact bookkeeping of a replica's updates: per-thread double buffers, taken and installed at
+mini-batch boundaries.
+
+The Hogwild threads of a replica add their updates to the shared weights ``flat`` without a
+common lock. What leaves for the parameter server must nevertheless be exact: every update a
+thread computed goes into exactly one push, and weights pulled from the server must not wipe out
+an update that lands while they are installed. (The old design derived the delta as
+``flat - snapshot`` and installed pulled weights as ``pulled + (flat - snapshot)`` from another
+thread; an update landing between that read and the write was dropped.)
+
+Here each thread owns a :class:`Slot`: a lock it holds for one mini-batch step, an *active*
+accumulator that receives the same update as ``flat`` (the fused step's ``acc``, or
+:func:`~adam_dask.model.fused.sgd_update_into`), the images and stream items it covers, and the
+dense-layer terms of the offload. :meth:`Updates.take` swaps each slot's active buffer with its
+zeroed spare under the slot's lock, so the cut between two takes falls on a mini-batch boundary
+of every thread: the taken :class:`Update` holds whole mini-batches, each exactly once.
+:meth:`Updates.install` holds every slot's lock at once (each thread finishes its current
+mini-batch first) and writes ``pulled + the updates not yet taken``: nothing lands during the
+write, so nothing is lost or counted twice. Two Hogwild threads racing inside ``flat`` may still
+lose one update locally (the paper's lock-free write), but it is in its thread's accumulator, so
+it is pushed and comes back with the next pull.
+
+A taker never starves behind a thread that re-takes its lock at once: it closes the slot's
+gate first, and a thread waits at the gate before its next mini-batch.
+
+No Dask, no I/O: tested directly (tests/train/test_exchange.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..model.fused import sgd_update_into
+
+__all__ = ["Slot", "Update", "Updates"]
+
+
+@dataclass(slots=True)
+class Update:
+    """Whole mini-batches of updates, taken at once: what one push carries."""
+
+    delta: np.ndarray
+    """Flat float32: the sum of the updates (offloaded dense weights zeroed: they are terms)."""
+    terms: dict[str, tuple[np.ndarray, np.ndarray]]
+    """Offloaded layer prefix -> (activations (N, in), -lr * errors (N, out))."""
+    images: int
+    """Images whose updates the delta holds."""
+    items: dict[int, int]
+    """Stream item (its draw number) -> images of it the delta holds (the data position)."""
+
+    @property
+    def empty(self) -> bool:
+        return self.images == 0 and not self.terms
+
+
+@dataclass(slots=True)
+class Slot:
+    """One training thread's share of the bookkeeping; every field is guarded by ``lock``."""
+
+    lock: threading.Lock
+    gate: threading.Event  # cleared while a taker waits for the lock
+    acc: np.ndarray
+    spare: np.ndarray
+    images: int = 0
+    items: dict[int, int] = field(default_factory=dict)
+    terms: list[dict[str, tuple[np.ndarray, np.ndarray]]] = field(default_factory=list)
+
+    def record(
+        self, images: int, item: int, terms: dict[str, tuple[np.ndarray, np.ndarray]] | None
+    ) -> None:
+        """Count one mini-batch just added to ``acc`` (call with the lock held)."""
+        self.images += images
+        self.items[item] = self.items.get(item, 0) + images
+        if terms:
+            self.terms.append(terms)
+
+    def _reset(self) -> None:
+        self.images, self.items, self.terms = 0, {}, []
+
+
+class Updates:
+    """The per-thread accumulators of one replica (``threads`` slots over ``size`` parameters).
+
+    ``offload``: ``{layer prefix: (offset, size)}`` of the dense weights that travel as terms.
+    """
+
+    def __init__(self, size: int, threads: int, offload: dict[str, tuple[int, int]] | None = None):
+        self.size = int(size)
+        self.offload = dict(offload or {})
+        self._slots = [
+            Slot(
+                threading.Lock(),
+                threading.Event(),
+                np.zeros(self.size, np.float32),
+                np.zeros(self.size, np.float32),
+            )
+            for _ in range(threads)
+        ]
+        for slot in self._slots:
+            slot.gate.set()
+        self._control = threading.Lock()  # one taker or installer at a time
+
+    @contextmanager
+    def hold(self, t: int) -> Iterator[Slot]:
+        """Thread ``t``'s slot, locked for one mini-batch: add the update to ``slot.acc`` as
+        well as to the weights, then :meth:`Slot.record` it."""
+        slot = self._slots[t]
+        slot.gate.wait()
+        with slot.lock:
+            yield slot
+
+    def apply(
+        self,
+        t: int,
+        flat: np.ndarray,
+        grad: np.ndarray,
+        velocity: np.ndarray,
+        lr: float,
+        momentum: float,
+        images: int,
+        item: int,
+        terms: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+    ) -> None:
+        """Thread ``t``: add one mini-batch's gradient step (of ``images`` images of stream item
+        ``item``) to ``flat`` and to its accumulator; ``terms`` are its offload terms."""
+        with self.hold(t) as slot:
+            sgd_update_into(flat, slot.acc, grad, velocity, lr, momentum)
+            slot.record(images, item, terms)
+
+    @contextmanager
+    def _locked(self, slots: list[Slot]) -> Iterator[None]:
+        for slot in slots:
+            slot.gate.clear()
+        held: list[Slot] = []
+        try:
+            for slot in slots:
+                slot.lock.acquire()
+                held.append(slot)
+            yield
+        finally:
+            for slot in reversed(held):
+                slot.lock.release()
+            for slot in slots:
+                slot.gate.set()
+
+    def take(self) -> Update:
+        """Every update applied since the last take, and reset (whole mini-batches only)."""
+        retired: list[np.ndarray] = []
+        items: dict[int, int] = {}
+        terms: list[dict[str, tuple[np.ndarray, np.ndarray]]] = []
+        images = 0
+        with self._control:
+            for slot in self._slots:
+                with self._locked([slot]):
+                    slot.acc, slot.spare = slot.spare, slot.acc
+                    retired.append(slot.spare)
+                    images += slot.images
+                    for k, n in slot.items.items():
+                        items[k] = items.get(k, 0) + n
+                    terms.extend(slot.terms)
+                    slot._reset()
+            delta = retired[0].copy()
+            for buf in retired[1:]:
+                delta += buf
+            for buf in retired:
+                buf[...] = 0.0  # the next swap hands it out as an active accumulator
+        for offset, size in self.offload.values():
+            delta[offset : offset + size] = 0.0
+        return Update(delta, _concat_terms(terms, self.offload), images, items)
+
+    def pending(self) -> np.ndarray:
+        """The sum of the updates not yet taken (a copy)."""
+        out = np.zeros(self.size, np.float32)
+        for slot in self._slots:
+            with slot.lock:
+                out += slot.acc
+        return out
+
+    def install(self, flat: np.ndarray, weights: np.ndarray, keep_pending: bool = True) -> None:
+        """Write ``weights`` into ``flat`` plus the updates not yet taken (``keep_pending``),
+        or discard those (``keep_pending=False``); no thread steps meanwhile."""
+        with self._control, self._locked(self._slots):
+            np.copyto(flat, weights)
+            for slot in self._slots:
+                if keep_pending:
+                    flat += slot.acc
+                else:
+                    slot.acc[...] = 0.0
+                    slot._reset()
+
+
+def _concat_terms(
+    terms: list[dict[str, tuple[np.ndarray, np.ndarray]]],
+    offload: dict[str, tuple[int, int]],
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    out = {}
+    for prefix in offload:
+        parts = [t[prefix] for t in terms if prefix in t]
+        if parts:
+            out[prefix] = (
+                np.concatenate([a for a, _ in parts]),
+                np.concatenate([e for _, e in parts]),
+            )
+    return out
