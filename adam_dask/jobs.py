@@ -220,15 +220,23 @@ def _on_sigterm(signum, frame) -> None:
 
 def setup_logging(verbose: int, redactor: Redactor) -> None:
     """Log on stderr: warnings (0), this package's info (1) or debug and Dask's own logs of this
-    process (2), every record redacted (when the process has no logging set up yet). Worker processes started from here keep Dask's logs at
+    process (2), every record redacted and, below ``-v``, on one line without its traceback
+    (when the process has no logging set up yet). Worker processes started from here keep Dask's logs at
     ``critical`` (their task-failure records print task arguments, storage options included)
     unless ``DASK_DISTRIBUTED__LOGGING__DISTRIBUTED`` says otherwise."""
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+
+    def clean(record: logging.LogRecord) -> bool:
+        redactor.filter(record)
+        if not verbose:  # one line per record; -v shows the tracebacks
+            record.exc_text = record.stack_info = None
+        return True
+
     root = logging.getLogger()
     if not root.handlers:  # a program that embeds the job (a test) keeps its own logging
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        handler.addFilter(redactor.filter)
+        handler.addFilter(clean)
         root.addHandler(handler)
         root.setLevel(level)
     dask_level = logging.INFO if verbose >= 2 else logging.CRITICAL
@@ -236,7 +244,7 @@ def setup_logging(verbose: int, redactor: Redactor) -> None:
         lg = logging.getLogger(name)
         lg.setLevel(dask_level)
         for h in lg.handlers:  # distributed installs its own handler on its logger
-            h.addFilter(redactor.filter)
+            h.addFilter(clean)
     os.environ.setdefault("DASK_DISTRIBUTED__LOGGING__DISTRIBUTED", "critical")
 
 

@@ -101,12 +101,16 @@ def train(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[
     a line of news (the dashboard's link, a resumed run) to whoever watches."""
     from adam_dask.cluster import client_for, dashboard_link
     from adam_dask.data.datasets import open_split
+    from adam_dask.model import Network
     from adam_dask.train import Trainer
 
     t0 = time.perf_counter()
     so = args.storage_options
-    open_split(args.data, "train", so)  # a bad store fails before any cluster starts
+    # bad input fails before any cluster starts: the store, then a new run's network
+    split = open_split(args.data, "train", so)
     resume = not args.overwrite and _has_run(args.checkpoint, so)
+    if not resume:
+        Network.from_spec(config.get("model.spec", args.model), input_shape=split.input_shape)
     client = client_for(
         args.scheduler,
         args.gateway,
