@@ -16,6 +16,16 @@ from fsspec.core import url_to_fs
 
 from .errors import StorageError
 
+__all__ = [
+    "describe_storage_error",
+    "filesystem",
+    "join_url",
+    "normalize_url",
+    "options_for",
+    "protocol",
+    "zarr_store",
+]
+
 logger = logging.getLogger(__name__)
 
 
@@ -27,6 +37,18 @@ def normalize_url(url: str) -> str:
     if "://" not in url:
         return os.path.abspath(os.path.expanduser(url))
     return url.rstrip("/")
+
+
+def join_url(base: str, *names: str) -> str:
+    """``base`` and ``names`` joined with ``/`` (a URL or a POSIX path) or the OS separator (a
+    local path given without a protocol): the one join of the package.
+
+    >>> join_url("s3://bucket/store/", "train", "zarr.json")
+    's3://bucket/store/train/zarr.json'
+    """
+    if "://" in base or base.startswith("/"):
+        return "/".join([base.rstrip("/"), *(n.strip("/") for n in names)])
+    return os.path.join(base, *names)
 
 
 def protocol(url: str) -> str:
