@@ -126,9 +126,14 @@ def choose_new_holder(holders: list[str], workers: dict[str, str], load: Counter
     return min(best, key=lambda a: (load[a], a))
 
 
-def choose_primary(versions: dict[str, int], primary_load: Counter) -> str:
-    """The copy to promote: the newest version, then the worker with fewest primaries."""
-    return min(versions, key=lambda a: (-versions[a], primary_load[a], a))
+def _descending(position: Any) -> Any:
+    return tuple(-x for x in position) if isinstance(position, tuple) else -position
+
+
+def choose_primary(versions: dict[str, Any], primary_load: Counter) -> str:
+    """The copy to promote: the newest (a version, or a ``(generation, version)`` position),
+    then the worker with fewest primaries."""
+    return min(versions, key=lambda a: (_descending(versions[a]), primary_load[a], a))
 
 
 # -- controller state ----------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The pure logic of one parameter-server shard: no Dask, no I/O, no clocks.
 
 A :class:`ShardState` holds the values of one contiguous slice ``[start, stop)`` of the flat
-parameter buffer, a version (the number of updates applied, monotonically increasing), and a
+parameter buffer, a version (the number of updates applied, monotonically increasing), the
+generation of the primary that produced them (copies compare ``(generation, version)``: after a
+fail-over the new primary's values win over an older primary's, even at a lower version), and a
 bounded window of the ids of the last pushes applied, so that a push retried after a fail-over
 is applied once. Everything here is synchronous and deterministic; the actor in
 :mod:`adam_dask.ps.node` owns the I/O around it.
@@ -27,9 +29,20 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from .. import config
 from ..errors import UpdateRejected
 
 logger = logging.getLogger(__name__)
+
+__all__ = [
+    "OuterPart",
+    "ShardState",
+    "Snapshot",
+    "apply_rate_kernel",
+    "first_nonfinite",
+    "outer_delta",
+    "outer_part",
+]
 
 
 # -- kernels -------------------------------------------------------------------------------------
@@ -143,7 +156,8 @@ def apply_rate_kernel(values: np.ndarray, delta: np.ndarray) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """A copy of a shard's values at a version, with the push ids applied up to it."""
+    """A copy of a shard's values at ``(gen, version)``, with push ids applied up to it:
+    those after a base version, or all the shard remembers when ``full``."""
 
     shard: int
     start: int
@@ -151,6 +165,8 @@ class Snapshot:
     version: int
     values: np.ndarray
     ids: tuple[tuple[int, int], ...] = ()  # (version, push_id) pairs newer than a base version
+    gen: int = 0
+    full: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,8 +231,10 @@ class ShardState:
         Initial values (copied); zeros by default.
     version : int
         The version of ``values``.
-    dedup_window : int
-        How many recent push ids to remember for exactly-once retries.
+    dedup_window : int, optional
+        How many recent push ids to remember for exactly-once retries (``adam.ps.dedup-window``).
+    gen : int
+        The generation of the primary that produced ``values``.
     """
 
     def __init__(
@@ -226,7 +244,8 @@ class ShardState:
         stop: int,
         values: np.ndarray | None = None,
         version: int = 0,
-        dedup_window: int = 8192,
+        dedup_window: int | None = None,
+        gen: int = 0,
     ):
         self.shard, self.start, self.stop = int(shard), int(start), int(stop)
         n = self.stop - self.start
@@ -239,13 +258,15 @@ class ShardState:
                     f"shard {shard} holds {n} floats, got {self.values.shape[0]}", shard=shard
                 )
         self.version = int(version)
-        self.dedup_window = int(dedup_window)
+        self.gen = int(gen)
+        self.dedup_window = int(config.get("ps.dedup-window", dedup_window))
         self._ids: OrderedDict[int, int] = OrderedDict()  # push_id -> version, oldest first
         self.pushes_applied = 0
 
     def __repr__(self) -> str:
         return (
-            f"ShardState(shard={self.shard}, [{self.start}, {self.stop}), version={self.version})"
+            f"ShardState(shard={self.shard}, [{self.start}, {self.stop}), "
+            f"gen={self.gen}, version={self.version})"
         )
 
     @property
@@ -399,23 +420,47 @@ class ShardState:
         out.reverse()
         return tuple(out)
 
-    def snapshot(self, since: int = -1) -> Snapshot:
-        """A copy of the values at the current version, with the push ids after ``since``."""
+    @property
+    def position(self) -> tuple[int, int]:
+        """``(gen, version)``: how copies of a shard are ordered."""
+        return (self.gen, self.version)
+
+    def ids(self) -> dict[int, int]:
+        """{push_id: version} of the remembered pushes (a copy)."""
+        return dict(self._ids)
+
+    def snapshot(self, since: int = -1, values: np.ndarray | None = None) -> Snapshot:
+        """A copy of the values at the current version (``values`` when the caller holds one
+        already), with the push ids after ``since`` (all of them when ``since < 0``)."""
         return Snapshot(
             self.shard,
             self.start,
             self.stop,
             self.version,
-            self.values.copy(),
+            self.values.copy() if values is None else values,
             self.ids_since(since),
+            self.gen,
+            since < 0,
         )
 
     def install(
-        self, version: int, values: np.ndarray, ids: Iterable[tuple[int, int]] = ()
+        self,
+        version: int,
+        values: np.ndarray,
+        ids: Iterable[tuple[int, int]] = (),
+        gen: int | None = None,
+        full: bool = False,
     ) -> bool:
-        """Take a newer copy from the primary (a backup's catch-up); False if not newer."""
+        """Take a newer copy (a backup's catch-up, or values read back from the checkpoint);
+        False if ``(gen, version)`` is not newer than the copy held.
+
+        A copy of the same generation adds ``ids`` to the remembered ones; a copy from another
+        generation (another primary's lineage), or a ``full`` one, replaces them: ids of pushes
+        whose effect the new values do not hold must not be remembered.
+        """
         version = int(version)
-        if version <= self.version:
+        gen = self.gen if gen is None else int(gen)
+        if (gen, version) <= (self.gen, self.version):
             return False
         v = np.asarray(values, dtype=np.float32).reshape(-1)
         if v.shape[0] != self.size:
@@ -424,7 +469,10 @@ class ShardState:
                 shard=self.shard,
             )
         self.values[:] = v
+        if full or gen != self.gen:
+            self._ids.clear()
         self.version = version
+        self.gen = gen
         for ver, pid in ids:
             self._ids[int(pid)] = int(ver)
         self._trim_ids()

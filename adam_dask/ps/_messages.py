@@ -1,0 +1,416 @@
+"""Events and actions of the parameter-server protocol, as small frozen dataclasses.
+
+The node (:mod:`adam_dask.ps._node_state`) and the controller (:mod:`adam_dask.ps._controller`)
+are pure state machines: ``handle(event)`` changes their state and returns the actions to carry
+out. The Dask actor (:mod:`adam_dask.ps.node`), the scheduler plugin
+(:mod:`adam_dask.ps._plugin`) and the simulator (:mod:`adam_dask.ps.simulation`) feed them events
+and carry the actions out; nothing else changes protocol state.
+
+``req`` fields are opaque tokens of the caller: a :class:`Reply` with the same token answers
+the request. Positions are ``(gen, version)`` pairs: the generation of the primary that
+produced a shard's values, and the number of updates in them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .state import Snapshot
+
+__all__ = [
+    "AddBackups",
+    "Assign",
+    "Beat",
+    "Call",
+    "CallDone",
+    "CallFailed",
+    "Cancel",
+    "Commit",
+    "Confirmed",
+    "CreateNode",
+    "DeleteBlocks",
+    "Drop",
+    "Fence",
+    "Flush",
+    "Forward",
+    "ForwardDone",
+    "ForwardDue",
+    "ForwardFailed",
+    "HeartbeatReply",
+    "LogEvent",
+    "ManifestDone",
+    "ManifestFailed",
+    "NodeFailed",
+    "NodeReady",
+    "Promote",
+    "Pull",
+    "Push",
+    "Pushes",
+    "Replicate",
+    "Reply",
+    "Restore",
+    "Retire",
+    "SetBackups",
+    "Tick",
+    "Versions",
+    "WorkerAdded",
+    "WorkerRemoved",
+    "WriteBlocks",
+    "WriteDone",
+    "WriteDue",
+    "WriteFailed",
+    "WriteManifest",
+    "WriteReport",
+]
+
+Position = tuple[int, int]
+Peer = tuple[str, str]  # (worker address, node actor key)
+
+
+# -- node events -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Push:
+    """One push at a primary: ``deltas`` {sid: shard-length float32 delta}, ``stamps`` {sid:
+    the shard generation in the pusher's routing}; ``ack`` is "replay", "all" or "primary"."""
+
+    req: Any
+    deltas: dict[int, np.ndarray]
+    push_id: int | None
+    stamps: dict[int, int] | None
+    ack: str
+
+
+@dataclass(frozen=True, slots=True)
+class Pushes:
+    """The pushes that arrived during one turn of the event loop, applied as one batch."""
+
+    items: tuple[Push, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    req: Any
+    sids: tuple[int, ...]
+    stamps: dict[int, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Confirmed:
+    """What every copy of each primary among ``sids`` holds (a pusher's question)."""
+
+    req: Any
+    sids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Versions:
+    req: Any
+    sids: tuple[int, ...] | None = None
+    primaries_only: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardDue:
+    """Timer: time to send what changed to the backups."""
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardDone:
+    """A backup answered a forward: ``held`` {sid: position it holds now}, ``refused`` {sid:
+    the generation it knows, newer than the one sent, or -1 when it does not hold the shard}."""
+
+    backup: str
+    held: dict[int, Position]
+    refused: dict[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardFailed:
+    backup: str
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    """A forward arriving at a backup from ``sender``."""
+
+    req: Any
+    sender: str
+    snaps: tuple[Snapshot, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteDue:
+    """Timer: time to write dirty primaries back to the checkpoint."""
+
+
+@dataclass(frozen=True, slots=True)
+class WriteDone:
+    """The controller's answer to a write-back report: {sid: version} accepted (named by the
+    manifest), {sid: generation} refused because the writer's generation is stale."""
+
+    accepted: dict[int, int]
+    refused: dict[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteFailed:
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatReply:
+    """The controller's answer to a heartbeat: whether this node still belongs to the server,
+    and the current generation of the shards it holds."""
+
+    member: bool
+    gens: dict[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Assign:
+    """Hold ``shards`` {sid: (start, stop)} at ``gens`` {sid: gen}; be primary of those in
+    ``primaries`` {sid: [peers]} (its backups)."""
+
+    req: Any
+    shards: dict[int, tuple[int, int]]
+    gens: dict[int, int]
+    primaries: dict[int, list[Peer]] = field(default_factory=dict)
+    version: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """Refuse anything of ``gens`` {sid: gen}'s older generations; answer the positions held."""
+
+    req: Any
+    gens: dict[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Promote:
+    """Become the primary of each shard {sid: (gen, [backup peers])}."""
+
+    req: Any
+    shards: dict[int, tuple[int, list[Peer]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """Become the primary of a shard rebuilt from the checkpoint (values read by the actor)."""
+
+    req: Any
+    sid: int
+    gen: int
+    start: int
+    stop: int
+    version: int
+    values: np.ndarray
+    ids: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SetBackups:
+    req: Any
+    shards: dict[int, list[Peer]]
+
+
+@dataclass(frozen=True, slots=True)
+class AddBackups:
+    """Add backups and answer once each holds the shard's current position."""
+
+    req: Any
+    shards: dict[int, list[Peer]]
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    req: Any
+    sids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Flush:
+    """Answer once every copy (and, with a checkpoint, the manifest) holds the current version
+    of each primary among ``sids`` (all primaries when None)."""
+
+    req: Any
+    sids: tuple[int, ...] | None
+    checkpoint: bool
+
+
+# -- node actions ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Answer request ``req`` with ``value`` (an exception instance is raised to the caller)."""
+
+    req: Any
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Send ``snaps`` to the backup ``addr`` (actor ``key``); answer with ForwardDone/Failed."""
+
+    addr: str
+    key: str
+    snaps: tuple[Snapshot, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Stop waiting for the forward to ``addr`` (node) or the call ``op`` (controller)."""
+
+    addr: str | None = None
+    op: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WriteBlocks:
+    """Write each snapshot as a checkpoint block, then report them to the controller; answer
+    with WriteDone/WriteFailed."""
+
+    snaps: tuple[Snapshot, ...]
+
+
+# -- controller events -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerAdded:
+    addr: str
+    host: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRemoved:
+    addr: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """A node's heartbeat: the positions of the shards it is primary of."""
+
+    req: Any
+    addr: str
+    key: str
+    now: float
+    positions: dict[int, Position]
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class CallDone:
+    op: int
+    result: Any
+
+
+@dataclass(frozen=True, slots=True)
+class CallFailed:
+    op: int
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class NodeReady:
+    addr: str
+    key: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFailed:
+    addr: str
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class WriteReport:
+    """A primary wrote blocks: {sid: (gen, version, block path)}."""
+
+    req: Any
+    addr: str
+    blocks: dict[int, tuple[int, int, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestDone:
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestFailed:
+    seq: int
+    error: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """Store ``epoch``/``meta`` (when not None) in the manifest and answer once it is written."""
+
+    req: Any
+    epoch: Any
+    meta: dict | None
+
+
+# -- controller actions ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Call ``method(*args)`` on the node at ``addr`` (actor ``key``); answer with
+    CallDone/CallFailed carrying ``op``."""
+
+    op: int
+    addr: str
+    key: str
+    method: str
+    args: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class CreateNode:
+    """Create this server's node actor on the worker ``addr``; answer NodeReady/NodeFailed."""
+
+    addr: str
+
+
+@dataclass(frozen=True, slots=True)
+class Retire:
+    """Remove the worker ``addr`` from the cluster (it missed its heartbeats)."""
+
+    addr: str
+
+
+@dataclass(frozen=True, slots=True)
+class WriteManifest:
+    """Write ``doc`` as the checkpoint's manifest; answer ManifestDone/ManifestFailed."""
+
+    seq: int
+    doc: dict
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteBlocks:
+    paths: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LogEvent:
+    """Tell clients (the ``adam-ps`` event topic)."""
+
+    msg: dict

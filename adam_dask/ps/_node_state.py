@@ -1,0 +1,638 @@
+"""The parameter-server node's protocol as a pure state machine: no Dask, no I/O, no clocks.
+
+A :class:`NodeState` holds the copies of shards one PS node keeps for one server: the primaries
+it applies pushes to and the backups it keeps up to date. :meth:`NodeState.handle` takes an
+event (:mod:`adam_dask.ps._messages`) and returns the actions to carry out; the actor
+(:mod:`adam_dask.ps.node`) and the simulator (:mod:`adam_dask.ps.simulation`) do the I/O.
+
+The rules:
+
+* **Apply**: a primary applies a push to a shard when the pusher's stamp is the shard's current
+  generation; otherwise the shard is reported ``moved`` and the pusher refreshes its routing.
+* **Acknowledge**: with ``ack="replay"``/``"primary"`` at once, with the version every copy
+  holds (``confirmed``); with ``ack="all"`` once every backup holds the push.
+* **Forward**: each backup gets, one forward at a time, the newest values of every shard that
+  changed since the position it last reported, with the push ids applied since (all of them
+  when it holds another generation's values).
+* **Fence**: generations only grow. A node refuses forwards stamped with a generation older
+  than the one it knows, and answers with the newer one; a primary told of a newer generation
+  of its shard (by a backup, the controller's answer to a write-back or a heartbeat) steps down
+  and forgets the shard. A node the controller no longer counts as a member stops everything.
+* **Write back**: a primary writes blocks of its dirty shards; the controller names a block in
+  the manifest only when the writer's generation is current (:mod:`adam_dask.ps._controller`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import ShardUnavailable, UpdateRejected
+from ._messages import (
+    AddBackups,
+    Assign,
+    Cancel,
+    Confirmed,
+    Drop,
+    Fence,
+    Flush,
+    Forward,
+    ForwardDone,
+    ForwardDue,
+    ForwardFailed,
+    HeartbeatReply,
+    Peer,
+    Position,
+    Promote,
+    Pull,
+    Pushes,
+    Replicate,
+    Reply,
+    Restore,
+    SetBackups,
+    Versions,
+    WriteBlocks,
+    WriteDone,
+    WriteDue,
+    WriteFailed,
+)
+from .state import ShardState
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NOT_HELD", "NOT_MEMBER", "NodeState", "command"]
+
+NOT_HELD = -1  # a refusal's generation when the node does not hold the shard
+NOT_MEMBER = -2  # the controller's refusal of a write-back from a node it no longer counts
+_NOWHERE: Position = (-1, -1)
+
+
+def command(method: str, req: Any, args: tuple) -> Any:
+    """The event of a controller's call ``method(*args)`` to a node (``restore`` excepted: its
+    block is read from storage first)."""
+    if method == "fence":
+        return Fence(req, *args)
+    if method == "promote":
+        return Promote(req, *args)
+    if method == "assign":
+        return Assign(req, *args)
+    if method == "add_backups":
+        return AddBackups(req, *args)
+    if method == "set_backups":
+        return SetBackups(req, *args)
+    raise ValueError(f"no PS node command {method!r}")
+
+
+@dataclass
+class _Waiter:
+    """A request answered once copies (and the checkpoint) hold versions of primaries."""
+
+    req: Any
+    kind: str  # "push", "flush" or "add"
+    need: dict[int, int]  # sid -> version
+    value: dict
+    written: bool = False
+    backups: dict[int, set[str]] = field(default_factory=dict)  # "add": only these backups
+
+
+class NodeState:
+    """The protocol state of one PS node (see the module doc).
+
+    Parameters
+    ----------
+    addr : str
+        The node's own address (in log messages and forwards).
+    dedup_window : int, optional
+        Push ids remembered per shard (``adam.ps.dedup-window``).
+    checkpoint : bool
+        Whether the server writes back to a checkpoint.
+    """
+
+    def __init__(self, addr: str, *, dedup_window: int | None = None, checkpoint: bool = False):
+        self.addr = addr
+        self.dedup_window = dedup_window
+        self.checkpoint = checkpoint
+        self.shards: dict[int, ShardState] = {}
+        self.gens: dict[int, int] = {}  # the newest generation known per shard: the fence
+        self.primaries: dict[int, list[Peer]] = {}  # sid -> its backups
+        self.acked: dict[str, dict[int, Position]] = {}  # backup -> sid -> position it holds
+        self.inflight: set[str] = set()  # backups with a forward on the way
+        self.written: dict[int, int] = {}  # primaries: the version the manifest names
+        self.writing = False
+        self.waiters: list[_Waiter] = []
+        self.member = True
+        self._cache: dict[int, tuple[Position, np.ndarray]] = {}
+        self.pushes = 0
+        self.floats_applied = 0
+        self.refused_stale = 0
+        self.forward_errors = 0
+        self.writeback_errors = 0
+        self.last_writeback_error: str | None = None
+        self.stepped_down = 0
+
+    def __repr__(self) -> str:
+        backups = sorted(set(self.shards) - set(self.primaries))
+        return f"NodeState({self.addr}, primaries={sorted(self.primaries)}, backups={backups})"
+
+    # -- the one entry point ---------------------------------------------------------------------
+
+    def handle(self, event: Any) -> list:
+        """Apply ``event``; return the actions to carry out, in order."""
+        method = getattr(self, "_on_" + type(event).__name__, None)
+        if method is None:
+            raise TypeError(f"a PS node does not handle {type(event).__name__}")
+        return method(event)
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def values_of(self, sid: int) -> tuple[Position, np.ndarray]:
+        """(position, an immutable copy of the values), cached per position."""
+        st = self.shards[sid]
+        cached = self._cache.get(sid)
+        if cached is None or cached[0] != st.position:
+            cached = (st.position, st.values.copy())
+            self._cache[sid] = cached
+        return cached
+
+    def confirmed(self, sid: int) -> int:
+        """The newest version of primary ``sid`` every current backup holds."""
+        st = self.shards[sid]
+        out = st.version
+        for addr, _ in self.primaries[sid]:
+            gen, version = self.acked.get(addr, {}).get(sid, _NOWHERE)
+            out = min(out, version if gen == st.gen else -1)
+        return out
+
+    def heartbeat(self) -> dict[int, Position]:
+        """What a heartbeat carries: the positions of the primaries."""
+        return {s: self.shards[s].position for s in self.primaries}
+
+    def accepts(self, sid: int, stamps: dict[int, int] | None) -> bool:
+        """Whether a push or pull of ``sid`` stamped ``stamps`` may be served here."""
+        if not self.member or sid not in self.primaries:
+            return False
+        if stamps is None or sid not in stamps:
+            return True
+        if int(stamps[sid]) != self.gens[sid]:
+            self.refused_stale += 1
+            return False
+        return True
+
+    # -- update path -----------------------------------------------------------------------------
+
+    def _on_Pushes(self, ev: Pushes) -> list:
+        out: list = []
+        todo: dict[int, list[tuple[int, np.ndarray, int | None]]] = {}
+        results = []
+        for i, p in enumerate(ev.items):
+            res: dict = {"per_shard": {}, "moved": [], "confirmed": {}}
+            checked = {}
+            try:
+                for sid, d in p.deltas.items():
+                    sid = int(sid)
+                    if self.accepts(sid, p.stamps):
+                        checked[sid] = self.shards[sid].check(d)
+                    else:
+                        res["moved"].append(sid)
+            except UpdateRejected as exc:
+                out.append(Reply(p.req, exc))
+                continue
+            for sid, d in checked.items():
+                todo.setdefault(sid, []).append((i, d, p.push_id))
+            results.append((i, p, res))
+        versions: dict[tuple[int, int], int] = {}
+        for sid, items in todo.items():
+            st = self.shards[sid]
+            applied = st.apply_batch([d for _, d, _ in items], [pid for _, _, pid in items])
+            self.pushes += len(items)
+            self.floats_applied += len(items) * st.size
+            for (i, _, _), v in zip(items, applied):
+                versions[(i, sid)] = v
+        urgent = False
+        for i, p, res in results:
+            for sid in p.deltas:
+                if (i, int(sid)) in versions:
+                    res["per_shard"][int(sid)] = versions[(i, int(sid))]
+            if p.ack == "all" and res["per_shard"]:
+                self.waiters.append(_Waiter(p.req, "push", dict(res["per_shard"]), res))
+                urgent = True
+            else:
+                res["confirmed"] = {s: self.confirmed(s) for s in res["per_shard"]}
+                out.append(Reply(p.req, res))
+        if urgent:
+            out += self._settle()
+            out += self._forwards()
+        return out
+
+    def _on_Pull(self, ev: Pull) -> list:
+        ok = [s for s in ev.sids if self.accepts(s, ev.stamps)]
+        return [
+            Reply(
+                ev.req,
+                {
+                    "per_shard": {s: self.values_of(s)[1] for s in ok},
+                    "moved": [s for s in ev.sids if s not in ok],
+                },
+            )
+        ]
+
+    def _on_Confirmed(self, ev: Confirmed) -> list:
+        ok = [s for s in ev.sids if self.accepts(s, None)]
+        return [
+            Reply(
+                ev.req,
+                {
+                    "per_shard": {s: self.confirmed(s) for s in ok},
+                    "moved": [s for s in ev.sids if s not in ok],
+                },
+            )
+        ]
+
+    def _on_Versions(self, ev: Versions) -> list:
+        if ev.primaries_only:
+            sids = list(self.primaries) if ev.sids is None else list(ev.sids)
+            ok = [s for s in sids if self.accepts(s, None)]
+            value: dict = {
+                "per_shard": {s: self.shards[s].version for s in ok},
+                "moved": [s for s in sids if s not in ok],
+            }
+        else:
+            sids = list(self.shards) if ev.sids is None else [s for s in ev.sids]
+            value = {s: self.shards[s].version for s in sids if s in self.shards}
+        return [Reply(ev.req, value)]
+
+    # -- replication -----------------------------------------------------------------------------
+
+    def _on_ForwardDue(self, ev: ForwardDue) -> list:
+        return self._forwards()
+
+    def _forwards(self, only: set[str] | None = None) -> list:
+        """A forward to every idle backup that is behind on some shard."""
+        if not self.member:
+            return []
+        per_backup: dict[str, list] = {}
+        keys: dict[str, str] = {}
+        for sid, peers in self.primaries.items():
+            st = self.shards[sid]
+            for addr, key in peers:
+                if addr in self.inflight or (only is not None and addr not in only):
+                    continue
+                held = self.acked.get(addr, {}).get(sid, _NOWHERE)
+                if held >= st.position:
+                    continue
+                since = held[1] if held[0] == st.gen else -1
+                per_backup.setdefault(addr, []).append(st.snapshot(since, self.values_of(sid)[1]))
+                keys[addr] = key
+        out = []
+        for addr, snaps in per_backup.items():
+            self.inflight.add(addr)
+            out.append(Forward(addr, keys[addr], tuple(snaps)))
+        return out
+
+    def _on_ForwardDone(self, ev: ForwardDone) -> list:
+        self.inflight.discard(ev.backup)
+        acked = self.acked.setdefault(ev.backup, {})
+        for sid, pos in ev.held.items():
+            if ev.backup in self._backups_of(sid):
+                acked[sid] = max(acked.get(sid, _NOWHERE), tuple(pos))  # type: ignore[arg-type]
+        for sid, gen in ev.refused.items():
+            if sid in self.primaries and gen > self.gens[sid]:
+                self._step_down(sid, gen, f"backup {ev.backup} knows generation {gen}")
+        out = self._settle()
+        if any(ev.backup in b for w in self.waiters for b in self._waited_backups(w)):
+            out += self._forwards({ev.backup})
+        return out
+
+    def _on_ForwardFailed(self, ev: ForwardFailed) -> list:
+        self.inflight.discard(ev.backup)
+        self.forward_errors += 1
+        return []
+
+    def _on_Replicate(self, ev: Replicate) -> list:
+        held: dict[int, Position] = {}
+        refused: dict[int, int] = {}
+        for snap in ev.snaps:
+            sid = snap.shard
+            st = self.shards.get(sid)
+            known = self.gens.get(sid, NOT_HELD)
+            if st is None or not self.member:
+                refused[sid] = NOT_HELD
+                continue
+            if snap.gen < known or (sid in self.primaries and snap.gen == known):
+                refused[sid] = known
+                self.refused_stale += 1
+                logger.info(
+                    "node %s: refused a forward of shard %d from %s (generation %d, I know %d)",
+                    self.addr,
+                    sid,
+                    ev.sender,
+                    snap.gen,
+                    known,
+                )
+                continue
+            if sid in self.primaries:  # a newer primary exists: this one is a backup now
+                self._step_down(sid, snap.gen, f"{ev.sender} forwards generation {snap.gen}")
+            self.gens[sid] = max(known, snap.gen)
+            st.install(snap.version, snap.values, snap.ids, gen=snap.gen, full=snap.full)
+            held[sid] = st.position
+        return [Reply(ev.req, {"held": held, "refused": refused}), *self._settle()]
+
+    # -- write-back ------------------------------------------------------------------------------
+
+    def _on_WriteDue(self, ev: WriteDue) -> list:
+        if not self.checkpoint or self.writing or not self.member:
+            return []
+        dirty = [s for s in self.primaries if self.shards[s].version > self.written.get(s, -1)]
+        if not dirty:
+            return []
+        self.writing = True
+        return [
+            WriteBlocks(tuple(self.shards[s].snapshot(-1, self.values_of(s)[1]) for s in dirty))
+        ]
+
+    def _on_WriteDone(self, ev: WriteDone) -> list:
+        self.writing = False
+        for sid, version in ev.accepted.items():
+            if sid in self.primaries:
+                self.written[sid] = max(self.written.get(sid, -1), int(version))
+        for sid, gen in ev.refused.items():
+            if gen == NOT_MEMBER:
+                self._retire("the controller refused a write-back")
+            elif sid in self.primaries and gen >= self.gens[sid]:
+                self._step_down(sid, gen, "the controller refused its write-back")
+        return self._settle()
+
+    def _on_WriteFailed(self, ev: WriteFailed) -> list:
+        self.writing = False
+        self.writeback_errors += 1
+        self.last_writeback_error = ev.error
+        return []
+
+    # -- membership and fencing ------------------------------------------------------------------
+
+    def _on_HeartbeatReply(self, ev: HeartbeatReply) -> list:
+        if not ev.member:
+            if self.member:
+                self._retire("the controller no longer counts this node")
+            return self._settle()
+        for sid, gen in ev.gens.items():
+            if gen > self.gens.get(sid, NOT_HELD):
+                if sid in self.primaries:
+                    self._step_down(sid, gen, "the controller knows a newer generation")
+                elif sid in self.shards:
+                    self.gens[sid] = gen
+        return self._settle()
+
+    def _on_Fence(self, ev: Fence) -> list:
+        positions = {}
+        for sid, gen in ev.gens.items():
+            if sid not in self.shards:
+                continue
+            if sid in self.primaries and gen > self.gens[sid]:
+                self._step_down(sid, gen, "fenced by the controller")
+            self.gens[sid] = max(self.gens[sid], gen)
+            positions[sid] = self.shards[sid].position
+        return [Reply(ev.req, positions), *self._settle()]
+
+    def _step_down(self, sid: int, gen: int, why: str) -> None:
+        """A newer generation of primary ``sid`` exists: stop applying, forwarding and writing
+        it back; keep the values as a plain copy (the controller decides what they are worth:
+        a fenced copy may still be the newest)."""
+        logger.warning("node %s: no longer the primary of shard %d (%s)", self.addr, sid, why)
+        self.stepped_down += 1
+        self.gens[sid] = max(self.gens.get(sid, NOT_HELD), gen)
+        self.primaries.pop(sid, None)
+        self.written.pop(sid, None)
+        for acked in self.acked.values():
+            acked.pop(sid, None)
+
+    def _retire(self, why: str) -> None:
+        logger.warning("node %s: stops serving (%s)", self.addr, why)
+        self.member = False
+        for sid in list(self.shards):
+            self._forget(sid)
+
+    def _forget(self, sid: int) -> None:
+        self.shards.pop(sid, None)
+        self.primaries.pop(sid, None)
+        self.written.pop(sid, None)
+        self._cache.pop(sid, None)
+        for acked in self.acked.values():
+            acked.pop(sid, None)
+
+    # -- commands from the controller ------------------------------------------------------------
+
+    def _on_Assign(self, ev: Assign) -> list:
+        for sid, (start, stop) in ev.shards.items():
+            gen = int(ev.gens[sid])
+            if gen < self.gens.get(sid, NOT_HELD):
+                continue
+            if sid in self.primaries and sid not in ev.primaries and self.gens[sid] < gen:
+                self._step_down(sid, gen, "assigned as a backup of a newer generation")
+            if sid not in self.shards:
+                self.shards[sid] = ShardState(
+                    sid, start, stop, None, ev.version, self.dedup_window, gen=gen
+                )
+            self.gens[sid] = gen
+        for sid, peers in ev.primaries.items():
+            if sid in self.shards:
+                self.primaries[sid] = [tuple(p) for p in peers]  # type: ignore[misc]
+                self.written[sid] = self.shards[sid].version
+        return [Reply(ev.req, None)]
+
+    def load(self, values: dict[int, np.ndarray], versions: dict[int, int]) -> None:
+        """Initial values of held shards (a new or restored server): already in the checkpoint."""
+        for sid, v in values.items():
+            st = self.shards[int(sid)]
+            arr = np.asarray(v, dtype=np.float32).reshape(-1)
+            if arr.shape[0] != st.size:
+                raise UpdateRejected(
+                    f"shard {sid}: {arr.shape[0]} values for {st.size} floats", shard=int(sid)
+                )
+            st.values[:] = arr
+            st.version = int(versions[sid])
+            self._cache.pop(int(sid), None)
+            if int(sid) in self.primaries:
+                self.written[int(sid)] = st.version
+            for acked in self.acked.values():
+                acked.pop(int(sid), None)
+
+    def _on_Promote(self, ev: Promote) -> list:
+        done: dict[int, int] = {}
+        for sid, (gen, peers) in ev.shards.items():
+            st = self.shards.get(sid)
+            if st is None or not self.member or gen < self.gens.get(sid, NOT_HELD):
+                continue
+            if sid in self.primaries and st.gen == gen:  # the same promotion again
+                done[sid] = st.version
+                continue
+            self.gens[sid] = gen
+            st.gen = gen
+            self.primaries[sid] = [tuple(p) for p in peers]  # type: ignore[misc]
+            self.written[sid] = -1  # the checkpoint holds another generation: write ours
+            self._cache.pop(sid, None)
+            for acked in self.acked.values():
+                acked.pop(sid, None)
+            done[sid] = st.version
+            logger.info(
+                "node %s: primary of shard %d at generation %d, version %d",
+                self.addr,
+                sid,
+                gen,
+                st.version,
+            )
+        return [Reply(ev.req, done), *self._forwards()]
+
+    def _on_Restore(self, ev: Restore) -> list:
+        if not self.member or ev.gen < self.gens.get(ev.sid, NOT_HELD):
+            return [Reply(ev.req, ShardUnavailable(f"shard {ev.sid}: stale restore"))]
+        held = self.shards.get(ev.sid)
+        if held is not None and ev.sid in self.primaries and held.gen == ev.gen:
+            return [Reply(ev.req, ev.version)]  # the same restore again: done already
+        st = ShardState(ev.sid, ev.start, ev.stop, None, -1, self.dedup_window, gen=-1)
+        st.install(ev.version, ev.values, ev.ids, gen=ev.gen, full=True)
+        self._forget(ev.sid)
+        self.shards[ev.sid] = st
+        self.gens[ev.sid] = ev.gen
+        self.primaries[ev.sid] = []
+        self.written[ev.sid] = ev.version
+        logger.warning(
+            "node %s: shard %d rebuilt from the checkpoint at version %d (generation %d)",
+            self.addr,
+            ev.sid,
+            ev.version,
+            ev.gen,
+        )
+        return [Reply(ev.req, ev.version)]
+
+    def _on_SetBackups(self, ev: SetBackups) -> list:
+        return [Reply(ev.req, None), *self._set_backups(ev.shards), *self._settle()]
+
+    def _set_backups(self, shards: dict[int, list[Peer]]) -> list:
+        """Make ``shards`` {sid: peers} the backup lists of those primaries."""
+        out: list = []
+        for sid, peers in shards.items():
+            if sid not in self.primaries:
+                continue
+            new = [tuple(p) for p in peers]
+            gone = {a for a, _ in self.primaries[sid]} - {a for a, _ in new}
+            self.primaries[sid] = new  # type: ignore[assignment]
+            for addr in gone:
+                self.acked.get(addr, {}).pop(sid, None)
+        wanted = {a for peers in self.primaries.values() for a, _ in peers}
+        for addr in sorted(self.inflight - wanted):
+            self.inflight.discard(addr)
+            out.append(Cancel(addr=addr))
+        for addr in list(self.acked):
+            if addr not in wanted:
+                del self.acked[addr]
+        return out
+
+    def _on_AddBackups(self, ev: AddBackups) -> list:
+        """Make ``shards`` {sid: peers} the backup lists; answer once the backups new to a list
+        hold the shard's current position."""
+        need, backups = {}, {}
+        for sid, peers in ev.shards.items():
+            if sid not in self.primaries:
+                return [Reply(ev.req, ShardUnavailable(f"not the primary of shard {sid}"))]
+            need[sid] = self.shards[sid].version
+            backups[sid] = {a for a, _ in peers} - self._backups_of(sid)
+        out = self._set_backups(ev.shards)
+        self.waiters.append(_Waiter(ev.req, "add", need, {}, backups=backups))
+        return [*out, *self._forwards(), *self._settle()]
+
+    def _on_Drop(self, ev: Drop) -> list:
+        for sid in ev.sids:
+            self._forget(sid)
+        return [Reply(ev.req, None), *self._settle()]
+
+    def _on_Flush(self, ev: Flush) -> list:
+        sids = list(self.primaries) if ev.sids is None else list(ev.sids)
+        ok = [s for s in sids if self.accepts(s, None)]
+        target = {s: self.shards[s].version for s in ok}
+        value = {"per_shard": dict(target), "moved": [s for s in sids if s not in ok]}
+        written = ev.checkpoint and self.checkpoint
+        self.waiters.append(_Waiter(ev.req, "flush", target, value, written=written))
+        out = self._settle() + self._forwards()
+        if written:
+            out += self._on_WriteDue(WriteDue())
+        return out
+
+    # -- waiters ---------------------------------------------------------------------------------
+
+    def _backups_of(self, sid: int) -> set[str]:
+        return {a for a, _ in self.primaries.get(sid, [])}
+
+    def _waited_backups(self, w: _Waiter) -> list[set[str]]:
+        if w.kind == "add":
+            return list(w.backups.values())
+        return [self._backups_of(s) for s in w.need]
+
+    def _settle(self) -> list:
+        """Answer the waiters whose conditions hold now (or can never hold here)."""
+        out, keep = [], []
+        for w in self.waiters:
+            reply = self._check(w)
+            if reply is None:
+                keep.append(w)
+            else:
+                out.append(Reply(w.req, reply))
+        self.waiters = keep
+        return out
+
+    def _check(self, w: _Waiter) -> Any:
+        for sid in list(w.need):
+            if sid in self.primaries:
+                continue
+            if w.kind == "add":
+                return ShardUnavailable(f"node {self.addr} is no longer the primary of {sid}")
+            del w.need[sid]
+            w.value["per_shard"].pop(sid, None)
+            w.value["moved"].append(sid)
+        for sid, version in w.need.items():
+            st = self.shards[sid]
+            if w.kind == "add":
+                for addr in w.backups[sid]:
+                    if addr not in self._backups_of(sid):
+                        return ShardUnavailable(f"backup {addr} of shard {sid} was removed")
+                    if self.acked.get(addr, {}).get(sid, _NOWHERE) < (st.gen, version):
+                        return None
+            elif self.confirmed(sid) < version:
+                return None
+            if w.written and self.written.get(sid, -1) < version:
+                return None
+        if w.kind == "push":
+            w.value["confirmed"] = {s: self.confirmed(s) for s in w.value["per_shard"]}
+        if w.kind == "add":
+            return {s: v for s, v in w.need.items()}
+        return w.value
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Counters and lags of this node (see ParameterServer.stats)."""
+        lag = 0
+        for sid in self.primaries:
+            lag = max(lag, self.shards[sid].version - self.confirmed(sid))
+        wb = max(
+            (self.shards[s].version - self.written.get(s, -1) for s in self.primaries), default=0
+        )
+        return {
+            "primaries": sorted(self.primaries),
+            "backups": sorted(set(self.shards) - set(self.primaries)),
+            "member": self.member,
+            "pushes": self.pushes,
+            "floats_applied": self.floats_applied,
+            "replication_lag": int(lag),
+            "writeback_lag_versions": int(max(wb, 0)),
+            "writeback_errors": self.writeback_errors,
+            "last_writeback_error": self.last_writeback_error,
+            "forward_errors": self.forward_errors,
+            "refused_stale": self.refused_stale,
+            "stepped_down": self.stepped_down,
+            "versions": {s: st.version for s, st in self.shards.items()},
+            "generations": {s: st.gen for s, st in self.shards.items()},
+        }

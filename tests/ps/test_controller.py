@@ -1,0 +1,135 @@
+"""The PS controller as a pure state machine (no Dask): liveness, fencing before promotion,
+restore from the checkpoint, the single manifest writer."""
+
+from __future__ import annotations
+
+import pytest
+
+from adam_dask.ps._controller import ServerState
+from adam_dask.ps._messages import (
+    Beat,
+    Call,
+    CallDone,
+    CreateNode,
+    DeleteBlocks,
+    ManifestDone,
+    NodeReady,
+    Reply,
+    Retire,
+    Tick,
+    WorkerRemoved,
+    WriteManifest,
+    WriteReport,
+)
+
+ADDRS = ["a", "b", "c", "d"]
+
+
+def of(actions, kind):
+    return [x for x in actions if isinstance(x, kind)]
+
+
+@pytest.fixture
+def ctl():
+    """Two shards over a, b, c (d is a spare PS worker); a is the primary of both."""
+    manifest = {
+        "sequence": 0,
+        "versions": [0, 0],
+        "generations": [0, 0],
+        "blocks": ["shards/0/g0-v0", "shards/1/g0-v0"],
+        "epoch": None,
+        "meta": {},
+    }
+    return ServerState(
+        "s",
+        [(0, 10), (10, 20)],
+        target=3,
+        routing={0: ["a", "b", "c"], 1: ["a", "c", "b"]},
+        nodes={x: f"k{x}" for x in "abc"},
+        workers={x: f"h{x}" for x in ADDRS},
+        gens={0: 0, 1: 0},
+        generation=0,
+        manifest=manifest,
+        now=0.0,
+        heartbeat_timeout=2.0,
+        retry_base=0.1,
+        retry_max=1.0,
+    )
+
+
+def beat(ctl, addr, now, positions=None):
+    return ctl.handle(Beat("r", addr, f"k{addr}", now, positions or {}))
+
+
+def test_missed_heartbeats_fence_survivors_then_promote_the_newest(ctl):
+    for t in (0.5, 1.0, 1.5, 2.0):
+        for x in "bc":
+            beat(ctl, x, t)
+        assert not of(ctl.handle(Tick(t)), Retire)
+    out = ctl.handle(Tick(2.1))  # a has been silent for 2.1 s
+    assert of(out, Retire) == [Retire("a")]
+    assert ctl.declared_dead == 1 and "a" not in ctl.nodes
+    fences = {c.addr: c for c in of(out, Call) if c.method == "fence"}
+    assert set(fences) == {"b", "c"}
+    gens = fences["b"].args[0]
+    assert set(gens) == {0, 1} and min(gens.values()) > 0
+    assert ctl.pending() == {0, 1} and not ctl.healthy()
+    out = ctl.handle(CallDone(fences["b"].op, {0: (0, 5), 1: (0, 9)}))
+    assert not of(out, Call)  # c has not answered yet: nobody is promoted
+    out = ctl.handle(CallDone(fences["c"].op, {0: (0, 7), 1: (0, 9)}))
+    promotes = {c.args[0].popitem()[0]: c for c in of(out, Call) if c.method == "promote"}
+    assert promotes[0].addr == "c"  # the newest copy of shard 0
+    for sid, call in promotes.items():
+        ctl.handle(CallDone(call.op, {sid: 9}))
+    assert ctl.routing[0][0] == "c" and "a" not in ctl.routing[0] + ctl.routing[1]
+    assert ctl.gens[0] == gens[0] and not ctl.pending()
+
+
+def test_stale_writer_refused_manifest_never_goes_back(ctl):
+    out = ctl.handle(WriteReport("w1", "a", {0: (0, 4, "shards/0/g0-v4")}))
+    assert of(out, Reply)[0].value == {"accepted": {0: 4}, "refused": {}}
+    (w1,) = of(out, WriteManifest)
+    assert w1.doc["versions"] == [4, 0] and w1.doc["sequence"] == 1
+    out = ctl.handle(WriteReport("w2", "b", {0: (0, 6, "shards/0/g0-v6")}))  # not the primary
+    assert of(out, Reply)[0].value["refused"] == {0: 0} and ctl.refused_writes == 1
+    out = ctl.handle(WriteReport("w3", "a", {0: (0, 3, "shards/0/g0-v3")}))  # older
+    assert not of(out, WriteManifest)  # one write at a time
+    ctl.handle(ManifestDone(1))
+    assert ctl.manifest["versions"][0] == 4  # an older block never replaces a newer one
+    out = ctl.handle(WriteReport("w4", "a", {0: (0, 8, "shards/0/g0-v8")}))
+    (w2,) = of(out, WriteManifest)
+    assert w2.doc["sequence"] == 2 and w2.doc["blocks"][0] == "shards/0/g0-v8"
+    out = ctl.handle(ManifestDone(2))
+    deleted = [p for d in of(out, DeleteBlocks) for p in d.paths]
+    assert "shards/0/g0-v4" not in deleted  # named by the previous manifest: kept a while
+    assert "shards/0/g0-v0" in deleted
+
+
+def test_all_copies_lost_restores_from_the_checkpoint(ctl):
+    beat(ctl, "a", 0.5, {1: (0, 12)})  # the primary had applied 12 updates to shard 1
+    ctl.handle(WriteReport("w", "a", {1: (0, 9, "shards/1/g0-v9")}))
+    ctl.handle(ManifestDone(1))
+    out = []
+    for x in "abc":
+        out += ctl.handle(WorkerRemoved(x, 1.0))
+    assert of(out, CreateNode) == [CreateNode("d")]  # the spare worker gets a node first
+    assert ctl.pending() == {0, 1}
+    out = ctl.handle(NodeReady("d", "kd", 1.1))
+    restores = {c.args[0]: c for c in of(out, Call) if c.method == "restore"}
+    assert restores[1].args[4] == ("shards/1/g0-v9", 0, 9) and restores[1].addr == "d"
+    ctl.handle(CallDone(restores[1].op, 9))
+    assert ctl.routing[1] == ["d"] and ctl.gens[1] > 0
+    assert ctl.restored[-1] == {
+        "shard": 1,
+        "version": 9,
+        "generation": ctl.gens[1],
+        "lost_at_least": 3,
+    }
+
+
+def test_a_stalled_controller_does_not_blame_the_nodes(ctl):
+    for x in "abc":
+        beat(ctl, x, 1.0)
+    ctl.handle(Tick(1.0))
+    out = ctl.handle(Tick(9.0))  # the scheduler's loop was blocked for 8 s
+    assert not of(out, Retire) and set(ctl.nodes) == {"a", "b", "c"}
