@@ -1,61 +1,54 @@
 """adam_dask: Project Adam (Chilimbi et al., OSDI 2014) on Dask.
 
-The heavy parts (numba kernels, the parameter server, the trainer) load on first use, so
-``import adam_dask`` and the CLI start fast::
+Asynchronous data-parallel training with a replicated parameter server::
 
     import adam_dask
+
     with adam_dask.cluster.local() as client:
         trainer = adam_dask.Trainer("data/mnist.zarr", client=client)
         trainer.fit(epochs=3)
+
+The public names are listed in ``__all__``; the subpackages (``data``, ``model``, ``ps``,
+``train``) export what their users call, and everything in a module whose name starts with an
+underscore is private. ``adam_dask.testing`` holds helpers for tests, notebooks and benchmarks
+(synthetic stores, faults sent from outside) and is imported on demand.
 """
 
 from __future__ import annotations
 
-import importlib
 from importlib.metadata import PackageNotFoundError, version
 
-from . import (
-    cluster,
-    config,
-    errors,
-)
+from . import config  # registers the defaults (adam.yaml) with dask.config
+from . import cluster, data, errors, model, ps, train
+from .data.augment import Augment
+from .data.ingest import ingest
+from .data.serving import DataService
 from .errors import AdamError
+from .model.network import Network
+from .ps.server import ParameterServer
+from .train.metrics import History
+from .train.trainer import Trainer
 
 try:
     __version__ = version("adam_dask")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0+unknown"
 
-_LAZY = {
-    "Trainer": ("adam_dask.train.trainer", "Trainer"),
-    "ParameterServer": ("adam_dask.ps.server", "ParameterServer"),
-    "Network": ("adam_dask.model.network", "Network"),
-    "DataService": ("adam_dask.data.serving", "DataService"),
-    "Augment": ("adam_dask.data.augment", "Augment"),
-    "ingest": ("adam_dask.data.ingest", "ingest"),
-}
-_SUBMODULES = ("data", "model", "ps", "train")
-
 __all__ = [
     "AdamError",
     "Augment",
     "DataService",
+    "History",
     "Network",
     "ParameterServer",
     "Trainer",
     "__version__",
     "cluster",
     "config",
+    "data",
     "errors",
     "ingest",
-    *_SUBMODULES,
+    "model",
+    "ps",
+    "train",
 ]
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module 'adam_dask' has no attribute {name!r}")
