@@ -18,8 +18,15 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import config  # registers the defaults (adam.yaml) with dask.config
-from . import cluster, data, errors, model, ps, train
+from . import (
+    cluster,
+    config,  # registers the defaults (adam.yaml) with dask.config
+    data,
+    errors,
+    model,
+    ps,
+    train,
+)
 from .data.augment import Augment
 from .data.ingest import ingest
 from .data.serving import DataService
