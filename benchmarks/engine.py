@@ -13,7 +13,8 @@ SGD, batch 32: ``torch_images_per_s``). MNIST comes from $ADAM_DASK_MNIST (a fol
 mirror.
 
 The accuracy run (--epochs) trains the same layers with relu (--activation; tanh reaches about
-99.0% with the same schedule, relu 99.1-99.2%), plain SGD, lr 0.05 decayed 0.4x per epoch, no
+99.0% with the same schedule, relu 99.1-99.2%), plain SGD, lr 0.05 on the package's schedule
+over the --epochs planned (adam.train.lr-schedule, lr-floor; --lr-schedule, --lr-floor), no
 augmentation, and evaluates on the 10000 test images after each epoch. PyTorch is optional
 (``pip install .[bench]``); without it the torch fields are null and ``torch_error`` says why.
 """
@@ -33,6 +34,7 @@ from _common import record
 from adam_dask.model import Network
 from adam_dask.model import kernels as K
 from adam_dask.train.replica import HogwildReplica
+from adam_dask.train.schedule import Schedule
 
 SPEC = "conv5x5:10,maxpool2,conv5x5:20,maxpool2,fc400,fc400,fc10"
 
@@ -243,10 +245,15 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=0.05, help="accuracy run: learning rate (0.05)")
     ap.add_argument("--momentum", type=float, default=0.0, help="accuracy run: momentum (0)")
     ap.add_argument(
-        "--lr-decay",
+        "--lr-schedule",
+        default=None,
+        help="accuracy run: schedule over --epochs (default: config adam.train.lr-schedule)",
+    )
+    ap.add_argument(
+        "--lr-floor",
         type=float,
-        default=0.4,
-        help="accuracy run: lr factor per epoch (0.4: 0.05, 0.02, 0.008 over 3 epochs)",
+        default=None,
+        help="accuracy run: final lr as a fraction of --lr (default: config adam.train.lr-floor)",
     )
     ap.add_argument(
         "--activation",
@@ -300,13 +307,15 @@ def main(argv=None):
         }
     if args.epochs:
         net = Network.from_spec(SPEC, (1, 28, 28), args.activation, seed=args.seed)
+        plan = Schedule.from_config(
+            lr=args.lr, epochs=args.epochs, kind=args.lr_schedule, floor=args.lr_floor
+        )
         rep = HogwildReplica(
             net,
             threads=args.threads,
-            lr=args.lr,
             momentum=args.momentum,
             batch_size=bs,
-            lr_decay=args.lr_decay,
+            schedule=plan,
         )
         curve = []
         st = rep.train_images(
@@ -328,8 +337,9 @@ def main(argv=None):
             {
                 "epochs": args.epochs,
                 "activation": net.activation,
-                "lr": rep.base_lr,
-                "lr_decay": rep.lr_decay,
+                "lr": plan.lr,
+                "lr_schedule": plan.kind,
+                "lr_floor": plan.floor,
                 "momentum": rep.momentum,
                 "train_seconds": round(st.seconds, 1),
                 "train_images_per_s": round(st.images_per_second, 1),

@@ -2,7 +2,7 @@
 ends at 100% vs 75% of the replicas, with one replica deliberately slowed.
 
 Four replicas on the embedded cluster (4 TRAIN workers); replica 0 sleeps ``--delay`` seconds
-per batch. Prints one JSON line.
+per batch. Prints one JSON line and appends it to benchmarks/results/quorum.jsonl.
 
     python benchmarks/quorum.py [--epochs 3] [--delay 0.02]
 """
@@ -10,7 +10,6 @@ per batch. Prints one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -43,7 +42,7 @@ def run(quorum: float, store: str, args) -> dict:
 
 
 def main() -> None:
-    from _common import mnist_store
+    from _common import mnist_store, record
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=3)
@@ -52,10 +51,10 @@ def main() -> None:
     args = ap.parse_args()
     store = mnist_store()
     full, quorum = run(1.0, store, args), run(0.75, store, args)
-    print(
-        json.dumps(
+    record(
+        "quorum",
+        (
             {
-                "benchmark": "quorum",
                 "replicas": 4,
                 "slow_replica_delay_per_batch": args.delay,
                 "epochs": args.epochs,
@@ -65,9 +64,8 @@ def main() -> None:
                 "accuracy_quorum_1_0": full["accuracy"],
                 "accuracy_quorum_0_75": quorum["accuracy"],
                 "detail": {"1.0": full, "0.75": quorum},
-                "cpus": os.cpu_count(),
             }
-        )
+        ),
     )
 
 
