@@ -104,6 +104,12 @@ class Redactor:
         for name in _SECRET_ENV:
             if env.get(name):
                 self.add(env[name])
+                try:  # dask-gateway's auth kwargs are a JSON object
+                    value = json.loads(env[name])
+                except ValueError:
+                    continue
+                if isinstance(value, dict):
+                    self._collect(value)
 
     def _collect(self, opts: Mapping[str, Any]) -> None:
         for k, v in opts.items():

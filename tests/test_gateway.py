@@ -1,8 +1,10 @@
-"""`adam-dask train --gateway`: a real dask-gateway-server (local backend) on 127.0.0.1, its
-workers given roles after start-up, the PS placement plugin's controller speaking TLS."""
+"""Training on a dask-gateway cluster: a real dask-gateway-server (local backend) on 127.0.0.1,
+its alike workers given PS, DATA and TRAIN roles after start-up, the PS placement plugin's
+controller speaking TLS, data-serving actors included; run by pipelines/train.py --gateway."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
@@ -11,6 +13,7 @@ import sys
 import textwrap
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +22,7 @@ from adam_dask.testing import synthetic_store
 pytest.importorskip("dask_gateway_server", reason="the gateway test needs the [test] extra")
 
 PASSWORD = "adam-test"
+PIPELINE = str(Path(__file__).parents[1] / "pipelines" / "train.py")
 
 
 def _free_port() -> int:
@@ -79,15 +83,13 @@ def gateway(tmp_path_factory):
     log.close()
 
 
-def test_train_on_a_gateway_cluster(gateway, tmp_path):
+def test_train_pipeline_on_a_gateway_cluster(gateway, tmp_path):
     url, env = gateway
     store = synthetic_store(tmp_path, n_train=512, n_test=128)
     proc = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "adam_dask.cli",
-            "train",
+            PIPELINE,
             "--gateway",
             url,
             "--data",
@@ -99,10 +101,9 @@ def test_train_on_a_gateway_cluster(gateway, tmp_path):
             "--ps-nodes",
             "3",
             "--data-nodes",
-            "0",
+            "1",
             "--trainers",
             "1",
-            "--no-progress",
             "--checkpoint",
             str(tmp_path / "ck"),
         ],
@@ -113,15 +114,21 @@ def test_train_on_a_gateway_cluster(gateway, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["epochs"] == 2 and result["replicas"] == 1
+    assert result["epochs_trained"] == 2 and result["resumed"] is False
     assert result["test_accuracy"] >= 0.8
+    assert PASSWORD not in proc.stdout + proc.stderr  # the gateway's credentials stay out
     assert (tmp_path / "ck" / "manifest.json").exists()
-    # the job's cluster was shut down with it
-    from dask_gateway import Gateway
-    from dask_gateway.auth import BasicAuth
+    # the job's cluster was shut down with it (asked through the gateway's REST API)
+    auth = base64.b64encode(f"alice:{PASSWORD}".encode()).decode()
+    request = urllib.request.Request(
+        url + "/api/v1/clusters/", headers={"Authorization": f"Basic {auth}"}
+    )
 
-    with Gateway(url, auth=BasicAuth("alice", PASSWORD)) as gw:
-        deadline = time.time() + 30
-        while gw.list_clusters() and time.time() < deadline:
-            time.sleep(0.5)
-        assert gw.list_clusters() == []
+    def running() -> dict:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+
+    deadline = time.time() + 30
+    while running() and time.time() < deadline:
+        time.sleep(0.5)
+    assert running() == {}
