@@ -7,7 +7,10 @@ to a DATA worker (``adam_dask.testing.freeze``: sockets open, nothing answers). 
 
 * ``moved``: two DATA workers, one frozen: its partition moves to the other;
 * ``local``: one DATA worker, frozen: the stream serves the partition itself until the worker
-  is thawed (``--thaw-after`` seconds later), then returns to it.
+  is thawed (``--thaw-after`` seconds later), then returns to it;
+* ``trainer``: ``Trainer.fit(epochs=2)`` on the default cluster, its one DATA worker frozen 8 s
+  after the replicas started and left frozen (the measurement of issue 11: 192-205 s per epoch before, ~25 s without
+  the freeze), against the same run undisturbed.
 
 One JSON line per scenario (appended to ``benchmarks/results/serving_faults.jsonl``):
 ``stall_seconds`` (the longest the consumer waited for a batch after the SIGSTOP),
@@ -15,7 +18,7 @@ One JSON line per scenario (appended to ``benchmarks/results/serving_faults.json
 ``epoch_seconds`` and ``baseline_epoch_seconds``, and the stream's counts (recoveries,
 unanswered probes, call timeouts, batches served locally, returns to a DATA worker).
 
-Usage: ``python benchmarks/serving_faults.py [--scenario moved|local|both] [--train-rate R]``.
+Usage: ``python benchmarks/serving_faults.py [--scenario moved|local|trainer|all]``.
 """
 
 from __future__ import annotations
@@ -117,9 +120,67 @@ def run(scenario: str, url: str, args: argparse.Namespace) -> dict:
     }
 
 
+def _freeze_when_training(
+    client, addrs: list[str], after: float, pids: dict[str, int], stop: threading.Event
+) -> None:
+    """SIGSTOP ``addrs`` ``after`` seconds after the first replica reported progress."""
+    from adam_dask.testing import freeze
+
+    while not stop.is_set() and not client.get_events("adam-progress"):
+        stop.wait(0.2)
+    if not stop.wait(after):
+        pids.update(freeze(client, addrs))
+
+
+def run_trainer(url: str, args: argparse.Namespace) -> dict:
+    """The issue's measurement: ``Trainer.fit(epochs=2)`` on the default embedded cluster (one
+    DATA worker), once undisturbed and once with the DATA worker frozen ``--trainer-freeze-after``
+    seconds after the replicas started (and never thawed: they serve the data themselves)."""
+    import adam_dask
+    from adam_dask.cluster import DATA, workers_with_role
+    from adam_dask.testing import thaw
+
+    seconds: dict[str, list[float]] = {}
+    applied: dict[str, list] = {}
+    for case in ("baseline", "frozen"):
+        with adam_dask.cluster.local() as client:
+            pids: dict[str, int] = {}
+            stop = threading.Event()
+            if case == "frozen":
+                victims = workers_with_role(client, DATA)
+                threading.Thread(
+                    target=_freeze_when_training,
+                    args=(client, victims, args.trainer_freeze_after, pids, stop),
+                    daemon=True,
+                ).start()
+            try:
+                with adam_dask.Trainer(url, client=client, progress=False) as trainer:
+                    history = trainer.fit(epochs=2)
+            finally:
+                stop.set()
+                thaw(pids)
+        seconds[case] = [float(r["seconds"]) for r in history]
+        applied[case] = [r.get("images_applied") for r in history]
+    return {
+        "scenario": "trainer",
+        "data_nodes": 1,
+        "freeze_after_seconds": args.trainer_freeze_after,
+        "epoch_seconds": seconds["frozen"],
+        "baseline_epoch_seconds": seconds["baseline"],
+        "extra_seconds": sum(seconds["frozen"]) - sum(seconds["baseline"]),
+        "images_applied": applied["frozen"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--scenario", choices=["moved", "local", "both"], default="both")
+    p.add_argument("--scenario", choices=["moved", "local", "trainer", "all"], default="all")
+    p.add_argument(
+        "--trainer-freeze-after",
+        type=float,
+        default=8.0,
+        help="seconds after the replicas' first progress report",
+    )
     p.add_argument("--batch-size", type=int, default=64, help="the trainer's stream batch")
     p.add_argument("--train-rate", type=float, default=5000.0, help="images/s of the consumer")
     p.add_argument("--freeze-after", type=float, default=3.0, help="seconds into epoch 1")
@@ -130,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     from _common import mnist_store, record
 
     url = mnist_store()
-    for scenario in ("moved", "local") if args.scenario == "both" else (args.scenario,):
-        record("serving_faults", run(scenario, url, args), save=not args.no_save)
+    for scenario in ("moved", "local", "trainer") if args.scenario == "all" else (args.scenario,):
+        result = run_trainer(url, args) if scenario == "trainer" else run(scenario, url, args)
+        record("serving_faults", result, save=not args.no_save)
     return 0
 
 

@@ -105,6 +105,10 @@ def test_the_only_data_server_frozen_serves_locally_then_returns(store, arrays):
             frozen = stream.stats()
             assert frozen["unanswered"] == 1 and frozen["local_batches"] >= 1
             assert frozen["call_timeouts"] == 0
+            deadline = time.monotonic() + 60  # its heartbeats stop reaching the scheduler
+            while victim in (svc.live_data_workers() or ()):
+                assert time.monotonic() < deadline, "a frozen worker still counts as live"
+                time.sleep(0.2)
             thaw(pids)
             pids = {}
             deadline = time.monotonic() + 60

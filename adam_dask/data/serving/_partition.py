@@ -163,7 +163,8 @@ class PartitionServer:
                 for cid in self.cache.chunk_ids:
                     self.cache.load(cid)
         except Exception as exc:  # surfaces, with the store's name, when a stream needs it
-            logger.warning("partition %d: warm-up failed: %s", self.partition, exc)
+            if not self._closed:
+                logger.warning("partition %d: warm-up failed: %s", self.partition, exc)
         finally:
             self._warm.set()
 

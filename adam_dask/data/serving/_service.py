@@ -13,6 +13,7 @@ back when one is.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -320,22 +321,27 @@ class DataService:
         return refs[p]
 
     def live_data_workers(self) -> list[str] | None:
-        """DATA workers whose heartbeats reach the scheduler (the newest heartbeat of any
-        worker less than ``adam.serving.heartbeat-timeout`` before theirs); ``None`` when
-        the scheduler cannot say."""
+        """DATA workers whose heartbeats reach the scheduler: the last one arrived less than
+        ``adam.serving.heartbeat-timeout`` seconds ago (by the scheduler's clock, on which
+        it stamps them). ``None`` when the scheduler cannot say."""
         silence = float(config.get("serving.heartbeat-timeout"))
+        client = _client()
         try:
-            info = _client().scheduler_info(n_workers=-1)["workers"]
+            info = client.scheduler_info(n_workers=-1)["workers"]
         except Exception as exc:
             logger.debug("no worker list from the scheduler (%s)", exc)
             return None
-        newest = max((float(w.get("last_seen", 0.0)) for w in info.values()), default=0.0)
+        try:
+            now = float(client.run_on_scheduler(time.time))
+        except Exception as exc:  # not allowed here: the newest heartbeat of any worker
+            logger.debug("no clock from the scheduler (%s)", exc)
+            now = max((float(w.get("last_seen", 0.0)) for w in info.values()), default=0.0)
         return sorted(
             a
             for a, w in info.items()
             if w.get("resources", {}).get(DATA)
             and not str(w.get("status", "running")).startswith("clos")
-            and newest - float(w.get("last_seen", newest)) <= silence
+            and now - float(w.get("last_seen", now)) <= silence
         )
 
     def replacement(self, p: int, failed: ServerRef) -> ServerRef | None:

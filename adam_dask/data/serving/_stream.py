@@ -105,8 +105,6 @@ class _Remote:
 class _ActorSource:
     """Stream ``sid`` on a DataServer actor."""
 
-    local = False
-
     def __init__(self, ref: ServerRef, sid: str, remote: _Remote, timing: _Timing):
         self.ref, self.sid, self.remote, self.timing = ref, sid, remote, timing
 
@@ -159,8 +157,6 @@ class _ActorSource:
 
 class _LocalSource:
     """Stream ``sid`` on a partition server in this process (the last resort)."""
-
-    local = True
 
     def __init__(self, server: PartitionServer, sid: str, timing: _Timing, lost: ServerRef | None):
         self.server, self.sid, self.timing = server, sid, timing
@@ -253,16 +249,11 @@ class BatchStream:
             for p in parts:
                 self._sources[p] = self._serve_locally(p, None)
             return
-        live = self.service.live_data_workers()
         opening = []
         for p in parts:  # open every partition at once, then collect the answers
             ref = self.service.server(p)
-            if live is not None and ref.address not in live:
-                lost = ServerLost(f"its worker {ref.address} sends no heartbeats", "unanswered")
-                self._sources[p] = self._recover(p, lost, ref)
-            else:
-                opening.append((p, ref, *self._start_open(p, ref)))
-        for p, ref, sid, call in opening:
+            opening.append((p, ref, *self._start_open(p, ref)))
+        for p, ref, sid, call in opening:  # a frozen server is found by the probe here too
             src = _ActorSource(ref, sid, self._remote_calls(), self._timing)
             out = src.wait(call)
             self._sources[p] = self._recover(p, out, ref) if isinstance(out, ServerLost) else src
