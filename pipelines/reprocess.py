@@ -107,7 +107,9 @@ def _dataset_state(src: str, dest: str, so: dict | None) -> tuple[str, dict]:
     except Exception as exc:  # botocore's connection errors are not OSErrors
         raise describe_storage_error(dest, exc) from exc
     try:
-        attrs = dict(zarr.open_group(store=zarr_store(dest, so), mode="r", zarr_format=3).attrs)
+        attrs: dict[str, Any] = dict(
+            zarr.open_group(store=zarr_store(dest, so), mode="r", zarr_format=3).attrs
+        )
     except Exception:
         return "foreign", {}
     if "splits" not in attrs:  # ingest creates the root with it
@@ -191,7 +193,7 @@ def _augment_block(
     out = np.rint(np.clip(x, 0.0, 1.0) * 255).astype(np.uint8).transpose(0, 2, 3, 1)
     if images.ndim == 3:
         out = out[..., 0]
-    g = zarr.open_group(store=zarr_store(epoch_url, so, read_only=False), mode="r+")["train"]
+    g: Any = zarr.open_group(store=zarr_store(epoch_url, so, read_only=False), mode="r+")["train"]
     g["images"][start:stop] = out
     g["labels"][start:stop] = labels
     fs, path = filesystem(marker, so)
@@ -210,7 +212,7 @@ def _finish_epoch(epoch_url: str, so: dict | None, step: int) -> str:
     from adam_dask.storage import zarr_store
 
     root = zarr.open_group(store=zarr_store(epoch_url, so, read_only=False), mode="r+")
-    g = root["train"]
+    g: Any = root["train"]
     images = g["images"]
     h = hashlib.sha256()
     for i in range(0, images.shape[0], step):
@@ -263,7 +265,7 @@ def _epoch_state(epoch_url: str, so: dict | None) -> str:
     except DatasetError:
         pass
     try:
-        g = zarr.open_group(store=zarr_store(epoch_url, so), mode="r", zarr_format=3)["train"]
+        g: Any = zarr.open_group(store=zarr_store(epoch_url, so), mode="r", zarr_format=3)["train"]
         g["images"], g["labels"]
     except Exception:
         return "absent"
