@@ -2,7 +2,7 @@
 
 A Project Adam cluster has three roles, expressed as Dask worker resources:
 
-* ``PS``: parameter-server workers holding shard replicas (PSNode actors),
+* ``PS``: parameter-server workers holding copies of the shards (PSNode actors),
 * ``DATA``: data-serving workers (DataServer actors),
 * ``TRAIN``: model-training workers, one model replica each (a seceded long-running task).
 

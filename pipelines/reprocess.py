@@ -121,7 +121,8 @@ def _dataset_state(src: str, dest: str, so: dict | None) -> tuple[str, dict]:
     except DatasetError:
         return "partial", {}
     sources = {name: str(s.attrs.get("source")) for name, s in splits.items()}
-    if src != "mnist" and not all(v.startswith(normalize_url(src)) for v in sources.values()):
+    base = normalize_url(src)
+    if src != "mnist" and not all(v == base or v.startswith(base + "/") for v in sources.values()):
         return "other-source", {"sources": sources}
     return "complete", {
         "images": sum(len(s) for s in splits.values()),

@@ -155,10 +155,16 @@ def test_reprocess_s3_redoes_an_interrupted_ingest_and_refuses_foreign_data(raw,
     assert "interrupted ingest" in err
     assert len(open_split(dest, "test", opts)) == 256
 
-    s3fs.S3FileSystem(**opts).pipe_file(f"{bucket[5:]}/other/notes.txt", b"not a dataset")
-    proc = start(local_client, opts, f"{bucket}/raw", f"{bucket}/other")
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2 and out == ""
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert lines[-1].startswith("error: ") and "not a dataset store" in lines[-1]
-    assert [line for line in lines if line.startswith("error: ")] == [lines[-1]]
+    fs = s3fs.S3FileSystem(**opts)
+    fs.pipe_file(f"{bucket[5:]}/other/notes.txt", b"not a dataset")
+    fs.copy(f"{bucket[5:]}/raw/", f"{bucket[5:]}/raw2/", recursive=True)
+    for src, dest_, words in (
+        (f"{bucket}/raw", f"{bucket}/other", "is not a dataset store"),
+        (f"{bucket}/raw2", dest, f"made from {bucket}/raw/"),  # another source's store
+    ):
+        proc = start(local_client, opts, src, dest_)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2 and out == "", err[-2000:]
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert lines[-1].startswith("error: ") and words in lines[-1], lines[-1]
+        assert [line for line in lines if line.startswith("error: ")] == [lines[-1]]
