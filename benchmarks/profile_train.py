@@ -115,14 +115,15 @@ def cpu_times(pid: int) -> dict[str, dict[int, float]]:
     included) and ``threads`` {thread id: s} (live threads)."""
     import psutil
 
-    out: dict[str, dict[int, float]] = {"procs": {}, "threads": {}, "ps": {}}
+    out: dict[str, dict[int, float]] = {"procs": {}, "threads": {}, "ps": {}, "root": {pid: 1.0}}
     root = psutil.Process(pid)
     for p in [root, *root.children(recursive=True)]:
         try:
             t = p.cpu_times()
             out["procs"][p.pid] = t.user + t.system
-            # the embedded cluster's PS workers listen on 127.0.0.2 and up
-            if any(
+            # the embedded cluster's PS workers listen on 127.0.0.2 and up (their nannies, in
+            # the root process, too)
+            if p.pid != pid and any(
                 c.status == psutil.CONN_LISTEN and c.laddr.ip not in ("127.0.0.1", "0.0.0.0")
                 for c in p.net_connections("tcp4")
             ):
@@ -137,8 +138,14 @@ def cpu_times(pid: int) -> dict[str, dict[int, float]]:
 def cpu_delta(a: dict, b: dict) -> dict[str, dict[int, float]]:
     """CPU seconds used between two :func:`cpu_times` snapshots (new ones count from 0)."""
     d = {k: {i: v - a[k].get(i, 0.0) for i, v in b[k].items()} for k in ("procs", "threads")}
-    d["ps"] = dict(b["ps"])
+    d["ps"], d["root"] = dict(b["ps"]), dict(b["root"])
     return d
+
+
+def cpu_merge(old: dict, new: dict) -> dict:
+    """The newest value of every process and thread seen in either snapshot (a thread that
+    ended keeps its last value)."""
+    return {k: {**old.get(k, {}), **new.get(k, {})} for k in set(old) | set(new)}
 
 
 def breakdown(raw: dict[str, Path], cpu: dict[str, dict[int, float]] | None = None) -> dict:
@@ -154,6 +161,8 @@ def breakdown(raw: dict[str, Path], cpu: dict[str, dict[int, float]] | None = No
     roles = {pid: role_of(st) for pid, st in stacks_by_pid.items()}
     for pid in (cpu or {}).get("ps", {}):
         roles[pid] = "PS"
+    for pid in (cpu or {}).get("root", {}):
+        roles[pid] = "client+scheduler"
     # role -> thread label -> category -> {"all", "active", "gil", "blocked_leaf"}
     table: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(int))))
     procs: dict[str, set[int]] = defaultdict(set)
@@ -237,6 +246,9 @@ def main(argv=None) -> None:
     ap.add_argument("--seconds", type=float, default=20.0, help="py-spy sampling time (20)")
     ap.add_argument("--rate", type=int, default=25, help="samples per second (25)")
     ap.add_argument("--epochs", type=int, default=2, help="epochs of the run (2)")
+    ap.add_argument(
+        "--idle-seconds", type=float, default=20.0, help="idle-cluster baseline (20; 0: skip)"
+    )
     ap.add_argument("--store", default=None, help="dataset store (default: ingest MNIST once)")
     ap.add_argument("--keep", default=None, help="folder for the raw py-spy files")
     ap.add_argument("--analyse", default=None, help="only read the raw files in this folder")
@@ -286,8 +298,14 @@ def main(argv=None) -> None:
                 )
                 for k in raw
             ]
-            rec = wait_records(metrics, 2, proc, 1200)  # epoch 2: what is measured
-            cpu1 = cpu_times(proc.pid)
+            # epoch 2: what is measured; threads are polled, since a replica's ends with it
+            snap = {"cpu": cpu0}
+
+            def poll():
+                snap["cpu"] = cpu_merge(snap["cpu"], cpu_times(proc.pid))
+
+            rec = wait_records(metrics, 2, proc, 1200, poll=poll)
+            cpu1 = snap["cpu"]
             for spy in spies:
                 spy.wait()
         finally:
@@ -304,6 +322,9 @@ def main(argv=None) -> None:
     training = sum(r["threads"].get("training", {}).get("cpu_s", 0.0) for r in result.values())
     xtr, ytr, _, _ = load_mnist_arrays(store)
     engine = engine_cpu_ms_per_1000(xtr[:8000], ytr[:8000])
+    idle = idle_cluster_cores(args.idle_seconds) if args.idle_seconds else None
+    seconds = float(rec.get("seconds") or 0.0)
+    cores = {role: round(r["cpu_s"] / seconds, 3) for role, r in result.items()} if seconds else {}
     total = sum(per_k.values())
     line = {
         "command": " ".join(cmd[1:]),
@@ -311,6 +332,8 @@ def main(argv=None) -> None:
         "epoch2_seconds": rec.get("seconds"),
         "epoch2_images_per_s": rec.get("images_per_second"),
         "cpu_ms_per_1000_images": per_k,
+        "cores_used": cores,
+        "idle_cluster_cores": idle,
         "training_threads_cpu_ms_per_1000_images": round(1e6 * training / images, 1),
         "engine_alone_cpu_ms_per_1000_images": engine,
         "training_share_of_cpu": round(1e6 * training / images / total, 3) if total else None,
@@ -327,10 +350,49 @@ def main(argv=None) -> None:
     sys.stdout.flush()
 
 
-def wait_records(path: Path, n: int, proc: subprocess.Popen, timeout: float) -> dict:
-    """The ``n``-th epoch record of the run's --metrics-out file, once it is written."""
+IDLE = """
+import time, adam_dask
+with adam_dask.cluster.local() as client:
+    print("ready", flush=True)
+    time.sleep({seconds})
+"""
+
+
+def idle_cluster_cores(seconds: float) -> dict:
+    """Cores used per role by the embedded cluster at its defaults doing nothing (heartbeats,
+    monitors, Dask's own profiler, the dashboard): the part of the tax that runs by the
+    second, not by the image."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", IDLE.format(seconds=seconds + 30)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        proc.stdout.readline()  # "ready"
+        time.sleep(5)
+        a = cpu_times(proc.pid)
+        time.sleep(seconds)
+        b = cpu_times(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    d = cpu_delta(a, b)
+    out: dict[str, float] = defaultdict(float)
+    for pid, v in d["procs"].items():
+        role = "client+scheduler" if pid in d["root"] else "PS" if pid in d["ps"] else "TRAIN/DATA"
+        out[role] += v / seconds
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def wait_records(path: Path, n: int, proc: subprocess.Popen, timeout: float, poll=None) -> dict:
+    """The ``n``-th epoch record of the run's --metrics-out file, once it is written; calls
+    ``poll()`` every half second meanwhile."""
     t0 = time.time()
     while time.time() - t0 < timeout:
+        if poll is not None:
+            poll()
         if path.exists():
             lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
             if len(lines) >= n:
