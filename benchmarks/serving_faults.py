@@ -142,6 +142,7 @@ def run_trainer(url: str, args: argparse.Namespace) -> dict:
 
     seconds: dict[str, list[float]] = {}
     applied: dict[str, list] = {}
+    stall: dict[str, list] = {}  # per epoch, the largest share of time a replica waited for data
     for case in ("baseline", "frozen"):
         with adam_dask.cluster.local() as client:
             pids: dict[str, int] = {}
@@ -160,6 +161,7 @@ def run_trainer(url: str, args: argparse.Namespace) -> dict:
                 stop.set()
                 thaw(pids)
         seconds[case] = [float(r["seconds"]) for r in history]
+        stall[case] = [r.get("stall_fraction") for r in history]
         applied[case] = [r.get("images_applied") for r in history]
     return {
         "scenario": "trainer",
@@ -168,6 +170,8 @@ def run_trainer(url: str, args: argparse.Namespace) -> dict:
         "epoch_seconds": seconds["frozen"],
         "baseline_epoch_seconds": seconds["baseline"],
         "extra_seconds": sum(seconds["frozen"]) - sum(seconds["baseline"]),
+        "stall_fraction": stall["frozen"],
+        "baseline_stall_fraction": stall["baseline"],
         "images_applied": applied["frozen"],
     }
 
