@@ -68,7 +68,9 @@ def ours(x, y, images, threads, batch_size, lr=0.01, repeats=2):
 
 def hogwild_rate(x, y, images, threads, batch_size, fused, lr=0.01, repeats=2):
     """Best images/s of ``repeats`` runs of ``threads`` Hogwild threads over ``images`` images,
-    each thread stepping its mini-batches with the fused step or the layered one."""
+    each thread stepping its mini-batches with the fused step or the layered one; and the best
+    images per CPU second of the threads (their own CPU time: less sensitive to other
+    processes' load than the wall-clock rate)."""
     net = Network.from_spec(SPEC, (1, 28, 28), "tanh", seed=0)
     c, h, w = net.input_shape
     bs = batch_size
@@ -78,11 +80,15 @@ def hogwild_rate(x, y, images, threads, batch_size, fused, lr=0.01, repeats=2):
     vel = np.zeros(1, np.float32)
     flat = net.flat
 
+    cpu = [0.0] * threads
+
     def body(t, order, counter):
         ctx, xb, yb = ctxs[t], xbufs[t], ybufs[t]
+        c0 = time.thread_time()
         while True:
             s = next(counter) * bs  # itertools.count: atomic under the GIL
             if s >= len(order):
+                cpu[t] = time.thread_time() - c0
                 return
             idx = order[s : s + bs]
             m = len(idx)
@@ -103,10 +109,11 @@ def hogwild_rate(x, y, images, threads, batch_size, fused, lr=0.01, repeats=2):
             th.start()
         for th in ts:
             th.join()
-        return n / (time.perf_counter() - t0)
+        return n / (time.perf_counter() - t0), n / sum(cpu)
 
     run(256, 0)  # compile / warm up
-    return max(run(min(images, len(x)), r + 1) for r in range(repeats))
+    runs = [run(min(images, len(x)), r + 1) for r in range(repeats)]
+    return max(r[0] for r in runs), max(r[1] for r in runs)
 
 
 def python_us_per_step(batch_size, repeats=2000):
@@ -145,14 +152,18 @@ def python_us_per_step(batch_size, repeats=2000):
 def scaling(x, y, images, threads, batch_size):
     """images/s of the fused and layered steps at 1..threads threads, the measurements
     interleaved so that a change in the machine's load hits both alike."""
-    out: dict = {"fused": {}, "layered": {}}
+    out: dict = {"fused": {}, "layered": {}, "fused_per_cpu_s": {}, "layered_per_cpu_s": {}}
     for t in range(1, threads + 1):
         for name in ("fused", "layered"):
-            rate = hogwild_rate(x, y, images, t, batch_size, name == "fused")
+            rate, per_cpu = hogwild_rate(x, y, images, t, batch_size, name == "fused")
             out[name][str(t)] = round(rate, 1)
+            out[f"{name}_per_cpu_s"][str(t)] = round(per_cpu, 1)
     for name in ("fused", "layered"):
         r = out[name]
         out[f"thread_scaling_{name}"] = round(r[str(threads)] / r["1"], 3)
+        # CPU efficiency at T threads against 1: what T free cores would give, before GIL waits
+        c = out[f"{name}_per_cpu_s"]
+        out[f"cpu_efficiency_{name}"] = round(c[str(threads)] / c["1"], 3)
     out["fused_speedup_1thread"] = round(out["fused"]["1"] / out["layered"]["1"], 3)
     out["python_us_per_step"] = python_us_per_step(batch_size)
     return out
