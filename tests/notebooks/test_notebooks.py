@@ -24,9 +24,7 @@ def _png(content: dict) -> str | None:
     return content.get("data", {}).get("image/png")
 
 
-def test_quickstart_notebook_plots_every_epoch_of_the_run(
-    run_notebook, tmp_path, monkeypatch
-):
+def test_quickstart_notebook_plots_every_epoch_of_the_run(run_notebook, tmp_path, monkeypatch):
     epochs = 3
     monkeypatch.setenv("ADAM_NOTEBOOK_SOURCE", str(write_mnist_like(tmp_path / "src", 1024, 256)))
     monkeypatch.setenv("ADAM_NOTEBOOK_DATA", str(tmp_path / "digits.zarr"))
