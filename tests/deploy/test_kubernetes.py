@@ -9,6 +9,7 @@ import importlib.util
 import json
 import re
 import shlex
+import time
 import urllib.request
 from pathlib import Path
 
@@ -336,3 +337,46 @@ def _train_on_the_gateway_cluster(client, store: str, tmp_path: Path, url: str) 
     finally:
         if trainer is not None:
             trainer.close()
+
+
+@pytest.mark.slow
+def test_kubernetes_gateway_connect_notebook(gateway, tmp_path, monkeypatch):
+    """notebooks/03_connect.ipynb's gateway path in a real kernel: ``client_for(gateway=...)``
+    on a cluster with the values' default options (3 PS + 1 DATA + 2 TRAIN)."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+
+    url, password = gateway
+    monkeypatch.setenv("ADAM_NOTEBOOK_GATEWAY", url)
+    monkeypatch.setenv("DASK_GATEWAY__AUTH__TYPE", "basic")
+    monkeypatch.setenv(
+        "DASK_GATEWAY__AUTH__KWARGS", json.dumps({"username": "alice", "password": password})
+    )
+    monkeypatch.setenv("ADAM_NOTEBOOK_DATA", synthetic_store(tmp_path, 512, 128))
+    monkeypatch.setenv("ADAM_NOTEBOOK_CHECKPOINT", str(tmp_path / "ck"))
+    monkeypatch.setenv("ADAM_NOTEBOOK_SPEC", "conv5x5:6,maxpool2,fc32,fc10")
+    monkeypatch.setenv("ADAM_NOTEBOOK_EPOCHS", "2")
+    nb = nbformat.read(ROOT / "notebooks" / "03_connect.ipynb", as_version=4)
+    nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+    ).execute()
+    text = "".join(
+        o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+    )
+    roles = dict(re.findall(r"^(PS|DATA|TRAIN) +(\[.*\])$", text, re.M))
+    counts = {role: addrs.count("tls://") for role, addrs in roles.items()}
+    assert counts == {"PS": 3, "DATA": 1, "TRAIN": 2}  # the values' defaults, adam.yaml's
+    assert re.search(rf"Adam page: {re.escape(url)}/clusters/\S+/adam", text)
+    accuracies = re.findall(r"^epoch \d: loss \S+, test accuracy (\d+\.\d+)%", text, re.M)
+    assert len(accuracies) == 2 and float(accuracies[-1]) >= 80
+    assert (tmp_path / "ck" / "manifest.json").exists()
+    # closing the client shut the gateway cluster down
+    from dask_gateway import Gateway
+    from dask_gateway.auth import BasicAuth
+
+    gw = Gateway(url, auth=BasicAuth("alice", password))
+    _KEEP_UNTIL_EXIT.append(gw)
+    deadline = time.monotonic() + 60
+    while gw.list_clusters() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert gw.list_clusters() == []
