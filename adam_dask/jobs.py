@@ -6,10 +6,9 @@ traceback, and exits with a status a scheduler of jobs can act on:
 
 ====  =====================================================================================
 0     done
-1     an unforeseen failure (a bug, or an environment failure nothing diagnosed); ``-v``
-      shows the traceback
-2     a diagnosed error (:class:`~adam_dask.errors.AdamError`): bad input or an unreachable
-      or refusing service; the message says what to do, a plain retry will not help
+1     an unforeseen failure (a bug); ``-v`` shows the traceback
+2     bad input: a diagnosed error (:class:`~adam_dask.errors.AdamError`, whose message says
+      what to do), or a file, URL or service that is not there or refuses (an ``OSError``)
 130   interrupted (SIGINT, Ctrl-C)
 143   terminated (SIGTERM, e.g. Kubernetes stopping the pod); cleaned up like an interrupt
 ====  =====================================================================================
@@ -34,6 +33,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn
@@ -265,9 +265,21 @@ def run_job(
 
     The result goes to ``out`` (default: stdout) as one JSON line; a failure writes one
     ``error:`` line to stderr. SIGTERM is handled like SIGINT while the job runs (in the main
-    thread).
+    thread), and a background thread that dies is logged as one warning, not a traceback.
     """
     out = out or (lambda s: print(s, flush=True))
+
+    def thread_failed(hook: Any) -> None:  # a background thread's failure is logged, one line
+        if hook.exc_type is not SystemExit:
+            logger.warning(
+                "background thread %s failed: %s: %s",
+                getattr(hook.thread, "name", "?"),
+                hook.exc_type.__name__,
+                hook.exc_value,
+                exc_info=(hook.exc_type, hook.exc_value, hook.exc_traceback) if verbose else None,
+            )
+
+    previous_hook, threading.excepthook = threading.excepthook, thread_failed
     previous = None
     if hasattr(signal, "SIGTERM"):
         try:
@@ -278,6 +290,16 @@ def run_job(
         result = func()
     except AdamError as exc:
         _error(redactor, str(exc))
+        return EXIT_ERROR
+    except OSError as exc:  # a file, a URL or a service that is not there or refuses
+        if verbose:
+            logger.exception("storage or network failure")
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        _error(
+            redactor,
+            f"{type(exc).__name__}: {first}; check the URL, the endpoint, the credentials "
+            "and the network",
+        )
         return EXIT_ERROR
     except Terminated:
         _error(
@@ -294,6 +316,7 @@ def run_job(
         _error(redactor, f"{type(exc).__name__}: {first}; run again with -v for details")
         return EXIT_FAILED
     finally:
+        threading.excepthook = previous_hook
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     out(redactor(json.dumps(result, default=str)))

@@ -74,6 +74,7 @@ BAD_INPUT = [
     # info
     (["info", "{tmp}/nothing"], ["no dataset store", "adam-dask ingest"]),
     (["info", "{store}", "--storage-options", "[1, 2]"], ["--storage-options", "JSON object"]),
+    (["info", "http://127.0.0.1:9/store.zarr"], ["127.0.0.1:9", "check the URL"]),
     # ingest
     (["ingest", "{tmp}/missing", "{tmp}/d"], ["does not exist"]),
     (["ingest", "{src}", "{tmp}/d", "--storage-options", "{nope"], ["--storage-options", "JSON"]),
@@ -307,7 +308,7 @@ def test_credentials_never_appear_in_output(src, s3, tmp_path):
     assert_one_error(bad.returncode, bad.stderr, "no dataset store")
     # a password written into a URL is blanked where the URL is shown
     url = subprocess.run(
-        [*base, "info", "http://alice:pw-REDACT-ME-90@127.0.0.1:9/store.zarr"],
+        [*base, "train", "--data", "http://alice:pw-REDACT-ME-90@127.0.0.1:9/store.zarr"],
         capture_output=True,
         text=True,
         timeout=120,
