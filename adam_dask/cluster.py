@@ -354,7 +354,9 @@ def client_for(
 
 def workers_with_role(client: Client, role: str) -> list[str]:
     """Addresses of the workers that have the resource ``role``, sorted."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
+    # asked of the scheduler directly: Client.scheduler_info() returns a cache that the client's
+    # periodic refresh (n_workers=0, no workers) can overwrite just before it is read
+    info = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
     return sorted(a for a, w in info.items() if w.get("resources", {}).get(role))
 
 
