@@ -182,7 +182,8 @@ class Trainer:
         self.server: Any = None
         self.dataservice: Any = None
         self.seconds_to_target: float | None = None
-        self._progress_state: dict[int, int] = {}
+        self._progress_state: dict[int, int] = {}  # replica -> images drawn this epoch
+        self.replica_workers: dict[int, str] = {}  # replica -> its worker, this epoch
         self._lock = threading.Lock()
         self._bar: Progress | None = None
         self._test_cache: tuple[np.ndarray, np.ndarray] | None = None
@@ -279,6 +280,7 @@ class Trainer:
             return
         with self._lock:
             self._progress_state[msg["replica"]] = msg["images"]
+            self.replica_workers[msg["replica"]] = msg.get("worker")
             total = sum(self._progress_state.values())
         if self._bar is not None:
             self._bar.update_to(total)
@@ -358,7 +360,7 @@ class Trainer:
         R = self._replicas_now = replica_count(
             self._fixed_replicas, len(workers_with_role(self.client, TRAIN))
         )
-        self._progress_state = {}
+        self._progress_state, self.replica_workers = {}, {}
         self._bar = Progress(
             len(self.train_split), desc=f"epoch {epoch + 1}", enabled=self.progress
         )

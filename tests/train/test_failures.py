@@ -5,12 +5,14 @@ from __future__ import annotations
 import threading
 import time
 
+import dask
 import pytest
 
 import adam_dask
 from adam_dask.cluster import PS, TRAIN, workers_with_role
+from adam_dask.errors import ClusterError
+from adam_dask.testing import freeze, synthetic_store, thaw
 from adam_dask.testing import hard_kill as kill_workers
-from adam_dask.testing import synthetic_store
 from adam_dask.train.trainer import Trainer
 
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"
@@ -114,4 +116,38 @@ def test_ps_worker_killed_mid_epoch(store, cluster):
         time.sleep(0.2)
         hosts_of = {a: a.split("://")[1].rsplit(":", 1)[0] for a in workers_with_role(cluster, PS)}
     assert ok, placement
+    t.close()
+
+
+def test_sync_step_waiting_for_a_frozen_replica_fails_naming_it(store, cluster):
+    """Sync mode: the TRAIN worker of replica 1 is frozen (SIGSTOP) mid-epoch; replica 0 waits
+    at the step's barrier for adam.train.sync-timeout, then the run stops with an error that
+    names replica 1, instead of going on unsynchronised."""
+    with dask.config.set({"adam.train.sync-timeout": 5.0}):
+        t = Trainer(
+            store,
+            model=SPEC,
+            client=cluster,
+            mode="sync",
+            lr=0.05,
+            push_every=64,
+            batch_size=8,
+            progress=False,
+            slow_replicas={0: 0.05, 1: 0.05},
+        )
+    th, box = _fit_in_background(t, epochs=2)
+    _wait_for_images(t, 0, 128)
+    deadline = time.time() + 60
+    while 1 not in t.replica_workers and time.time() < deadline:
+        time.sleep(0.05)
+    frozen = freeze(cluster, [t.replica_workers[1]])
+    try:
+        th.join(timeout=120)
+        assert not th.is_alive()
+    finally:
+        thaw(frozen)
+    assert isinstance(box.get("error"), ClusterError), box
+    message = str(box["error"])
+    assert "replica(s) 1" in message and "sync-timeout" in message
+    assert len(t.history) == 0  # the epoch did not count
     t.close()

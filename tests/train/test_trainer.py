@@ -68,7 +68,7 @@ def test_sync_training_learns_and_resumes_in_sync_mode(store, adam_cluster, tmp_
 def test_quorum_ends_epoch_while_straggler_runs(store, adam_cluster):
     """With quorum 0.5 of two replicas, the epoch ends when the fast one is done; the
     deliberately slow one is stopped at once, part-way through its share."""
-    t = fit(store, adam_cluster, epochs=1, epoch_quorum=0.5, slow_replicas={1: 0.25})
+    t = fit(store, adam_cluster, epochs=1, epoch_quorum=0.5, slow_replicas={1: 1.0})
     rec = t.history.last
     assert rec["replicas_finished"] == 1
     assert rec["images"] < 768  # the straggler did not finish its share
