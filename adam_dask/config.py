@@ -31,9 +31,9 @@ dask.config.update_defaults(_defaults)
 def get(key: str, value: Any = None) -> Any:
     """The setting ``adam.<key>``, or ``value`` when it is not ``None`` (a keyword argument wins).
 
-    >>> get("ps.replicas")
+    >>> get("ps.copies")
     3
-    >>> get("ps.replicas", 2)
+    >>> get("ps.copies", 2)
     2
     """
     if value is not None:

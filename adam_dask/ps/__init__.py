@@ -1,20 +1,26 @@
-"""The global parameter server (paper section 3.3): sharded, replicated 3x on distinct hosts,
-batched updates, asynchronous write-back to a checkpoint, fail-over driven by a scheduler plugin.
+"""The global parameter server (paper section 3.3): sharded, three copies of every shard on
+distinct hosts, batched updates, asynchronous write-back to a checkpoint, fail-over by a
+controller in the scheduler.
 
-* :class:`ParameterServer` (server.py): the client handle: create, push, push_outer, pull,
-  flush, restore, attach, stats, close.
-* :class:`PSNode` (node.py): the actor on each PS worker holding primaries and backups.
-* :class:`ReplicaPlacement` (placement.py): the scheduler plugin, the PS controller and the
-  single source of truth for routing (``--preload adam_dask.ps.placement``).
-* :class:`ShardState` (state.py): the pure shard logic.
-* checkpoint.py: the checkpoint Zarr and its manifest.
+Users call :class:`ParameterServer` (create, restore, attach, push, push_outer, pull, flush,
+stats, close); :class:`ShardPlacement` is the controller, a scheduler plugin
+(``ParameterServer.create`` registers it; preload it with ``dask scheduler --preload
+adam_dask.ps.placement``). The modules, for a reader:
+
+* ``state.py``: one shard's values, version and push ids (pure); ``_node_state.py``: a node's
+  protocol (pure); ``node.py``: the PSNode actor that carries it out.
+* ``placement.py``: where copies go (pure policy); ``_controller.py``: the controller's
+  decisions (pure); ``_plugin.py``: the scheduler plugin that carries them out.
+* ``server.py`` and ``_client.py``: the client handle; ``_replay.py``: pushes a pusher keeps
+  until every copy holds them. ``checkpoint.py``: blocks and the manifest.
+* ``simulation.py``: a deterministic simulation of the protocol with faults.
 """
 
 from __future__ import annotations
 
-from .node import PSNode
-from .placement import ReplicaPlacement, plan_placement
+from ._plugin import ShardPlacement
 from .server import ParameterServer
-from .state import ShardState
 
-__all__ = ["PSNode", "ParameterServer", "ReplicaPlacement", "ShardState", "plan_placement"]
+ReplicaPlacement = ShardPlacement  # the older name of the controller plugin
+
+__all__ = ["ParameterServer", "ReplicaPlacement", "ShardPlacement"]

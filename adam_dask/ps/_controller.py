@@ -9,8 +9,10 @@ checkpoint's manifest. :meth:`ServerState.handle` takes an event
 
 Decisions (each change of the routing bumps ``generation``):
 
-* **Liveness**: a node whose heartbeats stop for ``heartbeat_timeout`` is declared dead and its
-  worker retired; a lost worker is taken out of every shard at once.
+* **Liveness**: a node whose heartbeats stop for ``heartbeat_timeout`` is declared dead: taken
+  out of every shard at once, like a worker that left. Its worker is retired when it stays
+  silent for ``retire_timeout``; a worker that speaks again in between (the node was only
+  slow) is told its node is no member any more and may host a new node.
 * **Promote**: a shard whose primary is gone gets a new generation; every surviving copy is
   fenced with it (it refuses the old primary from then on) and reports its position; the newest
   becomes primary. Only then does the routing name it, so nobody pushes to it before the old
@@ -21,8 +23,8 @@ Decisions (each change of the routing bumps ``generation``):
 * **Copies**: a shard with fewer than ``target`` copies gets one on a host it does not use.
 * **Manifest**: the controller is its only writer. A write-back is named only when its writer
   is the shard's primary of the current generation; positions ``(generation, version)`` and the
-  sequence number never go back, and a block is deleted only two manifests after the last one
-  naming it.
+  sequence number never go back, and a block is deleted only when two written manifests and
+  ``block_grace`` seconds have passed since the last one naming it.
 """
 
 from __future__ import annotations
@@ -107,8 +109,10 @@ class ServerState:
         manifest: dict | None,
         now: float,
         heartbeat_timeout: float,
+        retire_timeout: float,
         retry_base: float,
         retry_max: float,
+        block_grace: float,
     ):
         self.server_id = server_id
         self.shards = [tuple(s) for s in shards]
@@ -124,9 +128,13 @@ class ServerState:
                 self.manifest[k] = list(self.manifest[k])
         self.now = now
         self.timeout = float(heartbeat_timeout)
+        self.retire_timeout = float(retire_timeout)
+        self.block_grace = float(block_grace)
         self.retry_base, self.retry_max = float(retry_base), float(retry_max)
         self.beats = {a: now for a in self.nodes}
         self.dead: set[str] = set()
+        self.suspects: dict[str, float] = {}  # declared dead by heartbeats: since when
+        self.retired: set[str] = set()  # workers this controller asked Dask to remove
         self.creating: set[str] = set()
         self.needs_primary: set[int] = set()
         self.rounds: dict[int, _Round] = {}
@@ -145,6 +153,7 @@ class ServerState:
         self.refused_writes = 0
         self._ids = itertools.count(1)
         self._last_tick: float | None = None
+        self._stalled = False
         # the manifest
         self.seq = int(manifest.get("sequence", 0)) if manifest else 0
         self.written_seq = self.seq
@@ -152,7 +161,8 @@ class ServerState:
         self.manifest_writing: int | None = None
         self.manifest_errors = 0
         self.last_manifest_error: str | None = None
-        self.superseded: list[tuple[str, int]] = []  # (block path, first sequence without it)
+        # (block path, first manifest sequence without it, when it was replaced)
+        self.superseded: list[tuple[str, int, float]] = []
         self.commits: list[tuple[Any, int]] = []
 
     # -- the one entry point ---------------------------------------------------------------------
@@ -209,11 +219,21 @@ class ServerState:
     def _on_WorkerRemoved(self, ev: WorkerRemoved) -> list:
         self.now = max(self.now, ev.now)
         self.workers.pop(ev.addr, None)
+        self.suspects.pop(ev.addr, None)
         return self._lose(ev.addr, "its worker left the cluster")
 
     def _on_Beat(self, ev: Beat) -> list:
         self.now = max(self.now, ev.now)
         if self.nodes.get(ev.addr) != ev.key:
+            if self.suspects.pop(ev.addr, None) is not None:
+                # the worker lives: its old node is out for good, the worker may host a new one
+                self.dead.discard(ev.addr)
+                logger.warning(
+                    "server %s: PS node %s speaks again after it was declared dead; it is no "
+                    "member any more, its worker may host a new node",
+                    self.server_id,
+                    ev.addr,
+                )
             return [Reply(ev.req, {"member": False, "gens": {}})]
         self.beats[ev.addr] = ev.now
         for sid, pos in ev.positions.items():
@@ -230,18 +250,57 @@ class ServerState:
                 self.beats[a] += lag
         self._last_tick = self.now = max(self.now, now)
         out: list = []
-        for addr in sorted(self.nodes):
-            if now - self.beats.get(addr, now) > self.timeout:
-                self.declared_dead += 1
-                logger.warning(
-                    "server %s: PS node %s missed its heartbeats for %.1fs: declared dead",
-                    self.server_id,
-                    addr,
-                    now - self.beats[addr],
-                )
-                out += self._lose(addr, "it missed its heartbeats")
+        for addr in self._to_declare(now):
+            self.declared_dead += 1
+            logger.warning(
+                "server %s: PS node %s missed its heartbeats for %.1fs: declared dead",
+                self.server_id,
+                addr,
+                now - self.beats[addr],
+            )
+            out += self._lose(addr, "it missed its heartbeats")
+            self.suspects[addr] = now
+        silent = [a for a in self.nodes if now - self.beats.get(a, now) > self.retire_timeout]
+        for addr, since in list(self.suspects.items()):
+            if now - since > self.retire_timeout:
+                del self.suspects[addr]
+                silent.append(addr)
+        for addr in sorted(set(silent) - self.retired):
+            if addr in self.workers:
+                self.retired.add(addr)
                 out.append(Retire(addr))
         return out
+
+    def _to_declare(self, now: float) -> list[str]:
+        """The silent nodes to declare dead now. Not when most nodes are silent at once (a
+        stall of the machine, a compiler or the controller is likelier than that many
+        failures), and never the last live copy of a shard: such nodes wait for Dask to lose
+        their worker, or for ``retire_timeout``."""
+        overdue = [a for a in sorted(self.nodes) if now - self.beats.get(a, now) > self.timeout]
+        if not overdue:
+            return []
+        if 2 * len(overdue) > len(self.nodes):
+            if not self._stalled:
+                logger.warning(
+                    "server %s: %d of %d PS nodes are silent at once; waiting before declaring "
+                    "any dead",
+                    self.server_id,
+                    len(overdue),
+                    len(self.nodes),
+                )
+            self._stalled = True
+            return []
+        self._stalled = False
+        declare: list[str] = []
+        for addr in overdue:
+            gone = set(overdue) | set(declare)
+            if all(
+                any(a in self.nodes and a not in gone for a in holders)
+                for holders in self.routing.values()
+                if addr in holders
+            ):
+                declare.append(addr)
+        return declare
 
     def _lose(self, addr: str, why: str) -> list:
         """Take ``addr`` out of the server: routing, fence rounds, calls in flight."""
@@ -344,6 +403,8 @@ class ServerState:
     ) -> Call:
         involves = frozenset(kw.pop("involves", ())) | {addr}
         op = _Op(next(self._ids), kind, addr, tuple(sids), involves, kw.pop("data", None))
+        if method in ("promote", "set_backups", "add_backups"):
+            args = (*args, op.op)  # the stamp that orders backup lists (op ids only grow)
         self.ops[op.op] = op
         if kind != "fence":
             for sid in sids:
@@ -507,7 +568,7 @@ class ServerState:
         old = m["blocks"][sid]
         m["blocks"][sid], m["generations"][sid], m["versions"][sid] = path, gen, version
         if old and old != path:
-            self.superseded.append((old, self.seq + 1))
+            self.superseded.append((old, self.seq + 1, self.now))
         self.manifest_dirty = True
 
     def _on_Commit(self, ev: Commit) -> list:
@@ -526,10 +587,6 @@ class ServerState:
         self.written_seq = max(self.written_seq, ev.seq)
         self.failures.pop("manifest", None)
         out: list = []
-        doomed = [p for p, first in self.superseded if first + 1 <= self.written_seq]
-        self.superseded = [(p, f) for p, f in self.superseded if f + 1 > self.written_seq]
-        if doomed:
-            out.append(DeleteBlocks(tuple(doomed)))
         keep = []
         for req, seq in self.commits:
             if seq <= self.written_seq:
@@ -550,6 +607,17 @@ class ServerState:
             "server %s: writing the manifest failed (%s); retrying", self.server_id, ev.error
         )
         return []
+
+    def _collect(self) -> list:
+        """Delete blocks no manifest has named for two writes and ``block_grace`` seconds."""
+        doomed, keep = [], []
+        for path, first, since in self.superseded:
+            if first + 1 <= self.written_seq and self.now - since >= self.block_grace:
+                doomed.append(path)
+            else:
+                keep.append((path, first, since))
+        self.superseded = keep
+        return [DeleteBlocks(tuple(doomed))] if doomed else []
 
     def _manifest_actions(self) -> list:
         if (
@@ -572,7 +640,7 @@ class ServerState:
 
     def _plan(self) -> list:
         """The next calls of the repair, for every shard not waiting for one."""
-        out = self._manifest_actions()
+        out = self._manifest_actions() + self._collect()
         live = self.live()
         load = Counter(a for h in self.routing.values() for a in h)
         out += self._plan_set_backups()

@@ -194,10 +194,12 @@ class Fence:
 
 @dataclass(frozen=True, slots=True)
 class Promote:
-    """Become the primary of each shard {sid: (gen, [backup peers])}."""
+    """Become the primary of each shard {sid: (gen, [backup peers])}. ``stamp`` orders the
+    controller's backup lists: an older list arriving late changes nothing."""
 
     req: Any
     shards: dict[int, tuple[int, list[Peer]]]
+    stamp: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,14 +220,16 @@ class Restore:
 class SetBackups:
     req: Any
     shards: dict[int, list[Peer]]
+    stamp: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class AddBackups:
-    """Add backups and answer once each holds the shard's current position."""
+    """Set backup lists; answer once the new backups hold the shard's current position."""
 
     req: Any
     shards: dict[int, list[Peer]]
+    stamp: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -118,6 +118,7 @@ class NodeState:
         self.shards: dict[int, ShardState] = {}
         self.gens: dict[int, int] = {}  # the newest generation known per shard: the fence
         self.primaries: dict[int, list[Peer]] = {}  # sid -> its backups
+        self.list_stamps: dict[int, int] = {}  # sid -> stamp of the backup list in force
         self.acked: dict[str, dict[int, Position]] = {}  # backup -> sid -> position it holds
         self.inflight: set[str] = set()  # backups with a forward on the way
         self.written: dict[int, int] = {}  # primaries: the version the manifest names
@@ -188,7 +189,7 @@ class NodeState:
         todo: dict[int, list[tuple[int, np.ndarray, int | None]]] = {}
         results = []
         for i, p in enumerate(ev.items):
-            res: dict = {"per_shard": {}, "moved": [], "confirmed": {}}
+            res: dict = {"per_shard": {}, "moved": [], "confirmed": {}, "gens": {}}
             checked = {}
             try:
                 for sid, d in p.deltas.items():
@@ -221,6 +222,7 @@ class NodeState:
                 urgent = True
             else:
                 res["confirmed"] = {s: self.confirmed(s) for s in res["per_shard"]}
+                res["gens"] = {s: self.gens[s] for s in res["per_shard"]}
                 out.append(Reply(p.req, res))
         if urgent:
             out += self._settle()
@@ -246,6 +248,7 @@ class NodeState:
                 ev.req,
                 {
                     "per_shard": {s: self.confirmed(s) for s in ok},
+                    "gens": {s: self.gens[s] for s in ok},
                     "moved": [s for s in ev.sids if s not in ok],
                 },
             )
@@ -472,6 +475,7 @@ class NodeState:
             self.gens[sid] = gen
             st.gen = gen
             self.primaries[sid] = [tuple(p) for p in peers]  # type: ignore[misc]
+            self.list_stamps[sid] = max(self.list_stamps.get(sid, 0), ev.stamp)
             self.written[sid] = -1  # the checkpoint holds another generation: write ours
             self._cache.pop(sid, None)
             for acked in self.acked.values():
@@ -509,14 +513,16 @@ class NodeState:
         return [Reply(ev.req, ev.version)]
 
     def _on_SetBackups(self, ev: SetBackups) -> list:
-        return [Reply(ev.req, None), *self._set_backups(ev.shards), *self._settle()]
+        return [Reply(ev.req, None), *self._set_backups(ev.shards, ev.stamp), *self._settle()]
 
-    def _set_backups(self, shards: dict[int, list[Peer]]) -> list:
-        """Make ``shards`` {sid: peers} the backup lists of those primaries."""
+    def _set_backups(self, shards: dict[int, list[Peer]], stamp: int) -> list:
+        """Make ``shards`` {sid: peers} the backup lists of those primaries, unless a list of a
+        later stamp is in force already (a command that arrives late)."""
         out: list = []
         for sid, peers in shards.items():
-            if sid not in self.primaries:
+            if sid not in self.primaries or stamp < self.list_stamps.get(sid, 0):
                 continue
+            self.list_stamps[sid] = stamp
             new = [tuple(p) for p in peers]
             gone = {a for a, _ in self.primaries[sid]} - {a for a, _ in new}
             self.primaries[sid] = new  # type: ignore[assignment]
@@ -538,9 +544,13 @@ class NodeState:
         for sid, peers in ev.shards.items():
             if sid not in self.primaries:
                 return [Reply(ev.req, ShardUnavailable(f"not the primary of shard {sid}"))]
+            if ev.stamp < self.list_stamps.get(sid, 0):
+                return [
+                    Reply(ev.req, ShardUnavailable(f"a later backup list of {sid} is in force"))
+                ]
             need[sid] = self.shards[sid].version
             backups[sid] = {a for a, _ in peers} - self._backups_of(sid)
-        out = self._set_backups(ev.shards)
+        out = self._set_backups(ev.shards, ev.stamp)
         self.waiters.append(_Waiter(ev.req, "add", need, {}, backups=backups))
         return [*out, *self._forwards(), *self._settle()]
 
@@ -553,7 +563,11 @@ class NodeState:
         sids = list(self.primaries) if ev.sids is None else list(ev.sids)
         ok = [s for s in sids if self.accepts(s, None)]
         target = {s: self.shards[s].version for s in ok}
-        value = {"per_shard": dict(target), "moved": [s for s in sids if s not in ok]}
+        value = {
+            "per_shard": dict(target),
+            "gens": {s: self.gens[s] for s in ok},
+            "moved": [s for s in sids if s not in ok],
+        }
         written = ev.checkpoint and self.checkpoint
         self.waiters.append(_Waiter(ev.req, "flush", target, value, written=written))
         out = self._settle() + self._forwards()
@@ -606,6 +620,7 @@ class NodeState:
                 return None
         if w.kind == "push":
             w.value["confirmed"] = {s: self.confirmed(s) for s in w.value["per_shard"]}
+            w.value["gens"] = {s: self.gens[s] for s in w.value["per_shard"]}
         if w.kind == "add":
             return {s: v for s, v in w.need.items()}
         return w.value

@@ -8,6 +8,10 @@ names a new primary for a shard (fail-over, or a shard rebuilt from the checkpoi
 sends the pushes it still holds for that shard to the new primary again, with their original
 push ids, so a push that did reach the surviving copies is recognised and applied once.
 
+A primary is known by its address *and* the shard's generation: a worker that comes back under
+the same address holds another lineage of the shard, and its word confirms nothing acknowledged
+by the one before.
+
 :class:`ReplayLog` is the bookkeeping, pure (no Dask, no I/O, no clocks); the client handle in
 :mod:`adam_dask.ps.server` drives it.
 """
@@ -29,14 +33,16 @@ class HeldPush:
     """One shard's part of an acknowledged push, kept until confirmed.
 
     ``method`` and ``payload`` rebuild the node call for this shard alone (``"push"`` with the
-    shard's delta, or ``"push_outer"`` with the outer-product arguments); ``primary`` and
-    ``version`` say who acknowledged it and at which of its versions.
+    shard's delta, or ``"push_outer"`` with the outer-product arguments); ``primary``, ``gen``
+    and ``version`` say who acknowledged it, in which generation of the shard, at which of its
+    versions.
     """
 
     push_id: int
     method: str
     payload: Any
     primary: str
+    gen: int
     version: int
     nbytes: int
 
@@ -68,32 +74,38 @@ class ReplayLog:
         per[held.push_id] = held
         self.nbytes += held.nbytes
 
-    def acknowledged(self, sid: int, push_id: int, primary: str, version: int) -> None:
-        """A held push was (re)acknowledged by ``primary`` at ``version`` (after a replay)."""
+    def acknowledged(self, sid: int, push_id: int, primary: str, gen: int, version: int) -> None:
+        """A held push was (re)acknowledged by ``primary`` in generation ``gen`` at ``version``
+        (after a replay)."""
         held = self._held.get(sid, {}).get(push_id)
         if held is not None:
-            held.primary, held.version = primary, int(version)
+            held.primary, held.gen, held.version = primary, int(gen), int(version)
 
-    def confirm(self, sid: int, primary: str, version: int) -> int:
-        """``primary`` reports every copy of ``sid`` holds its versions up to ``version``: drop
-        the pushes it acknowledged at or below it. Returns how many were dropped."""
+    def confirm(self, sid: int, primary: str, gen: int, version: int) -> int:
+        """``primary`` of generation ``gen`` reports every copy of ``sid`` holds its versions up
+        to ``version``: drop the pushes it acknowledged at or below it. Returns how many were
+        dropped."""
         per = self._held.get(sid)
         if not per:
             return 0
-        drop = [p for p, h in per.items() if h.primary == primary and h.version <= version]
+        drop = [
+            p
+            for p, h in per.items()
+            if h.primary == primary and h.gen == gen and h.version <= version
+        ]
         for p in drop:
             self.nbytes -= per.pop(p).nbytes
         return len(drop)
 
-    def moved(self, primaries: dict[int, str]) -> dict[int, list[HeldPush]]:
-        """{sid: held pushes} acknowledged by another node than the shard's primary now
-        (``primaries``: {sid: address}); these must be sent to the new primary."""
+    def moved(self, primaries: dict[int, tuple[str, int]]) -> dict[int, list[HeldPush]]:
+        """{sid: held pushes} acknowledged by another primary than the shard's now
+        (``primaries``: {sid: (address, generation)}); these must be sent to the new one."""
         out: dict[int, list[HeldPush]] = {}
         for sid, per in self._held.items():
             now = primaries.get(sid)
             if now is None:
                 continue
-            stale = [h for h in per.values() if h.primary != now]
+            stale = [h for h in per.values() if (h.primary, h.gen) != now]
             if stale:
                 out[sid] = stale
         return out

@@ -1,50 +1,78 @@
 """The parameter server's checkpoint: a Zarr v3 group at any fsspec URL, plus a manifest.
 
-Format (no pickles; safe to open from an untrusted place)::
+Format 2 (no pickles; safe to open from an untrusted place)::
 
-    <url>/zarr.json              the Zarr v3 group
-    <url>/params/...             flat float32 array, one chunk per shard (chunks = shard floats)
-    <url>/manifest.json          written last: format, size, shard_bytes, shard ranges,
-                                 per-shard versions, epoch, meta (model spec etc.), layout, time
+    <url>/zarr.json                      the Zarr v3 group
+    <url>/shards/<sid>/g<gen>-v<version> one block: a float32 Zarr array of the shard's values
+                                         (one chunk), attributes: shard, start, stop, version,
+                                         generation, and the ids of the pushes it holds
+    <url>/manifest.json                  format, size, shard_bytes, shard ranges, per shard the
+                                         block, version and generation; epoch, meta, layout,
+                                         sequence, time
 
-Write path: every PS node writes its dirty primaries (:class:`CheckpointWriter.write`, called in
-a thread by :class:`~adam_dask.ps.node.PSNode` every ``adam.ps.writeback-interval``): the chunks
-first, then it merges the versions of the shards it just wrote into ``manifest.json``. A chunk is
-one whole object (a Zarr chunk per shard, written atomically by LocalStore and by S3 PUT), so a
-reader never sees a torn shard, and because the data is written before the manifest names its
-version, a manifest's versions are never ahead of the data: a version in the manifest is a lower
-bound of the data's (concurrent merges by two nodes can only make it lower). ``flush()`` on the
-server writes the exact manifest after every node has written everything.
+Blocks are immutable: a primary writes a new one for each write-back, named by its generation
+and version, so nothing ever overwrites data a manifest names, and a primary that lost its
+place (a frozen node that wakes up) can only add a block nobody names. The manifest has one
+writer, the controller (:mod:`adam_dask.ps._controller`): it names a block only after its data
+is written and only from the shard's primary of the current generation; its sequence number and
+each shard's ``(generation, version)`` never go back. A block is deleted two manifests after
+the last one naming it (a reader of the previous manifest finds its data), and blocks no manifest
+names are swept when a server starts.
 
-A new checkpoint deletes an old manifest before touching any data, so no reader ever pairs an
-old manifest with new data. ``memory://`` URLs are per process: they work only when the PS
-workers share the client's process.
+Format 1 (``params``, one chunk per shard, rewritten in place) is still read.
+
+``memory://`` URLs are per process: they work only when the PS workers share the client's
+process.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
 from ..errors import CheckpointError
-from ..storage import filesystem, normalize_url, zarr_store
+from ..storage import filesystem, join_url, normalize_url, zarr_store
+from .state import Snapshot
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "BlockStore",
+    "block_path",
+    "init_checkpoint",
+    "put_manifest",
+    "read_checkpoint",
+    "read_manifest",
+]
+
 MANIFEST = "manifest.json"
 FORMAT = "adam-ps-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+BLOCKS = "shards"
 
 
-def _join(path: str, name: str) -> str:
-    return path.rstrip("/") + "/" + name
+def block_path(sid: int, gen: int, version: int) -> str:
+    """Where the block of shard ``sid`` at ``(gen, version)`` lives inside the checkpoint."""
+    return f"{BLOCKS}/{sid}/g{gen}-v{version}"
+
+
+def _encode_ids(ids: Any) -> str:
+    return base64.b64encode(np.asarray(list(ids), dtype="<i8").reshape(-1, 2).tobytes()).decode()
+
+
+def _decode_ids(text: str) -> tuple[tuple[int, int], ...]:
+    a = np.frombuffer(base64.b64decode(text), dtype="<i8").reshape(-1, 2)
+    return tuple((int(v), int(p)) for v, p in a)
 
 
 def write_json(fs: Any, path: str, obj: dict) -> None:
@@ -62,11 +90,17 @@ def write_json(fs: Any, path: str, obj: dict) -> None:
         fs.pipe_file(path, data)
 
 
+def put_manifest(url: str, storage_options: dict | None, doc: dict) -> None:
+    """Write ``doc`` as the manifest (the controller's one write; raises on storage errors)."""
+    fs, path = filesystem(url, storage_options)
+    write_json(fs, join_url(path, MANIFEST), {**doc, "time": time.time()})
+
+
 def read_manifest(url: str, storage_options: dict | None = None) -> dict:
     """The manifest of the checkpoint at ``url``; :class:`CheckpointError` if there is none
     (no complete checkpoint) or it is not one of ours."""
     fs, path = filesystem(url, storage_options)
-    mpath = _join(path, MANIFEST)
+    mpath = join_url(path, MANIFEST)
     try:
         raw = fs.cat_file(mpath)
     except FileNotFoundError:
@@ -94,6 +128,82 @@ def read_manifest(url: str, storage_options: dict | None = None) -> dict:
     return m
 
 
+class BlockStore:
+    """Reads and writes the blocks of the checkpoint at ``url`` (sync; call it in a thread).
+    Opening is lazy, so a store made while storage is down works once it comes back."""
+
+    def __init__(self, url: str, storage_options: dict | None = None):
+        self.url = url
+        self.storage_options = storage_options
+        self._store: Any = None
+
+    def _zarr(self) -> Any:
+        if self._store is None:
+            self._store = zarr_store(self.url, self.storage_options, read_only=False)
+        return self._store
+
+    def write(self, snap: Snapshot) -> str:
+        """Write ``snap`` as a new block; returns its path. Raises on storage errors."""
+        import zarr
+
+        path = block_path(snap.shard, snap.gen, snap.version)
+        arr = zarr.create_array(
+            store=self._zarr(),
+            name=path,
+            shape=(snap.stop - snap.start,),
+            chunks=(snap.stop - snap.start,),
+            dtype="float32",
+            compressors=None,
+            fill_value=0.0,
+            overwrite=True,
+            attributes={
+                "shard": snap.shard,
+                "start": snap.start,
+                "stop": snap.stop,
+                "version": snap.version,
+                "generation": snap.gen,
+                "ids": _encode_ids(snap.ids),
+            },
+        )
+        arr[:] = snap.values
+        return path
+
+    def read(self, path: str) -> tuple[np.ndarray, dict, tuple[tuple[int, int], ...]]:
+        """(values, attributes, push ids) of the block at ``path``."""
+        import zarr
+
+        arr = zarr.open_array(store=self._zarr(), path=path, mode="r")
+        attrs = dict(arr.attrs)
+        return np.asarray(arr[:], dtype=np.float32), attrs, _decode_ids(attrs.get("ids", ""))
+
+    def delete(self, paths: list[str] | tuple[str, ...]) -> None:
+        fs, root = filesystem(self.url, self.storage_options)
+        for p in paths:
+            try:
+                fs.rm(join_url(root, p), recursive=True)
+            except FileNotFoundError:
+                pass
+
+    def orphans(self, named: set[str]) -> list[str]:
+        """Blocks in storage that ``named`` does not list (left by a writer that lost its
+        place, or by a crash between a write and its report)."""
+        fs, root = filesystem(self.url, self.storage_options)
+        base = join_url(root, BLOCKS)
+        found = []
+        try:
+            shard_dirs = fs.ls(base, detail=False)
+        except FileNotFoundError:
+            return []
+        for d in shard_dirs:
+            if not fs.isdir(d):
+                continue
+            for b in fs.ls(d, detail=False):
+                rel = f"{BLOCKS}/{b.rstrip('/').rsplit('/', 2)[-2]}/{b.rstrip('/').rsplit('/', 1)[-1]}"
+                if fs.isdir(b) and rel not in named:
+                    found.append(rel)
+        return found
+
+
 def init_checkpoint(
     url: str,
     storage_options: dict | None,
@@ -103,34 +213,30 @@ def init_checkpoint(
     shards: list[tuple[int, int]],
     values: np.ndarray | None = None,
     versions: list[int] | None = None,
+    generation: int = 0,
     epoch: int | None = None,
     meta: dict | None = None,
     layout: dict | None = None,
     server_id: str | None = None,
 ) -> dict:
-    """Create (or replace) the checkpoint at ``url`` holding ``values`` (zeros by default), and
-    write its manifest last. Returns the manifest."""
+    """Create (or replace) the checkpoint at ``url`` holding ``values`` (zeros by default) at
+    ``versions``, and write its manifest last. Returns the manifest."""
     import zarr
 
     fs, path = filesystem(url, storage_options)
-    mpath = _join(path, MANIFEST)
+    mpath = join_url(path, MANIFEST)
+    versions = [int(v) for v in (versions or [0] * len(shards))]
+    values = np.zeros(size, np.float32) if values is None else np.asarray(values, np.float32)
+    blocks = []
     try:
         if fs.exists(mpath):
             fs.rm_file(mpath)  # no reader may pair the old manifest with the new data
         store = zarr_store(url, storage_options, read_only=False)
-        g = zarr.open_group(store=store, mode="w", zarr_format=3)
-        per = shards[0][1] - shards[0][0]
-        arr = g.create_array(
-            "params",
-            shape=(size,),
-            chunks=(per,),
-            dtype="float32",
-            fill_value=0.0,
-            compressors=None,
-            dimension_names=("flat",),
-        )
-        if values is not None:
-            arr[:] = np.asarray(values, dtype=np.float32)
+        zarr.open_group(store=store, mode="w", zarr_format=3)
+        writer = BlockStore(url, storage_options)
+        for sid, (a, b) in enumerate(shards):
+            snap = Snapshot(sid, a, b, versions[sid], values[a:b], (), generation)
+            blocks.append(writer.write(snap))
     except CheckpointError:
         raise
     except Exception as exc:
@@ -144,62 +250,64 @@ def init_checkpoint(
         "size": int(size),
         "shard_bytes": int(shard_bytes),
         "shards": [[int(a), int(b)] for a, b in shards],
-        "versions": [int(v) for v in (versions or [0] * len(shards))],
+        "versions": versions,
+        "generations": [int(generation)] * len(shards),
+        "blocks": blocks,
         "epoch": epoch,
         "meta": meta or {},
         "layout": layout,
         "server": server_id,
-        "time": time.time(),
+        "sequence": 0,
     }
-    _put_manifest(fs, mpath, manifest, url)
-    return manifest
-
-
-def _put_manifest(fs: Any, mpath: str, manifest: dict, url: str) -> None:
     try:
-        write_json(fs, mpath, manifest)
+        put_manifest(url, storage_options, manifest)
     except Exception as exc:
         raise CheckpointError(
             f"cannot write the manifest of {normalize_url(url)}: {exc}",
-            "check the storage; the data is kept and the write retried",
+            "check the storage and try again",
         ) from exc
-
-
-def write_manifest(
-    url: str,
-    storage_options: dict | None,
-    versions: dict[int, int],
-    *,
-    epoch: Any = None,
-    meta: dict | None = None,
-) -> dict:
-    """Merge ``versions`` ({sid: version}), and ``epoch``/``meta`` when given, into the manifest
-    of the checkpoint at ``url``; the data must already be written."""
-    fs, path = filesystem(url, storage_options)
-    m = read_manifest(url, storage_options)
-    for sid, v in versions.items():
-        m["versions"][int(sid)] = int(v)
-    if epoch is not None:
-        m["epoch"] = epoch
-    if meta is not None:
-        m["meta"] = meta
-    m["time"] = time.time()
-    _put_manifest(fs, _join(path, MANIFEST), m, url)
-    return m
+    return manifest
 
 
 def read_checkpoint(url: str, storage_options: dict | None = None) -> tuple[dict, np.ndarray]:
-    """(manifest, flat float32 values) of the last complete checkpoint at ``url``."""
+    """(manifest, flat float32 values) of the last complete checkpoint at ``url``.
+
+    A block replaced long enough ago may be deleted while this reads an older manifest: then
+    the newer manifest is read again (a few times)."""
+    for attempt in range(3):
+        try:
+            return _read_checkpoint(url, storage_options)
+        except FileNotFoundError:
+            if attempt == 2:
+                raise CheckpointError(
+                    f"the checkpoint at {normalize_url(url)} changed under three reads",
+                    "retry when the parameter server writes less often",
+                ) from None
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _read_checkpoint(url: str, storage_options: dict | None) -> tuple[dict, np.ndarray]:
     import zarr
 
     m = read_manifest(url, storage_options)
     try:
-        g = zarr.open_group(store=zarr_store(url, storage_options, read_only=True), mode="r")
-        values = np.asarray(g["params"][:], dtype=np.float32)
+        if int(m.get("format_version", 1)) < 2:
+            g = zarr.open_group(store=zarr_store(url, storage_options, read_only=True), mode="r")
+            values = np.asarray(g["params"][:], dtype=np.float32)
+        else:
+            reader = BlockStore(url, storage_options)
+            values = np.zeros(int(m["size"]), np.float32)
+            for sid, ((a, b), path) in enumerate(zip(m["shards"], m["blocks"])):
+                block, attrs, _ = reader.read(path)
+                if int(attrs["version"]) != int(m["versions"][sid]) or block.shape != (b - a,):
+                    raise CheckpointError(f"block {path} does not match the manifest")
+                values[a:b] = block
+    except FileNotFoundError:
+        raise
     except Exception as exc:
         raise CheckpointError(
             f"the checkpoint at {normalize_url(url)} has a manifest but its "
-            f"params cannot be read: {exc}",
+            f"data cannot be read: {exc}",
             "the checkpoint is damaged",
         ) from exc
     if values.shape != (int(m["size"]),):
@@ -209,36 +317,3 @@ def read_checkpoint(url: str, storage_options: dict | None = None) -> tuple[dict
             "the checkpoint is damaged",
         )
     return m, values
-
-
-class CheckpointWriter:
-    """Writes snapshots of shards into the checkpoint at ``url`` (sync; call it in a thread).
-
-    Opening is lazy and retried by the caller, so a writer made while storage is down works once
-    it comes back.
-    """
-
-    def __init__(self, url: str, storage_options: dict | None = None):
-        self.url = url
-        self.storage_options = storage_options
-        self._array = None
-
-    def _params(self):
-        if self._array is None:
-            import zarr
-
-            store = zarr_store(self.url, self.storage_options, read_only=False)
-            self._array = zarr.open_array(store=store, path="params", mode="r+")
-        return self._array
-
-    def write(self, snaps: Iterable[Any]) -> dict[int, int]:
-        """Write each snapshot's values (its whole chunk), then merge the versions into the
-        manifest. Raises on any storage error (the caller retries; nothing is lost)."""
-        snaps = list(snaps)
-        arr = self._params()
-        for s in snaps:
-            arr[s.start : s.stop] = s.values
-        versions = {s.shard: s.version for s in snaps}
-        write_manifest(self.url, self.storage_options, versions)
-        logger.debug("checkpoint %s: wrote shards %s", self.url, versions)
-        return versions

@@ -1,32 +1,21 @@
-"""PSNode: the parameter-server actor, one per PS worker and server, holding shard replicas.
+"""PSNode: the parameter-server actor, one per PS worker and server.
 
-A node holds, for one :class:`~adam_dask.ps.server.ParameterServer`, the *primary* copy of some
-shards and *backup* copies of others (:class:`~adam_dask.ps.state.ShardState` each). All methods
-are ``async``: they run on the worker's event loop, interleave only at ``await``, and so touch the
-shard state from one thread without locks (CPU-heavy outer products are computed in a thread and
-applied back on the loop).
+The protocol lives in :class:`~adam_dask.ps._node_state.NodeState` (pure); this actor only
+carries its actions out on the worker's event loop: it answers callers, sends forwards to
+backups, writes checkpoint blocks (in a thread) and reports them to the controller, and runs
+three timers (forward, write-back, heartbeat). All methods are ``async``: they run on the
+worker's event loop and touch the state from one thread, without locks; the pushes that arrive
+during one turn of the loop are applied as one batch.
 
-Update path (primary): ``push`` checks the deltas (NaN/Inf are refused, nothing changes),
-queues them, and one drain per loop iteration applies every queued delta of a shard as one
-blocked batch; each push gets its own version. With ``ack="primary"`` the push is acknowledged
-once applied; with ``ack="all"`` once every current backup holds its version.
-
-Replication: one forwarder task per backup address sends, every ``forward-interval`` (at once
-when an ``ack="all"`` push waits), the newest values of every shard that changed since the
-backup's last acknowledged version, in one call: updates are folded into the newest values, so
-a backup that missed anything simply catches up with the next copy. Push ids travel with the
-copies, so a push retried on a promoted backup after a fail-over is applied once.
-
-Write-back: a writer task writes dirty primaries to the checkpoint every
-``writeback-interval`` (see :mod:`adam_dask.ps.checkpoint`), off the update path.
-
-The node never decides placement: the scheduler plugin (:mod:`adam_dask.ps.placement`) tells it
-which shards it holds and in which role (``assign``, ``promote``, ``set_backups``).
+The controller (the scheduler plugin, :mod:`adam_dask.ps._plugin`) makes the nodes, tells them
+which shards they hold and in which role, and hears their heartbeats; a node that stops hearing
+it is a member stops serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Iterable
@@ -36,12 +25,49 @@ import numpy as np
 from distributed.protocol import to_serialize
 from distributed.protocol.serialize import Serialized, deserialize
 
-from ..errors import StorageError, UpdateRejected
-from .state import ShardState, Snapshot
+from ..errors import StorageError
+from ._messages import (
+    AddBackups,
+    Assign,
+    Cancel,
+    Confirmed,
+    Drop,
+    Fence,
+    Flush,
+    Forward,
+    ForwardDone,
+    ForwardDue,
+    ForwardFailed,
+    HeartbeatReply,
+    Promote,
+    Pull,
+    Push,
+    Pushes,
+    Replicate,
+    Reply,
+    Restore,
+    SetBackups,
+    Versions,
+    WriteBlocks,
+    WriteDone,
+    WriteDue,
+    WriteFailed,
+)
+from ._node_state import NodeState
+from .state import Snapshot
 
 logger = logging.getLogger(__name__)
 
-Backup = tuple[str, str]  # (worker address, node actor key)
+__all__ = ["PSNode", "call_actor"]
+
+_tasks: set[asyncio.Task] = set()  # background tasks of the nodes, kept alive until done
+
+
+def _spawn(coro: Any) -> asyncio.Task:
+    task = asyncio.ensure_future(coro)
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
+    return task
 
 
 async def call_actor(
@@ -80,220 +106,321 @@ def _deserialized(x: Any) -> Any:
 
 
 class PSNode:
-    """The shard replicas of one parameter server on one PS worker (a Dask actor).
+    """The shards one PS worker holds for one server (a Dask actor).
 
     Parameters
     ----------
     server_id : str
         The server this node belongs to.
     config : dict
-        ``forward_interval``, ``writeback_interval``, ``retry_base``, ``retry_max``,
-        ``call_timeout``, ``ack`` (default acknowledgement), ``dedup_window``, ``checkpoint``
-        (URL or None), ``storage_options``, ``shard_bytes``, ``size``.
+        ``forward_interval``, ``writeback_interval``, ``heartbeat_interval``, ``retry_base``,
+        ``retry_max``, ``forward_retry_max``, ``call_timeout``, ``dedup_window``,
+        ``checkpoint`` (URL or None), ``storage_options``.
     """
 
     def __init__(self, server_id: str, config: dict):
         self.server_id = server_id
         self.cfg = dict(config)
-        self.shards: dict[int, ShardState] = {}
-        self.backups: dict[int, list[Backup]] = {}  # primaries only: sid -> its backups
-        self.acked: dict[str, dict[int, int]] = {}  # backup addr -> sid -> version it holds
-        self.written: dict[int, int] = {}  # sid -> version in the checkpoint
-        self._queue: dict[int, list[tuple[np.ndarray, int | None, asyncio.Future]]] = {}
+        self.key: str | None = None
+        self.state: NodeState | None = None
+        self._futures: dict[int, asyncio.Future] = {}
+        self._reqs = itertools.count()
+        self._queue: list[Push] = []
         self._drain_scheduled = False
-        self._waiters: dict[int, list[tuple[int, asyncio.Future]]] = {}
-        self._wake: dict[str, asyncio.Event] = {}
-        self._forwarders: dict[str, asyncio.Task] = {}
-        self._writer_task: asyncio.Task | None = None
-        self._write_now: asyncio.Event | None = None
-        self._written_cond: asyncio.Condition | None = None
-        self._snap_cache: dict[int, tuple[int, np.ndarray]] = {}
-        self._worker = None
+        self._forwards: dict[str, asyncio.Task] = {}
+        self._timers: list[asyncio.Task] = []
+        self._store: Any = None
+        self._worker: Any = None
         self._closed = False
         self._started = time.time()
-        self.pushes = 0
-        self.floats_applied = 0
-        self.last_write = time.time()
-        self.writeback_errors = 0
-        self.last_writeback_error: str | None = None
-        self.forward_errors = 0
-        self._checkpoint = None
+        self._last_write = time.time()
+        self._write_retry_at = 0.0
+        self._write_failures = 0
 
     def __repr__(self) -> str:
-        return (
-            f"PSNode({self.server_id}, primaries={sorted(self.backups)}, "
-            f"backups={sorted(set(self.shards) - set(self.backups))})"
-        )
+        return f"PSNode({self.server_id}, {self.state!r})"
 
     # -- plumbing --------------------------------------------------------------------------------
 
-    def _start(self) -> None:
-        if self._worker is not None:
-            return
+    def _start(self) -> NodeState:
+        if self.state is not None:
+            return self.state
         from distributed import get_worker
 
         self._worker = get_worker()
-        self._write_now = asyncio.Event()
-        self._written_cond = asyncio.Condition()
-        if self.cfg.get("checkpoint"):
-            from .checkpoint import CheckpointWriter
-
-            self._checkpoint = CheckpointWriter(
-                self.cfg["checkpoint"], self.cfg.get("storage_options")
-            )
-            self._writer_task = asyncio.ensure_future(self._writeback_loop())
-
-    async def _call(self, addr: str, key: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        return await call_actor(
-            self._worker.rpc,
-            addr,
-            key,
-            method,
-            *args,
-            timeout=self.cfg.get("call_timeout"),
-            **kwargs,
+        ckpt = self.cfg.get("checkpoint")
+        self.state = NodeState(
+            self._worker.address, dedup_window=self.cfg["dedup_window"], checkpoint=bool(ckpt)
         )
+        if ckpt:
+            from .checkpoint import BlockStore
 
-    def _sync_forwarders(self) -> None:
-        wanted = {a for bs in self.backups.values() for a, _ in bs}
-        for addr in wanted:
-            if addr not in self._forwarders or self._forwarders[addr].done():
-                self._wake[addr] = asyncio.Event()
-                self.acked.setdefault(addr, {})
-                self._forwarders[addr] = asyncio.ensure_future(self._forward_loop(addr))
-        for addr in list(self._forwarders):
-            if addr not in wanted:
-                self._forwarders.pop(addr).cancel()
-                self._wake.pop(addr, None)
-                self.acked.pop(addr, None)
+            self._store = BlockStore(ckpt, self.cfg.get("storage_options"))
+        self._timers = [
+            _spawn(self._every(self.cfg["forward_interval"], self._forward_tick)),
+            _spawn(self._every(self.cfg["heartbeat_interval"], self._heartbeat)),
+        ]
+        if ckpt:
+            self._timers.append(
+                _spawn(self._every(self.cfg["writeback_interval"], self._write_tick))
+            )
+        return self.state
 
-    # -- role changes (called by the placement plugin) ------------------------------------------
+    def _do(self, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Reply):
+                fut = self._futures.pop(a.req, None)
+                if fut is None or fut.done():
+                    continue
+                if isinstance(a.value, BaseException):
+                    fut.set_exception(a.value)
+                else:
+                    fut.set_result(a.value)
+            elif isinstance(a, Forward):
+                self._forwards[a.addr] = _spawn(self._forward(a))
+            elif isinstance(a, Cancel):
+                task = self._forwards.pop(a.addr or "", None)
+                if task is not None:
+                    task.cancel()
+            elif isinstance(a, WriteBlocks):
+                _spawn(self._write(a.snaps))
+            else:  # pragma: no cover - every action of NodeState is handled above
+                raise TypeError(f"unknown node action {a!r}")
+
+    def _handle(self, event: Any) -> None:
+        self._do(self._start().handle(event))
+
+    async def _ask(self, make: Any) -> Any:
+        """Feed the event ``make(req)`` and wait for its reply."""
+        state = self._start()
+        req = next(self._reqs)
+        fut = asyncio.get_running_loop().create_future()
+        self._futures[req] = fut
+        self._do(state.handle(make(req)))
+        try:
+            return await fut
+        finally:
+            self._futures.pop(req, None)
+
+    async def _every(self, seconds: float, fn: Any) -> None:
+        while not self._closed:
+            await asyncio.sleep(float(seconds))
+            try:
+                await fn()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # pragma: no cover - a timer must keep running
+                logger.exception("node %s: %s failed", self._worker.address, fn.__name__)
+
+    # -- timers ----------------------------------------------------------------------------------
+
+    async def _forward_tick(self) -> None:
+        self._handle(ForwardDue())
+
+    async def _write_tick(self) -> None:
+        if time.monotonic() >= self._write_retry_at:
+            self._handle(WriteDue())
+
+    async def _heartbeat(self) -> None:
+        if self.key is None or self.state is None:
+            return
+        try:
+            reply = await asyncio.wait_for(
+                self._worker.scheduler.adam_ps_heartbeat(
+                    server_id=self.server_id,
+                    addr=self._worker.address,
+                    key=self.key,
+                    positions={s: list(p) for s, p in self.state.heartbeat().items()},
+                ),
+                self.cfg["call_timeout"],
+            )
+        except (OSError, TimeoutError) as exc:
+            logger.info("node %s: heartbeat failed (%s)", self._worker.address, exc)
+            return
+        gens = {int(s): int(g) for s, g in reply["gens"].items()}
+        self._handle(HeartbeatReply(bool(reply["member"]), gens))
+
+    # -- carrying out actions --------------------------------------------------------------------
+
+    async def _forward(self, a: Forward) -> None:
+        try:
+            got = await call_actor(
+                self._worker.rpc,
+                a.addr,
+                a.key,
+                "replicate",
+                list(a.snaps),
+                self._worker.address,
+                timeout=self.cfg["call_timeout"],
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            failures = getattr(self, "_forward_failures", 0) + 1
+            self._forward_failures = failures
+            delay = min(self.cfg["retry_base"] * 2 ** (failures - 1), self.cfg["forward_retry_max"])
+            logger.warning(
+                "node %s: forwarding %d shard(s) to backup %s failed (%s: %s); retrying in %.1fs",
+                self._worker.address,
+                len(a.snaps),
+                a.addr,
+                type(exc).__name__,
+                exc,
+                delay,
+            )
+            await asyncio.sleep(delay)  # the backup stays busy meanwhile: nothing else is sent
+            if self._forwards.get(a.addr) is asyncio.current_task():
+                self._forwards.pop(a.addr, None)
+                self._handle(ForwardFailed(a.addr, f"{type(exc).__name__}: {exc}"))
+            return
+        self._forward_failures = 0
+        if self._forwards.get(a.addr) is asyncio.current_task():
+            self._forwards.pop(a.addr, None)
+        held = {int(s): (int(p[0]), int(p[1])) for s, p in got["held"].items()}
+        refused = {int(s): int(g) for s, g in got["refused"].items()}
+        self._handle(ForwardDone(a.addr, held, refused))
+
+    async def _write(self, snaps: tuple[Snapshot, ...]) -> None:
+        try:
+            paths = await asyncio.to_thread(lambda: [self._store.write(s) for s in snaps])
+            reply = await asyncio.wait_for(
+                self._worker.scheduler.adam_ps_written(
+                    server_id=self.server_id,
+                    addr=self._worker.address,
+                    blocks={s.shard: [s.gen, s.version, p] for s, p in zip(snaps, paths)},
+                ),
+                self.cfg["call_timeout"],
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._write_failures += 1
+            delay = min(
+                self.cfg["retry_base"] * 2 ** (self._write_failures - 1), self.cfg["retry_max"]
+            )
+            self._write_retry_at = time.monotonic() + delay
+            error = f"{type(exc).__name__}: {exc}"
+            logger.warning(
+                "node %s: checkpoint write-back of %d shard(s) failed (attempt %d, %s); "
+                "retrying in %.1fs, nothing is dropped",
+                self._worker.address,
+                len(snaps),
+                self._write_failures,
+                error,
+                delay,
+            )
+            self._worker.log_event(
+                "adam-ps-checkpoint",
+                {"server": self.server_id, "worker": self._worker.address, "error": error},
+            )
+            self._handle(WriteFailed(error))
+            return
+        if self._write_failures:
+            logger.info(
+                "node %s: checkpoint write-back succeeded after %d failed attempt(s)",
+                self._worker.address,
+                self._write_failures,
+            )
+        self._write_failures = 0
+        self._last_write = time.time()
+        accepted = {int(s): int(v) for s, v in reply["accepted"].items()}
+        refused = {int(s): int(g) for s, g in reply["refused"].items()}
+        if refused:  # a block nobody will name: remove it
+            stale = [p for s, p in zip(snaps, paths) if s.shard in refused]
+            _spawn(asyncio.to_thread(self._store.delete, stale))
+        self._handle(WriteDone(accepted, refused))
+
+    # -- commands from the controller ------------------------------------------------------------
+
+    async def start(self, key: str) -> None:
+        """Compile the kernels (in a thread: the loop keeps answering), then start the timers;
+        ``key`` is this actor's key (it names the node in heartbeats)."""
+        from .state import warm_up
+
+        await asyncio.to_thread(warm_up)
+        self.key = key
+        self._start()
 
     async def assign(
-        self, shards: dict, backups: dict, values: dict | None = None, version: int = 0
+        self, shards: dict, gens: dict, primaries: dict | None = None, version: int = 0
     ) -> None:
-        """Hold ``shards`` ({sid: (start, stop)}); be primary of those in ``backups``
-        ({sid: [(addr, key), ...]}). ``values`` ({sid: array}) sets initial values."""
+        """Hold ``shards`` {sid: (start, stop)} at ``gens``; be primary of ``primaries``."""
+        shards = {int(s): (int(a), int(b)) for s, (a, b) in shards.items()}
+        gens = {int(s): int(g) for s, g in gens.items()}
+        prim = {int(s): [tuple(p) for p in ps] for s, ps in (primaries or {}).items()}
+        await self._ask(lambda r: Assign(r, shards, gens, prim, int(version)))
+
+    async def load(self, values: dict, versions: dict) -> None:
+        """Initial values of held shards at ``versions`` (a new or restored server)."""
+        self._start().load({int(s): v for s, v in values.items()}, versions)
+
+    async def fence(self, gens: dict) -> dict:
+        return await self._ask(lambda r: Fence(r, {int(s): int(g) for s, g in gens.items()}))
+
+    async def promote(self, shards: dict, stamp: int = 0) -> dict:
+        shards = {int(s): (int(g), [tuple(p) for p in ps]) for s, (g, ps) in shards.items()}
+        return await self._ask(lambda r: Promote(r, shards, int(stamp)))
+
+    async def restore(self, sid: int, gen: int, start: int, stop: int, block: Any) -> int:
+        """Become the primary of ``sid``, rebuilt from the checkpoint block ``block`` =
+        (path, generation, version)."""
         self._start()
-        for sid, (start, stop) in shards.items():
-            sid = int(sid)
-            if sid not in self.shards:
-                v = None if values is None else values.get(sid)
-                self.shards[sid] = ShardState(
-                    sid, start, stop, v, version, self.cfg.get("dedup_window", 8192)
-                )
-                self.written[sid] = version
-        for sid, bs in backups.items():
-            self.backups[int(sid)] = [tuple(b) for b in bs]
-        self._sync_forwarders()
+        values, attrs, ids = await asyncio.to_thread(self._store.read, block[0])
+        version = int(attrs["version"])
+        return await self._ask(
+            lambda r: Restore(r, int(sid), int(gen), int(start), int(stop), version, values, ids)
+        )
 
-    async def load(self, items: dict, version: int | dict = 0, clean: bool = True) -> None:
-        """Overwrite values: {sid: array} at ``version`` (an int, or {sid: version}), for initial
-        values and restore. ``clean`` marks them as already in the checkpoint."""
-        self._start()
-        for sid, values in items.items():
-            sid = int(sid)
-            st = self.shards[sid]
-            v = np.asarray(values, dtype=np.float32).reshape(-1)
-            if v.shape[0] != st.size:
-                raise UpdateRejected(
-                    f"shard {sid}: {v.shape[0]} values for {st.size} floats", shard=sid
-                )
-            st.values[:] = v
-            st.version = int(version[sid] if isinstance(version, dict) else version)
-            self._snap_cache.pop(sid, None)
-            if clean:
-                self.written[sid] = st.version
-            for acked in self.acked.values():
-                acked.pop(sid, None)
+    async def set_backups(self, shards: dict, stamp: int = 0) -> None:
+        shards = {int(s): [tuple(p) for p in ps] for s, ps in shards.items()}
+        await self._ask(lambda r: SetBackups(r, shards, int(stamp)))
 
-    async def versions(self, sids: Iterable[int] | None = None) -> dict[int, int]:
-        """{sid: version} of the shards held here (all, or ``sids``)."""
-        sids = self.shards if sids is None else [int(s) for s in sids if int(s) in self.shards]
-        return {s: self.shards[s].version for s in sids}
-
-    async def promote(self, sids_backups: dict) -> dict[int, int]:
-        """Become primary of each shard in {sid: [(addr, key), ...]}; returns their versions."""
-        self._start()
-        out = {}
-        for sid, bs in sids_backups.items():
-            sid = int(sid)
-            self.backups[sid] = [tuple(b) for b in bs]
-            self.written[sid] = -1  # the checkpoint may be older or newer: write ours
-            self._snap_cache.pop(sid, None)
-            for acked in self.acked.values():
-                acked.pop(sid, None)
-            out[sid] = self.shards[sid].version
-            logger.info(
-                "node %s: promoted to primary of shard %d at version %d",
-                self._worker.address,
-                sid,
-                out[sid],
-            )
-        self._sync_forwarders()
-        for addr in self._wake:
-            self._wake[addr].set()
-        return out
-
-    async def set_backups(self, sids_backups: dict) -> None:
-        """Replace the backup lists of primaries ({sid: [(addr, key), ...]})."""
-        for sid, bs in sids_backups.items():
-            sid = int(sid)
-            if sid in self.backups:
-                self.backups[sid] = [tuple(b) for b in bs]
-        self._sync_forwarders()
-        for sid in sids_backups:
-            self._check_waiters(int(sid))
-
-    async def add_backups(self, sids_backups: dict, limit: float | None = None) -> dict[int, int]:
-        """Add backups to primaries ({sid: [(addr, key), ...]}) and wait until each holds the
-        shard's current version (a full copy is sent). Returns the versions they hold."""
-        for sid, bs in sids_backups.items():
-            sid = int(sid)
-            cur = self.backups.setdefault(sid, [])
-            for b in bs:
-                if tuple(b) not in cur:
-                    cur.append(tuple(b))
-        self._sync_forwarders()
-        waits = []
-        for sid in sids_backups:
-            sid = int(sid)
-            waits.append(self._wait_replicated(sid, self.shards[sid].version))
-        await asyncio.wait_for(asyncio.gather(*waits), limit)
-        return {int(s): self.shards[int(s)].version for s in sids_backups}
+    async def add_backups(self, shards: dict, stamp: int = 0) -> dict:
+        shards = {int(s): [tuple(p) for p in ps] for s, ps in shards.items()}
+        return await self._ask(lambda r: AddBackups(r, shards, int(stamp)))
 
     async def drop(self, sids: Iterable[int]) -> None:
-        """Forget shards (a replica moved away)."""
-        for sid in sids:
-            self.shards.pop(int(sid), None)
-            self.backups.pop(int(sid), None)
-        self._sync_forwarders()
+        await self._ask(lambda r: Drop(r, tuple(int(s) for s in sids)))
 
     async def close(self) -> None:
-        """Stop the background tasks (called before the actor is released)."""
+        """Stop the timers and forwards (called before the actor is released)."""
         self._closed = True
-        for t in list(self._forwarders.values()) + (
-            [self._writer_task] if self._writer_task else []
-        ):
+        for t in [*self._timers, *self._forwards.values()]:
             t.cancel()
-        self._forwarders.clear()
 
     # -- update path -----------------------------------------------------------------------------
 
-    async def push(self, deltas: dict, push_id: int | None = None, ack: str | None = None) -> dict:
-        """Add {sid: delta} to the primaries held here.
+    async def push(
+        self,
+        deltas: dict,
+        push_id: int | None = None,
+        ack: str | None = None,
+        stamps: dict | None = None,
+    ) -> dict:
+        """Add {sid: delta} to the primaries held here. Returns ``{"per_shard": {sid:
+        version}, "moved": [sid, ...], "confirmed": {sid: version every copy holds}}``;
+        ``moved`` lists the shards this node may not take (the caller refreshes its routing
+        and retries them). Raises :class:`UpdateRejected` (nothing applied) for a bad delta."""
+        self._start()
+        fut = asyncio.get_running_loop().create_future()
+        req = next(self._reqs)
+        self._futures[req] = fut
+        st = None if stamps is None else {int(s): int(g) for s, g in stamps.items()}
+        ds = {int(s): d for s, d in deltas.items()}
+        self._queue.append(Push(req, ds, push_id, st, ack or self.cfg["ack"]))
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            asyncio.get_running_loop().call_soon(self._drain)
+        try:
+            return await fut
+        finally:
+            self._futures.pop(req, None)
 
-        Returns ``{"per_shard": {sid: version}, "moved": [sid, ...]}``; ``moved`` lists shards this
-        node is not the primary of (the caller refreshes its routing and retries them). Raises
-        :class:`UpdateRejected` (nothing applied) when any delta is bad.
-        """
-        moved = [int(s) for s in deltas if int(s) not in self.backups]
-        checked = {
-            int(s): self.shards[int(s)].check(d)
-            for s, d in deltas.items()
-            if int(s) in self.backups
-        }
-        return await self._apply(checked, moved, push_id, ack)
+    def _drain(self) -> None:
+        self._drain_scheduled = False
+        items, self._queue = tuple(self._queue), []
+        if items:
+            self._handle(Pushes(items))
 
     async def push_outer(
         self,
@@ -305,329 +432,76 @@ class PSNode:
         scale: float = 1.0,
         push_id: int | None = None,
         ack: str | None = None,
+        stamps: dict | None = None,
     ) -> dict:
-        """Add each shard's part of ``scale * errors.T @ activations``; ``parts`` maps
-        sid -> the error columns of the rows touching it. The product is computed here, in a
-        thread; the result is applied like a push."""
-        moved = [int(s) for s in parts if int(s) not in self.backups]
-        todo = {int(s): e for s, e in parts.items() if int(s) not in moved}
+        """Add each shard's part of ``scale * errors.T @ activations``; ``parts`` maps sid ->
+        the error columns of the rows touching it. The product is computed here, in a thread,
+        and applied like a push."""
+        state = self._start()
+        st = None if stamps is None else {int(s): int(g) for s, g in stamps.items()}
+        todo = {int(s): e for s, e in parts.items() if state.accepts(int(s), st)}
 
         def compute() -> dict[int, np.ndarray]:
             return {
-                s: self.shards[s].outer_as_delta(offset, out, inp, e, activations, scale)
+                s: state.shards[s].outer_as_delta(offset, out, inp, e, activations, scale)
                 for s, e in todo.items()
+                if s in state.shards
             }
 
         deltas = await asyncio.to_thread(compute) if todo else {}
-        return await self._apply(deltas, moved, push_id, ack)
+        res = await self.push(deltas, push_id, ack, stamps) if deltas else None
+        moved = [int(s) for s in parts if int(s) not in deltas]
+        if res is None:
+            return {"per_shard": {}, "moved": moved, "confirmed": {}}
+        res["moved"] = sorted(set(res["moved"]) | set(moved))
+        return res
 
-    async def _apply(
-        self, deltas: dict[int, np.ndarray], moved: list[int], push_id: int | None, ack: str | None
-    ) -> dict:
-        loop = asyncio.get_running_loop()
-        futs = {}
-        for sid, d in deltas.items():
-            fut = loop.create_future()
-            self._queue.setdefault(sid, []).append((d, push_id, fut))
-            futs[sid] = fut
-        if futs and not self._drain_scheduled:
-            self._drain_scheduled = True
-            loop.call_soon(self._drain)
-        versions = {sid: await f for sid, f in futs.items()}
-        if (ack or self.cfg["ack"]) == "all":
-            await asyncio.gather(*(self._wait_replicated(s, v) for s, v in versions.items()))
-        return {
-            "per_shard": versions,
-            "moved": moved,
-            "confirmed": {s: self._confirmed(s) for s in versions},
-        }
-
-    def _confirmed(self, sid: int) -> int:
-        """The newest version of primary ``sid`` that every current backup holds."""
-        held = [self.acked.get(a, {}).get(sid, -1) for a, _ in self.backups.get(sid, [])]
-        return min([self.shards[sid].version, *held])
-
-    async def confirmed(self, sids: Iterable[int]) -> dict:
-        """``{"per_shard": {sid: version held by every copy}, "moved": [...]}`` for the
-        primaries among ``sids`` (a pusher drops the pushes it kept up to that version)."""
-        sids = [int(s) for s in sids]
-        return {
-            "per_shard": {s: self._confirmed(s) for s in sids if s in self.backups},
-            "moved": [s for s in sids if s not in self.backups],
-        }
-
-    def _drain(self) -> None:
-        """Apply every queued delta, one blocked batch per shard."""
-        self._drain_scheduled = False
-        queue, self._queue = self._queue, {}
-        for sid, items in queue.items():
-            st = self.shards.get(sid)
-            if st is None or sid not in self.backups:
-                for _, _, fut in items:
-                    if not fut.done():
-                        fut.set_exception(UpdateRejected(f"shard {sid} moved", shard=sid))
-                continue
-            try:
-                versions = st.apply_batch([d for d, _, _ in items], [p for _, p, _ in items])
-            except Exception as exc:  # pragma: no cover - deltas were checked on arrival
-                for _, _, fut in items:
-                    if not fut.done():
-                        fut.set_exception(exc)
-                continue
-            self.pushes += len(items)
-            self.floats_applied += len(items) * st.size
-            for (_, _, fut), v in zip(items, versions):
-                if not fut.done():
-                    fut.set_result(v)
-
-    async def pull(self, sids: Iterable[int] | None = None) -> dict:
+    async def pull(self, sids: Iterable[int] | None = None, stamps: dict | None = None) -> dict:
         """``{"per_shard": {sid: values}, "moved": [...]}`` for the primaries among ``sids``."""
-        sids = list(self.backups) if sids is None else [int(s) for s in sids]
-        moved = [s for s in sids if s not in self.backups]
-        return {
-            "per_shard": {s: self._values_of(s)[1] for s in sids if s in self.backups},
-            "moved": moved,
-        }
+        state = self._start()
+        sids = tuple(state.primaries) if sids is None else tuple(int(s) for s in sids)
+        st = None if stamps is None else {int(s): int(g) for s, g in stamps.items()}
+        return await self._ask(lambda r: Pull(r, sids, st))
 
     async def pull_versions(self, sids: Iterable[int]) -> dict:
         """``{"per_shard": {sid: version}, "moved": [...]}`` for the primaries among ``sids``."""
-        sids = [int(s) for s in sids]
-        return {
-            "per_shard": {s: self.shards[s].version for s in sids if s in self.backups},
-            "moved": [s for s in sids if s not in self.backups],
-        }
+        return await self._ask(lambda r: Versions(r, tuple(int(s) for s in sids), True))
 
-    def _values_of(self, sid: int) -> tuple[int, np.ndarray]:
-        """(version, an immutable copy of the values), cached per version."""
-        st = self.shards[sid]
-        cached = self._snap_cache.get(sid)
-        if cached is None or cached[0] != st.version:
-            cached = (st.version, st.values.copy())
-            self._snap_cache[sid] = cached
-        return cached
+    async def versions(self, sids: Iterable[int] | None = None) -> dict[int, int]:
+        """{sid: version} of the shards held here (all, or ``sids``)."""
+        sids_t = None if sids is None else tuple(int(s) for s in sids)
+        return await self._ask(lambda r: Versions(r, sids_t))
 
-    # -- replication -----------------------------------------------------------------------------
+    async def confirmed(self, sids: Iterable[int]) -> dict:
+        """``{"per_shard": {sid: version every copy holds}, "moved": [...]}``."""
+        return await self._ask(lambda r: Confirmed(r, tuple(int(s) for s in sids)))
 
-    async def replicate(self, snaps: list[Snapshot]) -> dict[int, int]:
-        """Take newer copies from a primary; returns {sid: version held now}."""
-        self._start()
-        out = {}
-        for snap in snaps:
-            st = self.shards.get(snap.shard)
-            if st is None:
-                st = self.shards[snap.shard] = ShardState(
-                    snap.shard, snap.start, snap.stop, None, -1, self.cfg.get("dedup_window", 8192)
-                )
-            if snap.shard not in self.backups:  # never overwrite a primary
-                st.install(snap.version, snap.values, snap.ids)
-            out[snap.shard] = st.version
-        return out
-
-    def _wait_replicated(self, sid: int, version: int) -> asyncio.Future:
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(sid, []).append((version, fut))
-        for addr, _ in self.backups.get(sid, []):
-            if addr in self._wake:
-                self._wake[addr].set()
-        self._check_waiters(sid)
-        return fut
-
-    def _check_waiters(self, sid: int) -> None:
-        waiters = self._waiters.get(sid)
-        if not waiters:
-            return
-        bs = self.backups.get(sid, [])
-        held = min((self.acked.get(a, {}).get(sid, -1) for a, _ in bs), default=float("inf"))
-        keep = []
-        for v, fut in waiters:
-            if fut.done():
-                continue
-            if held >= v or sid not in self.backups:
-                fut.set_result(None)
-            else:
-                keep.append((v, fut))
-        self._waiters[sid] = keep
-
-    async def _forward_loop(self, addr: str) -> None:
-        interval = float(self.cfg.get("forward_interval", 0.05))
-        failures = 0
-        wake = self._wake[addr]
-        while not self._closed:
-            try:
-                await asyncio.wait_for(wake.wait(), interval)
-            except TimeoutError:
-                pass
-            wake.clear()
-            acked = self.acked.setdefault(addr, {})
-            key = None
-            snaps = []
-            for sid, bs in self.backups.items():
-                for a, k in bs:
-                    if a == addr:
-                        key = k
-                        st = self.shards[sid]
-                        base = acked.get(sid, -1)
-                        if base < st.version:
-                            version, values = self._values_of(sid)
-                            snaps.append(
-                                Snapshot(
-                                    sid, st.start, st.stop, version, values, st.ids_since(base)
-                                )
-                            )
-            if not snaps or key is None:
-                continue
-            try:
-                held = await self._call(addr, key, "replicate", snaps)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                failures += 1
-                self.forward_errors += 1
-                delay = min(float(self.cfg.get("retry_base", 0.2)) * 2 ** (failures - 1), 2.0)
-                logger.warning(
-                    "node %s: forwarding %d shard(s) to backup %s failed (%s: %s); "
-                    "retrying in %.1fs",
-                    self._worker.address,
-                    len(snaps),
-                    addr,
-                    type(exc).__name__,
-                    exc,
-                    delay,
-                )
-                await asyncio.sleep(delay)
-                continue
-            failures = 0
-            for sid, v in held.items():
-                acked[int(sid)] = max(acked.get(int(sid), -1), int(v))
-                self._check_waiters(int(sid))
-
-    # -- checkpoint write-back -------------------------------------------------------------------
-
-    async def _writeback_loop(self) -> None:
-        interval = float(self.cfg.get("writeback_interval", 1.0))
-        base, cap = float(self.cfg.get("retry_base", 0.2)), float(self.cfg.get("retry_max", 5.0))
-        failures = 0
-        while not self._closed:
-            try:
-                await asyncio.wait_for(self._write_now.wait(), interval)
-            except TimeoutError:
-                pass
-            self._write_now.clear()
-            dirty = [s for s in self.backups if self.shards[s].version > self.written.get(s, -1)]
-            if not dirty:
-                self.last_write = time.time()
-                async with self._written_cond:
-                    self._written_cond.notify_all()
-                continue
-            snaps = []
-            for sid in dirty:
-                st = self.shards[sid]
-                version, values = self._values_of(sid)
-                snaps.append(Snapshot(sid, st.start, st.stop, version, values))
-            try:
-                await asyncio.to_thread(self._checkpoint.write, snaps)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                failures += 1
-                self.writeback_errors += 1
-                self.last_writeback_error = f"{type(exc).__name__}: {exc}"
-                delay = min(base * 2 ** (failures - 1), cap)
-                logger.warning(
-                    "node %s: checkpoint write-back of %d shard(s) failed (attempt "
-                    "%d, %s); retrying in %.1fs, nothing is dropped",
-                    self._worker.address,
-                    len(snaps),
-                    failures,
-                    self.last_writeback_error,
-                    delay,
-                )
-                try:
-                    self._worker.log_event(
-                        "adam-ps-checkpoint",
-                        {
-                            "server": self.server_id,
-                            "worker": self._worker.address,
-                            "error": self.last_writeback_error,
-                            "attempt": failures,
-                            "shards": dirty,
-                        },
-                    )
-                except Exception:  # pragma: no cover - reporting must not break the loop
-                    pass
-                await asyncio.sleep(delay)
-                self._write_now.set()
-                continue
-            if failures:
-                logger.info(
-                    "node %s: checkpoint write-back succeeded after %d failed attempt(s)",
-                    self._worker.address,
-                    failures,
-                )
-            failures = 0
-            for snap in snaps:
-                self.written[snap.shard] = max(self.written.get(snap.shard, -1), snap.version)
-            self.last_write = time.time()
-            async with self._written_cond:
-                self._written_cond.notify_all()
+    async def replicate(self, snaps: list[Snapshot], sender: str = "") -> dict:
+        """A forward from a primary: ``{"held": {sid: (gen, version)}, "refused": {sid: gen}}``."""
+        return await self._ask(lambda r: Replicate(r, sender, tuple(snaps)))
 
     async def flush(self, sids: Iterable[int] | None = None, limit: float | None = None) -> dict:
-        """Wait until every backup holds the current version of the primaries ``sids`` (all by
-        default) and the checkpoint does too. Returns ``{"per_shard": {sid: version},
-        "moved": [...]}``; raises :class:`StorageError` after ``limit`` seconds."""
-        self._start()
-        sids = list(self.backups) if sids is None else [int(s) for s in sids]
-        moved = [s for s in sids if s not in self.backups]
-        target = {s: self.shards[s].version for s in sids if s in self.backups}
-
-        async def replicated() -> None:
-            await asyncio.gather(*(self._wait_replicated(s, v) for s, v in target.items()))
-
-        async def written() -> None:
-            if self._checkpoint is None:
-                return
-            async with self._written_cond:
-                while not all(
-                    self.written.get(s, -1) >= v for s, v in target.items() if s in self.backups
-                ):
-                    self._write_now.set()
-                    await self._written_cond.wait()
-
+        """Wait until every backup (and, with a checkpoint, the manifest) holds the current
+        version of the primaries ``sids`` (all by default). Returns ``{"per_shard": {sid:
+        version}, "moved": [...]}``; raises :class:`StorageError` after ``limit`` seconds."""
+        sids_t = None if sids is None else tuple(int(s) for s in sids)
         try:
-            await asyncio.wait_for(asyncio.gather(replicated(), written()), limit)
+            return await asyncio.wait_for(self._ask(lambda r: Flush(r, sids_t, True)), limit)
         except TimeoutError:
             raise StorageError(
-                f"flush on {self._worker.address} did not finish in {limit}s "
-                f"(last write-back error: {self.last_writeback_error})",
+                f"flush on {self._worker.address} did not finish in {limit}s (last write-back "
+                f"error: {self.state.last_writeback_error if self.state else None})",
                 "check the checkpoint storage; the updates are kept and retried",
             ) from None
-        return {"per_shard": target, "moved": moved}
 
     # -- introspection ---------------------------------------------------------------------------
 
     async def stats(self) -> dict:
         """Counters and lags of this node (see ParameterServer.stats)."""
-        now = time.time()
-        repl_lag = 0
-        for sid, bs in self.backups.items():
-            v = self.shards[sid].version
-            for a, _ in bs:
-                repl_lag = max(repl_lag, v - self.acked.get(a, {}).get(sid, -1))
-        wb_versions = max(
-            (self.shards[s].version - self.written.get(s, -1) for s in self.backups), default=0
-        )
-        return {
-            "address": self._worker.address if self._worker else None,
-            "primaries": sorted(self.backups),
-            "backups": sorted(set(self.shards) - set(self.backups)),
-            "pushes": self.pushes,
-            "floats_applied": self.floats_applied,
-            "uptime": now - self._started,
-            "replication_lag": int(repl_lag),
-            "writeback_lag_versions": int(max(wb_versions, 0)),
-            "writeback_lag_seconds": (now - self.last_write) if wb_versions > 0 else 0.0,
-            "writeback_errors": self.writeback_errors,
-            "last_writeback_error": self.last_writeback_error,
-            "forward_errors": self.forward_errors,
-            "versions": {s: st.version for s, st in self.shards.items()},
-        }
+        state = self._start()
+        out = state.stats()
+        out["address"] = self._worker.address
+        out["uptime"] = time.time() - self._started
+        lag = out["writeback_lag_versions"]
+        out["writeback_lag_seconds"] = time.time() - self._last_write if lag > 0 else 0.0
+        return out

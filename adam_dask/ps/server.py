@@ -1,9 +1,7 @@
 """ParameterServer: the client of the global parameter server (paper section 3.3).
 
 A :class:`ParameterServer` is a small, picklable handle: the server id, the shard ranges and a
-cached copy of the routing. The routing itself lives only in the scheduler plugin
-(:mod:`adam_dask.ps.placement`); the handle refreshes its copy from there whenever a node does
-not answer or reports that a shard moved, and retries. It works from a client (calls go
+cached copy of the routing (:mod:`adam_dask.ps._client`). It works from a client (calls go
 straight to the PS workers when the client has ``direct_to_workers``, else through the
 scheduler) and from inside Dask tasks on any worker (peer-to-peer).
 
@@ -24,6 +22,9 @@ random id, so one retried on a new primary after a fail-over is applied once. ``
 * ``"primary"``: once the primary applied it, as in the paper; the updates of the last
   ``forward-interval`` are lost when that primary dies before forwarding.
 
+A shard whose copies are all lost is rebuilt from its last write-back in the checkpoint while
+training goes on; the updates after that write-back are lost (``stats()["restored"]``).
+
 Epochs: ``flush(epoch=...)`` stores the epoch number (and ``meta=``) in the manifest;
 ``checkpoint_meta(epoch=..., meta=...)`` does it without waiting for the flush.
 """
@@ -35,33 +36,57 @@ import logging
 import random
 import time
 import uuid
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
+import dask.config
 import numpy as np
 
 from .. import config
-from ..errors import ConfigError, ShardUnavailable, UpdateRejected
+from ..errors import ConfigError, UpdateRejected
 from ..model.layout import ParameterLayout, shard_ranges
-from ._replay import HeldPush, ReplayLog
-from .checkpoint import init_checkpoint, read_checkpoint, write_manifest
+from ..storage import normalize_url
+from ._client import Transport
+from ._plugin import ShardPlacement
+from .checkpoint import init_checkpoint, read_checkpoint
 from .node import call_actor
-from .placement import PLUGIN_NAME, ReplicaPlacement
+from .placement import PLUGIN_NAME
 from .state import OuterPart, first_nonfinite, outer_part
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["ParameterServer"]
+
 _ACKS = ("replay", "all", "primary")
-_settlers: set[asyncio.Task] = set()  # background settle tasks, kept alive until they finish
 
 
-class _Retry(Exception):
-    """A node could not take a call for routing reasons; refresh and retry."""
+def _copies(copies: int | None, replicas: int | None) -> int:
+    """``copies``, or the ``replicas=`` alias, or ``adam.ps.copies`` (the deprecated key
+    ``adam.ps.replicas`` still counts, with a warning)."""
+    if copies is None and replicas is not None:
+        copies = replicas
+    if copies is None:
+        old = dask.config.get("adam.ps.replicas", None)
+        if old is not None:
+            warnings.warn(
+                "the setting adam.ps.replicas is deprecated: the copies of a shard are "
+                "adam.ps.copies",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+            copies = old
+    n = int(config.get("ps.copies", copies))
+    if n < 1:
+        raise ConfigError(f"copies={n}", "keep at least one copy of every shard")
+    return n
 
 
-class ParameterServer:
+class ParameterServer(Transport):
     """A handle on a parameter server; make one with :meth:`create`, :meth:`restore` or
     :meth:`attach`."""
+
+    epoch: Any = None
 
     def __init__(
         self,
@@ -70,7 +95,7 @@ class ParameterServer:
         shards: list[tuple[int, int]],
         *,
         shard_bytes: int,
-        replicas: int,
+        copies: int,
         ack: str,
         checkpoint: str | None,
         storage_options: dict | None,
@@ -82,45 +107,43 @@ class ParameterServer:
         self.size = int(size)
         self.shards = [(int(a), int(b)) for a, b in shards]
         self.shard_bytes = int(shard_bytes)
-        self.replicas = int(replicas)
+        self.copies = int(copies)
         self.ack = ack
         self.checkpoint = checkpoint
         self.storage_options = storage_options
         self.layout = layout
         self.meta = meta or {}
         self._client = client
-        self._routing: list[list[str]] = []
-        self._nodes: dict[str, str] = {}
-        self._pending: set[int] = set()
-        self._lost: set[int] = set()
-        self._generation = -1
         self._rng = random.Random()
         self._closed = False
         self._last_stats: tuple[float, int] | None = None
-        self._log = ReplayLog()
-        self._settler: asyncio.Task | None = None
+        self._init_transport()
+
+    @property
+    def replicas(self) -> int:
+        """The copies of each shard (the older name)."""
+        return self.copies
 
     def __repr__(self) -> str:
         return (
             f"ParameterServer({self.server_id!r}, {self.size} floats, {len(self.shards)} "
-            f"shards x {self.replicas}, ack={self.ack!r})"
+            f"shards x {self.copies}, ack={self.ack!r})"
         )
 
     # -- pickling: a copy inside a task binds to that worker -------------------------------------
 
     def __getstate__(self) -> dict:
         d = dict(self.__dict__)
-        d["_client"] = None
-        d["_rng"] = None
-        d["_last_stats"] = None
-        d["_log"] = None
-        d["_settler"] = None
+        for k in ("_client", "_rng", "_last_stats", "_log", "_settler"):
+            d[k] = None
         d["layout"] = self.layout.to_dict() if self.layout is not None else None
         return d
 
     def __setstate__(self, d: dict) -> None:
         self.__dict__.update(d)
         self._rng = random.Random()
+        from ._replay import ReplayLog
+
         self._log = ReplayLog()
         if isinstance(self.layout, dict):
             self.layout = ParameterLayout.from_dict(self.layout)
@@ -135,6 +158,7 @@ class ParameterServer:
         *,
         layout: ParameterLayout | None = None,
         shard_bytes: int | None = None,
+        copies: int | None = None,
         replicas: int | None = None,
         checkpoint: str | None = None,
         storage_options: dict | None = None,
@@ -143,8 +167,6 @@ class ParameterServer:
         ack: str | None = None,
         name: str | None = None,
         epoch: int | None = None,
-        _versions: list[int] | None = None,
-        _init_checkpoint: bool = True,
     ) -> ParameterServer:
         """Create a parameter server of ``size`` float32 values (or ``layout.size``).
 
@@ -156,11 +178,12 @@ class ParameterServer:
             Number of float32 parameters; taken from ``layout`` when omitted.
         layout : ParameterLayout, optional
             Names and shapes of the tensors in the flat buffer (stored in the manifest).
-        shard_bytes, replicas, ack : optional
-            Default to ``adam.ps.shard-bytes``, ``adam.ps.replicas``, ``adam.ps.ack``.
+        shard_bytes, copies, ack : optional
+            Default to ``adam.ps.shard-bytes``, ``adam.ps.copies``, ``adam.ps.ack``;
+            ``replicas=`` is the older name of ``copies=``.
         checkpoint : str, optional
             URL of the checkpoint Zarr (``file://``, ``s3://``, any fsspec URL); None: no
-            write-back.
+            write-back (and no rebuilding of a shard whose copies are all lost).
         storage_options : dict, optional
             fsspec options for ``checkpoint``.
         init : array, optional
@@ -181,16 +204,49 @@ class ParameterServer:
             size = layout.size
         if size is None:
             raise ConfigError("a parameter server needs size= or layout=")
-        size = int(size)
+        return cls._build(
+            client,
+            size=int(size),
+            layout=layout,
+            shard_bytes=shard_bytes,
+            copies=_copies(copies, replicas),
+            checkpoint=checkpoint,
+            storage_options=storage_options,
+            init=init,
+            meta=meta,
+            ack=ack,
+            name=name,
+            epoch=epoch,
+        )
+
+    @classmethod
+    def _build(
+        cls,
+        client: Any,
+        *,
+        size: int,
+        layout: ParameterLayout | None,
+        shard_bytes: int | None,
+        copies: int,
+        checkpoint: str | None,
+        storage_options: dict | None,
+        init: np.ndarray | None,
+        meta: dict | None,
+        ack: str | None,
+        name: str | None,
+        epoch: Any,
+        versions: list[int] | None = None,
+        manifest: dict | None = None,
+        generation: int = 0,
+    ) -> ParameterServer:
+        """Make the server: a new checkpoint unless ``manifest`` (one to keep writing to) is
+        given, the nodes, and their initial values at ``versions``."""
         shard_bytes = int(config.get("ps.shard-bytes", shard_bytes))
-        replicas = int(config.get("ps.replicas", replicas))
         ack = config.get("ps.ack", ack)
         if ack not in _ACKS:
             raise ConfigError(
                 f"ack={ack!r} is not one of {_ACKS}", "use ack='replay', 'all' or 'primary'"
             )
-        if replicas < 1:
-            raise ConfigError(f"replicas={replicas}", "keep at least one copy of every shard")
         shards = shard_ranges(size, shard_bytes)
         if init is not None:
             init = np.ascontiguousarray(init, dtype=np.float32).reshape(-1)
@@ -201,62 +257,65 @@ class ParameterServer:
                 raise UpdateRejected(
                     f"init holds a non-finite value at index {bad}", shard=_shard_of(shards, bad)
                 )
-        if checkpoint is not None:
-            checkpoint = str(checkpoint)
+        checkpoint = str(checkpoint) if checkpoint is not None else None
         server_id = name or uuid.uuid4().hex[:12]
-        node_config = {
-            "forward_interval": float(config.get("ps.forward-interval")),
-            "writeback_interval": float(config.get("ps.writeback-interval")),
-            "retry_base": float(config.get("ps.retry-base")),
-            "retry_max": float(config.get("ps.retry-max")),
-            "call_timeout": float(config.get("ps.call-timeout")),
-            "dedup_window": int(config.get("ps.dedup-window")),
-            "ack": ack,
-            "checkpoint": checkpoint,
-            "storage_options": storage_options,
-            "size": size,
-            "shard_bytes": shard_bytes,
-        }
-        if checkpoint is not None and _init_checkpoint:
-            init_checkpoint(
+        layout_doc = layout.to_dict() if layout is not None else None
+        if checkpoint is not None and manifest is None:
+            manifest = init_checkpoint(
                 checkpoint,
                 storage_options,
                 size=size,
                 shard_bytes=shard_bytes,
                 shards=shards,
                 values=init,
-                versions=_versions,
+                versions=versions,
+                generation=generation,
                 epoch=epoch,
                 meta=meta,
-                layout=layout.to_dict() if layout is not None else None,
+                layout=layout_doc,
                 server_id=server_id,
             )
-        client.register_plugin(ReplicaPlacement(), name=PLUGIN_NAME)
+        node_config = {
+            "forward_interval": float(config.get("ps.forward-interval")),
+            "writeback_interval": float(config.get("ps.writeback-interval")),
+            "heartbeat_interval": float(config.get("ps.heartbeat-interval")),
+            "retry_base": float(config.get("ps.retry-base")),
+            "retry_max": float(config.get("ps.retry-max")),
+            "forward_retry_max": float(config.get("ps.forward-retry-max")),
+            "call_timeout": float(config.get("ps.call-timeout")),
+            "dedup_window": int(config.get("ps.dedup-window")),
+            "ack": ack,
+            "checkpoint": checkpoint,
+            "storage_options": storage_options,
+        }
         info = {
             "size": size,
             "shards": [list(s) for s in shards],
             "shard_bytes": shard_bytes,
-            "replicas": replicas,
+            "copies": copies,
             "ack": ack,
             "checkpoint": checkpoint,
             "storage_options": storage_options,
             "meta": meta or {},
-            "layout": layout.to_dict() if layout is not None else None,
+            "layout": layout_doc,
         }
+        client.register_plugin(ShardPlacement(), name=PLUGIN_NAME)
         routing = client.sync(
             client.scheduler.adam_ps_create,
             server_id=server_id,
             shards=[list(s) for s in shards],
-            replicas=replicas,
+            copies=copies,
             node_config=node_config,
             info=info,
+            manifest=manifest,
+            generation=generation,
         )
         server = cls(
             server_id,
             size,
             shards,
             shard_bytes=shard_bytes,
-            replicas=replicas,
+            copies=copies,
             ack=ack,
             checkpoint=checkpoint,
             storage_options=storage_options,
@@ -265,10 +324,11 @@ class ParameterServer:
             client=client,
         )
         server._set_routing(routing)
-        if init is not None or _versions is not None:
+        if init is not None or versions is not None:
             values = init if init is not None else np.zeros(size, dtype=np.float32)
-            versions = {i: int(v) for i, v in enumerate(_versions or [0] * len(shards))}
-            server._run(server._load, values, versions)
+            vs = {i: int(v) for i, v in enumerate(versions or [0] * len(shards))}
+            server._run(server._load, values, vs)
+        server.epoch = epoch
         logger.info("created %r", server)
         return server
 
@@ -284,28 +344,36 @@ class ParameterServer:
     ) -> ParameterServer:
         """A new server holding the last complete checkpoint at ``url`` (values, versions,
         layout, ``meta``; ``server.epoch`` is the manifest's epoch). It keeps writing back to
-        ``checkpoint`` (default: ``url`` itself)."""
+        ``checkpoint`` (default: ``url`` itself). Other keywords are those of :meth:`create`."""
         manifest, values = read_checkpoint(url, storage_options)
         layout = ParameterLayout.from_dict(manifest["layout"]) if manifest.get("layout") else None
         target = checkpoint if checkpoint is not None else url
-        same = str(target) == str(url)
-        kwargs.setdefault("shard_bytes", int(manifest["shard_bytes"]))
-        server = cls.create(
+        shard_bytes = int(kwargs.pop("shard_bytes", None) or manifest["shard_bytes"])
+        same_shards = shard_bytes == int(manifest["shard_bytes"])
+        keep = (
+            normalize_url(str(target)) == normalize_url(str(url))
+            and same_shards
+            and int(manifest.get("format_version", 1)) >= 2
+        )
+        server = cls._build(
             client,
             size=int(manifest["size"]),
             layout=layout,
+            shard_bytes=shard_bytes,
+            copies=_copies(kwargs.pop("copies", None), kwargs.pop("replicas", None)),
             checkpoint=target,
             storage_options=storage_options,
             init=values,
             meta=manifest.get("meta") or {},
+            ack=kwargs.pop("ack", None),
+            name=kwargs.pop("name", None),
             epoch=manifest.get("epoch"),
-            _versions=[int(v) for v in manifest["versions"]]
-            if kwargs["shard_bytes"] == int(manifest["shard_bytes"])
-            else None,
-            _init_checkpoint=not same,
-            **kwargs,
+            versions=[int(v) for v in manifest["versions"]] if same_shards else None,
+            manifest=manifest if keep else None,
+            generation=max(manifest.get("generations") or [0]) + 1,
         )
-        server.epoch = manifest.get("epoch")
+        if kwargs:
+            raise ConfigError(f"restore() got unexpected keywords {sorted(kwargs)}")
         logger.info("restored %r from %s (epoch %s)", server, url, server.epoch)
         return server
 
@@ -321,7 +389,7 @@ class ParameterServer:
             info["size"],
             [tuple(s) for s in info["shards"]],
             shard_bytes=info["shard_bytes"],
-            replicas=info["replicas"],
+            copies=info["copies"],
             ack=info["ack"],
             checkpoint=info["checkpoint"],
             storage_options=info["storage_options"],
@@ -332,183 +400,6 @@ class ParameterServer:
         server._set_routing(routing)
         return server
 
-    epoch: Any = None
-
-    # -- execution context -----------------------------------------------------------------------
-
-    def _context(self) -> tuple[Any, Any, Any]:
-        """(run, rpc, scheduler): how to run a coroutine here, reach a worker, reach the
-        scheduler; a worker's own when called inside a task, else the client's."""
-        from distributed import get_worker
-        from distributed.actor import ProxyRPC
-        from distributed.utils import sync
-
-        try:
-            worker = get_worker()
-        except ValueError:
-            worker = None
-        if worker is not None:
-            return (lambda f, *a, **k: sync(worker.loop, f, *a, **k)), worker.rpc, worker.scheduler
-        client = self._client
-        if client is None:
-            from distributed import default_client
-
-            client = self._client = default_client()
-        if client.direct_to_workers:
-            rpc = client.rpc
-        else:
-
-            def rpc(addr: str) -> ProxyRPC:
-                return ProxyRPC(client.scheduler, addr)
-
-        return client.sync, rpc, client.scheduler
-
-    def _run(self, coro_fn: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._closed:
-            raise ShardUnavailable(f"parameter server {self.server_id} is closed")
-        run, rpc, sched = self._context()
-        return run(coro_fn, rpc, sched, *args, **kwargs)
-
-    # -- routing ---------------------------------------------------------------------------------
-
-    def _set_routing(self, r: dict) -> None:
-        self._routing = [list(h) for h in r["routing"]]
-        self._nodes = dict(r["nodes"])
-        self._pending = set(r["pending"])
-        self._lost = set(r["lost"])
-        self._generation = r["generation"]
-        self._healthy = r["healthy"]
-        self._heal_times = r.get("heal_times", [])
-
-    async def _refresh(self, sched: Any) -> None:
-        self._set_routing(await sched.adam_ps_routing(server_id=self.server_id))
-
-    async def _primaries(
-        self, sched: Any, sids: Iterable[int], deadline: float
-    ) -> dict[str, list[int]]:
-        """{primary addr: [sid, ...]} for ``sids``, waiting while some shard has no primary."""
-        sids = list(sids)
-        delay = 0.02
-        while True:
-            lost = [s for s in sids if s in self._lost]
-            if lost:
-                raise ShardUnavailable(
-                    f"every copy of shard {lost[0]} of server {self.server_id} is lost",
-                    "restore from the checkpoint",
-                    shard=lost[0],
-                )
-            if not any(s in self._pending or not self._routing[s] for s in sids):
-                out: dict[str, list[int]] = {}
-                for s in sids:
-                    out.setdefault(self._routing[s][0], []).append(s)
-                return out
-            if time.monotonic() > deadline:
-                s = next(s for s in sids if s in self._pending or not self._routing[s])
-                raise ShardUnavailable(
-                    f"shard {s} of server {self.server_id} has no primary "
-                    "after the fail-over timeout",
-                    "check the PS workers (adam.ps.failover-timeout)",
-                    shard=s,
-                )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.5)
-            await self._refresh(sched)
-
-    async def _each_primary(
-        self,
-        rpc: Any,
-        sched: Any,
-        sids: Iterable[int],
-        method: str,
-        make_args: Any,
-        call_timeout: float | None = None,
-        on_reply: Any = None,
-        **kwargs: Any,
-    ) -> dict[int, Any]:
-        """Call ``method`` on the primary of every shard in ``sids`` (one call per node, all
-        concurrently), retrying on the new primary after a fail-over. ``make_args(sids)``
-        gives the positional arguments for a node; ``on_reply(addr, reply)`` sees every
-        node's answer. Returns {sid: per-shard result}."""
-        pending = set(sids)
-        results: dict[int, Any] = {}
-        deadline = time.monotonic() + float(config.get("ps.failover-timeout"))
-        timeout = float(config.get("ps.call-timeout", call_timeout))
-        last_exc: BaseException | None = None
-        while pending:
-            groups = await self._primaries(sched, sorted(pending), deadline)
-            addrs = list(groups)
-            res = await asyncio.gather(
-                *(
-                    self._guarded(
-                        sched,
-                        a,
-                        call_actor(
-                            rpc, a, self._nodes.get(a, ""), method, *make_args(groups[a]), **kwargs
-                        ),
-                        timeout,
-                    )
-                    for a in addrs
-                ),
-                return_exceptions=True,
-            )
-            retry = False
-            for a, r in zip(addrs, res):
-                if isinstance(r, (UpdateRejected, ConfigError)):
-                    raise r
-                if isinstance(r, BaseException):
-                    last_exc = r
-                    retry = True
-                    logger.debug(
-                        "server %s: %s on %s failed (%s); refreshing the routing",
-                        self.server_id,
-                        method,
-                        a,
-                        r,
-                    )
-                    continue
-                if on_reply is not None:
-                    on_reply(a, r)
-                for sid, val in r["per_shard"].items():
-                    results[int(sid)] = val
-                    pending.discard(int(sid))
-                if r["moved"]:
-                    retry = True
-            if pending:
-                if time.monotonic() > deadline:
-                    raise ShardUnavailable(
-                        f"server {self.server_id}: {method} could not reach the primary of shard "
-                        f"{min(pending)} ({last_exc})",
-                        "check the PS workers",
-                        shard=min(pending),
-                    ) from last_exc
-                gen = self._generation
-                await self._refresh(sched)
-                if retry and self._generation == gen:
-                    await asyncio.sleep(0.05)  # the controller has not seen the loss yet
-        return results
-
-    async def _guarded(self, sched: Any, addr: str, coro: Any, timeout: float) -> Any:
-        """Await a call to the node on ``addr``, giving up early when the controller drops
-        ``addr`` (a dead worker: connecting to it would only time out)."""
-        task = asyncio.ensure_future(coro)
-        t0 = time.monotonic()
-        wait = 0.1
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=wait)
-            wait = min(wait * 2, 0.5)
-            if done:
-                return task.result()
-            if time.monotonic() - t0 > timeout:
-                task.cancel()
-                raise TimeoutError(f"no answer from the PS node on {addr} in {timeout}s")
-            try:
-                await self._refresh(sched)
-            except Exception:  # pragma: no cover - the scheduler is busy; keep waiting
-                continue
-            if addr not in self._nodes:
-                task.cancel()
-                raise OSError(f"the PS worker {addr} was lost")
-
     # -- public API ------------------------------------------------------------------------------
 
     def placement(self) -> dict[int, list[str]]:
@@ -517,8 +408,11 @@ class ParameterServer:
         return {s: list(h) for s, h in enumerate(self._routing)}
 
     def routing_info(self) -> dict:
-        """The controller's full record: routing, nodes, pending, lost, healthy, generation,
-        heal_times (seconds each past fail-over took)."""
+        """The controller's record: ``routing``, ``gens`` (each shard's generation), ``nodes``,
+        ``pending`` (shards without a primary right now), ``lost``, ``healthy``, ``target``,
+        ``generation``, ``heal_times`` (seconds from each loss to full copies again),
+        ``restored`` (shards rebuilt from the checkpoint), ``declared_dead``,
+        ``refused_writes``, ``manifest_errors``, ``info``."""
         run, _, sched = self._context()
         return run(sched.adam_ps_routing, server_id=self.server_id)
 
@@ -549,16 +443,18 @@ class ParameterServer:
         push_id = self._rng.getrandbits(62)
         ack = ack or self.ack
 
+        def part(s: int) -> np.ndarray:
+            return delta[self.shards[s][0] : self.shards[s][1]]
+
         def args(sids: list[int]) -> tuple:
-            return ({s: delta[self.shards[s][0] : self.shards[s][1]] for s in sids}, push_id, ack)
+            return ({s: part(s) for s in sids}, push_id, ack, self._stamps(sids))
 
         def payload(sid: int) -> tuple[Any, int]:
-            part = delta[self.shards[sid][0] : self.shards[sid][1]].copy()
-            return part, part.nbytes
+            p = part(sid).copy()
+            return p, p.nbytes
 
-        await self._send_push(
-            rpc, sched, range(len(self.shards)), "push", args, push_id, ack, payload
-        )
+        sids = range(len(self.shards))
+        await self._send_push(rpc, sched, sids, "push", args, push_id, ack, payload)
 
     def push_outer(
         self,
@@ -619,136 +515,14 @@ class ParameterServer:
             return np.ascontiguousarray(errors[:, parts[s].row0 : parts[s].row1])
 
         def args(sids: list[int]) -> tuple:
-            return ({s: cols(s) for s in sids}, offset, out, inp, activations, scale, push_id, ack)
+            c = {s: cols(s) for s in sids}
+            return (c, offset, out, inp, activations, scale, push_id, ack, self._stamps(sids))
 
         def payload(sid: int) -> tuple[Any, int]:
             c = cols(sid).copy()
             return (c, offset, out, inp, activations, scale), c.nbytes + activations.nbytes
 
         await self._send_push(rpc, sched, parts, "push_outer", args, push_id, ack, payload)
-
-    # -- replay (ack="replay") -------------------------------------------------------------------
-
-    async def _send_push(
-        self,
-        rpc: Any,
-        sched: Any,
-        sids: Iterable[int],
-        method: str,
-        args: Any,
-        push_id: int,
-        ack: str,
-        payload: Any,
-    ) -> None:
-        """Send one push to the primaries of ``sids``; with ``ack="replay"`` keep each shard's
-        part (``payload(sid)`` -> (payload, nbytes)) until every copy holds it."""
-        keep = ack == "replay"
-        if keep and self._log.nbytes > int(config.get("ps.replay-bytes")):
-            await self._settle(rpc, sched, below=int(config.get("ps.replay-bytes")))
-
-        def on_reply(addr: str, reply: dict) -> None:
-            if keep:
-                for sid, version in reply["per_shard"].items():
-                    part, nbytes = payload(int(sid))
-                    self._log.add(
-                        int(sid), HeldPush(push_id, method, part, addr, int(version), nbytes)
-                    )
-            self._confirm(addr, reply)
-
-        await self._each_primary(rpc, sched, sids, method, args, on_reply=on_reply)
-        if keep:
-            await self._replay_moved(rpc, sched)
-            if self._log and (self._settler is None or self._settler.done()):
-                self._settler = asyncio.ensure_future(self._settle_in_background(rpc, sched))
-                _settlers.add(self._settler)
-                self._settler.add_done_callback(_settlers.discard)
-
-    def _confirm(self, addr: str, reply: dict) -> None:
-        for sid, version in (reply.get("confirmed") or {}).items():
-            self._log.confirm(int(sid), addr, int(version))
-
-    def _primary_of(self) -> dict[int, str]:
-        return {
-            s: h[0]
-            for s, h in enumerate(self._routing)
-            if h and s not in self._pending and s not in self._lost
-        }
-
-    async def _replay_moved(self, rpc: Any, sched: Any) -> int:
-        """Send the held pushes of shards whose primary changed to the new primary (same push
-        ids: a push the survivors already hold is applied once). Returns how many were sent."""
-        sent = 0
-        while True:
-            moved = self._log.moved(self._primary_of())
-            if not moved:
-                return sent
-            for sid, items in moved.items():
-                for h in items:
-                    await self._replay_one(rpc, sched, sid, h)
-                    sent += 1
-            self._log.replayed += sent
-
-    async def _replay_one(self, rpc: Any, sched: Any, sid: int, h: HeldPush) -> None:
-        if h.method == "push":
-            args: tuple = ({sid: h.payload}, h.push_id, "replay")
-        else:
-            cols, offset, out, inp, activations, scale = h.payload
-            args = ({sid: cols}, offset, out, inp, activations, scale, h.push_id, "replay")
-
-        def on_reply(addr: str, reply: dict) -> None:
-            for s, version in reply["per_shard"].items():
-                self._log.acknowledged(int(s), h.push_id, addr, int(version))
-            self._confirm(addr, reply)
-
-        logger.info(
-            "server %s: replaying push %x to the new primary of shard %d",
-            self.server_id,
-            h.push_id,
-            sid,
-        )
-        await self._each_primary(rpc, sched, [sid], h.method, lambda _: args, on_reply=on_reply)
-
-    async def _settle(self, rpc: Any, sched: Any, below: int = 0) -> None:
-        """Until the held pushes take at most ``below`` bytes: replay moved ones, ask the
-        primaries what every copy holds. :class:`ShardUnavailable` after the fail-over
-        timeout."""
-        deadline = time.monotonic() + float(config.get("ps.failover-timeout"))
-        interval = float(config.get("ps.forward-interval"))
-        while self._log and self._log.nbytes > below:
-            await self._replay_moved(rpc, sched)
-            sids = self._log.shards()
-            if sids:
-                await self._each_primary(
-                    rpc, sched, sids, "confirmed", lambda s: (s,), on_reply=self._confirm
-                )
-            if not self._log or self._log.nbytes <= below:
-                return
-            if time.monotonic() > deadline:
-                sid = self._log.shards()[0]
-                raise ShardUnavailable(
-                    f"server {self.server_id}: the copies of shard {sid} did not confirm "
-                    f"{len(self._log)} acknowledged push(es) in time",
-                    "check the PS workers (adam.ps.failover-timeout)",
-                    shard=sid,
-                )
-            await asyncio.sleep(interval / 2)
-            await self._refresh(sched)
-
-    async def _settle_in_background(self, rpc: Any, sched: Any) -> None:
-        """Keep settling while pushes are held (so they are replayed after a fail-over even
-        when no more pushes come); ends when every held push is confirmed."""
-        interval = float(config.get("ps.forward-interval"))
-        while self._log and not self._closed:
-            await asyncio.sleep(interval)
-            try:
-                await self._settle(rpc, sched)
-            except Exception as exc:
-                logger.warning(
-                    "server %s: %d held push(es) not confirmed yet (%s); still trying",
-                    self.server_id,
-                    len(self._log),
-                    exc,
-                )
 
     def pull(
         self, shards: Iterable[int] | None = None, *, out: np.ndarray | None = None
@@ -772,7 +546,11 @@ class ParameterServer:
     async def _pull(self, rpc: Any, sched: Any, sids: list[int], out: np.ndarray) -> None:
         if self._log:
             await self._replay_moved(rpc, sched)
-        got = await self._each_primary(rpc, sched, sids, "pull", lambda s: (s,))
+
+        def args(s: list[int]) -> tuple:
+            return (s, self._stamps(s))
+
+        got = await self._each_primary(rpc, sched, sids, "pull", args)
         for sid, values in got.items():
             a, b = self.shards[sid]
             out[a:b] = values
@@ -786,16 +564,23 @@ class ParameterServer:
             rpc, sched, range(len(self.shards)), "pull_versions", lambda s: (s,)
         )
 
+    def settle(self, timeout: float | None = None) -> None:
+        """Block until every push made through this handle is held by every copy of its shard
+        (with ``ack="replay"``, a pusher that ends, e.g. a training task, calls this so that
+        nothing it was told is applied depends on it any more)."""
+        timeout = float(config.get("ps.failover-timeout", timeout))
+        self._run(lambda rpc, sched: asyncio.wait_for(self._settle(rpc, sched), timeout))
+
     def flush(
         self, epoch: Any = None, *, meta: dict | None = None, timeout: float | None = None
     ) -> dict[int, int]:
-        """Block until every replica and the checkpoint hold every push acknowledged so far;
-        then write the manifest (with ``epoch`` and ``meta`` when given). Returns
-        {shard: version} flushed. Waits for a running fail-over to finish first."""
+        """Block until every copy and the checkpoint hold every push acknowledged so far; then
+        store ``epoch`` and ``meta`` (when given) in the manifest. Returns {shard: version}
+        flushed. Waits for a running fail-over to finish first."""
         timeout = float(config.get("ps.flush-timeout", timeout))
         versions = self._run(self._flush, timeout)
         if self.checkpoint is not None:
-            write_manifest(self.checkpoint, self.storage_options, versions, epoch=epoch, meta=meta)
+            self._run(self._commit, epoch, meta)
         if epoch is not None:
             self.epoch = epoch
         if meta is not None:
@@ -815,14 +600,13 @@ class ParameterServer:
                 "server %s: flushing with fewer than %d copies of some shards (a "
                 "PS worker is missing)",
                 self.server_id,
-                self.replicas,
+                self.copies,
             )
         await self._replay_moved(rpc, sched)
         remaining = max(deadline - time.monotonic(), 1.0)
 
         def flushed(addr: str, reply: dict) -> None:  # every copy holds the flushed versions
-            for sid, version in reply["per_shard"].items():
-                self._log.confirm(int(sid), addr, int(version))
+            self._confirm(addr, reply, "per_shard")
 
         return await self._each_primary(
             rpc,
@@ -835,26 +619,32 @@ class ParameterServer:
             limit=remaining,
         )
 
+    async def _commit(self, rpc: Any, sched: Any, epoch: Any, meta: dict | None) -> dict:
+        return await sched.adam_ps_commit(server_id=self.server_id, epoch=epoch, meta=meta)
+
     def checkpoint_meta(self, epoch: Any = None, meta: dict | None = None) -> None:
         """Store ``epoch`` and/or ``meta`` in the manifest now (no flush)."""
         if self.checkpoint is None:
             raise ConfigError("this server has no checkpoint", "create it with checkpoint=URL")
-        write_manifest(self.checkpoint, self.storage_options, {}, epoch=epoch, meta=meta)
+        self._run(self._commit, epoch, meta)
         if epoch is not None:
             self.epoch = epoch
         if meta is not None:
             self.meta = meta
 
     def stats(self) -> dict:
-        """Figures from every node: ``pushes_applied`` (shard updates applied by primaries),
-        ``update_rate`` (shard updates/s since the previous ``stats()``, or since the nodes
-        started), ``max_replication_lag`` (versions a backup is behind its primary),
-        ``writeback_lag_versions`` / ``writeback_lag_seconds`` (how far the checkpoint is
-        behind), ``writeback_errors``, ``healthy``, ``heal_times``, ``nodes``."""
+        """Figures from the controller and every node: ``pushes_applied`` (shard updates
+        applied by primaries), ``update_rate`` (shard updates/s since the previous ``stats()``,
+        or since the nodes started), ``max_replication_lag`` (versions a backup is behind its
+        primary), ``writeback_lag_versions`` / ``writeback_lag_seconds`` (how far the checkpoint
+        is behind), ``writeback_errors``, ``healthy``, ``heal_times``, ``restored`` (shards
+        rebuilt from the checkpoint, each with ``lost_at_least``: updates after its last
+        write-back the heartbeats had reported), ``updates_lost_at_least``, ``declared_dead``,
+        ``refused_stale`` (calls refused for a stale generation), ``nodes``."""
         nodes, routing = self._run(self._stats)
         now = time.monotonic()
-        total = sum(n["pushes"] for n in nodes.values() if isinstance(n, dict))
         ok = [n for n in nodes.values() if isinstance(n, dict)]
+        total = sum(n["pushes"] for n in ok)
         if self._last_stats is None:
             span = max((n["uptime"] for n in ok), default=0.0)
             rate = total / span if span > 0 else 0.0
@@ -865,7 +655,8 @@ class ParameterServer:
         return {
             "server": self.server_id,
             "shards": len(self.shards),
-            "replicas": self.replicas,
+            "copies": self.copies,
+            "replicas": self.copies,
             "pushes_applied": total,
             "update_rate": rate,
             "max_replication_lag": max((n["replication_lag"] for n in ok), default=0),
@@ -875,6 +666,13 @@ class ParameterServer:
             "healthy": routing["healthy"],
             "heal_times": routing["heal_times"],
             "generation": routing["generation"],
+            "restored": routing["restored"],
+            "updates_lost_at_least": sum(r["lost_at_least"] for r in routing["restored"]),
+            "declared_dead": routing["declared_dead"],
+            "refused_writes": routing["refused_writes"],
+            "manifest_errors": routing["manifest_errors"],
+            "refused_stale": sum(n["refused_stale"] for n in ok) + routing["refused_writes"],
+            "replayed": self._log.replayed,
             "nodes": nodes,
         }
 
@@ -882,18 +680,15 @@ class ParameterServer:
         routing = await sched.adam_ps_routing(server_id=self.server_id)
         self._set_routing(routing)
         addrs = list(self._nodes)
+        timeout = float(config.get("ps.call-timeout"))
         res = await asyncio.gather(
-            *(
-                call_actor(
-                    rpc, a, self._nodes[a], "stats", timeout=float(config.get("ps.call-timeout"))
-                )
-                for a in addrs
-            ),
+            *(call_actor(rpc, a, self._nodes[a], "stats", timeout=timeout) for a in addrs),
             return_exceptions=True,
         )
-        return {
+        nodes = {
             a: (r if not isinstance(r, BaseException) else repr(r)) for a, r in zip(addrs, res)
-        }, routing
+        }
+        return nodes, routing
 
     def close(self) -> None:
         """Stop the nodes and release their actors (the checkpoint stays)."""

@@ -81,6 +81,7 @@ FORWARD_INTERVAL = 0.25
 WRITE_INTERVAL = 1.0
 BEAT_INTERVAL = 0.25
 BEAT_TIMEOUT = 2.0
+RETIRE_TIMEOUT = 4.0
 TICK_INTERVAL = 0.1
 
 
@@ -113,6 +114,8 @@ class _Callrec:
     kind: str
     info: Any
     deadline: float
+    caller_key: str | None = None  # the node incarnation that called (its answer goes to it)
+    callee_key: str | None = None  # the node incarnation called (another one does not answer)
 
 
 @dataclass
@@ -178,6 +181,7 @@ class _Sim:
         self.manifests.append(manifest)
         for addr in hosts:
             self.nodes[addr] = self._make_node(addr)
+        for addr in hosts:
             st = self.nodes[addr].state
             held = {s: shards[s] for s, h in plan.items() if addr in h}
             prim = {
@@ -189,13 +193,15 @@ class _Sim:
             shards,
             target=min(self.copies, self.n_nodes),
             routing=plan,
-            nodes={a: self.nodes[a].key for a in hosts},
+            nodes={a: self.nodes_key(a) for a in hosts},
             workers=hosts,
             gens=dict.fromkeys(range(self.n_shards), 0),
             generation=0,
             manifest=manifest,
             now=0.0,
             heartbeat_timeout=BEAT_TIMEOUT,
+            retire_timeout=RETIRE_TIMEOUT,
+            block_grace=1.0,
             retry_base=0.2,
             retry_max=2.0,
         )
@@ -210,7 +216,8 @@ class _Sim:
         self.trace.append(f"{self.now:8.2f} {text}")
 
     def nodes_key(self, addr: str) -> str:
-        return f"key-{addr}"
+        """The key of the node incarnation on ``addr`` now."""
+        return self.nodes[addr].key
 
     def _new_worker(self) -> str:
         self.worker_no += 1
@@ -219,7 +226,9 @@ class _Sim:
     def _make_node(self, addr: str) -> _Node:
         st = NodeState(addr, dedup_window=4 * self.total_pushes, checkpoint=True)
         off = self.rng.random()
-        return _Node(addr, self.nodes_key(addr), st, None, None, off * 0.25, off, off * 0.25)
+        self.seqno += 1
+        key = f"key-{addr}-{self.seqno}"
+        return _Node(addr, key, st, None, None, off * 0.25, off, off * 0.25)
 
     def send(self, dst: str, kind: str, call: int, x: Any, delay: float | None = None) -> None:
         """A message; over the network (not to the scheduler's own storage or bookkeeping) it
@@ -239,10 +248,14 @@ class _Sim:
             self.seqno += 1
             self.msgs.append((self.now + d, self.seqno, dst, kind, call, x))
 
-    def request(self, caller: str, callee: str, kind: str, event: Any, info: Any = None) -> int:
+    def request(
+        self, caller: str, callee: str, kind: str, event: Any, info: Any = None, key: Any = None
+    ) -> int:
         self.seqno += 1
         cid = self.seqno
-        self.calls[cid] = _Callrec(caller, callee, kind, info, self.now + CALL_TIMEOUT)
+        caller_key = self.nodes[caller].key if caller in self.nodes else None
+        rec = _Callrec(caller, callee, kind, info, self.now + CALL_TIMEOUT, caller_key, key)
+        self.calls[cid] = rec
         self.send(callee, "request", cid, (kind, event))
         return cid
 
@@ -265,9 +278,8 @@ class _Sim:
             if isinstance(a, Reply):
                 self.reply(a.req, a.value)
             elif isinstance(a, Forward):
-                cid = self.request(
-                    node.addr, a.addr, "replicate", Replicate(None, node.addr, a.snaps)
-                )
+                ev = Replicate(None, node.addr, a.snaps)
+                cid = self.request(node.addr, a.addr, "replicate", ev, key=a.key)
                 node.forwards[a.addr] = cid
             elif isinstance(a, Cancel):
                 cid = node.forwards.pop(a.addr, None)
@@ -293,7 +305,7 @@ class _Sim:
                 self.reply(a.req, a.value)
             elif isinstance(a, Call):
                 self.log(f"  ctl op {a.op}: {a.method} on {a.addr} {_brief(a.args)}")
-                self.request("ctl", a.addr, "command", (a.method, a.args), info=a.op)
+                self.request("ctl", a.addr, "command", (a.method, a.args), info=a.op, key=a.key)
             elif isinstance(a, Cancel):
                 for cid, rec in list(self.calls.items()):
                     if rec.caller == "ctl" and rec.info == a.op:
@@ -380,10 +392,14 @@ class _Sim:
 
     def scheduler_message(self, kind: str, x: Any) -> None:
         if kind == "create":
-            if x in self.ctl.workers and x not in self.crashed and x not in self.nodes:
-                self.nodes[x] = self._make_node(x)
-                self.nodes[x].next_beat = self.now
-            self.log(f"  node ready {x}")
+            if x not in self.ctl.workers or x in self.crashed:
+                return
+            old = self.nodes.get(x)
+            if old is not None and old.frozen_until is not None:
+                return  # the worker cannot start an actor while frozen
+            self.nodes[x] = self._make_node(x)  # a new actor (an old one there is no member)
+            self.nodes[x].next_beat = self.now
+            self.log(f"  node ready {x} ({self.nodes[x].key})")
             self.ctl_handle(NodeReady(x, self.nodes_key(x), self.now))
         elif kind == "removed":
             self.ctl_handle(WorkerRemoved(x, self.now))
@@ -426,10 +442,15 @@ class _Sim:
             return
         self.spend(node)
         if kind == "reply":
-            rec = self.calls.pop(cid, None)
-            if rec is None:
-                return
+            rec = self.calls.get(cid)
+            if rec is None or rec.caller_key != node.key:
+                return  # an answer to an incarnation that is gone
+            del self.calls[cid]
             self.node_reply(node, rec, x)
+            return
+        rec = self.calls.get(cid)
+        if rec is not None and rec.callee_key is not None and rec.callee_key != node.key:
+            self.reply(cid, ValueError(f"no actor {rec.callee_key} on {addr}"))
             return
         what, ev = x
         if what == "replicate":
@@ -500,16 +521,16 @@ class _Sim:
         d[k] = 1
         return d
 
-    def primaries(self, p: _Pusher) -> dict[int, str]:
+    def primaries(self, p: _Pusher) -> dict[int, tuple[str, int]]:
         r = p.routing
         return {
-            s: h[0]
+            s: (h[0], r["gens"][s])
             for s, h in enumerate(r["routing"])
             if h and s not in r["pending"] and h[0] in r["nodes"]
         }
 
     def pusher_call(self, p: _Pusher, addr: str, what: str, ev: Any, info: Any) -> None:
-        cid = self.request(p.name, addr, what, ev)
+        cid = self.request(p.name, addr, what, ev, key=p.routing["nodes"].get(addr))
         p.calls[cid] = (addr, what, info)
 
     def pusher_act(self, p: _Pusher) -> None:
@@ -520,7 +541,7 @@ class _Sim:
             for sid, items in moved.items():
                 for h in items:
                     ev = Push(None, {sid: self.onehot(h.payload)}, h.push_id, stamps, self.ack)
-                    self.pusher_call(p, prim[sid], "push", ev, ("replay", h.push_id))
+                    self.pusher_call(p, prim[sid][0], "push", ev, ("replay", h.push_id))
             return
         if (
             p.current is None
@@ -538,7 +559,7 @@ class _Sim:
                 return
             groups: dict[str, list[int]] = {}
             for s in sorted(todo):
-                groups.setdefault(prim[s], []).append(s)
+                groups.setdefault(prim[s][0], []).append(s)
             k = p.current["k"]
             for addr, sids in groups.items():
                 ev = Push(None, {s: self.onehot(k) for s in sids}, k, stamps, self.ack)
@@ -551,7 +572,7 @@ class _Sim:
             groups = {}
             for s in p.log.shards():
                 if s in prim:
-                    groups.setdefault(prim[s], []).append(s)
+                    groups.setdefault(prim[s][0], []).append(s)
             for addr, sids in groups.items():
                 ev = Confirmed(None, tuple(sids))
                 self.pusher_call(p, addr, "confirmed", ev, ("confirmed", None))
@@ -564,17 +585,17 @@ class _Sim:
             return
         if what == "confirmed":
             for s, v in x["per_shard"].items():
-                p.log.confirm(s, addr, v)
+                p.log.confirm(s, addr, x["gens"][s], v)
         else:
             for s, v in x["per_shard"].items():
                 if kind == "push" and p.current is not None and p.current["k"] == k:
                     p.current["todo"].discard(s)
                     if self.ack == "replay":
-                        p.log.add(s, HeldPush(k, "push", k, addr, v, 1))
+                        p.log.add(s, HeldPush(k, "push", k, addr, x["gens"][s], v, 1))
                 elif kind == "replay":
-                    p.log.acknowledged(s, k, addr, v)
+                    p.log.acknowledged(s, k, addr, x["gens"][s], v)
             for s, v in x.get("confirmed", {}).items():
-                p.log.confirm(s, addr, v)
+                p.log.confirm(s, addr, x["gens"][s], v)
             if (
                 kind == "push"
                 and p.current is not None

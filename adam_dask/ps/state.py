@@ -42,6 +42,7 @@ __all__ = [
     "first_nonfinite",
     "outer_delta",
     "outer_part",
+    "warm_up",
 ]
 
 
@@ -149,6 +150,16 @@ def first_nonfinite(x: np.ndarray) -> int:
 def apply_rate_kernel(values: np.ndarray, delta: np.ndarray) -> None:
     """``values += delta`` with the shard's kernel (exposed for the benchmark)."""
     _add(values, delta)
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) every kernel, so the first push does not stall
+    the caller: a PS node calls this in a thread before it serves, because compiling on its
+    event loop would silence its heartbeats for seconds."""
+    x = np.zeros(8, np.float32)
+    _first_nonfinite(x)
+    _apply_all(x, [x.copy() for _ in range(15)])
+    _add_at(x, 0, x[:2].copy())
 
 
 # -- value objects -------------------------------------------------------------------------------

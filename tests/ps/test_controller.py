@@ -52,6 +52,8 @@ def ctl():
         manifest=manifest,
         now=0.0,
         heartbeat_timeout=2.0,
+        retire_timeout=5.0,
+        block_grace=1.0,
         retry_base=0.1,
         retry_max=1.0,
     )
@@ -67,8 +69,8 @@ def test_missed_heartbeats_fence_survivors_then_promote_the_newest(ctl):
             beat(ctl, x, t)
         assert not of(ctl.handle(Tick(t)), Retire)
     out = ctl.handle(Tick(2.1))  # a has been silent for 2.1 s
-    assert of(out, Retire) == [Retire("a")]
     assert ctl.declared_dead == 1 and "a" not in ctl.nodes
+    assert not of(out, Retire)  # its worker goes only if it stays silent
     fences = {c.addr: c for c in of(out, Call) if c.method == "fence"}
     assert set(fences) == {"b", "c"}
     gens = fences["b"].args[0]
@@ -83,6 +85,23 @@ def test_missed_heartbeats_fence_survivors_then_promote_the_newest(ctl):
         ctl.handle(CallDone(call.op, {sid: 9}))
     assert ctl.routing[0][0] == "c" and "a" not in ctl.routing[0] + ctl.routing[1]
     assert ctl.gens[0] == gens[0] and not ctl.pending()
+
+
+def test_a_silent_worker_is_retired_a_slow_one_comes_back_empty(ctl):
+    retired = []
+    for i in range(1, 31):  # a is silent from the start; b from 5 s on; c always beats
+        t = i * 0.5
+        beat(ctl, "c", t)
+        if t < 5:
+            beat(ctl, "b", t)
+        if t == 4.0:  # a was only slow: its node is out, its worker usable again
+            r = beat(ctl, "a", t)
+            assert of(r, Reply)[0].value == {"member": False, "gens": {}}
+            assert "a" in ctl.live() and "a" not in ctl.nodes
+        retired += of(ctl.handle(Tick(t)), Retire)
+        if t == 2.5:
+            assert "a" not in ctl.nodes and "a" not in ctl.live()
+    assert retired == [Retire("b")]  # silent past the retire timeout
 
 
 def test_stale_writer_refused_manifest_never_goes_back(ctl):
@@ -100,9 +119,10 @@ def test_stale_writer_refused_manifest_never_goes_back(ctl):
     (w2,) = of(out, WriteManifest)
     assert w2.doc["sequence"] == 2 and w2.doc["blocks"][0] == "shards/0/g0-v8"
     out = ctl.handle(ManifestDone(2))
+    assert not of(out, DeleteBlocks)  # replaced less than block_grace ago: a reader may need it
+    out = ctl.handle(Tick(1.5))
     deleted = [p for d in of(out, DeleteBlocks) for p in d.paths]
-    assert "shards/0/g0-v4" not in deleted  # named by the previous manifest: kept a while
-    assert "shards/0/g0-v0" in deleted
+    assert deleted == ["shards/0/g0-v0"]  # g0-v4 was named by the previous manifest: kept
 
 
 def test_all_copies_lost_restores_from_the_checkpoint(ctl):
@@ -125,6 +145,20 @@ def test_all_copies_lost_restores_from_the_checkpoint(ctl):
         "generation": ctl.gens[1],
         "lost_at_least": 3,
     }
+
+
+def test_most_nodes_silent_at_once_is_a_stall_not_a_massacre(ctl):
+    retired = []
+    for i in range(1, 15):  # only c beats: a and b are silent (a compiler, a swap storm...)
+        t = i * 0.5
+        beat(ctl, "c", t)
+        if t > 5:
+            beat(ctl, "b", t)  # b comes back after 5 s
+        retired += of(ctl.handle(Tick(t)), Retire)
+        if t == 3.0:  # 2 of 3 silent: nobody is declared dead yet
+            assert ctl.declared_dead == 0 and ctl.healthy()
+    assert ctl.declared_dead == 1 and "a" not in ctl.nodes and "b" in ctl.nodes
+    assert not retired  # a's worker goes only after retire_timeout
 
 
 def test_a_stalled_controller_does_not_blame_the_nodes(ctl):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from adam_dask.ps._replay import HeldPush, ReplayLog
 
 
-def held(pid: int, primary: str, version: int) -> HeldPush:
-    return HeldPush(pid, "push", None, primary, version, 10)
+def held(pid: int, primary: str, version: int, gen: int = 0) -> HeldPush:
+    return HeldPush(pid, "push", None, primary, gen, version, 10)
 
 
 def test_confirm_drops_only_what_that_primary_confirmed():
@@ -14,8 +14,9 @@ def test_confirm_drops_only_what_that_primary_confirmed():
     log.add(0, held(1, "a", 5))
     log.add(0, held(2, "a", 6))
     log.add(1, held(1, "b", 3))
-    assert log.confirm(0, "a", 5) == 1
-    assert log.confirm(0, "z", 99) == 0  # another node's word does not count
+    assert log.confirm(0, "a", 0, 5) == 1
+    assert log.confirm(0, "z", 0, 99) == 0  # another node's word does not count
+    assert log.confirm(0, "a", 1, 99) == 0  # nor that of another generation on that address
     assert [h.push_id for h in log.held(0)] == [2]
     assert len(log) == 2 and log.nbytes == 20
     assert log.shards() == [0, 1]
@@ -26,11 +27,12 @@ def test_moved_lists_pushes_acknowledged_by_a_former_primary():
     log.add(0, held(1, "a", 5))
     log.add(0, held(2, "a", 6))
     log.add(1, held(3, "b", 1))
-    moved = log.moved({0: "c", 1: "b"})
+    moved = log.moved({0: ("c", 4), 1: ("b", 0)})
     assert {s: [h.push_id for h in hs] for s, hs in moved.items()} == {0: [1, 2]}
-    log.acknowledged(0, 1, "c", 9)  # replayed: now held for the new primary's version 9
-    log.acknowledged(0, 2, "c", 10)
-    assert log.moved({0: "c", 1: "b"}) == {}
-    assert log.confirm(0, "c", 9) == 1 and len(log) == 2
+    assert list(log.moved({0: ("a", 4), 1: ("b", 0)})) == [0]  # same address, new generation
+    log.acknowledged(0, 1, "c", 4, 9)  # replayed: now held for the new primary's version 9
+    log.acknowledged(0, 2, "c", 4, 10)
+    assert log.moved({0: ("c", 4), 1: ("b", 0)}) == {}
+    assert log.confirm(0, "c", 4, 9) == 1 and len(log) == 2
     log.clear()
     assert not log and log.nbytes == 0

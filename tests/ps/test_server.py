@@ -220,7 +220,8 @@ def test_restore_missing_checkpoint(ps_client, tmp_path):
 
 def test_writeback_without_flush_and_manifest_never_ahead_of_data(make_server, tmp_path):
     """Every push adds 1 everywhere, so version v means every value is v. A reader polling the
-    checkpoint while pushes go on must never see a manifest version above the data's."""
+    checkpoint while pushes go on must never see a manifest version above the data's, a block
+    the manifest names missing, or a manifest going back."""
     import dask
     import zarr
 
@@ -233,17 +234,28 @@ def test_writeback_without_flush_and_manifest_never_ahead_of_data(make_server, t
 
     def reader():
         mpath = Path(url) / "manifest.json"
+        last = (-1, [-1] * 6)
         while not stop.is_set():
             try:
                 m = json.loads(mpath.read_text())
             except (FileNotFoundError, ValueError):
                 problems.append("manifest missing or torn")
                 continue
-            params = zarr.open_array(url, path="params", mode="r")
+            if m["sequence"] < last[0] or any(
+                v < w for v, w in zip(m["versions"], last[1], strict=True)
+            ):
+                problems.append(f"the manifest went back: {last} -> {m['versions']}")
+            last = (m["sequence"], m["versions"])
             for sid, (a, b) in enumerate(m["shards"]):
-                chunk = params[a:b]
+                try:
+                    chunk = zarr.open_array(url, path=m["blocks"][sid], mode="r")[:]
+                except FileNotFoundError:
+                    latest = json.loads(mpath.read_text())
+                    if latest["blocks"][sid] == m["blocks"][sid]:
+                        problems.append(f"the manifest names {m['blocks'][sid]}: not there")
+                    continue  # replaced and collected since this manifest was read
                 v = m["versions"][sid]
-                if chunk.min() != chunk.max():
+                if chunk.shape != (b - a,) or chunk.min() != chunk.max():
                     problems.append(f"torn shard {sid}")
                 if chunk[0] < v:
                     problems.append(f"shard {sid}: manifest {v}, data {chunk[0]}")

@@ -1,0 +1,466 @@
+"""ShardPlacement: the parameter-server controller, a scheduler plugin.
+
+The decisions live in :class:`~adam_dask.ps._controller.ServerState` (pure, one per server);
+this plugin feeds it events (workers joining and leaving, heartbeats, write-back reports,
+answers of calls, a timer) and carries its actions out on the scheduler's event loop: calls to
+nodes, node creation, retiring a silent worker, writing the manifest. The scheduler is the one
+place of truth for where every shard lives: clients and worker tasks cache the routing and read
+it again (the ``adam_ps_routing`` handler) whenever a node does not answer or says a shard moved.
+
+The PSNode actors are made by a client of the plugin's own inside the scheduler, pinned with
+``workers=[addr]``, so they live as long as the scheduler does and no user client has to stay
+connected (``ParameterServer.attach`` finds a server again). PS workers holding shards are never
+offered for down-scaling.
+
+Register it with ``client.register_plugin(ShardPlacement())`` (``ParameterServer.create`` does),
+or preload it: ``dask scheduler --preload adam_dask.ps.placement``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import warnings
+from typing import Any
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from .. import config
+from ._controller import ServerState
+from ._messages import (
+    Beat,
+    Call,
+    CallDone,
+    CallFailed,
+    Cancel,
+    Commit,
+    CreateNode,
+    DeleteBlocks,
+    LogEvent,
+    ManifestDone,
+    ManifestFailed,
+    NodeFailed,
+    NodeReady,
+    Reply,
+    Retire,
+    Tick,
+    WorkerAdded,
+    WorkerRemoved,
+    WriteManifest,
+    WriteReport,
+)
+from .node import PSNode, call_actor
+from .placement import PLUGIN_NAME, ROLE, TOPIC, plan_placement
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ShardPlacement"]
+
+
+def _controller_security(scheduler: Any) -> Any:
+    """Security for the controller's client inside the scheduler. A TLS scheduler (dask-gateway,
+    Kubernetes) is configured with scheduler credentials only; the controller presents those
+    same credentials as a client."""
+    from distributed.security import Security
+
+    sec = scheduler.security
+    if not scheduler.address.startswith("tls://") or sec.tls_client_cert:
+        return sec
+    return Security(
+        tls_ca_file=sec.tls_ca_file,
+        tls_client_cert=sec.tls_scheduler_cert,
+        tls_client_key=sec.tls_scheduler_key,
+        require_encryption=sec.require_encryption,
+    )
+
+
+class ShardPlacement(SchedulerPlugin):
+    """The PS controller (see the module doc). One instance serves every parameter server."""
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self, role: str = ROLE):
+        self.role = role
+        self.servers: dict[str, ServerState] = {}
+        self.info: dict[str, dict] = {}
+        self.scheduler: Any = None
+        self._client: Any = None
+        self._client_lock: asyncio.Lock | None = None
+        self._counter = itertools.count()
+        self._reqs = itertools.count()
+        self._futures: dict[int, asyncio.Future] = {}
+        self._calls: dict[tuple[str, int], asyncio.Task] = {}
+        self._actors: dict[str, dict[str, Any]] = {}  # server -> addr -> actor future
+        self._tasks: set[asyncio.Task] = set()
+        self._ticker: asyncio.Task | None = None
+        self._creating: set[str] = set()  # servers whose nodes exist but not their state yet
+
+    # -- plugin hooks ----------------------------------------------------------------------------
+
+    async def start(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self._client_lock = asyncio.Lock()
+        scheduler.handlers.update(
+            {
+                "adam_ps_create": self.create_server,
+                "adam_ps_routing": self.routing,
+                "adam_ps_close": self.close_server,
+                "adam_ps_servers": self.list_servers,
+                "adam_ps_heartbeat": self.heartbeat,
+                "adam_ps_written": self.written,
+                "adam_ps_commit": self.commit,
+            }
+        )
+        self._ticker = asyncio.ensure_future(self._tick_loop())
+
+    async def before_close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._client is not None:
+            client, self._client = self._client, None
+            try:
+                await client.close(timeout=2)
+            except Exception:  # pragma: no cover - shutting down
+                pass
+
+    def remove_worker(
+        self, scheduler: Any, worker: str, *, stimulus_id: str | None = None, **kwargs: Any
+    ) -> None:
+        now = time.monotonic()
+        for sid in list(self.servers):
+            self._feed(sid, WorkerRemoved(worker, now))
+
+    def add_worker(self, scheduler: Any, worker: str) -> None:
+        ws = scheduler.workers.get(worker)
+        if ws is None or not ws.resources.get(self.role):
+            return
+        now = time.monotonic()
+        for sid in list(self.servers):
+            self._feed(sid, WorkerAdded(worker, ws.host, now))
+
+    def valid_workers_downscaling(self, scheduler: Any, workers: list) -> list:
+        busy = {a for st in self.servers.values() for hs in st.routing.values() for a in hs}
+        keep = [ws for ws in workers if ws.address not in busy]
+        if len(keep) < len(workers):
+            logger.info(
+                "not down-scaling %d PS worker(s) that hold shards", len(workers) - len(keep)
+            )
+        return keep
+
+    # -- carrying out the controller's actions ---------------------------------------------------
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _feed(self, server_id: str, event: Any) -> None:
+        state = self.servers.get(server_id)
+        if state is not None:
+            self._do(server_id, state.handle(event))
+
+    def _do(self, server_id: str, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Reply):
+                fut = self._futures.pop(a.req, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(a.value)
+            elif isinstance(a, Call):
+                self._calls[(server_id, a.op)] = self._spawn(self._call(server_id, a))
+            elif isinstance(a, Cancel):
+                task = self._calls.pop((server_id, a.op or -1), None)
+                if task is not None:
+                    task.cancel()
+            elif isinstance(a, CreateNode):
+                self._spawn(self._create_node(server_id, a.addr))
+            elif isinstance(a, Retire):
+                self._spawn(self._retire(a.addr))
+            elif isinstance(a, WriteManifest):
+                self._spawn(self._write_manifest(server_id, a))
+            elif isinstance(a, DeleteBlocks):
+                self._spawn(self._delete_blocks(server_id, a.paths))
+            elif isinstance(a, LogEvent):
+                self.scheduler.log_event(TOPIC, a.msg)
+            else:  # pragma: no cover - every controller action is handled above
+                raise TypeError(f"unknown controller action {a!r}")
+
+    async def _ask(self, server_id: str, make: Any) -> Any:
+        req = next(self._reqs)
+        fut = asyncio.get_running_loop().create_future()
+        self._futures[req] = fut
+        self._feed(server_id, make(req))
+        try:
+            return await fut
+        finally:
+            self._futures.pop(req, None)
+
+    async def _tick_loop(self) -> None:
+        interval = float(config.get("ps.heartbeat-interval")) / 2
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for sid in list(self.servers):
+                try:
+                    self._feed(sid, Tick(now))
+                except Exception:  # pragma: no cover - the controller must keep ticking
+                    logger.exception("PS controller tick of %s failed", sid)
+
+    @property
+    def _timeout(self) -> float:
+        return float(config.get("ps.call-timeout"))
+
+    async def _call(self, server_id: str, a: Call) -> None:
+        try:
+            result = await call_actor(
+                self.scheduler.rpc, a.addr, a.key, a.method, *a.args, timeout=self._timeout
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._calls.pop((server_id, a.op), None)
+            self._feed(server_id, CallFailed(a.op, f"{type(exc).__name__}: {exc}"))
+            return
+        self._calls.pop((server_id, a.op), None)
+        self._feed(server_id, CallDone(a.op, result))
+
+    async def _get_client(self) -> Any:
+        assert self._client_lock is not None
+        async with self._client_lock:
+            if self._client is None:
+                from distributed import Client
+
+                self._client = await Client(
+                    self.scheduler.address,
+                    asynchronous=True,
+                    set_as_default=False,
+                    direct_to_workers=True,
+                    security=_controller_security(self.scheduler),
+                    name="adam-ps-controller",
+                )
+            return self._client
+
+    async def _new_node(self, server_id: str, addr: str, node_config: dict) -> str:
+        """A started PSNode of ``server_id`` on ``addr`` (pinned); returns its key."""
+        client = await self._get_client()
+        key = f"adam-ps-{server_id}-node{next(self._counter)}"
+        fut = client.submit(
+            PSNode,
+            server_id,
+            node_config,
+            actor=True,
+            key=key,
+            workers=[addr],
+            allow_other_workers=False,
+            pure=False,
+        )
+        try:
+            await asyncio.wait_for(fut, self._timeout)
+            await call_actor(self.scheduler.rpc, addr, key, "start", key, timeout=self._timeout)
+        except BaseException:
+            fut.release()
+            raise
+        self._actors.setdefault(server_id, {})[addr] = fut
+        return key
+
+    async def _create_node(self, server_id: str, addr: str) -> None:
+        try:
+            key = await self._new_node(server_id, addr, self.info[server_id]["node_config"])
+        except Exception as exc:
+            self._feed(server_id, NodeFailed(addr, f"{type(exc).__name__}: {exc}"))
+            return
+        self._feed(server_id, NodeReady(addr, key, time.monotonic()))
+
+    async def _retire(self, addr: str) -> None:
+        """A node missed its heartbeats: take its worker out of the cluster (a frozen process
+        cannot hand anything over; it closes when it wakes)."""
+        if addr not in self.scheduler.workers:
+            return
+        logger.warning("PS controller: removing the silent worker %s from the cluster", addr)
+        try:
+            await self.scheduler.remove_worker(
+                address=addr, stimulus_id=f"adam-ps-heartbeat-missed-{time.time()}", close=True
+            )
+        except Exception:  # pragma: no cover - the worker may be gone already
+            logger.exception("removing %s failed", addr)
+
+    async def _write_manifest(self, server_id: str, a: WriteManifest) -> None:
+        from .checkpoint import put_manifest
+
+        info = self.info.get(server_id)
+        if info is None:
+            return
+        try:
+            await asyncio.to_thread(
+                put_manifest, info["checkpoint"], info["storage_options"], a.doc
+            )
+        except Exception as exc:
+            self._feed(
+                server_id, ManifestFailed(a.seq, f"{type(exc).__name__}: {exc}", time.monotonic())
+            )
+            return
+        self._feed(server_id, ManifestDone(a.seq))
+
+    async def _delete_blocks(self, server_id: str, paths: tuple[str, ...]) -> None:
+        from .checkpoint import BlockStore
+
+        info = self.info.get(server_id)
+        if info is None or not paths:
+            return
+        store = BlockStore(info["checkpoint"], info["storage_options"])
+        try:
+            await asyncio.to_thread(store.delete, list(paths))
+        except Exception as exc:
+            logger.info("server %s: deleting old blocks failed (%s)", server_id, exc)
+
+    async def _sweep(self, server_id: str, named: set[str]) -> None:
+        from .checkpoint import BlockStore
+
+        info = self.info[server_id]
+        store = BlockStore(info["checkpoint"], info["storage_options"])
+        try:
+            orphans = await asyncio.to_thread(store.orphans, named)
+            if orphans:
+                logger.info("server %s: removing %d unnamed blocks", server_id, len(orphans))
+                await asyncio.to_thread(store.delete, orphans)
+        except Exception as exc:
+            logger.info("server %s: sweeping unnamed blocks failed (%s)", server_id, exc)
+
+    # -- scheduler handlers ----------------------------------------------------------------------
+
+    def _ps_workers(self) -> dict[str, str]:
+        """{addr: host} of the running PS workers."""
+        return {ws.address: ws.host for ws in self.scheduler.running if ws.resources.get(self.role)}
+
+    async def create_server(
+        self,
+        server_id: str,
+        shards: list,
+        copies: int,
+        node_config: dict,
+        info: dict | None = None,
+        manifest: dict | None = None,
+        generation: int = 0,
+    ) -> dict:
+        """Place and make the nodes of a new server; returns its routing."""
+        if server_id in self.servers:
+            raise ValueError(f"a parameter server {server_id!r} exists already")
+        live = self._ps_workers()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan = plan_placement(len(shards), live, int(copies))
+        for w in caught:
+            logger.warning("server %s: %s", server_id, w.message)
+        shards = [tuple(s) for s in shards]
+        self.info[server_id] = {**(info or {}), "node_config": dict(node_config)}
+        self._creating.add(server_id)
+        addrs = sorted({a for h in plan.values() for a in h})
+        nodes: dict[str, str] = {}
+        try:
+            keys = await asyncio.gather(*(self._new_node(server_id, a, node_config) for a in addrs))
+            nodes = dict(zip(addrs, keys))
+            gens = dict.fromkeys(range(len(shards)), int(generation))
+            await asyncio.gather(
+                *(
+                    call_actor(
+                        self.scheduler.rpc,
+                        a,
+                        nodes[a],
+                        "assign",
+                        {s: shards[s] for s, h in plan.items() if a in h},
+                        {s: gens[s] for s, h in plan.items() if a in h},
+                        {s: [(b, nodes[b]) for b in h[1:]] for s, h in plan.items() if h[0] == a},
+                        timeout=self._timeout,
+                    )
+                    for a in addrs
+                )
+            )
+        except BaseException:
+            self._creating.discard(server_id)
+            await self._release(server_id, nodes)
+            self.info.pop(server_id, None)
+            raise
+        self._creating.discard(server_id)
+        self.servers[server_id] = ServerState(
+            server_id,
+            shards,
+            target=min(int(copies), len(live)),
+            routing=plan,
+            nodes=nodes,
+            workers=live,
+            gens=gens,
+            generation=int(generation),
+            manifest=manifest,
+            now=time.monotonic(),
+            heartbeat_timeout=float(config.get("ps.heartbeat-timeout")),
+            retire_timeout=float(config.get("ps.retire-timeout")),
+            block_grace=float(config.get("ps.block-grace")),
+            retry_base=float(config.get("ps.retry-base")),
+            retry_max=float(config.get("ps.retry-max")),
+        )
+        if manifest is not None:
+            self._spawn(self._sweep(server_id, set(manifest["blocks"])))
+        logger.info(
+            "server %s: %d shards x %d copies on %d PS workers",
+            server_id,
+            len(shards),
+            copies,
+            len(addrs),
+        )
+        return self.routing(server_id)
+
+    def routing(self, server_id: str) -> dict:
+        """The routing of a server (see ``ParameterServer.routing_info``), and ``info``."""
+        state = self.servers.get(server_id)
+        if state is None:
+            raise KeyError(f"no parameter server {server_id!r} on this scheduler")
+        info = {k: v for k, v in self.info[server_id].items() if k != "node_config"}
+        return {**state.routing_info(), "info": info}
+
+    def list_servers(self) -> list[str]:
+        return sorted(self.servers)
+
+    async def heartbeat(self, server_id: str, addr: str, key: str, positions: dict) -> dict:
+        if server_id in self._creating:
+            return {"member": True, "gens": {}}
+        if server_id not in self.servers:
+            return {"member": False, "gens": {}}
+        pos = {int(s): (int(p[0]), int(p[1])) for s, p in positions.items()}
+        return await self._ask(server_id, lambda r: Beat(r, addr, key, time.monotonic(), pos))
+
+    async def written(self, server_id: str, addr: str, blocks: dict) -> dict:
+        if server_id not in self.servers:
+            return {"accepted": {}, "refused": {int(s): -2 for s in blocks}}
+        b = {int(s): (int(g), int(v), str(p)) for s, (g, v, p) in blocks.items()}
+        return await self._ask(server_id, lambda r: WriteReport(r, addr, b))
+
+    async def commit(self, server_id: str, epoch: Any = None, meta: dict | None = None) -> dict:
+        """Store ``epoch``/``meta`` in the manifest; returns the manifest once written."""
+        return await self._ask(server_id, lambda r: Commit(r, epoch, meta))
+
+    async def close_server(self, server_id: str) -> None:
+        """Stop and release the nodes of a server."""
+        state = self.servers.pop(server_id, None)
+        if state is None:
+            return
+        for key in [k for k in self._calls if k[0] == server_id]:
+            self._calls.pop(key).cancel()
+        await self._release(server_id, state.nodes)
+        self.info.pop(server_id, None)
+        logger.info("server %s closed", server_id)
+
+    async def _release(self, server_id: str, nodes: dict[str, str]) -> None:
+        await asyncio.gather(
+            *(
+                call_actor(self.scheduler.rpc, a, k, "close", timeout=self._timeout)
+                for a, k in nodes.items()
+            ),
+            return_exceptions=True,
+        )
+        for fut in self._actors.pop(server_id, {}).values():
+            fut.release()
