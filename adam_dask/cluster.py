@@ -217,6 +217,9 @@ def local(
     try:
         client = EmbeddedClient(cluster, direct_to_workers=True, security=security)
         client.wait_for_workers(len(workers), timeout=timeout)
+        from .dashboard import register  # the Adam page (/adam) beside the Dask dashboard
+
+        register(client)
     except Exception as exc:
         cluster.close()
         raise ClusterError(
