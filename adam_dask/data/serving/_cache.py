@@ -77,14 +77,23 @@ class ChunkCache:
                     self._pending[cid] = self._pool.submit(self._read, cid)
 
     def load(self, cid: int) -> np.ndarray:
-        """Chunk ``cid``, from the cache or read now (waiting for a read in flight)."""
+        """Chunk ``cid``, from the cache or read now: a read still queued behind a prefetch
+        is taken out of the queue and done in this thread, so what a batch needs comes first
+        (a read in flight is waited for)."""
+        mine: Future | None = None
         with self._lock:
             if cid in self._chunks:
                 self._chunks.move_to_end(cid)
                 return self._chunks[cid]
             fut = self._pending.get(cid)
-            if fut is None:
-                fut = self._pending[cid] = self._pool.submit(self._read, cid)
+            if fut is None or fut.cancel():
+                fut = mine = self._pending[cid] = Future()
+                mine.set_running_or_notify_cancel()  # running: no other thread cancels it
+        if mine is not None:
+            try:
+                mine.set_result(self._read(cid))
+            except BaseException as exc:  # raised below, and to any thread waiting on it
+                mine.set_exception(exc)
         try:
             data = fut.result()
         except BaseException:

@@ -249,11 +249,16 @@ class BatchStream:
             for p in parts:
                 self._sources[p] = self._serve_locally(p, None)
             return
+        live = self.service.live_data_workers()
         opening = []
         for p in parts:  # open every partition at once, then collect the answers
             ref = self.service.server(p)
-            opening.append((p, ref, *self._start_open(p, ref)))
-        for p, ref, sid, call in opening:  # a frozen server is found by the probe here too
+            if live is None or ref.address in live:
+                opening.append((p, ref, *self._start_open(p, ref)))
+            else:  # frozen (or gone) for a while: no need to wait for a probe
+                lost = ServerLost(f"its worker {ref.address} sends no heartbeats", "unanswered")
+                self._sources[p] = self._recover(p, lost, ref)
+        for p, ref, sid, call in opening:  # a server frozen just now is found by the probe
             src = _ActorSource(ref, sid, self._remote_calls(), self._timing)
             out = src.wait(call)
             self._sources[p] = self._recover(p, out, ref) if isinstance(out, ServerLost) else src
