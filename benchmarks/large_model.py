@@ -24,7 +24,8 @@ one JSON line appended to benchmarks/results/large_model.jsonl (``_common.record
   offloaded weights (they travel as terms) plus the terms, which is what the paper's protocol
   sends.
 
-``load`` is os.getloadavg() before and after: the machine is shared, so the rates and ratios
+``ack`` is the PS's acknowledgement mode of the run (``--ack``, default config
+``adam.ps.ack``). ``load`` is os.getloadavg() before and after: the machine is shared, so the rates and ratios
 need a quiet machine to mean much; the byte counts do not depend on load.
 """
 
@@ -311,6 +312,11 @@ def main(argv=None) -> None:
     ap.add_argument("--lr", type=float, default=0.01, help="learning rate (0.01)")
     ap.add_argument("--steps", type=int, default=5, help="engine: timed steps per path (5)")
     ap.add_argument("--repeats", type=int, default=3, help="PS: timed calls per figure (3)")
+    ap.add_argument(
+        "--ack",
+        default=None,
+        help="the PS's ack mode for this run (default: config adam.ps.ack): replay, all, primary",
+    )
     ap.add_argument("--no-ps", action="store_true", help="skip the push/pull figures")
     ap.add_argument("--no-train", action="store_true", help="skip the training runs")
     ap.add_argument("--no-save", action="store_true", help="print the lines, do not append")
@@ -320,9 +326,15 @@ def main(argv=None) -> None:
     for m in names:
         if m not in MODELS:
             ap.error(f"unknown model {m!r}: choose from {', '.join(MODELS)}")
+    import dask
+
+    from adam_dask import config
+
     store = mnist_subset_store(args.images, args.test_images) if not args.no_train else ""
-    for m in names:
-        record("large_model", run_model(m, args, store), save=not args.no_save)
+    with dask.config.set({"adam.ps.ack": config.get("ps.ack", args.ack)}):
+        for m in names:
+            line = {"ack": config.get("ps.ack"), **run_model(m, args, store)}
+            record("large_model", line, save=not args.no_save)
 
 
 if __name__ == "__main__":
