@@ -3,6 +3,7 @@ statuses a job runner can act on, and a rerun that continues the run."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -62,16 +63,28 @@ def test_train_pipeline_continues_a_run_when_run_again(store, adam_cluster, tmp_
     assert third["epochs_trained"] == 0 and third["test_accuracy"] == second["test_accuracy"]
 
 
-def test_train_pipeline_bad_input_exits_2(store, tmp_path):
+def test_train_pipeline_bad_input_exits_2(store, tmp_path, capsys):
     proc, _ = job("--data", str(tmp_path / "none"), "--checkpoint", str(tmp_path / "ck"))
     assert proc.returncode == 2
     assert "no dataset store" in one_error_line(proc)
-    proc, _ = job("--data", store, "--checkpoint", str(tmp_path / "ck"), "--epochs", "zero")
-    assert proc.returncode == 2
-    assert "--epochs" in one_error_line(proc)
-    proc, _ = job("--data", store, "--checkpoint", str(tmp_path / "ck"), "--model", "fc")
-    assert proc.returncode == 2
-    assert "fc" in one_error_line(proc)
+    # the same job in this process (its main), for the rest
+    spec = importlib.util.spec_from_file_location("pipeline_train", PIPELINE)
+    assert spec is not None and spec.loader is not None
+    pipeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pipeline)
+    for argv, words in (
+        (["--epochs", "zero"], "--epochs"),
+        (["--model", "fc"], "'fc'"),
+        (["--storage-options", "{x"], "JSON"),
+    ):
+        try:
+            status = pipeline.main(["--data", store, "--checkpoint", str(tmp_path / "ck"), *argv])
+        except SystemExit as e:  # argparse's own errors
+            status = e.code
+        out, err = capsys.readouterr()
+        assert status == 2 and out == "", err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], err
 
 
 def test_train_pipeline_sigterm_stops_cleanly(store, tmp_path):
