@@ -16,16 +16,16 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
+
 from .. import config
 from ..errors import ConfigError, ShardUnavailable, UpdateRejected
-from ._replay import HeldPush, ReplayLog
-from .node import call_actor
+from ._replay import ReplayLog
+from ._rpc import call_actor
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Transport"]
-
-_settlers: set[asyncio.Task] = set()  # background settle tasks, kept alive until they finish
 
 
 class Transport:
@@ -237,128 +237,47 @@ class Transport:
                 task.cancel()
                 raise OSError(f"the PS worker {addr} was dropped by the controller")
 
-    # -- pushes and their replay -----------------------------------------------------------------
+    # -- reading and loading ---------------------------------------------------------------------
 
-    async def _send_push(
-        self,
-        rpc: Any,
-        sched: Any,
-        sids: Iterable[int],
-        method: str,
-        args: Callable[[list[int]], tuple],
-        push_id: int,
-        ack: str,
-        payload: Callable[[int], tuple[Any, int]],
-    ) -> None:
-        """Send one push to the primaries of ``sids``; with ``ack="replay"`` keep each shard's
-        part (``payload(sid)`` -> (payload, nbytes)) until every copy holds it."""
-        keep = ack == "replay"
-        limit = int(config.get("ps.replay-bytes"))
-        if keep and self._log.nbytes > limit:
-            await self._settle(rpc, sched, below=limit)
-
-        def on_reply(addr: str, reply: dict) -> None:
-            if keep:
-                for sid, version in reply["per_shard"].items():
-                    part, nbytes = payload(int(sid))
-                    gen = int(reply["gens"][sid])
-                    held = HeldPush(push_id, method, part, addr, gen, int(version), nbytes)
-                    self._log.add(int(sid), held)
-            self._confirm(addr, reply)
-
-        await self._each_primary(rpc, sched, sids, method, args, on_reply=on_reply)
-        if keep:
-            await self._replay_moved(rpc, sched)
-            if self._log and (self._settler is None or self._settler.done()):
-                self._settler = asyncio.ensure_future(self._settle_in_background(rpc, sched))
-                _settlers.add(self._settler)
-                self._settler.add_done_callback(_settlers.discard)
-
-    def _confirm(self, addr: str, reply: dict, key: str = "confirmed") -> None:
-        """Drop the held pushes ``reply`` (``reply[key]``: {sid: version}) says every copy
-        holds; ``reply["gens"]`` names the generation of the answering primary."""
-        for sid, version in (reply.get(key) or {}).items():
-            self._log.confirm(int(sid), addr, int(reply["gens"][sid]), int(version))
-
-    async def _replay_moved(self, rpc: Any, sched: Any) -> int:
-        """Send the held pushes of shards whose primary changed to the new primary (same push
-        ids: a push the survivors or the checkpoint already hold is applied once). Returns how
-        many were sent."""
-        sent = 0
-        while True:
-            moved = self._log.moved(self._primary_of())
-            if not moved:
-                return sent
-            for sid, items in moved.items():
-                for h in items:
-                    await self._replay_one(rpc, sched, sid, h)
-                    sent += 1
-                    self._log.replayed += 1
-
-    async def _replay_one(self, rpc: Any, sched: Any, sid: int, h: HeldPush) -> None:
-        def args(sids: list[int]) -> tuple:
-            stamps = self._stamps([sid])
-            if h.method == "push":
-                return ({sid: h.payload}, h.push_id, "replay", stamps)
-            cols, offset, out, inp, activations, scale = h.payload
-            return ({sid: cols}, offset, out, inp, activations, scale, h.push_id, "replay", stamps)
-
-        def on_reply(addr: str, reply: dict) -> None:
-            for s, version in reply["per_shard"].items():
-                self._log.acknowledged(int(s), h.push_id, addr, int(reply["gens"][s]), int(version))
-            self._confirm(addr, reply)
-
-        logger.info(
-            "server %s: replaying push %x to the new primary of shard %d",
-            self.server_id,
-            h.push_id,
-            sid,
+    async def _versions(self, rpc: Any, sched: Any) -> dict[int, int]:
+        return await self._each_primary(
+            rpc, sched, range(len(self.shards)), "pull_versions", lambda s: (s,)
         )
-        await self._each_primary(rpc, sched, [sid], h.method, args, on_reply=on_reply)
 
-    async def _settle(self, rpc: Any, sched: Any, below: int = 0) -> None:
-        """Until the held pushes take at most ``below`` bytes: replay moved ones, ask the
-        primaries what every copy holds. :class:`ShardUnavailable` after the fail-over
-        timeout."""
-        deadline = time.monotonic() + float(config.get("ps.failover-timeout"))
-        interval = float(config.get("ps.forward-interval"))
-        while self._log and self._log.nbytes > below:
-            await self._refresh(sched)
-            await self._replay_moved(rpc, sched)
-            sids = self._log.shards()
-            if sids:
-                await self._each_primary(
+    async def _stats(self, rpc: Any, sched: Any) -> tuple[dict, dict]:
+        routing = await sched.adam_ps_routing(server_id=self.server_id)
+        self._set_routing(routing)
+        addrs = list(self._nodes)
+        timeout = float(config.get("ps.call-timeout"))
+        res = await asyncio.gather(
+            *(call_actor(rpc, a, self._nodes[a], "stats", timeout=timeout) for a in addrs),
+            return_exceptions=True,
+        )
+        nodes = {
+            a: (r if not isinstance(r, BaseException) else repr(r)) for a, r in zip(addrs, res)
+        }
+        return nodes, routing
+
+    async def _load(
+        self, rpc: Any, sched: Any, values: np.ndarray, versions: dict[int, int]
+    ) -> None:
+        """Send initial values to every holder of every shard."""
+        per_node: dict[str, list[int]] = {}
+        for s, holders in enumerate(self._routing):
+            for a in holders:
+                per_node.setdefault(a, []).append(s)
+        timeout = float(config.get("ps.call-timeout"))
+        await asyncio.gather(
+            *(
+                call_actor(
                     rpc,
-                    sched,
-                    sids,
-                    "confirmed",
-                    lambda s: (s,),
-                    on_reply=lambda a, r: self._confirm(a, r, "per_shard"),
+                    a,
+                    self._nodes[a],
+                    "load",
+                    {s: values[self.shards[s][0] : self.shards[s][1]] for s in sids},
+                    {s: versions[s] for s in sids},
+                    timeout=timeout,
                 )
-            if not self._log or self._log.nbytes <= below:
-                return
-            if time.monotonic() > deadline:
-                sid = self._log.shards()[0]
-                raise ShardUnavailable(
-                    f"server {self.server_id}: the copies of shard {sid} did not confirm "
-                    f"{len(self._log)} acknowledged push(es) in time",
-                    "check the PS workers (adam.ps.failover-timeout)",
-                    shard=sid,
-                )
-            await asyncio.sleep(interval / 2)
-
-    async def _settle_in_background(self, rpc: Any, sched: Any) -> None:
-        """Keep settling while pushes are held (so they are replayed after a fail-over even
-        when no more pushes come); ends when every held push is confirmed."""
-        interval = float(config.get("ps.forward-interval"))
-        while self._log and not self._closed:
-            await asyncio.sleep(interval)
-            try:
-                await self._settle(rpc, sched)
-            except Exception as exc:
-                logger.warning(
-                    "server %s: %d held push(es) not confirmed yet (%s); still trying",
-                    self.server_id,
-                    len(self._log),
-                    exc,
-                )
+                for a, sids in per_node.items()
+            )
+        )

@@ -51,7 +51,8 @@ from ._messages import (
     WriteManifest,
     WriteReport,
 )
-from .node import PSNode, call_actor
+from ._rpc import call_actor
+from .node import PSNode
 from .placement import PLUGIN_NAME, ROLE, TOPIC, plan_placement
 
 logger = logging.getLogger(__name__)

@@ -22,8 +22,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-from distributed.protocol import to_serialize
-from distributed.protocol.serialize import Serialized, deserialize
 
 from ..errors import StorageError
 from ._messages import (
@@ -54,11 +52,12 @@ from ._messages import (
     WriteFailed,
 )
 from ._node_state import NodeState
+from ._rpc import call_actor
 from .state import Snapshot
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PSNode", "call_actor"]
+__all__ = ["PSNode"]
 
 _tasks: set[asyncio.Task] = set()  # background tasks of the nodes, kept alive until done
 
@@ -68,41 +67,6 @@ def _spawn(coro: Any) -> asyncio.Task:
     _tasks.add(task)
     task.add_done_callback(_tasks.discard)
     return task
-
-
-async def call_actor(
-    rpc: Any,
-    addr: str,
-    key: str,
-    method: str,
-    *args: Any,
-    timeout: float | None = None,
-    **kwargs: Any,
-) -> Any:
-    """Call ``method`` of the actor ``key`` on the worker ``addr`` through ``rpc``.
-
-    ``rpc`` is a connection pool (``worker.rpc``, ``client.rpc``, ``scheduler.rpc``) or a
-    callable returning an rpc-like object for an address (``ProxyRPC`` through the scheduler).
-    Raises the actor's exception, ``OSError`` when the worker cannot be reached, and
-    ``asyncio.TimeoutError`` after ``timeout`` seconds.
-    """
-    coro = rpc(addr).actor_execute(
-        actor=key,
-        function=method,
-        args=[to_serialize(a) for a in args],
-        kwargs={k: to_serialize(v) for k, v in kwargs.items()},
-    )
-    resp = await (asyncio.wait_for(coro, timeout) if timeout else coro)
-    if resp["status"] == "OK":
-        return _deserialized(resp["result"])
-    raise _deserialized(resp["exception"])
-
-
-def _deserialized(x: Any) -> Any:
-    """The scheduler's connection pool does not deserialize; workers' and clients' do."""
-    if isinstance(x, Serialized):
-        return deserialize(x.header, x.frames)
-    return x
 
 
 class PSNode:

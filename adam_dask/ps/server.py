@@ -35,54 +35,26 @@ import asyncio
 import logging
 import random
 import time
-import uuid
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
-import dask.config
 import numpy as np
 
 from .. import config
 from ..errors import ConfigError, UpdateRejected
-from ..model.layout import ParameterLayout, shard_ranges
+from ..model.layout import ParameterLayout
 from ..storage import normalize_url
-from ._client import Transport
-from ._plugin import ShardPlacement
-from .checkpoint import init_checkpoint, read_checkpoint
-from .node import call_actor
-from .placement import PLUGIN_NAME
+from ._build import build_server, resolve_copies, shard_of
+from ._pushing import Pushing
+from .checkpoint import read_checkpoint
 from .state import OuterPart, first_nonfinite, outer_part
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ParameterServer"]
 
-_ACKS = ("replay", "all", "primary")
 
-
-def _copies(copies: int | None, replicas: int | None) -> int:
-    """``copies``, or the ``replicas=`` alias, or ``adam.ps.copies`` (the deprecated key
-    ``adam.ps.replicas`` still counts, with a warning)."""
-    if copies is None and replicas is not None:
-        copies = replicas
-    if copies is None:
-        old = dask.config.get("adam.ps.replicas", None)
-        if old is not None:
-            warnings.warn(
-                "the setting adam.ps.replicas is deprecated: the copies of a shard are "
-                "adam.ps.copies",
-                DeprecationWarning,
-                stacklevel=4,
-            )
-            copies = old
-    n = int(config.get("ps.copies", copies))
-    if n < 1:
-        raise ConfigError(f"copies={n}", "keep at least one copy of every shard")
-    return n
-
-
-class ParameterServer(Transport):
+class ParameterServer(Pushing):
     """A handle on a parameter server; make one with :meth:`create`, :meth:`restore` or
     :meth:`attach`."""
 
@@ -209,7 +181,7 @@ class ParameterServer(Transport):
             size=int(size),
             layout=layout,
             shard_bytes=shard_bytes,
-            copies=_copies(copies, replicas),
+            copies=resolve_copies(copies, replicas),
             checkpoint=checkpoint,
             storage_options=storage_options,
             init=init,
@@ -220,117 +192,10 @@ class ParameterServer(Transport):
         )
 
     @classmethod
-    def _build(
-        cls,
-        client: Any,
-        *,
-        size: int,
-        layout: ParameterLayout | None,
-        shard_bytes: int | None,
-        copies: int,
-        checkpoint: str | None,
-        storage_options: dict | None,
-        init: np.ndarray | None,
-        meta: dict | None,
-        ack: str | None,
-        name: str | None,
-        epoch: Any,
-        versions: list[int] | None = None,
-        manifest: dict | None = None,
-        generation: int = 0,
-    ) -> ParameterServer:
-        """Make the server: a new checkpoint unless ``manifest`` (one to keep writing to) is
-        given, the nodes, and their initial values at ``versions``."""
-        shard_bytes = int(config.get("ps.shard-bytes", shard_bytes))
-        ack = config.get("ps.ack", ack)
-        if ack not in _ACKS:
-            raise ConfigError(
-                f"ack={ack!r} is not one of {_ACKS}", "use ack='replay', 'all' or 'primary'"
-            )
-        shards = shard_ranges(size, shard_bytes)
-        if init is not None:
-            init = np.ascontiguousarray(init, dtype=np.float32).reshape(-1)
-            if init.shape[0] != size:
-                raise ConfigError(f"init has {init.shape[0]} values, the server {size}")
-            bad = first_nonfinite(init)
-            if bad >= 0:
-                raise UpdateRejected(
-                    f"init holds a non-finite value at index {bad}", shard=_shard_of(shards, bad)
-                )
-        checkpoint = str(checkpoint) if checkpoint is not None else None
-        server_id = name or uuid.uuid4().hex[:12]
-        layout_doc = layout.to_dict() if layout is not None else None
-        if checkpoint is not None and manifest is None:
-            manifest = init_checkpoint(
-                checkpoint,
-                storage_options,
-                size=size,
-                shard_bytes=shard_bytes,
-                shards=shards,
-                values=init,
-                versions=versions,
-                generation=generation,
-                epoch=epoch,
-                meta=meta,
-                layout=layout_doc,
-                server_id=server_id,
-            )
-        node_config = {
-            "forward_interval": float(config.get("ps.forward-interval")),
-            "writeback_interval": float(config.get("ps.writeback-interval")),
-            "heartbeat_interval": float(config.get("ps.heartbeat-interval")),
-            "retry_base": float(config.get("ps.retry-base")),
-            "retry_max": float(config.get("ps.retry-max")),
-            "forward_retry_max": float(config.get("ps.forward-retry-max")),
-            "call_timeout": float(config.get("ps.call-timeout")),
-            "dedup_window": int(config.get("ps.dedup-window")),
-            "ack": ack,
-            "checkpoint": checkpoint,
-            "storage_options": storage_options,
-        }
-        info = {
-            "size": size,
-            "shards": [list(s) for s in shards],
-            "shard_bytes": shard_bytes,
-            "copies": copies,
-            "ack": ack,
-            "checkpoint": checkpoint,
-            "storage_options": storage_options,
-            "meta": meta or {},
-            "layout": layout_doc,
-        }
-        client.register_plugin(ShardPlacement(), name=PLUGIN_NAME)
-        routing = client.sync(
-            client.scheduler.adam_ps_create,
-            server_id=server_id,
-            shards=[list(s) for s in shards],
-            copies=copies,
-            node_config=node_config,
-            info=info,
-            manifest=manifest,
-            generation=generation,
-        )
-        server = cls(
-            server_id,
-            size,
-            shards,
-            shard_bytes=shard_bytes,
-            copies=copies,
-            ack=ack,
-            checkpoint=checkpoint,
-            storage_options=storage_options,
-            layout=layout,
-            meta=meta,
-            client=client,
-        )
-        server._set_routing(routing)
-        if init is not None or versions is not None:
-            values = init if init is not None else np.zeros(size, dtype=np.float32)
-            vs = {i: int(v) for i, v in enumerate(versions or [0] * len(shards))}
-            server._run(server._load, values, vs)
-        server.epoch = epoch
-        logger.info("created %r", server)
-        return server
+    def _build(cls, client: Any, **settings: Any) -> ParameterServer:
+        """A new server from resolved settings (:func:`~adam_dask.ps._build.build_server`): the
+        one constructor ``create`` and ``restore`` share, with no private keywords."""
+        return build_server(cls, client, **settings)
 
     @classmethod
     def restore(
@@ -360,7 +225,7 @@ class ParameterServer(Transport):
             size=int(manifest["size"]),
             layout=layout,
             shard_bytes=shard_bytes,
-            copies=_copies(kwargs.pop("copies", None), kwargs.pop("replicas", None)),
+            copies=resolve_copies(kwargs.pop("copies", None), kwargs.pop("replicas", None)),
             checkpoint=target,
             storage_options=storage_options,
             init=values,
@@ -431,30 +296,13 @@ class ParameterServer(Transport):
             )
         bad = first_nonfinite(delta)
         if bad >= 0:
-            sid = _shard_of(self.shards, bad)
+            sid = shard_of(self.shards, bad)
             raise UpdateRejected(
                 f"non-finite update at flat index {bad} (shard {sid}); nothing was applied",
                 "check the gradients for overflow",
                 shard=sid,
             )
         self._run(self._push, delta, ack)
-
-    async def _push(self, rpc: Any, sched: Any, delta: np.ndarray, ack: str | None) -> None:
-        push_id = self._rng.getrandbits(62)
-        ack = ack or self.ack
-
-        def part(s: int) -> np.ndarray:
-            return delta[self.shards[s][0] : self.shards[s][1]]
-
-        def args(sids: list[int]) -> tuple:
-            return ({s: part(s) for s in sids}, push_id, ack, self._stamps(sids))
-
-        def payload(sid: int) -> tuple[Any, int]:
-            p = part(sid).copy()
-            return p, p.nbytes
-
-        sids = range(len(self.shards))
-        await self._send_push(rpc, sched, sids, "push", args, push_id, ack, payload)
 
     def push_outer(
         self,
@@ -495,35 +343,6 @@ class ParameterServer(Transport):
             self._push_outer, parts, int(offset), out, inp, errors, activations, float(scale), ack
         )
 
-    async def _push_outer(
-        self,
-        rpc: Any,
-        sched: Any,
-        parts: dict,
-        offset: int,
-        out: int,
-        inp: int,
-        errors: np.ndarray,
-        activations: np.ndarray,
-        scale: float,
-        ack: str | None,
-    ) -> None:
-        push_id = self._rng.getrandbits(62)
-        ack = ack or self.ack
-
-        def cols(s: int) -> np.ndarray:
-            return np.ascontiguousarray(errors[:, parts[s].row0 : parts[s].row1])
-
-        def args(sids: list[int]) -> tuple:
-            c = {s: cols(s) for s in sids}
-            return (c, offset, out, inp, activations, scale, push_id, ack, self._stamps(sids))
-
-        def payload(sid: int) -> tuple[Any, int]:
-            c = cols(sid).copy()
-            return (c, offset, out, inp, activations, scale), c.nbytes + activations.nbytes
-
-        await self._send_push(rpc, sched, parts, "push_outer", args, push_id, ack, payload)
-
     def pull(
         self, shards: Iterable[int] | None = None, *, out: np.ndarray | None = None
     ) -> np.ndarray:
@@ -543,26 +362,9 @@ class ParameterServer(Transport):
         self._run(self._pull, list(sids), out)
         return out
 
-    async def _pull(self, rpc: Any, sched: Any, sids: list[int], out: np.ndarray) -> None:
-        if self._log:
-            await self._replay_moved(rpc, sched)
-
-        def args(s: list[int]) -> tuple:
-            return (s, self._stamps(s))
-
-        got = await self._each_primary(rpc, sched, sids, "pull", args)
-        for sid, values in got.items():
-            a, b = self.shards[sid]
-            out[a:b] = values
-
     def versions(self) -> dict[int, int]:
         """{shard: version} at the primaries."""
         return self._run(self._versions)
-
-    async def _versions(self, rpc: Any, sched: Any) -> dict[int, int]:
-        return await self._each_primary(
-            rpc, sched, range(len(self.shards)), "pull_versions", lambda s: (s,)
-        )
 
     def settle(self, timeout: float | None = None) -> None:
         """Block until every push made through this handle is held by every copy of its shard
@@ -586,41 +388,6 @@ class ParameterServer(Transport):
         if meta is not None:
             self.meta = meta
         return versions
-
-    async def _flush(self, rpc: Any, sched: Any, timeout: float) -> dict[int, int]:
-        deadline = time.monotonic() + timeout
-        wait_heal = time.monotonic() + min(timeout, float(config.get("ps.failover-timeout")))
-        while True:
-            await self._refresh(sched)
-            if self._healthy or time.monotonic() > wait_heal:
-                break
-            await asyncio.sleep(0.1)
-        if not self._healthy:
-            logger.warning(
-                "server %s: flushing with fewer than %d copies of some shards (a "
-                "PS worker is missing)",
-                self.server_id,
-                self.copies,
-            )
-        await self._replay_moved(rpc, sched)
-        remaining = max(deadline - time.monotonic(), 1.0)
-
-        def flushed(addr: str, reply: dict) -> None:  # every copy holds the flushed versions
-            self._confirm(addr, reply, "per_shard")
-
-        return await self._each_primary(
-            rpc,
-            sched,
-            range(len(self.shards)),
-            "flush",
-            lambda s: (s,),
-            call_timeout=remaining + 5,
-            on_reply=flushed,
-            limit=remaining,
-        )
-
-    async def _commit(self, rpc: Any, sched: Any, epoch: Any, meta: dict | None) -> dict:
-        return await sched.adam_ps_commit(server_id=self.server_id, epoch=epoch, meta=meta)
 
     def checkpoint_meta(self, epoch: Any = None, meta: dict | None = None) -> None:
         """Store ``epoch`` and/or ``meta`` in the manifest now (no flush)."""
@@ -676,20 +443,6 @@ class ParameterServer(Transport):
             "nodes": nodes,
         }
 
-    async def _stats(self, rpc: Any, sched: Any) -> tuple[dict, dict]:
-        routing = await sched.adam_ps_routing(server_id=self.server_id)
-        self._set_routing(routing)
-        addrs = list(self._nodes)
-        timeout = float(config.get("ps.call-timeout"))
-        res = await asyncio.gather(
-            *(call_actor(rpc, a, self._nodes[a], "stats", timeout=timeout) for a in addrs),
-            return_exceptions=True,
-        )
-        nodes = {
-            a: (r if not isinstance(r, BaseException) else repr(r)) for a, r in zip(addrs, res)
-        }
-        return nodes, routing
-
     def close(self) -> None:
         """Stop the nodes and release their actors (the checkpoint stays)."""
         if self._closed:
@@ -704,32 +457,3 @@ class ParameterServer(Transport):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    async def _load(
-        self, rpc: Any, sched: Any, values: np.ndarray, versions: dict[int, int]
-    ) -> None:
-        """Send initial values to every holder of every shard."""
-        per_node: dict[str, list[int]] = {}
-        for s, holders in enumerate(self._routing):
-            for a in holders:
-                per_node.setdefault(a, []).append(s)
-        timeout = float(config.get("ps.call-timeout"))
-        await asyncio.gather(
-            *(
-                call_actor(
-                    rpc,
-                    a,
-                    self._nodes[a],
-                    "load",
-                    {s: values[self.shards[s][0] : self.shards[s][1]] for s in sids},
-                    {s: versions[s] for s in sids},
-                    timeout=timeout,
-                )
-                for a, sids in per_node.items()
-            )
-        )
-
-
-def _shard_of(shards: list[tuple[int, int]], index: int) -> int:
-    per = shards[0][1] - shards[0][0]
-    return min(index // per, len(shards) - 1)

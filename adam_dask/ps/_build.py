@@ -1,0 +1,167 @@
+"""Making a parameter server: its settings, the checkpoint (a new one, or the one it keeps
+writing to), the nodes (through the controller in the scheduler) and their first values. The
+classmethods ``ParameterServer.create`` and ``ParameterServer.restore`` build through here.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+import warnings
+from typing import Any
+
+import dask.config
+import numpy as np
+
+from .. import config
+from ..errors import ConfigError, UpdateRejected
+from ..model.layout import ParameterLayout, shard_ranges
+from ._plugin import ShardPlacement
+from .checkpoint import init_checkpoint
+from .placement import PLUGIN_NAME
+from .state import first_nonfinite
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ACKS", "build_server", "resolve_copies", "shard_of"]
+
+ACKS = ("replay", "all", "primary")
+
+
+def resolve_copies(copies: int | None, replicas: int | None) -> int:
+    """``copies``, or the ``replicas=`` alias, or ``adam.ps.copies`` (the deprecated key
+    ``adam.ps.replicas`` still counts, with a warning)."""
+    if copies is None and replicas is not None:
+        copies = replicas
+    if copies is None:
+        old = dask.config.get("adam.ps.replicas", None)
+        if old is not None:
+            warnings.warn(
+                "the setting adam.ps.replicas is deprecated: the copies of a shard are "
+                "adam.ps.copies",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+            copies = old
+    n = int(config.get("ps.copies", copies))
+    if n < 1:
+        raise ConfigError(f"copies={n}", "keep at least one copy of every shard")
+    return n
+
+
+def shard_of(shards: list[tuple[int, int]], index: int) -> int:
+    per = shards[0][1] - shards[0][0]
+    return min(index // per, len(shards) - 1)
+
+
+def build_server(
+    cls: Any,
+    client: Any,
+    *,
+    size: int,
+    layout: ParameterLayout | None,
+    shard_bytes: int | None,
+    copies: int,
+    checkpoint: str | None,
+    storage_options: dict | None,
+    init: np.ndarray | None,
+    meta: dict | None,
+    ack: str | None,
+    name: str | None,
+    epoch: Any,
+    versions: list[int] | None = None,
+    manifest: dict | None = None,
+    generation: int = 0,
+) -> Any:
+    """Make the server: a new checkpoint unless ``manifest`` (one to keep writing to) is
+    given, the nodes, and their initial values at ``versions``."""
+    shard_bytes = int(config.get("ps.shard-bytes", shard_bytes))
+    ack = config.get("ps.ack", ack)
+    if ack not in ACKS:
+        raise ConfigError(
+            f"ack={ack!r} is not one of {ACKS}", "use ack='replay', 'all' or 'primary'"
+        )
+    shards = shard_ranges(size, shard_bytes)
+    if init is not None:
+        init = np.ascontiguousarray(init, dtype=np.float32).reshape(-1)
+        if init.shape[0] != size:
+            raise ConfigError(f"init has {init.shape[0]} values, the server {size}")
+        bad = first_nonfinite(init)
+        if bad >= 0:
+            raise UpdateRejected(
+                f"init holds a non-finite value at index {bad}", shard=shard_of(shards, bad)
+            )
+    checkpoint = str(checkpoint) if checkpoint is not None else None
+    server_id = name or uuid.uuid4().hex[:12]
+    layout_doc = layout.to_dict() if layout is not None else None
+    if checkpoint is not None and manifest is None:
+        manifest = init_checkpoint(
+            checkpoint,
+            storage_options,
+            size=size,
+            shard_bytes=shard_bytes,
+            shards=shards,
+            values=init,
+            versions=versions,
+            generation=generation,
+            epoch=epoch,
+            meta=meta,
+            layout=layout_doc,
+            server_id=server_id,
+        )
+    node_config = {
+        "forward_interval": float(config.get("ps.forward-interval")),
+        "writeback_interval": float(config.get("ps.writeback-interval")),
+        "heartbeat_interval": float(config.get("ps.heartbeat-interval")),
+        "retry_base": float(config.get("ps.retry-base")),
+        "retry_max": float(config.get("ps.retry-max")),
+        "forward_retry_max": float(config.get("ps.forward-retry-max")),
+        "call_timeout": float(config.get("ps.call-timeout")),
+        "dedup_window": int(config.get("ps.dedup-window")),
+        "ack": ack,
+        "checkpoint": checkpoint,
+        "storage_options": storage_options,
+    }
+    info = {
+        "size": size,
+        "shards": [list(s) for s in shards],
+        "shard_bytes": shard_bytes,
+        "copies": copies,
+        "ack": ack,
+        "checkpoint": checkpoint,
+        "storage_options": storage_options,
+        "meta": meta or {},
+        "layout": layout_doc,
+    }
+    client.register_plugin(ShardPlacement(), name=PLUGIN_NAME)
+    routing = client.sync(
+        client.scheduler.adam_ps_create,
+        server_id=server_id,
+        shards=[list(s) for s in shards],
+        copies=copies,
+        node_config=node_config,
+        info=info,
+        manifest=manifest,
+        generation=generation,
+    )
+    server = cls(
+        server_id,
+        size,
+        shards,
+        shard_bytes=shard_bytes,
+        copies=copies,
+        ack=ack,
+        checkpoint=checkpoint,
+        storage_options=storage_options,
+        layout=layout,
+        meta=meta,
+        client=client,
+    )
+    server._set_routing(routing)
+    if init is not None or versions is not None:
+        values = init if init is not None else np.zeros(size, dtype=np.float32)
+        vs = {i: int(v) for i, v in enumerate(versions or [0] * len(shards))}
+        server._run(server._load, values, vs)
+    server.epoch = epoch
+    logger.info("created %r", server)
+    return server

@@ -1,0 +1,254 @@
+"""Pushes from a parameter-server handle, and with ``ack="replay"`` their replay: each push a
+primary acknowledged is kept (a :class:`~adam_dask.ps._replay.ReplayLog`) until that primary
+reports every copy holds it, and sent again, with its push id, to a new primary after a
+fail-over or a restore. A background task keeps settling while pushes are held, so they are
+replayed even when the pusher pushes nothing more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from .. import config
+from ..errors import ShardUnavailable
+from ._client import Transport
+from ._replay import HeldPush
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Pushing"]
+
+_settlers: set[asyncio.Task] = set()  # background settle tasks, kept alive until they finish
+
+
+class Pushing(Transport):
+    """Push, pull and flush of a handle (mixed into ParameterServer)."""
+
+    size: int
+    ack: str
+    copies: int
+    checkpoint: str | None
+    _rng: Any
+
+    async def _push(self, rpc: Any, sched: Any, delta: np.ndarray, ack: str | None) -> None:
+        push_id = self._rng.getrandbits(62)
+        ack = ack or self.ack
+
+        def part(s: int) -> np.ndarray:
+            return delta[self.shards[s][0] : self.shards[s][1]]
+
+        def args(sids: list[int]) -> tuple:
+            return ({s: part(s) for s in sids}, push_id, ack, self._stamps(sids))
+
+        def payload(sid: int) -> tuple[Any, int]:
+            p = part(sid).copy()
+            return p, p.nbytes
+
+        sids = range(len(self.shards))
+        await self._send_push(rpc, sched, sids, "push", args, push_id, ack, payload)
+
+    async def _push_outer(
+        self,
+        rpc: Any,
+        sched: Any,
+        parts: dict,
+        offset: int,
+        out: int,
+        inp: int,
+        errors: np.ndarray,
+        activations: np.ndarray,
+        scale: float,
+        ack: str | None,
+    ) -> None:
+        push_id = self._rng.getrandbits(62)
+        ack = ack or self.ack
+
+        def cols(s: int) -> np.ndarray:
+            return np.ascontiguousarray(errors[:, parts[s].row0 : parts[s].row1])
+
+        def args(sids: list[int]) -> tuple:
+            c = {s: cols(s) for s in sids}
+            return (c, offset, out, inp, activations, scale, push_id, ack, self._stamps(sids))
+
+        def payload(sid: int) -> tuple[Any, int]:
+            c = cols(sid).copy()
+            return (c, offset, out, inp, activations, scale), c.nbytes + activations.nbytes
+
+        await self._send_push(rpc, sched, parts, "push_outer", args, push_id, ack, payload)
+
+    async def _pull(self, rpc: Any, sched: Any, sids: list[int], out: np.ndarray) -> None:
+        if self._log:
+            await self._replay_moved(rpc, sched)
+
+        def args(s: list[int]) -> tuple:
+            return (s, self._stamps(s))
+
+        got = await self._each_primary(rpc, sched, sids, "pull", args)
+        for sid, values in got.items():
+            a, b = self.shards[sid]
+            out[a:b] = values
+
+    async def _flush(self, rpc: Any, sched: Any, timeout: float) -> dict[int, int]:
+        deadline = time.monotonic() + timeout
+        wait_heal = time.monotonic() + min(timeout, float(config.get("ps.failover-timeout")))
+        while True:
+            await self._refresh(sched)
+            if self._healthy or time.monotonic() > wait_heal:
+                break
+            await asyncio.sleep(0.1)
+        if not self._healthy:
+            logger.warning(
+                "server %s: flushing with fewer than %d copies of some shards (a "
+                "PS worker is missing)",
+                self.server_id,
+                self.copies,
+            )
+        await self._replay_moved(rpc, sched)
+        remaining = max(deadline - time.monotonic(), 1.0)
+
+        def flushed(addr: str, reply: dict) -> None:  # every copy holds the flushed versions
+            self._confirm(addr, reply, "per_shard")
+
+        return await self._each_primary(
+            rpc,
+            sched,
+            range(len(self.shards)),
+            "flush",
+            lambda s: (s,),
+            call_timeout=remaining + 5,
+            on_reply=flushed,
+            limit=remaining,
+        )
+
+    async def _commit(self, rpc: Any, sched: Any, epoch: Any, meta: dict | None) -> dict:
+        return await sched.adam_ps_commit(server_id=self.server_id, epoch=epoch, meta=meta)
+
+    async def _send_push(
+        self,
+        rpc: Any,
+        sched: Any,
+        sids: Iterable[int],
+        method: str,
+        args: Callable[[list[int]], tuple],
+        push_id: int,
+        ack: str,
+        payload: Callable[[int], tuple[Any, int]],
+    ) -> None:
+        """Send one push to the primaries of ``sids``; with ``ack="replay"`` keep each shard's
+        part (``payload(sid)`` -> (payload, nbytes)) until every copy holds it."""
+        keep = ack == "replay"
+        limit = int(config.get("ps.replay-bytes"))
+        if keep and self._log.nbytes > limit:
+            await self._settle(rpc, sched, below=limit)
+
+        def on_reply(addr: str, reply: dict) -> None:
+            if keep:
+                for sid, version in reply["per_shard"].items():
+                    part, nbytes = payload(int(sid))
+                    gen = int(reply["gens"][sid])
+                    held = HeldPush(push_id, method, part, addr, gen, int(version), nbytes)
+                    self._log.add(int(sid), held)
+            self._confirm(addr, reply)
+
+        await self._each_primary(rpc, sched, sids, method, args, on_reply=on_reply)
+        if keep:
+            await self._replay_moved(rpc, sched)
+            if self._log and (self._settler is None or self._settler.done()):
+                self._settler = asyncio.ensure_future(self._settle_in_background(rpc, sched))
+                _settlers.add(self._settler)
+                self._settler.add_done_callback(_settlers.discard)
+
+    def _confirm(self, addr: str, reply: dict, key: str = "confirmed") -> None:
+        """Drop the held pushes ``reply`` (``reply[key]``: {sid: version}) says every copy
+        holds; ``reply["gens"]`` names the generation of the answering primary."""
+        for sid, version in (reply.get(key) or {}).items():
+            self._log.confirm(int(sid), addr, int(reply["gens"][sid]), int(version))
+
+    async def _replay_moved(self, rpc: Any, sched: Any) -> int:
+        """Send the held pushes of shards whose primary changed to the new primary (same push
+        ids: a push the survivors or the checkpoint already hold is applied once). Returns how
+        many were sent."""
+        sent = 0
+        while True:
+            moved = self._log.moved(self._primary_of())
+            if not moved:
+                return sent
+            for sid, items in moved.items():
+                for h in items:
+                    await self._replay_one(rpc, sched, sid, h)
+                    sent += 1
+                    self._log.replayed += 1
+
+    async def _replay_one(self, rpc: Any, sched: Any, sid: int, h: HeldPush) -> None:
+        def args(sids: list[int]) -> tuple:
+            stamps = self._stamps([sid])
+            if h.method == "push":
+                return ({sid: h.payload}, h.push_id, "replay", stamps)
+            cols, offset, out, inp, activations, scale = h.payload
+            return ({sid: cols}, offset, out, inp, activations, scale, h.push_id, "replay", stamps)
+
+        def on_reply(addr: str, reply: dict) -> None:
+            for s, version in reply["per_shard"].items():
+                self._log.acknowledged(int(s), h.push_id, addr, int(reply["gens"][s]), int(version))
+            self._confirm(addr, reply)
+
+        logger.info(
+            "server %s: replaying push %x to the new primary of shard %d",
+            self.server_id,
+            h.push_id,
+            sid,
+        )
+        await self._each_primary(rpc, sched, [sid], h.method, args, on_reply=on_reply)
+
+    async def _settle(self, rpc: Any, sched: Any, below: int = 0) -> None:
+        """Until the held pushes take at most ``below`` bytes: replay moved ones, ask the
+        primaries what every copy holds. :class:`ShardUnavailable` after the fail-over
+        timeout."""
+        deadline = time.monotonic() + float(config.get("ps.failover-timeout"))
+        interval = float(config.get("ps.forward-interval"))
+        while self._log and self._log.nbytes > below:
+            await self._refresh(sched)
+            await self._replay_moved(rpc, sched)
+            sids = self._log.shards()
+            if sids:
+                await self._each_primary(
+                    rpc,
+                    sched,
+                    sids,
+                    "confirmed",
+                    lambda s: (s,),
+                    on_reply=lambda a, r: self._confirm(a, r, "per_shard"),
+                )
+            if not self._log or self._log.nbytes <= below:
+                return
+            if time.monotonic() > deadline:
+                sid = self._log.shards()[0]
+                raise ShardUnavailable(
+                    f"server {self.server_id}: the copies of shard {sid} did not confirm "
+                    f"{len(self._log)} acknowledged push(es) in time",
+                    "check the PS workers (adam.ps.failover-timeout)",
+                    shard=sid,
+                )
+            await asyncio.sleep(interval / 2)
+
+    async def _settle_in_background(self, rpc: Any, sched: Any) -> None:
+        """Keep settling while pushes are held (so they are replayed after a fail-over even
+        when no more pushes come); ends when every held push is confirmed."""
+        interval = float(config.get("ps.forward-interval"))
+        while self._log and not self._closed:
+            await asyncio.sleep(interval)
+            try:
+                await self._settle(rpc, sched)
+            except Exception as exc:
+                logger.warning(
+                    "server %s: %d held push(es) not confirmed yet (%s); still trying",
+                    self.server_id,
+                    len(self._log),
+                    exc,
+                )

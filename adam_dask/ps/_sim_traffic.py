@@ -1,0 +1,336 @@
+"""How messages reach the parts of the PS simulation, and what its pushers do (a mixin of
+:class:`~adam_dask.ps._sim_world.World`): a pusher pushes one push at a time, keeps what its
+primaries acknowledged (ReplayLog, as the client handle does), replays it to a new primary and
+asks what every copy holds; a node's answer reaches the incarnation that asked, no other.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._messages import (
+    Beat,
+    CallDone,
+    CallFailed,
+    Confirmed,
+    ForwardDone,
+    ForwardFailed,
+    HeartbeatReply,
+    ManifestDone,
+    ManifestFailed,
+    NodeReady,
+    Push,
+    Pushes,
+    Replicate,
+    Restore,
+    WorkerAdded,
+    WorkerRemoved,
+    WriteDone,
+    WriteFailed,
+    WriteReport,
+)
+from ._node_commands import command
+from ._node_state import NodeState
+from ._replay import HeldPush, ReplayLog
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Traffic"]
+
+
+CALL_TIMEOUT = 30.0
+FORWARD_INTERVAL = 0.25
+WRITE_INTERVAL = 1.0
+BEAT_INTERVAL = 0.25
+BEAT_TIMEOUT = 2.0
+RETIRE_TIMEOUT = 4.0
+TICK_INTERVAL = 0.1
+
+
+def _brief(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) < 160 else text[:157] + "..."
+
+
+@dataclass
+class _Node:
+    addr: str
+    key: str
+    state: NodeState
+    frozen_until: float | None = None
+    doomed_after: int | None = None  # steps it still takes after waking (it was retired)
+    next_forward: float = 0.0
+    next_write: float = 0.0
+    next_beat: float = 0.0
+    forwards: dict[str, int] = field(default_factory=dict)  # backup -> call id
+
+
+@dataclass
+class _Callrec:
+    caller: str
+    callee: str
+    kind: str
+    info: Any
+    deadline: float
+    caller_key: str | None = None  # the node incarnation that called (its answer goes to it)
+    callee_key: str | None = None  # the node incarnation called (another one does not answer)
+
+
+@dataclass
+class _Pusher:
+    name: str
+    log: ReplayLog = field(default_factory=ReplayLog)
+    routing: dict = field(default_factory=dict)
+    current: dict | None = None  # the push in progress
+    calls: dict[int, tuple[str, str, Any]] = field(default_factory=dict)  # id -> (addr, what, x)
+    next_act: float = 0.0
+
+
+class Traffic:
+    """Delivery of messages and the pushers' moves."""
+
+    # -- delivery --------------------------------------------------------------------------------
+
+    def deliver(self, msg: tuple) -> None:
+        _, _, dst, kind, cid, x = msg
+        if dst == "sched":
+            self.scheduler_message(kind, x)
+        elif dst == "ctl":
+            self.to_controller(kind, cid, x)
+        elif dst.startswith("pusher"):
+            rec = self.calls.pop(cid, None)
+            if rec is not None:
+                self.pusher_reply(self.pushers[int(dst[6:])], cid, x)
+        else:
+            self.to_node(dst, kind, cid, x)
+
+    def scheduler_message(self, kind: str, x: Any) -> None:
+        if kind == "create":
+            if x not in self.ctl.workers or x in self.crashed:
+                return
+            old = self.nodes.get(x)
+            if old is not None and old.frozen_until is not None:
+                return  # the worker cannot start an actor while frozen
+            self.nodes[x] = self._make_node(x)  # a new actor (an old one there is no member)
+            self.nodes[x].next_beat = self.now
+            self.log(f"  node ready {x} ({self.nodes[x].key})")
+            self.ctl_handle(NodeReady(x, self.nodes_key(x), self.now))
+        elif kind == "removed":
+            self.ctl_handle(WorkerRemoved(x, self.now))
+        elif kind == "added":
+            self.log(f"  worker {x} joins")
+            self.ctl_handle(WorkerAdded(x, f"host-{x}", self.now))
+        elif kind == "manifest":
+            seq, doc = x
+            if self.now < self.outage_until:
+                self.ctl_handle(ManifestFailed(seq, "outage", self.now))
+                return
+            self.manifests.append(doc)
+            self.log(f"  manifest {seq}: {doc['versions']} gens {doc['generations']}")
+            self.ctl_handle(ManifestDone(seq))
+        elif kind == "manifest-failed":
+            self.ctl_handle(ManifestFailed(x, "outage", self.now))
+
+    def to_controller(self, kind: str, cid: int, x: Any) -> None:
+        if kind == "reply":
+            rec = self.calls.pop(cid, None)
+            if rec is None:
+                return
+            self.log(f"  ctl op {rec.info} answered: {_brief(x)}")
+            if isinstance(x, BaseException):
+                self.ctl_handle(CallFailed(rec.info, repr(x)))
+            else:
+                self.ctl_handle(CallDone(rec.info, x))
+            return
+        what, ev = x
+        if what == "report":
+            self.ctl_handle(WriteReport(cid, ev.addr, ev.blocks))
+        elif what == "beat":
+            self.ctl_handle(Beat(cid, ev.addr, ev.key, self.now, ev.positions))
+
+    def to_node(self, addr: str, kind: str, cid: int, x: Any) -> None:
+        node = self.nodes.get(addr)
+        if node is None or addr in self.crashed:
+            if kind == "request":
+                self.reply(cid, OSError(f"{addr} is gone"))
+            return
+        self.spend(node)
+        if kind == "reply":
+            rec = self.calls.get(cid)
+            if rec is None or rec.caller_key != node.key:
+                return  # an answer to an incarnation that is gone
+            del self.calls[cid]
+            self.node_reply(node, rec, x)
+            return
+        rec = self.calls.get(cid)
+        if rec is not None and rec.callee_key is not None and rec.callee_key != node.key:
+            self.reply(cid, ValueError(f"no actor {rec.callee_key} on {addr}"))
+            return
+        what, ev = x
+        if what == "replicate":
+            self.node_handle(node, Replicate(cid, ev.sender, ev.snaps))
+        elif what == "push":
+            self.node_handle(node, Pushes((Push(cid, ev.deltas, ev.push_id, ev.stamps, ev.ack),)))
+        elif what == "confirmed":
+            self.node_handle(node, Confirmed(cid, ev.sids))
+        elif what == "command":
+            method, args = ev
+            if method == "restore":
+                self.restore(node, cid, *args)
+            else:
+                self.node_handle(node, command(method, cid, args))
+
+    def restore(
+        self, node: _Node, cid: int, sid: int, gen: int, start: int, stop: int, block: tuple
+    ) -> None:
+        path = block[0]
+        if path not in self.blocks:
+            self.reply(cid, FileNotFoundError(path))
+            return
+        values, version, _, ids = self.blocks[path]
+        # what went with every copy: pushes made so far (an answer may still be on its way)
+        # that the block lacks and no pusher holds
+        held = {h.push_id for h in self._held(sid)}
+        for k in range(self.pushes_started):
+            if values[k] == 0 and k not in held:
+                self.lost_ok.setdefault(sid, set()).add(k)
+                self.lost_mask[sid, k] = True
+        self.log(
+            f"  restore shard {sid} on {node.addr} from {path}; lost {sorted(self.lost_ok.get(sid, ()))}"
+        )
+        self.node_handle(node, Restore(cid, sid, gen, start, stop, version, values.copy(), ids))
+
+    def node_reply(self, node: _Node, rec: _Callrec, x: Any) -> None:
+        if rec.kind == "replicate":
+            if node.forwards.get(rec.callee) is not None:
+                node.forwards.pop(rec.callee, None)
+            if isinstance(x, BaseException):
+                self.node_handle(node, ForwardFailed(rec.callee, repr(x)))
+            else:
+                self.node_handle(node, ForwardDone(rec.callee, x["held"], x["refused"]))
+        elif rec.kind == "report":
+            if isinstance(x, BaseException):
+                self.node_handle(node, WriteFailed(repr(x)))
+            else:
+                self.node_handle(node, WriteDone(x["accepted"], x["refused"]))
+        elif rec.kind == "beat":
+            if not isinstance(x, BaseException):
+                self.node_handle(node, HeartbeatReply(x["member"], x["gens"]))
+
+    def spend(self, node: _Node) -> None:
+        """A retired node that woke up takes a few more steps, then its worker closes."""
+        if node.doomed_after is not None and node.frozen_until is None:
+            node.doomed_after -= 1
+            if node.doomed_after < 0:
+                self.log(f"  {node.addr} closes")
+                self.crashed.add(node.addr)
+
+    # -- pushers ---------------------------------------------------------------------------------
+
+    def _held(self, sid: int) -> list[HeldPush]:
+        return [h for p in self.pushers for h in p.log.held(sid)]
+
+    def onehot(self, k: int) -> np.ndarray:
+        d = np.zeros(self.total_pushes, np.float32)
+        d[k] = 1
+        return d
+
+    def primaries(self, p: _Pusher) -> dict[int, tuple[str, int]]:
+        r = p.routing
+        return {
+            s: (h[0], r["gens"][s])
+            for s, h in enumerate(r["routing"])
+            if h and s not in r["pending"] and h[0] in r["nodes"]
+        }
+
+    def pusher_call(self, p: _Pusher, addr: str, what: str, ev: Any, info: Any) -> None:
+        cid = self.request(p.name, addr, what, ev, key=p.routing["nodes"].get(addr))
+        p.calls[cid] = (addr, what, info)
+
+    def pusher_act(self, p: _Pusher) -> None:
+        prim = self.primaries(p)
+        stamps = dict(enumerate(p.routing["gens"]))
+        moved = p.log.moved(prim)
+        if moved:
+            for sid, items in moved.items():
+                for h in items:
+                    ev = Push(None, {sid: self.onehot(h.payload)}, h.push_id, stamps, self.ack)
+                    self.pusher_call(p, prim[sid][0], "push", ev, ("replay", h.push_id))
+            return
+        if (
+            p.current is None
+            and self.pushes_started < self.total_pushes
+            and self.rng.random() < 0.6
+        ):
+            k = self.pushes_started
+            self.pushes_started += 1
+            p.current = {"k": k, "todo": set(range(self.n_shards))}
+            self.log(f"{p.name} starts push {k}")
+        if p.current is not None:
+            todo = p.current["todo"]
+            if any(s not in prim for s in todo):
+                p.routing = self.ctl.routing_info()
+                return
+            groups: dict[str, list[int]] = {}
+            for s in sorted(todo):
+                groups.setdefault(prim[s][0], []).append(s)
+            k = p.current["k"]
+            for addr, sids in groups.items():
+                ev = Push(None, {s: self.onehot(k) for s in sids}, k, stamps, self.ack)
+                self.pusher_call(p, addr, "push", ev, ("push", k))
+        elif p.log and self.rng.random() < 0.5:
+            p.routing = self.ctl.routing_info()  # the client's settler reads it every round
+            prim = self.primaries(p)
+            if p.log.moved(prim):
+                return
+            groups = {}
+            for s in p.log.shards():
+                if s in prim:
+                    groups.setdefault(prim[s][0], []).append(s)
+            for addr, sids in groups.items():
+                ev = Confirmed(None, tuple(sids))
+                self.pusher_call(p, addr, "confirmed", ev, ("confirmed", None))
+
+    def pusher_reply(self, p: _Pusher, cid: int, x: Any) -> None:
+        self.changed = True
+        addr, what, (kind, k) = p.calls.pop(cid)
+        if isinstance(x, BaseException):
+            p.routing = self.ctl.routing_info()
+            return
+        if what == "confirmed":
+            for s, v in x["per_shard"].items():
+                p.log.confirm(s, addr, x["gens"][s], v)
+        else:
+            for s, v in x["per_shard"].items():
+                if kind == "push" and p.current is not None and p.current["k"] == k:
+                    p.current["todo"].discard(s)
+                    if self.ack == "replay":
+                        p.log.add(s, HeldPush(k, "push", k, addr, x["gens"][s], v, 1))
+                elif kind == "replay":
+                    p.log.acknowledged(s, k, addr, x["gens"][s], v)
+            for s, v in x.get("confirmed", {}).items():
+                p.log.confirm(s, addr, x["gens"][s], v)
+            if (
+                kind == "push"
+                and p.current is not None
+                and p.current["k"] == k
+                and not p.current["todo"]
+            ):
+                self.acked[k] = set(range(self.n_shards))
+                self.acked_mask[:, k] = True
+                self.log(f"{p.name} push {k} acknowledged")
+                p.current = None
+        if x.get("moved"):
+            p.routing = self.ctl.routing_info()
+
+    def pusher_guard(self) -> None:
+        """A pusher gives up calls to nodes the controller dropped (the client polls it)."""
+        for p in self.pushers:
+            for cid, (addr, what, info) in list(p.calls.items()):
+                if addr not in self.ctl.nodes:
+                    self.calls.pop(cid, None)
+                    self.pusher_reply(p, cid, OSError(f"{addr} dropped"))

@@ -1,0 +1,383 @@
+"""The world of the PS simulation (:mod:`adam_dask.ps.simulation`): a clock, a network of
+messages that are delayed, reordered, dropped and duplicated, PS nodes that are killed or frozen,
+a storage that has outages, and the controller; every choice drawn from one seeded generator.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import numpy as np
+
+from ._controller import ServerState
+from ._messages import (
+    Beat,
+    Call,
+    Cancel,
+    CreateNode,
+    DeleteBlocks,
+    Forward,
+    ForwardDue,
+    LogEvent,
+    Replicate,
+    Reply,
+    Retire,
+    Tick,
+    WriteBlocks,
+    WriteDue,
+    WriteFailed,
+    WriteManifest,
+    WriteReport,
+)
+from ._node_commands import command
+from ._node_state import NodeState
+from ._sim_traffic import (
+    BEAT_INTERVAL,
+    BEAT_TIMEOUT,
+    CALL_TIMEOUT,
+    FORWARD_INTERVAL,
+    RETIRE_TIMEOUT,
+    TICK_INTERVAL,
+    WRITE_INTERVAL,
+    Traffic,
+    _brief,
+    _Callrec,
+    _Node,
+    _Pusher,
+)
+from .placement import plan_placement
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["World"]
+
+
+class World(Traffic):
+    """Nodes, controller, pushers and the network between them (see the module doc)."""
+
+    def __init__(self, seed: int, faults: bool, ack: str | None = None):
+        self.rng = random.Random(seed)
+        rng = self.rng
+        self.seed = seed
+        self.now = 0.0
+        self.trace: list[str] = []
+        self.n_nodes = rng.randint(3, 5)
+        self.n_shards = rng.randint(1, 3)
+        self.copies = 3
+        self.total_pushes = rng.randint(12, 40)
+        self.ack = rng.choice(["replay", "replay", "replay", "all"])
+        self.ack = ack or self.ack
+        self.faults = faults
+        self.fault_budget = rng.randint(1, 4) if faults else 0
+        self.p_drop = rng.choice([0.0, 0.02, 0.05]) if faults else 0.0
+        self.p_dup = rng.choice([0.0, 0.02, 0.05]) if faults else 0.0
+        self.outage_until = -1.0
+        self.msgs: list[tuple[float, int, str, str, int, Any]] = []  # due, seq, dst, kind, call, x
+        self.calls: dict[int, _Callrec] = {}
+        self.seqno = 0
+        self.worker_no = 0
+        self.nodes: dict[str, _Node] = {}
+        self.crashed: set[str] = set()
+        self.blocks: dict[str, tuple[np.ndarray, int, int, tuple]] = {}
+        self.manifests: list[dict] = []
+        self.acked: dict[int, set[int]] = {}  # push -> shards acknowledged
+        self.lost_ok: dict[int, set[int]] = {}  # shard -> pushes a restore may have lost
+        self.acked_mask = np.zeros((self.n_shards, self.total_pushes), bool)
+        self.lost_mask = np.zeros((self.n_shards, self.total_pushes), bool)
+        self.checked_manifests = 0
+        self.dirty: set[str] = set()
+        self.changed = True
+        self.pushes_started = 0
+        n = self.total_pushes
+        shards = [(s * n, (s + 1) * n) for s in range(self.n_shards)]
+        self.shards = shards
+        workers = {self._new_worker(): "" for _ in range(self.n_nodes)}
+        hosts = {a: f"host-{a}" for a in workers}
+        plan = plan_placement(self.n_shards, hosts, self.copies)
+        manifest = {
+            "sequence": 0,
+            "versions": [0] * self.n_shards,
+            "generations": [0] * self.n_shards,
+            "blocks": [f"shards/{s}/g0-v0" for s in range(self.n_shards)],
+            "epoch": None,
+            "meta": {},
+        }
+        for s in range(self.n_shards):
+            self.blocks[f"shards/{s}/g0-v0"] = (np.zeros(n, np.float32), 0, 0, ())
+        self.manifests.append(manifest)
+        for addr in hosts:
+            self.nodes[addr] = self._make_node(addr)
+        for addr in hosts:
+            st = self.nodes[addr].state
+            held = {s: shards[s] for s, h in plan.items() if addr in h}
+            prim = {
+                s: [(b, self.nodes_key(b)) for b in h[1:]] for s, h in plan.items() if h[0] == addr
+            }
+            st.handle(command("assign", None, (held, dict.fromkeys(held, 0), prim, 0)))
+        self.ctl = ServerState(
+            "sim",
+            shards,
+            target=min(self.copies, self.n_nodes),
+            routing=plan,
+            nodes={a: self.nodes_key(a) for a in hosts},
+            workers=hosts,
+            gens=dict.fromkeys(range(self.n_shards), 0),
+            generation=0,
+            manifest=manifest,
+            now=0.0,
+            heartbeat_timeout=BEAT_TIMEOUT,
+            retire_timeout=RETIRE_TIMEOUT,
+            block_grace=1.0,
+            retry_base=0.2,
+            retry_max=2.0,
+        )
+        self.next_tick = 0.0
+        self.pushers = [_Pusher(f"pusher{i}") for i in range(rng.randint(2, 3))]
+        for p in self.pushers:
+            p.routing = self.ctl.routing_info()
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def log(self, text: str) -> None:
+        self.trace.append(f"{self.now:8.2f} {text}")
+
+    def nodes_key(self, addr: str) -> str:
+        """The key of the node incarnation on ``addr`` now."""
+        return self.nodes[addr].key
+
+    def _new_worker(self) -> str:
+        self.worker_no += 1
+        return f"w{self.worker_no}"
+
+    def _make_node(self, addr: str) -> _Node:
+        st = NodeState(addr, dedup_window=4 * self.total_pushes, checkpoint=True)
+        off = self.rng.random()
+        self.seqno += 1
+        key = f"key-{addr}-{self.seqno}"
+        return _Node(addr, key, st, None, None, off * 0.25, off, off * 0.25)
+
+    def send(self, dst: str, kind: str, call: int, x: Any, delay: float | None = None) -> None:
+        """A message; over the network (not to the scheduler's own storage or bookkeeping) it
+        may be dropped or duplicated."""
+        lossy = dst != "sched" and call in self.calls
+        if lossy and self.rng.random() < self.p_drop:
+            # a broken connection: the caller hears of it (TCP loses nothing silently)
+            self.log(f"  drop {kind} #{call} -> {dst}")
+            rec = self.calls[call]
+            self.seqno += 1
+            err = OSError("connection lost")
+            self.msgs.append((self.now + 0.01, self.seqno, rec.caller, "reply", call, err))
+            return
+        copies = 2 if lossy and self.rng.random() < self.p_dup else 1
+        for _ in range(copies):
+            d = self.rng.choice([0.0, 0.001, 0.01, 0.05, 0.2]) if delay is None else delay
+            self.seqno += 1
+            self.msgs.append((self.now + d, self.seqno, dst, kind, call, x))
+
+    def request(
+        self, caller: str, callee: str, kind: str, event: Any, info: Any = None, key: Any = None
+    ) -> int:
+        self.seqno += 1
+        cid = self.seqno
+        caller_key = self.nodes[caller].key if caller in self.nodes else None
+        rec = _Callrec(caller, callee, kind, info, self.now + CALL_TIMEOUT, caller_key, key)
+        self.calls[cid] = rec
+        self.send(callee, "request", cid, (kind, event))
+        return cid
+
+    def reply(self, cid: int, value: Any) -> None:
+        rec = self.calls.get(cid)
+        if rec is not None:
+            self.send(rec.caller, "reply", cid, value)
+
+    def alive(self, addr: str) -> bool:
+        return addr in self.nodes and addr not in self.crashed
+
+    def running(self, addr: str) -> bool:
+        node = self.nodes.get(addr)
+        return node is not None and addr not in self.crashed and node.frozen_until is None
+
+    # -- carrying out actions --------------------------------------------------------------------
+
+    def node_actions(self, node: _Node, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Reply):
+                self.reply(a.req, a.value)
+            elif isinstance(a, Forward):
+                ev = Replicate(None, node.addr, a.snaps)
+                cid = self.request(node.addr, a.addr, "replicate", ev, key=a.key)
+                node.forwards[a.addr] = cid
+            elif isinstance(a, Cancel):
+                cid = node.forwards.pop(a.addr, None)
+                self.calls.pop(cid, None)
+            elif isinstance(a, WriteBlocks):
+                if self.now < self.outage_until:
+                    self.node_handle(node, WriteFailed("storage outage"))
+                    continue
+                blocks = {}
+                for snap in a.snaps:
+                    if snap.values.max(initial=0) > 1:
+                        self.fail(f"{node.addr} writes a block holding a push twice")
+                    path = f"shards/{snap.shard}/g{snap.gen}-v{snap.version}"
+                    self.blocks[path] = (snap.values.copy(), snap.version, snap.gen, snap.ids)
+                    blocks[snap.shard] = (snap.gen, snap.version, path)
+                self.request(node.addr, "ctl", "report", WriteReport(None, node.addr, blocks))
+            else:
+                raise TypeError(a)
+
+    def ctl_actions(self, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Reply):
+                self.reply(a.req, a.value)
+            elif isinstance(a, Call):
+                self.log(f"  ctl op {a.op}: {a.method} on {a.addr} {_brief(a.args)}")
+                self.request("ctl", a.addr, "command", (a.method, a.args), info=a.op, key=a.key)
+            elif isinstance(a, Cancel):
+                for cid, rec in list(self.calls.items()):
+                    if rec.caller == "ctl" and rec.info == a.op:
+                        del self.calls[cid]
+            elif isinstance(a, CreateNode):
+                self.send("sched", "create", 0, a.addr, delay=self.rng.choice([0.05, 0.3]))
+            elif isinstance(a, Retire):
+                self.retire(a.addr)
+            elif isinstance(a, WriteManifest):
+                if self.now < self.outage_until:
+                    self.send("sched", "manifest-failed", 0, a.seq, delay=0.05)
+                else:
+                    self.send("sched", "manifest", 0, (a.seq, a.doc), delay=0.02)
+            elif isinstance(a, DeleteBlocks):
+                for p in a.paths:
+                    self.blocks.pop(p, None)
+            elif isinstance(a, LogEvent):
+                self.log(f"  event {a.msg.get('event')}")
+            else:
+                raise TypeError(a)
+
+    def ctl_handle(self, event: Any) -> None:
+        self.changed = True
+        self.ctl_actions(self.ctl.handle(event))
+
+    def node_handle(self, node: _Node, event: Any) -> None:
+        self.dirty.add(node.addr)
+        self.node_actions(node, node.state.handle(event))
+
+    # -- faults ----------------------------------------------------------------------------------
+
+    def crash(self, addr: str) -> None:
+        self.changed = True
+        self.log(f"FAULT crash {addr}")
+        self.crashed.add(addr)
+        self.send("sched", "removed", 0, addr, delay=self.rng.choice([0.1, 0.5, 1.5]))
+        self.send("sched", "added", 0, self._new_worker(), delay=self.rng.choice([1.0, 3.0]))
+
+    def retire(self, addr: str) -> None:
+        node = self.nodes.get(addr)
+        self.log(f"  retire {addr}")
+        if node is None or addr in self.crashed:
+            return
+        if node.frozen_until is None:
+            self.crashed.add(addr)
+        else:
+            node.doomed_after = self.rng.randint(0, 30)
+        self.send("sched", "removed", 0, addr, delay=0.01)
+        self.send("sched", "added", 0, self._new_worker(), delay=self.rng.choice([1.0, 3.0]))
+
+    def fault(self) -> None:
+        live = [a for a in self.nodes if self.running(a)]
+        kind = self.rng.choice(["crash", "crash", "freeze", "freeze", "outage", "crash-many"])
+        self.fault_budget -= 1
+        if kind == "crash" and live:
+            self.crash(self.rng.choice(live))
+        elif kind == "crash-many" and live:
+            holders = self.ctl.routing[self.rng.randrange(self.n_shards)]
+            for a in holders:
+                if self.running(a):
+                    self.crash(a)
+        elif kind == "freeze" and live:
+            addr = self.rng.choice(live)
+            self.nodes[addr].frozen_until = self.now + self.rng.choice([0.5, 1.5, 3.0, 6.0])
+            self.log(f"FAULT freeze {addr} until {self.nodes[addr].frozen_until:.2f}")
+        elif kind == "outage":
+            self.outage_until = self.now + self.rng.choice([1.0, 4.0])
+            self.log(f"FAULT storage outage until {self.outage_until:.2f}")
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def ready(self) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        for m in self.msgs:
+            if m[0] <= self.now and not self._frozen(m[2]):
+                out.append(("msg", m))
+        for node in self.nodes.values():
+            if not self.running(node.addr):
+                continue
+            for timer in ("next_forward", "next_write", "next_beat"):
+                if getattr(node, timer) <= self.now:
+                    out.append(("timer", (node, timer)))
+        if self.next_tick <= self.now:
+            out.append(("tick", None))
+        for p in self.pushers:
+            busy = p.current or p.log or self.pushes_started < self.total_pushes
+            if not p.calls and busy and p.next_act <= self.now:
+                out.append(("pusher", p))
+        return out
+
+    def _frozen(self, dst: str) -> bool:
+        node = self.nodes.get(dst)
+        return node is not None and node.frozen_until is not None and dst not in self.crashed
+
+    def advance(self) -> None:
+        times = [m[0] for m in self.msgs if not self._frozen(m[2])]
+        times += [rec.deadline for rec in self.calls.values()]
+        times += [n.frozen_until for n in self.nodes.values() if n.frozen_until is not None]
+        times.append(self.next_tick)
+        times += [p.next_act for p in self.pushers if not p.calls]
+        for node in self.nodes.values():
+            if self.running(node.addr):
+                times += [node.next_forward, node.next_write, node.next_beat]
+        later = [t for t in times if t > self.now]
+        self.now = min(later) if later else self.now + 0.1
+
+    def step(self) -> None:
+        for node in self.nodes.values():
+            if node.frozen_until is not None and node.frozen_until <= self.now:
+                node.frozen_until = None
+                self.log(f"thaw {node.addr}")
+        for cid, rec in list(self.calls.items()):
+            if rec.deadline <= self.now:
+                self.seqno += 1
+                err = TimeoutError("no answer")
+                self.msgs.append((self.now, self.seqno, rec.caller, "reply", cid, err))
+                rec.deadline = float("inf")
+        self.pusher_guard()
+        if self.fault_budget > 0 and self.rng.random() < 0.01:
+            self.fault()
+        choices = self.ready()
+        if not choices:
+            self.advance()
+            return
+        kind, x = self.rng.choice(choices)
+        if kind == "msg":
+            self.msgs.remove(x)
+            self.deliver(x)
+        elif kind == "timer":
+            node, timer = x
+            self.spend(node)
+            if timer == "next_forward":
+                node.next_forward = self.now + FORWARD_INTERVAL
+                self.node_handle(node, ForwardDue())
+            elif timer == "next_write":
+                node.next_write = self.now + WRITE_INTERVAL
+                self.node_handle(node, WriteDue())
+            else:
+                node.next_beat = self.now + BEAT_INTERVAL
+                beat = Beat(None, node.addr, node.key, self.now, node.state.heartbeat())
+                self.request(node.addr, "ctl", "beat", beat)
+        elif kind == "tick":
+            self.next_tick = self.now + TICK_INTERVAL
+            self.ctl_handle(Tick(self.now))
+        elif kind == "pusher":
+            x.next_act = self.now + self.rng.choice([0.002, 0.02, 0.1])
+            self.pusher_act(x)
