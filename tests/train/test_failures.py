@@ -46,13 +46,17 @@ def _fit_in_background(trainer, epochs):
     return th, box
 
 
-def _wait_for_images(trainer, epoch, n, timeout=120):
+def _wait_for_images(trainer, epoch, n, box, timeout=300):
     deadline = time.time() + timeout
     while time.time() < deadline:
+        if "error" in box or "history" in box:
+            raise AssertionError(f"fit ended before epoch {epoch} reached {n} images: {box}")
         if trainer.epoch == epoch and sum(trainer._progress_state.values()) >= n:
             return
         time.sleep(0.05)
-    raise AssertionError(f"epoch {epoch} never reached {n} images")
+    raise AssertionError(
+        f"epoch {epoch} never reached {n} images in {timeout}s: {trainer._progress_state}"
+    )
 
 
 def test_train_worker_killed_mid_epoch(store, cluster):
@@ -67,7 +71,7 @@ def test_train_worker_killed_mid_epoch(store, cluster):
         slow_replicas={0: 0.1, 1: 0.1},
     )
     th, box = _fit_in_background(t, epochs=2)
-    _wait_for_images(t, 0, 128)
+    _wait_for_images(t, 0, 128, box)
     victim = workers_with_role(cluster, TRAIN)[0]  # each TRAIN worker runs one replica now
     kill_workers(cluster, [victim])
     th.join(timeout=300)
@@ -95,7 +99,7 @@ def test_ps_worker_killed_mid_epoch(store, cluster):
         slow_replicas={0: 0.02, 1: 0.02},
     )
     th, box = _fit_in_background(t, epochs=2)
-    _wait_for_images(t, 0, 128)
+    _wait_for_images(t, 0, 128, box)
     placement = t.server.placement()
     victim = placement[0][0]  # the primary of shard 0
     kill_workers(cluster, [victim])
@@ -123,7 +127,7 @@ def test_sync_step_waiting_for_a_frozen_replica_fails_naming_it(store, cluster):
     """Sync mode: the TRAIN worker of replica 1 is frozen (SIGSTOP) mid-epoch; replica 0 waits
     at the step's barrier for adam.train.sync-timeout, then the run stops with an error that
     names replica 1, instead of going on unsynchronised."""
-    with dask.config.set({"adam.train.sync-timeout": 5.0}):
+    with dask.config.set({"adam.train.sync-timeout": 10.0}):
         t = Trainer(
             store,
             model=SPEC,
@@ -136,7 +140,7 @@ def test_sync_step_waiting_for_a_frozen_replica_fails_naming_it(store, cluster):
             slow_replicas={0: 0.05, 1: 0.05},
         )
     th, box = _fit_in_background(t, epochs=2)
-    _wait_for_images(t, 0, 128)
+    _wait_for_images(t, 0, 128, box)
     deadline = time.time() + 60
     while 1 not in t.replica_workers and time.time() < deadline:
         time.sleep(0.05)
