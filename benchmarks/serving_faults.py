@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 import time
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     url = mnist_store()
     for scenario in ("moved", "local", "trainer") if args.scenario == "all" else (args.scenario,):
         result = run_trainer(url, args) if scenario == "trainer" else run(scenario, url, args)
+        result["load_average"] = os.getloadavg()[0]  # the machine is shared: how busy it was
         record("serving_faults", result, save=not args.no_save)
     return 0
 
