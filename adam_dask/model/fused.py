@@ -20,6 +20,10 @@ unfused step's (``flat += momentum * v - lr * grad`` over every parameter), up t
 
 Shapes follow the legend of :mod:`adam_dask.model.kernels`; every buffer is flat float32 and
 C-contiguous (argmax int8, labels int64), sized by the Context; nothing here checks shapes.
+
+numba's on-disk cache of :func:`train_step` is keyed by this file alone: after a change to a
+kernel in ``kernels.py``, delete ``adam_dask/model/__pycache__/fused.*.nb[ic]`` (or touch this
+file), or the cached step keeps the old kernel.
 """
 
 from __future__ import annotations

@@ -36,6 +36,26 @@ from numba import njit
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "conv2d_backward_input",
+    "conv2d_backward_weights",
+    "conv2d_forward",
+    "dense_backward",
+    "dense_backward_input",
+    "dense_backward_weights",
+    "dense_forward",
+    "im2col",
+    "maxpool2_backward",
+    "maxpool2_forward",
+    "relu_backward",
+    "relu_forward",
+    "sgd_update",
+    "softmax_cross_entropy_backward",
+    "softmax_cross_entropy_forward",
+    "tanh_backward",
+    "tanh_forward",
+]
+
 # Reassociation lets LLVM vectorise the float32 reductions (dot products); no nnan/ninf, so
 # NaN and inf propagate as usual and a diverging model stays visible.
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}

@@ -23,6 +23,8 @@ from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["FLOAT_BYTES", "Entry", "ParameterLayout", "shard_ranges"]
+
 FLOAT_BYTES = 4
 
 
