@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -49,6 +50,7 @@ def main() -> None:
     epochs = int(config.get("train.epochs", args.epochs))
     load_before = os.getloadavg()[0]
 
+    metrics = os.path.join(tempfile.mkdtemp(prefix="adam-tta-"), "history.jsonl")
     t0 = time.perf_counter()
     proc = subprocess.run(
         [
@@ -63,6 +65,8 @@ def main() -> None:
             "--epochs",
             str(epochs),
             "--no-progress",
+            "--metrics-out",
+            metrics,
         ],
         capture_output=True,
         text=True,
@@ -71,6 +75,8 @@ def main() -> None:
     if proc.returncode != 0:
         sys.exit(f"adam-dask train failed: {proc.stderr.strip().splitlines()[-1:]}")
     ours = json.loads(proc.stdout.strip().splitlines()[-1])
+    with open(metrics) as f:
+        history = [json.loads(line) for line in f if line.strip()]
     out = {
         "target": args.target,
         "planned_epochs": epochs,
@@ -80,6 +86,7 @@ def main() -> None:
         "ours_test_accuracy": ours["test_accuracy"],
         "ours_images_per_second": ours["images_per_second"],
         "ours_replicas": ours["replicas"],
+        "ours_curve": [round(r["test_accuracy"], 4) for r in history],
         "lr": config.get("train.lr"),
         "lr_schedule": config.get("train.lr-schedule"),
         "lr_floor": config.get("train.lr-floor"),
