@@ -15,7 +15,7 @@ from .. import config
 from ..errors import ConfigError
 from .schedule import KINDS
 
-__all__ = ["MODES", "RunSettings", "resolve_augment"]
+__all__ = ["MODES", "RunSettings", "network_for", "resolve_augment"]
 
 MODES = ("async", "sync")
 
@@ -143,3 +143,28 @@ def resolve_augment(augment: Any) -> Any:
     if augment is False:
         return None
     return augment
+
+
+def network_for(model: Any, split: Any, url: str, seed: int) -> Any:
+    """The Network to train on ``split`` (of the store at ``url``): a copy of ``model`` when it
+    is a Network, else one built from the spec ``model`` (config ``adam.model.spec``) with
+    ``seed``; checked against the images' shape and the number of classes."""
+    from ..model.network import Network
+
+    if isinstance(model, Network):
+        net = model.copy()
+    else:
+        spec = config.get("model.spec", model)
+        net = Network.from_spec(spec, input_shape=split.input_shape, seed=seed)
+    if tuple(net.input_shape) != tuple(split.input_shape):
+        raise ConfigError(
+            f"the model takes inputs {tuple(net.input_shape)} but {url} "
+            f"holds images {split.input_shape}",
+            "give a model spec for these images",
+        )
+    if net.classes < split.num_classes:
+        raise ConfigError(
+            f"the model has {net.classes} outputs but {url} has {split.num_classes} classes",
+            f"end the spec with fc{split.num_classes}",
+        )
+    return net

@@ -30,7 +30,7 @@ from ..data.augment import to_float
 from ..errors import ClusterError, ConfigError, DatasetError
 from ._checkpoint import history_url, refuse_existing, resumed_state
 from ._epoch import epoch_record, replica_count, share_sizes
-from ._settings import RunSettings, resolve_augment
+from ._settings import RunSettings, network_for, resolve_augment
 from ._submit import run_replicas
 from .metrics import History, Progress
 from .schedule import Schedule
@@ -114,7 +114,6 @@ class Trainer:
         overwrite: bool = False,
     ):
         from ..data.datasets import open_split
-        from ..model.network import Network
 
         self.data_url = data
         self.storage_options = storage_options
@@ -152,26 +151,8 @@ class Trainer:
                 data,
                 int(config.get("train.validation-images")),
             )
-        if isinstance(model, Network):
-            self.net = model.copy()
-        else:
-            spec = config.get("model.spec", model)
-            self.net = Network.from_spec(
-                spec, input_shape=self.train_split.input_shape, seed=self.settings.seed
-            )
-        if tuple(self.net.input_shape) != tuple(self.train_split.input_shape):
-            raise ConfigError(
-                f"the model takes inputs {tuple(self.net.input_shape)} but {data} "
-                f"holds images {self.train_split.input_shape}",
-                "give a model spec for these images",
-            )
+        self.net = network_for(model, self.train_split, data, self.settings.seed)
         self.num_classes = self.train_split.num_classes
-        if self.net.classes < self.num_classes:
-            raise ConfigError(
-                f"the model has {self.net.classes} outputs but {data} has "
-                f"{self.num_classes} classes",
-                f"end the spec with fc{self.num_classes}",
-            )
 
         self._own_client = client is None
         self.client = client
