@@ -58,9 +58,7 @@ def test_every_key_in_adam_yaml_is_read_by_the_code(key):
     strings = _string_constants()
     section = key.rpartition(".")[0]
     read = {key, f"adam.{key}", f"{section}.*", f"adam.{section}.*"}
-    assert read & strings, (
-        f"adam.{key} is in adam.yaml but no module reads it by name"
-    )
+    assert read & strings, f"adam.{key} is in adam.yaml but no module reads it by name"
 
 
 def _literal_fallbacks() -> list[str]:

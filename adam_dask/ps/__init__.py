@@ -5,7 +5,7 @@ controller in the scheduler.
 Users call :class:`ParameterServer` (create, restore, attach, push, push_outer, pull, flush,
 stats, close); :class:`ShardPlacement` is the controller, a scheduler plugin
 (``ParameterServer.create`` registers it; preload it with ``dask scheduler --preload
-adam_dask.ps.placement``). The modules, for a reader:
+adam_dask.ps``). The modules, for a reader:
 
 * ``state.py``: one shard's values, version and push ids (pure); ``_node_state.py``: a node's
   protocol (pure); ``node.py``: the PSNode actor that carries it out.
@@ -18,9 +18,17 @@ adam_dask.ps.placement``). The modules, for a reader:
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._plugin import ShardPlacement
 from .server import ParameterServer
 
 ReplicaPlacement = ShardPlacement  # the older name of the controller plugin
 
-__all__ = ["ParameterServer", "ReplicaPlacement", "ShardPlacement"]
+__all__ = ["ParameterServer", "ReplicaPlacement", "ShardPlacement", "dask_setup"]
+
+
+def dask_setup(scheduler: Any) -> None:
+    """Scheduler preload hook, ``dask scheduler --preload adam_dask.ps``: installs the
+    controller plugin, so a gateway or Kubernetes scheduler has it before any client connects."""
+    scheduler.add_plugin(ShardPlacement())

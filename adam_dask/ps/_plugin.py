@@ -13,7 +13,7 @@ connected (``ParameterServer.attach`` finds a server again). PS workers holding 
 offered for down-scaling.
 
 Register it with ``client.register_plugin(ShardPlacement())`` (``ParameterServer.create`` does),
-or preload it: ``dask scheduler --preload adam_dask.ps.placement``.
+or preload it: ``dask scheduler --preload adam_dask.ps``.
 """
 
 from __future__ import annotations

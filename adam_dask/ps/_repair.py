@@ -328,6 +328,7 @@ class Repair:
 
     def _plan_restores(self, live: dict[str, str], load: Counter) -> list:
         out: list = []
+        live = {a: h for a, h in live.items() if a in self.nodes or self._ready(("node", a))}
         for sid in sorted(self.restoring):
             if sid in self.busy or not self._ready(("shard", sid)):
                 continue
@@ -343,7 +344,7 @@ class Repair:
                     LogEvent({"event": "shard-lost", "server": self.server_id, "shard": sid})
                 )
                 continue
-            target = choose_new_holder([], live, load)
+            target = choose_new_holder([], live, load, set(self.nodes))
             if target is None:
                 continue
             if target not in self.nodes:
@@ -360,6 +361,7 @@ class Repair:
 
     def _plan_copies(self, live: dict[str, str], load: Counter) -> list:
         out: list = []
+        live = {a: h for a, h in live.items() if a in self.nodes or self._ready(("node", a))}
         for sid, holders in sorted(self.routing.items()):
             if (
                 len(holders) >= self.target
@@ -371,7 +373,7 @@ class Repair:
                 or not self._ready(("shard", sid))
             ):
                 continue
-            new = choose_new_holder(holders, live, load)
+            new = choose_new_holder(holders, live, load, set(self.nodes))
             if new is None:
                 continue
             if new not in self.nodes:

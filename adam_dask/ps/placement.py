@@ -7,9 +7,8 @@
 * :func:`choose_primary`: which surviving copy becomes the primary (the newest).
 
 The controller's state machine (:mod:`adam_dask.ps._controller`) decides with these; the
-scheduler plugin (:mod:`adam_dask.ps._plugin`) carries its decisions out. For a
-gateway/Kubernetes scheduler preload this module (``dask scheduler --preload
-adam_dask.ps.placement``): :func:`dask_setup` installs the plugin.
+scheduler plugin (:mod:`adam_dask.ps._plugin`) carries its decisions out; for a
+gateway/Kubernetes scheduler, preload :mod:`adam_dask.ps`.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ __all__ = [
     "PlacementWarning",
     "choose_new_holder",
     "choose_primary",
-    "dask_setup",
     "plan_placement",
 ]
 
@@ -96,15 +94,22 @@ def plan_placement(
     return plan
 
 
-def choose_new_holder(holders: list[str], workers: dict[str, str], load: Counter) -> str | None:
-    """The least-loaded worker on a host none of ``holders`` uses; else the least-loaded worker
-    not among ``holders``; else None."""
+def choose_new_holder(
+    holders: list[str],
+    workers: dict[str, str],
+    load: Counter,
+    ready: set[str] | frozenset[str] = frozenset(),
+) -> str | None:
+    """The worker for a shard's next copy: on a host none of ``holders`` uses if there is one,
+    else any worker not among ``holders``; among those, one in ``ready`` (it holds a node of the
+    server already: no actor to start, which takes seconds on a fresh worker), then the least
+    loaded. None when every worker holds a copy."""
     used_hosts = {workers.get(a) for a in holders}
     free = [a for a in sorted(workers) if a not in holders]
     best = [a for a in free if workers[a] not in used_hosts] or free
     if not best:
         return None
-    return min(best, key=lambda a: (load[a], a))
+    return min(best, key=lambda a: (a not in ready, load[a], a))
 
 
 def _descending(position: Any) -> Any:
@@ -115,10 +120,3 @@ def choose_primary(positions: dict[str, Any], primary_load: Counter) -> str:
     """The copy to promote: the newest (a version, or a ``(generation, version)`` position),
     then the worker with fewest primaries."""
     return min(positions, key=lambda a: (_descending(positions[a]), primary_load[a], a))
-
-
-def dask_setup(scheduler: Any) -> None:
-    """Scheduler preload hook: ``dask scheduler --preload adam_dask.ps.placement``."""
-    from ._plugin import ShardPlacement
-
-    scheduler.add_plugin(ShardPlacement())

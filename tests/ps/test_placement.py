@@ -58,6 +58,9 @@ def test_new_holder_prefers_unused_host_then_load():
     assert choose_new_holder(["a", "b"], w, Counter({"d": 2, "e": 1})) == "e"
     assert choose_new_holder(["a", "b", "d"], w, Counter()) == "c"  # no free host: distinct worker
     assert choose_new_holder(list(w), w, Counter()) is None
+    # among hosts the shard does not use, a worker that holds a node already comes first
+    assert choose_new_holder(["a", "b"], w, Counter({"d": 5}), ready={"d"}) == "d"
+    assert choose_new_holder([], w, Counter(), ready={"e"}) == "e"  # a restore: no wait
 
 
 def test_choose_primary_newest_version():

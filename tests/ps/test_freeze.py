@@ -1,0 +1,123 @@
+"""A frozen primary (SIGSTOP from the test process: its sockets stay open, nothing answers) is
+noticed by its missing heartbeats, fenced out and replaced while pushes go on, at the default
+settings; when it wakes (SIGCONT) it is no member any more, stale calls stamped with its old
+generation are refused, and the sums stay exact."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import adam_dask
+from adam_dask.ps import ParameterServer
+from adam_dask.ps._rpc import call_actor
+from adam_dask.ps.state import Snapshot
+from adam_dask.testing import freeze, thaw
+
+SHARD = 1 << 16
+N = 3 * (SHARD // 4) + 11  # 4 shards
+
+
+@pytest.fixture
+def client():
+    # 4 PS workers: with one frozen, every shard can still get 3 copies on distinct hosts
+    with adam_dask.cluster.local(ps_nodes=4, data_nodes=0, trainers=0, memory_limit="1 GiB") as c:
+        yield c
+
+
+class Pusher(threading.Thread):
+    """Pushes small-integer deltas until stopped; ``total`` sums the acknowledged ones."""
+
+    def __init__(self, server: ParameterServer, seed: int):
+        super().__init__(daemon=True)
+        self.server, self.rng = server, np.random.default_rng(seed)
+        self.total = np.zeros(server.size, np.float32)
+        self.count = 0
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                d = self.rng.integers(1, 4, self.server.size).astype(np.float32)
+                self.server.push(d)
+                self.total += d
+                self.count += 1
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+
+def wait_for(cond, what: str, timeout: float = 120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not after {timeout}s")
+
+
+def test_frozen_primary_fenced_replaced_and_refused_after_waking(client):
+    s = ParameterServer.create(client, size=N, shard_bytes=SHARD)
+    pushers = [Pusher(s, 1), Pusher(s, 2)]
+    frozen: dict = {}
+    try:
+        before = s.routing_info()
+        victim = before["routing"][0][0]
+        old_key, old_gen = before["nodes"][victim], before["gens"][0]
+        for p in pushers:
+            p.start()
+        wait_for(lambda: sum(p.count for p in pushers) >= 10, "pushes before the freeze")
+        frozen = freeze(client, [victim])
+        info = wait_for(
+            lambda: (r := s.routing_info())["routing"][0][0] != victim and not r["pending"] and r,
+            "a new primary for shard 0",
+        )
+        n = sum(p.count for p in pushers)
+        wait_for(lambda: sum(p.count for p in pushers) >= n + 10, "pushes after the fail-over")
+        thaw(frozen)
+        frozen = {}
+        assert info["gens"][0] > old_gen and victim not in info["nodes"], info
+        assert s.stats()["declared_dead"] >= 1
+
+        # the woken node learns it is no member and serves nothing any more
+        def woken_stats():
+            return client.sync(call_actor, client.rpc, victim, old_key, "stats", timeout=10)
+
+        wait_for(lambda: not woken_stats()["member"], "the woken node to stand down")
+        assert woken_stats()["primaries"] == []
+
+        # a forward stamped with the old generation is refused by a current copy, unchanged
+        backup = info["routing"][0][1]
+        backup_key = info["nodes"][backup]
+        a, b = s.shards[0]
+        stale = Snapshot(0, a, b, 10**6, np.full(b - a, -1e9, np.float32), (), old_gen)
+        got = client.sync(
+            call_actor, client.rpc, backup, backup_key, "replicate", [stale], victim, timeout=30
+        )
+        assert got["held"] == {} and got["refused"][0] > old_gen
+        # and so is a write-back report from the woken node
+        refused = client.sync(
+            client.scheduler.adam_ps_written,
+            server_id=s.server_id,
+            addr=victim,
+            blocks={0: [old_gen, 10**6, "shards/0/stale"]},
+        )
+        assert refused["accepted"] == {} and 0 in refused["refused"]
+
+        for p in pushers:
+            p.stop.set()
+            p.join(60)
+        assert all(p.error is None for p in pushers), [p.error for p in pushers]
+        s.flush()
+        np.testing.assert_array_equal(s.pull(), pushers[0].total + pushers[1].total)
+        assert s.stats()["refused_stale"] >= 2
+    finally:
+        if frozen:
+            thaw(frozen)
+        for p in pushers:
+            p.stop.set()
+        s.close()

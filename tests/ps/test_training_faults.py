@@ -1,0 +1,131 @@
+"""Training goes on through parameter-server faults sent from the test process, at the default
+PS settings: a primary frozen (SIGSTOP) mid-training, and every holder of a shard killed
+(SIGKILL), which the controller rebuilds from the checkpoint without a restart."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import adam_dask
+from adam_dask.ps._rpc import call_actor
+from adam_dask.testing import freeze, hard_kill, synthetic_store, thaw
+from adam_dask.train.trainer import Trainer
+
+SPEC = "conv5x5:6,maxpool2,fc32,fc10"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return synthetic_store(tmp_path_factory.mktemp("ps-fault-data"), n_train=1024, n_test=256)
+
+
+@pytest.fixture
+def cluster():
+    # 5 PS workers: one frozen, or three killed (their nanny brings them back under new
+    # addresses), still leaves live workers to promote on, rebuild on and copy to
+    with adam_dask.cluster.local(
+        ps_nodes=5, data_nodes=1, trainers=2, trainer_threads=1, memory_limit="2 GiB"
+    ) as client:
+        yield client
+
+
+def trainer(store, client, **kwargs):
+    return Trainer(
+        store,
+        model=SPEC,
+        client=client,
+        lr=0.05,
+        push_every=64,
+        batch_size=8,
+        progress=False,
+        shard_bytes=4096,  # a few shards: faults hit some, not all
+        slow_replicas={0: 0.02, 1: 0.02},  # the faults land mid-epoch
+        **kwargs,
+    )
+
+
+def fit_in_background(t, epochs):
+    box: dict = {}
+
+    def target():
+        try:
+            box["history"] = t.fit(epochs=epochs)
+        except BaseException as exc:  # surfaced by the test
+            box["error"] = exc
+
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+    return th, box
+
+
+def wait_for_pushes(t, box, n, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if "error" in box or "history" in box:
+            raise AssertionError(f"fit ended before {n} shard updates: {box}")
+        if t.server is not None and t.server.stats()["pushes_applied"] >= n:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"fewer than {n} shard updates in {timeout}s")
+
+
+@pytest.mark.timeout(900)  # a cluster of 8 workers training on 2 shared cores
+def test_training_through_a_frozen_primary(store, cluster):
+    t = trainer(store, cluster)
+    th, box = fit_in_background(t, epochs=2)
+    frozen: dict = {}
+    try:
+        wait_for_pushes(t, box, 40)
+        info = t.server.routing_info()
+        victim = info["routing"][0][0]
+        old_key = info["nodes"][victim]
+        frozen = freeze(cluster, [victim])
+        deadline = time.time() + 120
+        while time.time() < deadline:  # the controller replaces it while training goes on
+            r = t.server.routing_info()
+            if victim not in r["nodes"] and r["routing"][0][0] != victim and not r["pending"]:
+                break
+            time.sleep(0.1)
+        thaw(frozen)
+        frozen = {}
+        assert victim not in r["nodes"], r
+        th.join(timeout=600)
+        assert not th.is_alive()
+        assert "error" not in box, box.get("error")
+        assert box["history"].last["test_accuracy"] >= 0.8
+        woken = cluster.sync(call_actor, cluster.rpc, victim, old_key, "stats", timeout=30)
+        assert not woken["member"] and woken["primaries"] == []  # it serves nothing stale
+        assert t.server.stats()["declared_dead"] >= 1
+    finally:
+        if frozen:
+            thaw(frozen)
+        t.close()
+
+
+@pytest.mark.timeout(900)
+def test_training_through_the_loss_of_every_copy_of_a_shard(store, cluster, tmp_path):
+    t = trainer(store, cluster, checkpoint=str(tmp_path / "ckpt"))
+    th, box = fit_in_background(t, epochs=2)
+    try:
+        wait_for_pushes(t, box, 40)
+        before = t.server.placement()
+        holders = before[1]
+        hard_kill(cluster, holders)  # every copy of shard 1 at once
+        th.join(timeout=600)
+        assert not th.is_alive()
+        assert "error" not in box, box.get("error")
+        assert box["history"].last["test_accuracy"] >= 0.8
+        stats = t.server.stats()
+        restored = {r["shard"] for r in stats["restored"]}  # rebuilt from the checkpoint
+        assert 1 in restored
+        assert all(set(before[s]) <= set(holders) for s in restored)  # only shards lost whole
+        deadline = time.time() + 120
+        while not (info := t.server.routing_info())["healthy"] and time.time() < deadline:
+            time.sleep(0.2)
+        assert info["healthy"], info
+        assert len(info["routing"][1]) == 3 and not set(info["routing"][1]) & set(holders)
+    finally:
+        t.close()
