@@ -11,7 +11,7 @@ Serving it: the page is a :class:`AdamDashboard` scheduler plugin. Register it f
     url = adam_dask.dashboard.register(client)
 
 or preload it on a scheduler you start yourself (``dask scheduler --preload
-adam_dask.ps --preload adam_dask.dashboard``; the dask-gateway values and the Dask
+adam_dask.ps.placement --preload adam_dask.dashboard``; the dask-gateway values and the Dask
 operator manifests in ``deploy/`` do). In a notebook, :func:`snapshot` shows the same tables.
 
 Why Tornado handlers and not a Bokeh app: a plugin can add Tornado routes to a running

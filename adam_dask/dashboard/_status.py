@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 STATUS_VERSION = 1
-# The topics the producers log to: the PS controller (adam_dask.ps, fail-over
+# The topics the producers log to: the PS controller (adam_dask.ps.placement, fail-over
 # events) and the replica tasks (adam_dask.train.task, progress twice a second).
 PS_TOPIC = "adam-ps"
 PROGRESS_TOPIC = "adam-progress"

@@ -16,7 +16,7 @@ finds them. Gateway workers all start alike; roles are given once they are up
 ``adam_dask.cluster.client_for`` do).
 
 :func:`scheduler_command` adds the scheduler preloads the clusters need: the parameter-server
-controller (``adam_dask.ps``) and the Adam page (``adam_dask.dashboard``).
+controller (``adam_dask.ps.placement``) and the Adam page (``adam_dask.dashboard``).
 
 (No ``from __future__ import annotations``: the chart pastes this text into the middle of its
 generated configuration file, where a future import is a syntax error.)
@@ -29,7 +29,7 @@ from dask_gateway_server.options import Float, Integer, Options
 
 __all__ = ["SCHEDULER_PRELOADS", "adam_cluster_options", "options_handler", "scheduler_command"]
 
-SCHEDULER_PRELOADS = ("adam_dask.ps", "adam_dask.dashboard")
+SCHEDULER_PRELOADS = ("adam_dask.ps.placement", "adam_dask.dashboard")
 GIB = 2**30
 
 

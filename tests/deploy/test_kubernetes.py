@@ -170,7 +170,7 @@ def test_kubernetes_clusters_have_a_ps_a_data_and_a_train_worker_group():
         assert argv[:2] == ["dask", "scheduler"], argv
         dask_scheduler.make_context("dask scheduler", argv[2:])
         preloads = _option(argv, "--preload")
-        assert preloads == ["adam_dask.ps", "adam_dask.dashboard"]
+        assert preloads == ["adam_dask.ps.placement", "adam_dask.dashboard"]
         for module in preloads:
             assert callable(importlib.import_module(module).dask_setup)
 
@@ -239,7 +239,7 @@ def test_kubernetes_gateway_values_embed_the_options_file_and_adam_defaults(valu
         "dask",
         "scheduler",
         "--preload",
-        "adam_dask.ps",
+        "adam_dask.ps.placement",
         "--preload",
         "adam_dask.dashboard",
     ]

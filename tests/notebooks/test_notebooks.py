@@ -118,7 +118,7 @@ def dask_cluster_processes(tmp_path):
                 "--dashboard-address",
                 f"127.0.0.1:{_free_port()}",
                 "--preload",
-                "adam_dask.ps",
+                "adam_dask.ps.placement",
                 "--preload",
                 "adam_dask.dashboard",
             ],
