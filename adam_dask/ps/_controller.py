@@ -87,7 +87,7 @@ class ServerState(Repair):
         block_grace: float,
     ):
         self.server_id = server_id
-        self.shards = [tuple(s) for s in shards]
+        self.shards = [(a, b) for a, b in shards]
         self.target = int(target)
         self.routing = {int(s): list(h) for s, h in routing.items()}
         self.nodes = dict(nodes)
@@ -196,7 +196,8 @@ class ServerState(Repair):
         self.beats[ev.addr] = ev.now
         for sid, pos in ev.positions.items():
             if self.routing.get(sid, [])[:1] == [ev.addr]:
-                self.last_seen[sid] = max(self.last_seen.get(sid, (-1, -1)), tuple(pos))  # type: ignore[arg-type]
+                gen, version = pos  # a list if it came over the network
+                self.last_seen[sid] = max(self.last_seen.get(sid, (-1, -1)), (gen, version))
         gens = {s: self.gens[s] for s, h in self.routing.items() if ev.addr in h}
         return [Reply(ev.req, {"member": True, "gens": gens})]
 

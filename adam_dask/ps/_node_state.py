@@ -266,7 +266,8 @@ class NodeState(Commands):
         acked = self.acked.setdefault(ev.backup, {})
         for sid, pos in ev.held.items():
             if ev.backup in self._backups_of(sid):
-                acked[sid] = max(acked.get(sid, _NOWHERE), tuple(pos))  # type: ignore[arg-type]
+                gen, version = pos  # a list if it came over the network
+                acked[sid] = max(acked.get(sid, _NOWHERE), (gen, version))
         for sid, gen in ev.refused.items():
             if sid in self.primaries and gen > self.gens[sid]:
                 self._step_down(sid, gen, f"backup {ev.backup} knows generation {gen}")

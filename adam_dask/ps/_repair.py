@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from ._messages import Call, CallDone, CallFailed, Cancel, CreateNode, LogEvent, Position
+from ._messages import Call, CallDone, CallFailed, Cancel, CreateNode, LogEvent, Peer, Position
 from .placement import choose_new_holder, choose_primary
 
 logger = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ class Repair:
                 continue
             rnd.waiting.discard(op.addr)
             if sid in result:
-                rnd.replies[op.addr] = tuple(result[sid])  # type: ignore[assignment]
+                rnd.replies[op.addr] = tuple(result[sid])
             elif op.addr in self.routing[sid]:  # it does not hold the shard after all
                 self.routing[sid].remove(op.addr)
         return []
@@ -381,7 +381,8 @@ class Repair:
                 continue
             load[new] += 1
             start, stop = self.shards[sid]
-            args = ({sid: (start, stop)}, {sid: self.gens[sid]}, {}, -1)
+            no_backups: dict[int, list[Peer]] = {}
+            args = ({sid: (start, stop)}, {sid: self.gens[sid]}, no_backups, -1)
             out.append(
                 self._call(
                     "assign",

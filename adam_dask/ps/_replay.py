@@ -77,7 +77,8 @@ class ReplayLog:
     def acknowledged(self, sid: int, push_id: int, primary: str, gen: int, version: int) -> None:
         """A held push was (re)acknowledged by ``primary`` in generation ``gen`` at ``version``
         (after a replay)."""
-        held = self._held.get(sid, {}).get(push_id)
+        per = self._held.get(sid)
+        held = per.get(push_id) if per is not None else None
         if held is not None:
             held.primary, held.gen, held.version = primary, int(gen), int(version)
 

@@ -7,11 +7,13 @@ asks what every copy holds; a node's answer reaches the incarnation that asked, 
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ._controller import ServerState
 from ._messages import (
     Beat,
     CallDone,
@@ -91,7 +93,56 @@ class _Pusher:
 
 
 class Traffic:
-    """Delivery of messages and the pushers' moves."""
+    """Delivery of messages and the pushers' moves.
+
+    A mixin: the state below and the plumbing methods after it are those of
+    :class:`~adam_dask.ps._sim_world.World`, which sets and defines them.
+    """
+
+    rng: random.Random
+    now: float
+    n_shards: int
+    total_pushes: int
+    ack: str
+    outage_until: float
+    calls: dict[int, _Callrec]
+    nodes: dict[str, _Node]
+    crashed: set[str]
+    blocks: dict[str, tuple[np.ndarray, int, int, tuple]]
+    manifests: list[dict]
+    acked: dict[int, set[int]]
+    lost_ok: dict[int, set[int]]
+    acked_mask: np.ndarray
+    lost_mask: np.ndarray
+    changed: bool
+    pushes_started: int
+    ctl: ServerState
+    pushers: list[_Pusher]
+
+    # -- plumbing (World's) ----------------------------------------------------------------------
+
+    def log(self, text: str) -> None:
+        raise NotImplementedError
+
+    def nodes_key(self, addr: str) -> str:
+        raise NotImplementedError
+
+    def _make_node(self, addr: str) -> _Node:
+        raise NotImplementedError
+
+    def request(
+        self, caller: str, callee: str, kind: str, event: Any, info: Any = None, key: Any = None
+    ) -> int:
+        raise NotImplementedError
+
+    def reply(self, cid: int, value: Any) -> None:
+        raise NotImplementedError
+
+    def ctl_handle(self, event: Any) -> None:
+        raise NotImplementedError
+
+    def node_handle(self, node: _Node, event: Any) -> None:
+        raise NotImplementedError
 
     # -- delivery --------------------------------------------------------------------------------
 
@@ -292,8 +343,8 @@ class Traffic:
                 if s in prim:
                     groups.setdefault(prim[s][0], []).append(s)
             for addr, sids in groups.items():
-                ev = Confirmed(None, tuple(sids))
-                self.pusher_call(p, addr, "confirmed", ev, ("confirmed", None))
+                conf = Confirmed(None, tuple(sids))
+                self.pusher_call(p, addr, "confirmed", conf, ("confirmed", None))
 
     def pusher_reply(self, p: _Pusher, cid: int, x: Any) -> None:
         self.changed = True

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -143,6 +143,11 @@ class World(Traffic):
     def log(self, text: str) -> None:
         self.trace.append(f"{self.now:8.2f} {text}")
 
+    def fail(self, what: str) -> NoReturn:
+        """An invariant broke (the checked simulation raises its SimulationFailure, with the
+        trace)."""
+        raise AssertionError(f"seed {self.seed}: {what}")
+
     def nodes_key(self, addr: str) -> str:
         """The key of the node incarnation on ``addr`` now."""
         return self.nodes[addr].key
@@ -210,8 +215,9 @@ class World(Traffic):
                 cid = self.request(node.addr, a.addr, "replicate", ev, key=a.key)
                 node.forwards[a.addr] = cid
             elif isinstance(a, Cancel):
-                cid = node.forwards.pop(a.addr, None)
-                self.calls.pop(cid, None)
+                fwd = node.forwards.pop(a.addr, None) if a.addr is not None else None
+                if fwd is not None:
+                    self.calls.pop(fwd, None)
             elif isinstance(a, WriteBlocks):
                 if self.now < self.outage_until:
                     self.node_handle(node, WriteFailed("storage outage"))

@@ -174,7 +174,10 @@ class BlockStore:
 
         arr = zarr.open_array(store=self._zarr(), path=path, mode="r")
         attrs = dict(arr.attrs)
-        return np.asarray(arr[:], dtype=np.float32), attrs, _decode_ids(attrs.get("ids", ""))
+        ids = attrs.get("ids", "")
+        if not isinstance(ids, str):
+            raise TypeError(f"the push ids of block {path} are not a string: {ids!r}")
+        return np.asarray(arr[:], dtype=np.float32), attrs, _decode_ids(ids)
 
     def delete(self, paths: list[str] | tuple[str, ...]) -> None:
         fs, root = filesystem(self.url, self.storage_options)
@@ -293,7 +296,10 @@ def _read_checkpoint(url: str, storage_options: dict | None) -> tuple[dict, np.n
     try:
         if int(m.get("format_version", 1)) < 2:
             g = zarr.open_group(store=zarr_store(url, storage_options, read_only=True), mode="r")
-            values = np.asarray(g["params"][:], dtype=np.float32)
+            params = g["params"]
+            if not isinstance(params, zarr.Array):
+                raise TypeError("params is a group, not an array")
+            values = np.asarray(params[:], dtype=np.float32)
         else:
             reader = BlockStore(url, storage_options)
             values = np.zeros(int(m["size"]), np.float32)

@@ -331,8 +331,8 @@ class ParameterServer(Pushing):
                 f"an ({out}, {inp}) update at offset {offset} does not fit in "
                 f"{self.size} parameters"
             )
-        for name, a in (("errors", errors), ("activations", activations)):
-            if first_nonfinite(a) >= 0:
+        for name, m in (("errors", errors), ("activations", activations)):
+            if first_nonfinite(m) >= 0:
                 raise UpdateRejected(f"non-finite {name} in push_outer; nothing was applied")
         parts: dict[int, OuterPart] = {}
         for s, (a, b) in enumerate(self.shards):

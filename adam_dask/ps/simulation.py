@@ -27,6 +27,7 @@ pushes it holds and how many times.
 from __future__ import annotations
 
 import logging
+from typing import NoReturn
 
 import numpy as np
 
@@ -46,7 +47,7 @@ class _Sim(World):
 
     # -- invariants ------------------------------------------------------------------------------
 
-    def fail(self, what: str) -> None:
+    def fail(self, what: str) -> NoReturn:
         tail = "\n".join(self.trace[-400:])
         raise SimulationFailure(
             f"seed {self.seed}: {what}\n(replay: adam_dask.ps.simulation.simulate({self.seed}, "
@@ -88,9 +89,9 @@ class _Sim(World):
             for h in self._held(sid):
                 ok[h.push_id] = False
             for a in holders:
-                st = self.nodes[a].state.shards.get(sid)
-                if st is not None:
-                    ok &= st.values[:n] != 1
+                held = self.nodes[a].state.shards.get(sid)
+                if held is not None:
+                    ok &= held.values[:n] != 1
             if ok.any():
                 k = int(np.flatnonzero(ok)[0])
                 self.fail(f"acknowledged push {k} of shard {sid} is lost (holders {holders})")
@@ -124,8 +125,9 @@ class _Sim(World):
             return False
         m = self.manifests[-1]
         for sid, holders in self.ctl.routing.items():
-            states = [self.nodes[a].state.shards.get(sid) for a in holders]
-            if any(st is None for st in states):
+            copies = [self.nodes[a].state.shards.get(sid) for a in holders]
+            states = [st for st in copies if st is not None]
+            if len(states) != len(copies):
                 return False
             if len({st.position for st in states}) != 1:
                 return False
