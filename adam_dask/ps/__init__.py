@@ -5,11 +5,12 @@ controller in the scheduler.
 Users call :class:`ParameterServer` (create, restore, attach, push, push_outer, pull, flush,
 stats, close); :class:`ShardPlacement` is the controller, a scheduler plugin
 (``ParameterServer.create`` registers it; preload it with ``dask scheduler --preload
-adam_dask.ps``). The modules, for a reader:
+adam_dask.ps.placement``). The modules, for a reader:
 
 * ``state.py``: one shard's values, version and push ids (pure); ``_node_state.py``: a node's
   protocol (pure); ``node.py``: the PSNode actor that carries it out.
-* ``placement.py``: where copies go (pure policy); ``_controller.py``: the controller's
+* ``_policy.py``: where copies go (pure policy), re-exported with the preload hook by
+  ``placement.py``; ``_controller.py``: the controller's
   decisions (pure); ``_plugin.py``: the scheduler plugin that carries them out.
 * ``server.py`` and ``_client.py``: the client handle; ``_replay.py``: pushes a pusher keeps
   until every copy holds them. ``checkpoint.py``: blocks and the manifest.
@@ -18,17 +19,9 @@ adam_dask.ps``). The modules, for a reader:
 
 from __future__ import annotations
 
-from typing import Any
-
 from ._plugin import ShardPlacement
 from .server import ParameterServer
 
 ReplicaPlacement = ShardPlacement  # the older name of the controller plugin
 
-__all__ = ["ParameterServer", "ReplicaPlacement", "ShardPlacement", "dask_setup"]
-
-
-def dask_setup(scheduler: Any) -> None:
-    """Scheduler preload hook, ``dask scheduler --preload adam_dask.ps``: installs the
-    controller plugin, so a gateway or Kubernetes scheduler has it before any client connects."""
-    scheduler.add_plugin(ShardPlacement())
+__all__ = ["ParameterServer", "ReplicaPlacement", "ShardPlacement"]

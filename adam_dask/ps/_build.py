@@ -17,8 +17,8 @@ from .. import config
 from ..errors import ConfigError, UpdateRejected
 from ..model.layout import ParameterLayout, shard_ranges
 from ._plugin import ShardPlacement
+from ._policy import PLUGIN_NAME
 from .checkpoint import init_checkpoint
-from .placement import PLUGIN_NAME
 from .state import first_nonfinite
 
 logger = logging.getLogger(__name__)

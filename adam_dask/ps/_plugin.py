@@ -51,9 +51,9 @@ from ._messages import (
     WriteManifest,
     WriteReport,
 )
+from ._policy import PLUGIN_NAME, ROLE, TOPIC, plan_placement
 from ._rpc import call_actor
 from .node import PSNode
-from .placement import PLUGIN_NAME, ROLE, TOPIC, plan_placement
 
 logger = logging.getLogger(__name__)
 

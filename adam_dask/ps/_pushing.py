@@ -245,6 +245,17 @@ class Pushing(Transport):
             await asyncio.sleep(interval)
             try:
                 await self._settle(rpc, sched)
+            except KeyError as exc:
+                if "no parameter server" not in str(exc):
+                    logger.warning("server %s: replaying held pushes: %r", self.server_id, exc)
+                    continue
+                # the scheduler knows the server no more: it was closed
+                logger.info(
+                    "server %s was closed; %d held push(es) no longer replayed",
+                    self.server_id,
+                    len(self._log),
+                )
+                return
             except Exception as exc:
                 logger.warning(
                     "server %s: %d held push(es) not confirmed yet (%s); still trying",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._messages import Call, CallDone, CallFailed, Cancel, CreateNode, LogEvent, Peer, Position
-from .placement import choose_new_holder, choose_primary
+from ._policy import choose_new_holder, choose_primary
 
 logger = logging.getLogger(__name__)
 

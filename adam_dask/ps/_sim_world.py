@@ -33,6 +33,7 @@ from ._messages import (
 )
 from ._node_commands import command
 from ._node_state import NodeState
+from ._policy import plan_placement
 from ._sim_traffic import (
     BEAT_INTERVAL,
     BEAT_TIMEOUT,
@@ -47,7 +48,6 @@ from ._sim_traffic import (
     _Node,
     _Pusher,
 )
-from .placement import plan_placement
 
 logger = logging.getLogger(__name__)
 
