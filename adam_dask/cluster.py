@@ -26,7 +26,7 @@ from typing import Any
 
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
-from . import config
+from . import config, sizing
 from .errors import ClusterError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,21 @@ def _free_dashboard_address(address: str) -> str:
     return address
 
 
+def _trainers(trainers: Any, threads: Any) -> tuple[int, int]:
+    """Trainer count and threads from settings that may be ``"auto"`` (see :mod:`.sizing`)."""
+    auto_trainers, auto_threads = sizing.size_trainers(sizing.machine_cores())
+    n = auto_trainers if str(trainers).lower() == sizing.AUTO else _count("trainers", trainers)
+    t = auto_threads if str(threads).lower() == sizing.AUTO else _count("trainer_threads", threads)
+    return n, t
+
+
+def _count(name: str, value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} is not a count", 'give a number or "auto"') from None
+
+
 def local_spec(
     ps_nodes: int | None = None,
     data_nodes: int | None = None,
@@ -105,9 +120,15 @@ def local_spec(
     """
     ps_nodes = int(config.get("cluster.ps-nodes", ps_nodes))
     data_nodes = int(config.get("cluster.data-nodes", data_nodes))
-    trainers = int(config.get("cluster.trainers", trainers))
-    trainer_threads = int(config.get("cluster.trainer-threads", trainer_threads))
+    trainers, trainer_threads = _trainers(
+        config.get("cluster.trainers", trainers),
+        config.get("cluster.trainer-threads", trainer_threads),
+    )
     memory_limit = config.get("cluster.memory-limit", memory_limit)
+    if str(memory_limit).lower() == sizing.AUTO:
+        memory_limit = sizing.size_memory_limit(
+            sizing.machine_memory(), max(1, ps_nodes + data_nodes + trainers)
+        )
     dashboard_address = config.get("cluster.dashboard-address", dashboard_address)
     if str(dashboard_address).lower() in ("", "none", "false"):
         dashboard_address = None

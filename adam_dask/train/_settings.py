@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from .. import config
+from .. import config, sizing
 from ..errors import ConfigError
 from .schedule import KINDS
 
@@ -79,7 +79,7 @@ class RunSettings:
             lr_floor=float(values["lr_floor"]),
             momentum=float(values["momentum"]),
             batch_size=int(values["batch_size"]),
-            threads=int(values["threads"]),
+            threads=sizing.resolve_threads(values["threads"]),
             seed=int(values["seed"]),
             epoch_quorum=float(values["epoch_quorum"]),
             offload_dense=bool(values["offload_dense"]),

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .. import config
+from .. import config, sizing
 from ..data.augment import to_float
 from ..errors import ConfigError, InputShapeError
 from ..model.network import Network
@@ -150,7 +150,7 @@ class HogwildReplica:
         schedule: Schedule | None = None,
     ):
         self.net = net
-        self.threads = int(config.get("cluster.trainer-threads", threads))
+        self.threads = sizing.resolve_threads(config.get("cluster.trainer-threads", threads))
         if lr is None and schedule is not None:
             lr = schedule.lr
         self.base_lr = float(config.get("train.lr", lr))

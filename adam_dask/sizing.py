@@ -1,0 +1,74 @@
+"""The embedded cluster sized from the machine it runs on (pure: cores and memory in, counts out).
+
+``adam.cluster.trainers``, ``trainer-threads`` and ``memory-limit`` are ``auto`` by default and
+resolved here; a number in the configuration or a keyword argument wins. The reasons, measured on
+this project's machines, are kept beside the keys in ``adam.yaml``:
+
+* Up to 7 cores, one Hogwild thread per replica and one replica per core: two replicas on two
+  cores trained faster than one replica with two threads, because one replica's push overlaps
+  the other's compute.
+* From 8 cores, two Hogwild threads per replica (the paper's many threads updating one replica
+  without locks) and one replica per two cores, so there are 4 or more replicas and the epoch's
+  75% quorum lets stragglers go.
+* Memory: what the machine has, split evenly over the worker processes (as
+  :class:`distributed.LocalCluster` does with ``memory_limit="auto"``).
+
+>>> size_trainers(cores=2)
+(2, 1)
+>>> size_trainers(cores=16)
+(8, 2)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = [
+    "machine_cores",
+    "machine_memory",
+    "resolve_threads",
+    "size_memory_limit",
+    "size_trainers",
+]
+
+AUTO = "auto"
+MANY_CORES = 8  # from here on a replica runs two Hogwild threads
+
+
+def machine_cores() -> int:
+    """The cores this process may run on (its CPU affinity, else the machine's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def machine_memory() -> int:
+    """Bytes of memory available to this process (cgroup and rlimit aware, as Dask sees it)."""
+    from distributed.system import MEMORY_LIMIT
+
+    return int(MEMORY_LIMIT)
+
+
+def size_trainers(cores: int) -> tuple[int, int]:
+    """``(trainers, threads per trainer)`` for a machine with ``cores`` cores."""
+    if cores < 1:
+        raise ValueError(f"cores={cores}: a machine has at least one core")
+    threads = 2 if cores >= MANY_CORES else 1
+    return max(2, cores // threads), threads
+
+
+def size_memory_limit(memory: int, workers: int) -> int:
+    """Bytes per worker process: ``memory`` split evenly over ``workers``."""
+    if workers < 1:
+        raise ValueError(f"workers={workers}: the cluster has at least one worker")
+    return max(1, memory // workers)
+
+
+def resolve_threads(value: Any) -> int:
+    """Hogwild threads per replica from a setting that may be ``"auto"`` (sized from the cores
+    of the machine that asks: the embedded cluster's, or the client's for a remote one)."""
+    if str(value).lower() == AUTO:
+        return size_trainers(machine_cores())[1]
+    return int(value)
