@@ -230,8 +230,9 @@ def test_kubernetes_gateway_values_embed_the_options_file_and_adam_defaults(valu
         "paste deploy/gateway/options.py into values.yaml's gateway.extraConfig.00-adam-options"
     )
     # the values' Python, as the chart runs it: every block in key order, with a config ``c``
-    from dask.utils import parse_bytes
     from traitlets.config import Config
+
+    from adam_dask.sizing import size_trainers
 
     c = Config()
     exec(compile(values_python, "values.yaml", "exec"), {"c": c})
@@ -245,13 +246,15 @@ def test_kubernetes_gateway_values_embed_the_options_file_and_adam_defaults(valu
     ]
     opts = c.Backend.cluster_options
     defaults = {f["field"]: f["default"] for f in opts.get_specification()}
+    trainers, threads = size_trainers(2)  # adam.yaml's "auto" on a 2-core machine
+    worker_memory = defaults.pop("worker_memory")
     assert defaults == {
         "ps_nodes": config.get("cluster.ps-nodes"),
         "data_nodes": config.get("cluster.data-nodes"),
-        "trainers": config.get("cluster.trainers"),
-        "worker_cores": config.get("cluster.trainer-threads"),
-        "worker_memory": parse_bytes(config.get("cluster.memory-limit")) / 2**30,
+        "trainers": trainers,
+        "worker_cores": threads,
     }
+    assert 1 <= worker_memory <= 64
     out = opts.get_configuration(opts.parse_options({"trainers": 4, "worker_memory": 2}), None)
     assert out["cluster_max_workers"] == 3 + 1 + 4 and out["worker_memory"] == 2 * 2**30
     assert out["environment"]["DASK_ADAM__CLUSTER__TRAINERS"] == "4"
