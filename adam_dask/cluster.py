@@ -353,7 +353,9 @@ def client_for(
         )
     ps = int(config.get("cluster.ps-nodes", ps_nodes))
     data = int(config.get("cluster.data-nodes", data_nodes))
-    train = int(config.get("cluster.trainers", trainers))
+    # "auto" trainers: sized from this machine's cores (the embedded cluster's machine; for a
+    # new gateway cluster, give a count: its workers are other machines)
+    train, _ = _trainers(config.get("cluster.trainers", trainers), 1)
     if not scheduler and not gateway:
         if not embedded:
             return None
