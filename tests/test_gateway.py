@@ -19,8 +19,6 @@ import pytest
 
 from adam_dask.testing import synthetic_store
 
-pytest.importorskip("dask_gateway_server", reason="the gateway test needs the [test] extra")
-
 PASSWORD = "adam-test"
 PIPELINE = str(Path(__file__).parents[1] / "pipelines" / "train.py")
 

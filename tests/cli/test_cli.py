@@ -127,7 +127,6 @@ def test_unreachable_scheduler_is_one_error_line(store, capsys):
 
 
 def test_unreachable_gateway_is_one_error_line(store, capsys):
-    pytest.importorskip("dask_gateway", reason="--gateway needs the dask-gateway package")
     status, _, err = cli(capsys, "train", "--data", store, "--gateway", "http://127.0.0.1:9")
     assert_one_error(status, err, "dask-gateway at http://127.0.0.1:9")
 

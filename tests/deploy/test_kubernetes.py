@@ -346,8 +346,8 @@ def _train_on_the_gateway_cluster(client, store: str, tmp_path: Path, url: str) 
 def test_kubernetes_gateway_connect_notebook(gateway, tmp_path, monkeypatch):
     """notebooks/03_connect.ipynb's gateway path in a real kernel: ``client_for(gateway=...)``
     on a cluster with the values' default options (3 PS + 1 DATA + 2 TRAIN)."""
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+    import nbclient
+    import nbformat
 
     url, password = gateway
     monkeypatch.setenv("ADAM_NOTEBOOK_GATEWAY", url)
