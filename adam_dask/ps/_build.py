@@ -72,9 +72,11 @@ def build_server(
     versions: list[int] | None = None,
     manifest: dict | None = None,
     generation: int = 0,
+    marks: dict[int, Any] | None = None,
 ) -> Any:
     """Make the server: a new checkpoint unless ``manifest`` (one to keep writing to) is
-    given, the nodes, and their initial values at ``versions``."""
+    given, the nodes, and their initial values at ``versions`` with the data positions
+    ``marks`` {sid: [Mark]} they hold."""
     shard_bytes = int(config.get("ps.shard-bytes", shard_bytes))
     ack = config.get("ps.ack", ack)
     if ack not in ACKS:
@@ -161,7 +163,7 @@ def build_server(
     if init is not None or versions is not None:
         values = init if init is not None else np.zeros(size, dtype=np.float32)
         vs = {i: int(v) for i, v in enumerate(versions or [0] * len(shards))}
-        server._run(server._load, values, vs)
+        server._run(server._load, values, vs, marks or {})
     server.epoch = epoch
     logger.info("created %r", server)
     return server

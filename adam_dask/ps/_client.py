@@ -259,9 +259,15 @@ class Transport:
         return nodes, routing
 
     async def _load(
-        self, rpc: Any, sched: Any, values: np.ndarray, versions: dict[int, int]
+        self,
+        rpc: Any,
+        sched: Any,
+        values: np.ndarray,
+        versions: dict[int, int],
+        marks: dict[int, Any],
     ) -> None:
-        """Send initial values to every holder of every shard."""
+        """Send initial values (and the data positions they hold) to every holder of every
+        shard."""
         per_node: dict[str, list[int]] = {}
         for s, holders in enumerate(self._routing):
             for a in holders:
@@ -276,6 +282,7 @@ class Transport:
                     "load",
                     {s: values[self.shards[s][0] : self.shards[s][1]] for s in sids},
                     {s: versions[s] for s in sids},
+                    {s: list(marks.get(s, ())) for s in sids},
                     timeout=timeout,
                 )
                 for a, sids in per_node.items()

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .state import Snapshot
+from .state import Mark, Snapshot
 
 __all__ = [
     "AddBackups",
@@ -43,6 +43,7 @@ __all__ = [
     "LogEvent",
     "ManifestDone",
     "ManifestFailed",
+    "Marks",
     "NodeFailed",
     "NodeReady",
     "Promote",
@@ -76,13 +77,15 @@ Peer = tuple[str, str]  # (worker address, node actor key)
 @dataclass(frozen=True, slots=True)
 class Push:
     """One push at a primary: ``deltas`` {sid: shard-length float32 delta}, ``stamps`` {sid:
-    the shard generation in the pusher's routing}; ``ack`` is "replay", "all" or "primary"."""
+    the shard generation in the pusher's routing}; ``ack`` is "replay", "all" or "primary";
+    ``mark`` what it covers of the pusher's data (recorded with it, fences repeats)."""
 
     req: Any
     deltas: dict[int, np.ndarray]
     push_id: int | None
     stamps: dict[int, int] | None
     ack: str
+    mark: Mark | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +108,16 @@ class Confirmed:
 
     req: Any
     sids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Marks:
+    """The data positions (:class:`~adam_dask.ps.state.Mark`) of ``epoch`` recorded by each
+    primary among ``sids``."""
+
+    req: Any
+    sids: tuple[int, ...]
+    epoch: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +227,7 @@ class Restore:
     version: int
     values: np.ndarray
     ids: tuple[tuple[int, int], ...]
+    marks: tuple[Mark, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,8 +123,15 @@ class Commands:
                 self.written[sid] = self.shards[sid].version
         return [Reply(ev.req, None)]
 
-    def load(self, values: dict[int, np.ndarray], versions: dict[int, int]) -> None:
-        """Initial values of held shards (a new or restored server): already in the checkpoint."""
+    def load(
+        self,
+        values: dict[int, np.ndarray],
+        versions: dict[int, int],
+        marks: dict[int, Any] | None = None,
+    ) -> None:
+        """Initial values of held shards (a new or restored server): already in the checkpoint;
+        ``marks`` {sid: [Mark]}: the data positions they hold."""
+        marks = {int(s): list(m) for s, m in (marks or {}).items()}
         for sid, v in values.items():
             st = self.shards[int(sid)]
             arr = np.asarray(v, dtype=np.float32).reshape(-1)
@@ -134,6 +141,7 @@ class Commands:
                 )
             st.values[:] = arr
             st.version = int(versions[sid])
+            st.set_marks(marks.get(int(sid), ()))
             self._cache.pop(int(sid), None)
             if int(sid) in self.primaries:
                 self.written[int(sid)] = st.version
@@ -174,7 +182,7 @@ class Commands:
         if held is not None and ev.sid in self.primaries and held.gen == ev.gen:
             return [Reply(ev.req, ev.version)]  # the same restore again: done already
         st = ShardState(ev.sid, ev.start, ev.stop, None, -1, self.dedup_window, gen=-1)
-        st.install(ev.version, ev.values, ev.ids, gen=ev.gen, full=True)
+        st.install(ev.version, ev.values, ev.ids, gen=ev.gen, full=True, marks=ev.marks)
         self._forget(ev.sid)
         self.shards[ev.sid] = st
         self.gens[ev.sid] = ev.gen

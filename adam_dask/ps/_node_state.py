@@ -41,6 +41,7 @@ from ._messages import (
     ForwardDue,
     ForwardFailed,
     HeartbeatReply,
+    Marks,
     Peer,
     Position,
     Pull,
@@ -54,7 +55,7 @@ from ._messages import (
     WriteFailed,
 )
 from ._node_commands import NOT_HELD, Commands, _Waiter, command
-from .state import ShardState
+from .state import Mark, ShardState
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class NodeState(Commands):
 
     def _on_Pushes(self, ev: Pushes) -> list:
         out: list = []
-        todo: dict[int, list[tuple[int, np.ndarray, int | None]]] = {}
+        todo: dict[int, list[tuple[int, np.ndarray, int | None, Mark | None]]] = {}
         results = []
         for i, p in enumerate(ev.items):
             res: dict = {"per_shard": {}, "moved": [], "confirmed": {}, "gens": {}}
@@ -168,15 +169,21 @@ class NodeState(Commands):
                 out.append(Reply(p.req, exc))
                 continue
             for sid, d in checked.items():
-                todo.setdefault(sid, []).append((i, d, p.push_id))
+                todo.setdefault(sid, []).append((i, d, p.push_id, p.mark))
             results.append((i, p, res))
         versions: dict[tuple[int, int], int] = {}
         for sid, items in todo.items():
             st = self.shards[sid]
-            applied = st.apply_batch([d for _, d, _ in items], [pid for _, _, pid in items])
-            self.pushes += len(items)
-            self.floats_applied += len(items) * st.size
-            for (i, _, _), v in zip(items, applied):
+            fenced = st.pushes_fenced
+            applied = st.apply_batch(
+                [d for _, d, _, _ in items],
+                [pid for _, _, pid, _ in items],
+                [m for _, _, _, m in items],
+            )
+            n = len(items) - (st.pushes_fenced - fenced)
+            self.pushes += n
+            self.floats_applied += n * st.size
+            for (i, _, _, _), v in zip(items, applied):
                 versions[(i, sid)] = v
         urgent = False
         for i, p, res in results:
@@ -202,6 +209,18 @@ class NodeState(Commands):
                 ev.req,
                 {
                     "per_shard": {s: self.values_of(s)[1] for s in ok},
+                    "moved": [s for s in ev.sids if s not in ok],
+                },
+            )
+        ]
+
+    def _on_Marks(self, ev: Marks) -> list:
+        ok = [s for s in ev.sids if self.accepts(s, None)]
+        return [
+            Reply(
+                ev.req,
+                {
+                    "per_shard": {s: self.shards[s].marks_of(ev.epoch) for s in ok},
                     "moved": [s for s in ev.sids if s not in ok],
                 },
             )
@@ -306,7 +325,9 @@ class NodeState(Commands):
             if sid in self.primaries:  # a newer primary exists: this one is a backup now
                 self._step_down(sid, snap.gen, f"{ev.sender} forwards generation {snap.gen}")
             self.gens[sid] = max(known, snap.gen)
-            st.install(snap.version, snap.values, snap.ids, gen=snap.gen, full=snap.full)
+            st.install(
+                snap.version, snap.values, snap.ids, gen=snap.gen, full=snap.full, marks=snap.marks
+            )
             held[sid] = st.position
         return [Reply(ev.req, {"held": held, "refused": refused}), *self._settle()]
 
@@ -458,6 +479,7 @@ class NodeState(Commands):
             "backups": sorted(set(self.shards) - set(self.primaries)),
             "member": self.member,
             "pushes": self.pushes,
+            "pushes_fenced": sum(st.pushes_fenced for st in self.shards.values()),
             "floats_applied": self.floats_applied,
             "replication_lag": int(lag),
             "writeback_lag_versions": int(max(wb, 0)),

@@ -19,6 +19,7 @@ from .. import config
 from ..errors import ShardUnavailable
 from ._client import Transport
 from ._replay import HeldPush
+from .state import Mark
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,9 @@ class Pushing(Transport):
     checkpoint: str | None
     _rng: Any
 
-    async def _push(self, rpc: Any, sched: Any, delta: np.ndarray, ack: str | None) -> None:
+    async def _push(
+        self, rpc: Any, sched: Any, delta: np.ndarray, ack: str | None, mark: Mark | None
+    ) -> None:
         push_id = self._rng.getrandbits(62)
         ack = ack or self.ack
 
@@ -44,14 +47,14 @@ class Pushing(Transport):
             return delta[self.shards[s][0] : self.shards[s][1]]
 
         def args(sids: list[int]) -> tuple:
-            return ({s: part(s) for s in sids}, push_id, ack, self._stamps(sids))
+            return ({s: part(s) for s in sids}, push_id, ack, self._stamps(sids), mark)
 
         def payload(sid: int) -> tuple[Any, int]:
             p = part(sid).copy()
             return p, p.nbytes
 
         sids = range(len(self.shards))
-        await self._send_push(rpc, sched, sids, "push", args, push_id, ack, payload)
+        await self._send_push(rpc, sched, sids, "push", args, push_id, ack, payload, mark)
 
     async def _push_outer(
         self,
@@ -65,6 +68,7 @@ class Pushing(Transport):
         activations: np.ndarray,
         scale: float,
         ack: str | None,
+        mark: Mark | None,
     ) -> None:
         push_id = self._rng.getrandbits(62)
         ack = ack or self.ack
@@ -74,13 +78,14 @@ class Pushing(Transport):
 
         def args(sids: list[int]) -> tuple:
             c = {s: cols(s) for s in sids}
-            return (c, offset, out, inp, activations, scale, push_id, ack, self._stamps(sids))
+            stamps = self._stamps(sids)
+            return (c, offset, out, inp, activations, scale, push_id, ack, stamps, mark)
 
         def payload(sid: int) -> tuple[Any, int]:
             c = cols(sid).copy()
             return (c, offset, out, inp, activations, scale), c.nbytes + activations.nbytes
 
-        await self._send_push(rpc, sched, parts, "push_outer", args, push_id, ack, payload)
+        await self._send_push(rpc, sched, parts, "push_outer", args, push_id, ack, payload, mark)
 
     async def _pull(self, rpc: Any, sched: Any, sids: list[int], out: np.ndarray) -> None:
         if self._log:
@@ -126,6 +131,13 @@ class Pushing(Transport):
             limit=remaining,
         )
 
+    async def _marks(
+        self, rpc: Any, sched: Any, epoch: int
+    ) -> dict[int, dict[int, tuple[Mark, ...]]]:
+        return await self._each_primary(
+            rpc, sched, range(len(self.shards)), "marks", lambda s: (s, int(epoch))
+        )
+
     async def _commit(self, rpc: Any, sched: Any, epoch: Any, meta: dict | None) -> dict:
         return await sched.adam_ps_commit(server_id=self.server_id, epoch=epoch, meta=meta)
 
@@ -139,9 +151,11 @@ class Pushing(Transport):
         push_id: int,
         ack: str,
         payload: Callable[[int], tuple[Any, int]],
+        mark: Mark | None = None,
     ) -> None:
         """Send one push to the primaries of ``sids``; with ``ack="replay"`` keep each shard's
-        part (``payload(sid)`` -> (payload, nbytes)) until every copy holds it."""
+        part (``payload(sid)`` -> (payload, nbytes)) and its ``mark`` until every copy holds
+        it."""
         keep = ack == "replay"
         limit = int(config.get("ps.replay-bytes"))
         if keep and self._log.nbytes > limit:
@@ -152,7 +166,7 @@ class Pushing(Transport):
                 for sid, version in reply["per_shard"].items():
                     part, nbytes = payload(int(sid))
                     gen = int(reply["gens"][sid])
-                    held = HeldPush(push_id, method, part, addr, gen, int(version), nbytes)
+                    held = HeldPush(push_id, method, part, addr, gen, int(version), nbytes, mark)
                     self._log.add(int(sid), held)
             self._confirm(addr, reply)
 
@@ -189,9 +203,10 @@ class Pushing(Transport):
         def args(sids: list[int]) -> tuple:
             stamps = self._stamps([sid])
             if h.method == "push":
-                return ({sid: h.payload}, h.push_id, "replay", stamps)
+                return ({sid: h.payload}, h.push_id, "replay", stamps, h.mark)
             cols, offset, out, inp, activations, scale = h.payload
-            return ({sid: cols}, offset, out, inp, activations, scale, h.push_id, "replay", stamps)
+            rest = (h.push_id, "replay", stamps, h.mark)
+            return ({sid: cols}, offset, out, inp, activations, scale, *rest)
 
         def on_reply(addr: str, reply: dict) -> None:
             for s, version in reply["per_shard"].items():

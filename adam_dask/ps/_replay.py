@@ -35,7 +35,8 @@ class HeldPush:
     ``method`` and ``payload`` rebuild the node call for this shard alone (``"push"`` with the
     shard's delta, or ``"push_outer"`` with the outer-product arguments); ``primary``, ``gen``
     and ``version`` say who acknowledged it, in which generation of the shard, at which of its
-    versions.
+    versions. ``mark`` (what the push covers of its pusher's data) goes with every replay, so
+    the new primary records it with the values.
     """
 
     push_id: int
@@ -45,6 +46,7 @@ class HeldPush:
     gen: int
     version: int
     nbytes: int
+    mark: Any = None  # the push's data position (a Mark), replayed with it
 
 
 class ReplayLog:

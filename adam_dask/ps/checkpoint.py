@@ -5,7 +5,8 @@ Format 2 (no pickles; safe to open from an untrusted place)::
     <url>/zarr.json                      the Zarr v3 group
     <url>/shards/<sid>/g<gen>-v<version> one block: a float32 Zarr array of the shard's values
                                          (one chunk), attributes: shard, start, stop, version,
-                                         generation, and the ids of the pushes it holds
+                                         generation, the ids of the pushes it holds and the
+                                         data positions (marks) its values hold
     <url>/manifest.json                  format, size, shard_bytes, shard ranges, per shard the
                                          block, version and generation; epoch, meta, layout,
                                          sequence, time
@@ -39,7 +40,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..storage import filesystem, join_url, normalize_url, zarr_store
-from .state import Snapshot
+from .state import Mark, Snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ __all__ = [
     "put_manifest",
     "read_checkpoint",
     "read_manifest",
+    "read_marks",
 ]
 
 MANIFEST = "manifest.json"
@@ -163,6 +165,7 @@ class BlockStore:
                 "version": snap.version,
                 "generation": snap.gen,
                 "ids": _encode_ids(snap.ids),
+                "marks": [m.to_json() for m in snap.marks],
             },
         )
         arr[:] = snap.values
@@ -205,6 +208,27 @@ class BlockStore:
                 if fs.isdir(b) and rel not in named:
                     found.append(rel)
         return found
+
+
+def block_marks(attrs: dict) -> tuple[Mark, ...]:
+    """The data positions a block's values hold (none in blocks written before them)."""
+    return tuple(Mark.from_json(m) for m in attrs.get("marks") or ())
+
+
+def read_marks(
+    url: str, storage_options: dict | None, manifest: dict
+) -> dict[int, tuple[Mark, ...]]:
+    """{shard: the marks of its block} of the blocks ``manifest`` names (format 2)."""
+    if int(manifest.get("format_version", 1)) < 2:
+        return {}
+    import zarr
+
+    reader = BlockStore(url, storage_options)
+    out = {}
+    for sid, path in enumerate(manifest["blocks"]):
+        arr = zarr.open_array(store=reader._zarr(), path=path, mode="r")
+        out[sid] = block_marks(dict(arr.attrs))
+    return out
 
 
 def init_checkpoint(

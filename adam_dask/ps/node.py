@@ -37,6 +37,7 @@ from ._messages import (
     ForwardDue,
     ForwardFailed,
     HeartbeatReply,
+    Marks,
     Promote,
     Pull,
     Push,
@@ -53,7 +54,7 @@ from ._messages import (
 )
 from ._node_state import NodeState
 from ._rpc import call_actor
-from .state import Snapshot
+from .state import Mark, Snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -314,9 +315,10 @@ class PSNode:
         prim = {int(s): [tuple(p) for p in ps] for s, ps in (primaries or {}).items()}
         await self._ask(lambda r: Assign(r, shards, gens, prim, int(version)))
 
-    async def load(self, values: dict, versions: dict) -> None:
-        """Initial values of held shards at ``versions`` (a new or restored server)."""
-        self._start().load({int(s): v for s, v in values.items()}, versions)
+    async def load(self, values: dict, versions: dict, marks: dict | None = None) -> None:
+        """Initial values of held shards at ``versions`` (a new or restored server), with the
+        data positions (``marks`` {sid: [Mark]}) they hold."""
+        self._start().load({int(s): v for s, v in values.items()}, versions, marks)
 
     async def fence(self, gens: dict) -> dict:
         return await self._ask(lambda r: Fence(r, {int(s): int(g) for s, g in gens.items()}))
@@ -331,8 +333,13 @@ class PSNode:
         self._start()
         values, attrs, ids = await asyncio.to_thread(self._store.read, block[0])
         version = int(attrs["version"])
+        from .checkpoint import block_marks
+
+        marks = block_marks(attrs)
         return await self._ask(
-            lambda r: Restore(r, int(sid), int(gen), int(start), int(stop), version, values, ids)
+            lambda r: Restore(
+                r, int(sid), int(gen), int(start), int(stop), version, values, ids, marks
+            )
         )
 
     async def set_backups(self, shards: dict, stamp: int = 0) -> None:
@@ -360,18 +367,20 @@ class PSNode:
         push_id: int | None = None,
         ack: str | None = None,
         stamps: dict | None = None,
+        mark: Mark | None = None,
     ) -> dict:
         """Add {sid: delta} to the primaries held here. Returns ``{"per_shard": {sid:
         version}, "moved": [sid, ...], "confirmed": {sid: version every copy holds}}``;
         ``moved`` lists the shards this node may not take (the caller refreshes its routing
-        and retries them). Raises :class:`UpdateRejected` (nothing applied) for a bad delta."""
+        and retries them). Raises :class:`UpdateRejected` (nothing applied) for a bad delta.
+        ``mark``: what the push covers of the pusher's data (:class:`Mark`), recorded with it."""
         self._start()
         fut = asyncio.get_running_loop().create_future()
         req = next(self._reqs)
         self._futures[req] = fut
         st = None if stamps is None else {int(s): int(g) for s, g in stamps.items()}
         ds = {int(s): d for s, d in deltas.items()}
-        self._queue.append(Push(req, ds, push_id, st, ack or self.cfg["ack"]))
+        self._queue.append(Push(req, ds, push_id, st, ack or self.cfg["ack"], mark))
         if not self._drain_scheduled:
             self._drain_scheduled = True
             asyncio.get_running_loop().call_soon(self._drain)
@@ -397,6 +406,7 @@ class PSNode:
         push_id: int | None = None,
         ack: str | None = None,
         stamps: dict | None = None,
+        mark: Mark | None = None,
     ) -> dict:
         """Add each shard's part of ``scale * errors.T @ activations``; ``parts`` maps sid ->
         the error columns of the rows touching it. The product is computed here, in a thread,
@@ -413,7 +423,7 @@ class PSNode:
             }
 
         deltas = await asyncio.to_thread(compute) if todo else {}
-        res = await self.push(deltas, push_id, ack, stamps) if deltas else None
+        res = await self.push(deltas, push_id, ack, stamps, mark) if deltas else None
         moved = [int(s) for s in parts if int(s) not in deltas]
         if res is None:
             return {"per_shard": {}, "moved": moved, "confirmed": {}}
@@ -435,6 +445,11 @@ class PSNode:
         """{sid: version} of the shards held here (all, or ``sids``)."""
         sids_t = None if sids is None else tuple(int(s) for s in sids)
         return await self._ask(lambda r: Versions(r, sids_t))
+
+    async def marks(self, sids: Iterable[int], epoch: int) -> dict:
+        """``{"per_shard": {sid: {replica: Mark}}, "moved": [...]}``: the data positions of
+        ``epoch`` the primaries among ``sids`` hold."""
+        return await self._ask(lambda r: Marks(r, tuple(int(s) for s in sids), int(epoch)))
 
     async def confirmed(self, sids: Iterable[int]) -> dict:
         """``{"per_shard": {sid: version every copy holds}, "moved": [...]}``."""

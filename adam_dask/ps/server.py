@@ -36,6 +36,7 @@ import logging
 import random
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -46,8 +47,8 @@ from ..model.layout import ParameterLayout
 from ..storage import normalize_url
 from ._build import build_server, resolve_copies, shard_of
 from ._pushing import Pushing
-from .checkpoint import read_checkpoint
-from .state import OuterPart, first_nonfinite, outer_part
+from .checkpoint import read_checkpoint, read_marks
+from .state import Mark, OuterPart, first_nonfinite, outer_part
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +237,7 @@ class ParameterServer(Pushing):
             versions=[int(v) for v in manifest["versions"]] if same_shards else None,
             manifest=manifest if keep else None,
             generation=max(manifest.get("generations") or [0]) + 1,
+            marks=read_marks(url, storage_options, manifest) if same_shards else None,
         )
         if kwargs:
             raise ConfigError(f"restore() got unexpected keywords {sorted(kwargs)}")
@@ -281,8 +283,13 @@ class ParameterServer(Pushing):
         run, _, sched = self._context()
         return run(sched.adam_ps_routing, server_id=self.server_id)
 
-    def push(self, delta: np.ndarray, *, ack: str | None = None) -> None:
+    def push(self, delta: np.ndarray, *, ack: str | None = None, mark: Mark | None = None) -> None:
         """Add a flat float32 ``delta`` (length ``size``) to the parameters.
+
+        ``mark`` (:class:`~adam_dask.ps.state.Mark`): what the push covers of the pusher's
+        data. Each shard records it atomically with the values (replicated, written back) and
+        skips a push whose ``(seq, part)`` is at or below the one it recorded for the pusher;
+        :meth:`marks` reads them.
 
         Raises :class:`UpdateRejected` (nothing applied) when it holds NaN/Inf or has the wrong
         length, :class:`ShardUnavailable` when a shard has no copy left or fail-over takes
@@ -302,7 +309,7 @@ class ParameterServer(Pushing):
                 "check the gradients for overflow",
                 shard=sid,
             )
-        self._run(self._push, delta, ack)
+        self._run(self._push, delta, ack, mark)
 
     def push_outer(
         self,
@@ -312,8 +319,10 @@ class ParameterServer(Pushing):
         scale: float = 1.0,
         *,
         ack: str | None = None,
+        mark: Mark | None = None,
     ) -> None:
         """Add ``scale * errors.T @ activations`` to ``flat[offset : offset + out * in]``.
+        ``mark`` as for :meth:`push`.
 
         ``errors`` is (B, out), ``activations`` (B, in), float32; the (out, in) product is
         row-major (a dense layer's weight), computed on the PS nodes that hold it.
@@ -339,8 +348,19 @@ class ParameterServer(Pushing):
             p = outer_part(offset, out, inp, a, b)
             if p is not None:
                 parts[s] = p
+        if mark is not None:  # the shards this part goes to: a re-run checks each has it
+            mark = replace(mark, targets=tuple(sorted(parts)))
         self._run(
-            self._push_outer, parts, int(offset), out, inp, errors, activations, float(scale), ack
+            self._push_outer,
+            parts,
+            int(offset),
+            out,
+            inp,
+            errors,
+            activations,
+            float(scale),
+            ack,
+            mark,
         )
 
     def pull(
@@ -361,6 +381,11 @@ class ParameterServer(Pushing):
                 raise ConfigError(f"no shard {s}: the server has {len(self.shards)}")
         self._run(self._pull, list(sids), out)
         return out
+
+    def marks(self, epoch: int) -> dict[int, dict[int, tuple[Mark, ...]]]:
+        """{shard: {replica: the marks of its pushes of ``epoch`` the primary applied}}: the
+        data positions the parameters hold, per shard."""
+        return self._run(self._marks, int(epoch))
 
     def versions(self) -> dict[int, int]:
         """{shard: version} at the primaries."""

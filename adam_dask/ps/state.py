@@ -25,6 +25,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numba import njit
@@ -35,6 +36,7 @@ from ..errors import UpdateRejected
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "Mark",
     "OuterPart",
     "ShardState",
     "Snapshot",
@@ -166,6 +168,57 @@ def warm_up() -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class Mark:
+    """What one push covers of its pusher's data: the data position a shard records with it.
+
+    A pusher is a replica in an epoch (``epoch``, ``replica``, one of ``replicas``); its
+    pushes are numbered (``seq``), and a push sent as ``parts`` calls (a delta, then the dense
+    layers' outer products) numbers its calls (``part``); ``targets`` names the shards a part
+    goes to (None: all). A shard applies a push only when it has not applied that ``(seq,
+    part)`` of the pusher before (sequence fencing: a re-run that pushes the same numbers again
+    is applied once per shard, a replay arriving after newer pushes still applies) and records
+    the mark atomically with the values. ``covers`` (JSON-safe) is opaque to the parameter
+    server: the data the push covers.
+    """
+
+    epoch: int
+    replica: int
+    seq: int
+    part: int
+    parts: int
+    replicas: int
+    covers: Any
+    targets: tuple[int, ...] | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.epoch, self.replica)
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.seq, self.part)
+
+    def to_json(self) -> list:
+        targets = None if self.targets is None else list(self.targets)
+        return [
+            self.epoch,
+            self.replica,
+            self.seq,
+            self.part,
+            self.parts,
+            self.replicas,
+            self.covers,
+            targets,
+        ]
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Mark:
+        e, r, seq, part, parts, replicas, covers, targets = doc
+        t = None if targets is None else tuple(int(x) for x in targets)
+        return cls(int(e), int(r), int(seq), int(part), int(parts), int(replicas), covers, t)
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     """A copy of a shard's values at ``(gen, version)``, with push ids applied up to it:
     those after a base version, or all the shard remembers when ``full``."""
@@ -178,6 +231,7 @@ class Snapshot:
     ids: tuple[tuple[int, int], ...] = ()  # (version, push_id) pairs newer than a base version
     gen: int = 0
     full: bool = True
+    marks: tuple[Mark, ...] = ()  # the data positions the values hold (all of them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +300,9 @@ class ShardState:
         How many recent push ids to remember for exactly-once retries (``adam.ps.dedup-window``).
     gen : int
         The generation of the primary that produced ``values``.
+    mark_epochs : int, optional
+        The newest epochs whose data positions (:class:`Mark`) the shard keeps
+        (``adam.ps.mark-epochs``).
     """
 
     def __init__(
@@ -257,6 +314,7 @@ class ShardState:
         version: int = 0,
         dedup_window: int | None = None,
         gen: int = 0,
+        mark_epochs: int | None = None,
     ):
         self.shard, self.start, self.stop = int(shard), int(start), int(stop)
         n = self.stop - self.start
@@ -272,7 +330,11 @@ class ShardState:
         self.gen = int(gen)
         self.dedup_window = int(config.get("ps.dedup-window", dedup_window))
         self._ids: OrderedDict[int, int] = OrderedDict()  # push_id -> version, oldest first
+        self.mark_epochs = int(config.get("ps.mark-epochs", mark_epochs))
+        # (epoch, replica) -> {(seq, part): mark} of the pushes applied
+        self.marks: dict[tuple[int, int], dict[tuple[int, int], Mark]] = {}
         self.pushes_applied = 0
+        self.pushes_fenced = 0
 
     def __repr__(self) -> str:
         return (
@@ -313,30 +375,68 @@ class ShardState:
         """Whether the push ``push_id`` was applied already (a retried push)."""
         return push_id is not None and push_id in self._ids
 
+    def fenced(self, mark: Mark | None) -> bool:
+        """Whether the push marked ``mark`` was applied already (by this run of its pusher or an
+        earlier one)."""
+        if mark is None:
+            return False
+        return mark.order in self.marks.get(mark.key, {})
+
+    def _record(self, mark: Mark) -> None:
+        self.marks.setdefault(mark.key, {})[mark.order] = mark
+        newest = max(e for e, _ in self.marks)
+        for key in [k for k in self.marks if k[0] <= newest - self.mark_epochs]:
+            del self.marks[key]
+
+    def marks_of(self, epoch: int) -> dict[int, tuple[Mark, ...]]:
+        """{replica: the marks of its pushes applied here} of ``epoch``."""
+        return {r: tuple(log.values()) for (e, r), log in self.marks.items() if e == epoch}
+
+    def all_marks(self) -> tuple[Mark, ...]:
+        return tuple(m for log in self.marks.values() for m in log.values())
+
+    def set_marks(self, marks: Iterable[Mark]) -> None:
+        """Replace the recorded marks (a copy's, or a checkpoint block's)."""
+        self.marks = {}
+        for m in marks:
+            self.marks.setdefault(m.key, {})[m.order] = m
+
     # -- updates ---------------------------------------------------------------------------------
 
-    def apply(self, delta: np.ndarray, push_id: int | None = None) -> int:
-        """Check and add one delta; returns the new version (the old one for a repeated id)."""
-        return self.apply_batch([delta], [push_id])[0]
+    def apply(self, delta: np.ndarray, push_id: int | None = None, mark: Mark | None = None) -> int:
+        """Check and add one delta; returns the new version (the old one for a repeated id or
+        a fenced mark)."""
+        return self.apply_batch([delta], [push_id], [mark])[0]
 
     def apply_batch(
-        self, deltas: Sequence[np.ndarray], push_ids: Sequence[int | None] | None = None
+        self,
+        deltas: Sequence[np.ndarray],
+        push_ids: Sequence[int | None] | None = None,
+        marks: Sequence[Mark | None] | None = None,
     ) -> list[int]:
         """Check every delta, then add them all (blocked); returns each push's version.
 
         A batch with any bad delta is refused as a whole (:class:`UpdateRejected`), the shard
         unchanged. Pushes whose id was applied before are skipped and get the version at which
-        they were applied.
+        they were applied; pushes whose mark is fenced (:meth:`fenced`) are skipped and get the
+        current version. The mark of an applied push is recorded with it.
         """
         push_ids = list(push_ids) if push_ids is not None else [None] * len(deltas)
+        marks = list(marks) if marks is not None else [None] * len(deltas)
         checked = [self.check(d) for d in deltas]
         todo: list[np.ndarray] = []
         versions: list[int] = []
         v = self.version
-        for d, pid in zip(checked, push_ids):
+        for d, pid, mark in zip(checked, push_ids, marks):
             if pid is not None and pid in self._ids:
                 versions.append(self._ids[pid])
                 continue
+            if self.fenced(mark):
+                self.pushes_fenced += 1
+                versions.append(v)
+                continue
+            if mark is not None:
+                self._record(mark)
             v += 1
             versions.append(v)
             todo.append(d)
@@ -357,10 +457,11 @@ class ShardState:
         activations: np.ndarray,
         scale: float = 1.0,
         push_id: int | None = None,
+        mark: Mark | None = None,
     ) -> int:
         """Add this shard's part of ``scale * errors.T @ activations`` (see the module doc)."""
         return self.apply(
-            self.outer_as_delta(offset, out, inp, errors, activations, scale), push_id
+            self.outer_as_delta(offset, out, inp, errors, activations, scale), push_id, mark
         )
 
     def outer_as_delta(
@@ -452,6 +553,7 @@ class ShardState:
             self.ids_since(since),
             self.gen,
             since < 0,
+            self.all_marks(),
         )
 
     def install(
@@ -461,13 +563,15 @@ class ShardState:
         ids: Iterable[tuple[int, int]] = (),
         gen: int | None = None,
         full: bool = False,
+        marks: Iterable[Mark] = (),
     ) -> bool:
         """Take a newer copy (a backup's catch-up, or values read back from the checkpoint);
         False if ``(gen, version)`` is not newer than the copy held.
 
         A copy of the same generation adds ``ids`` to the remembered ones; a copy from another
         generation (another primary's lineage), or a ``full`` one, replaces them: ids of pushes
-        whose effect the new values do not hold must not be remembered.
+        whose effect the new values do not hold must not be remembered. ``marks`` (the data
+        positions the values hold, all of them) replace the recorded ones.
         """
         version = int(version)
         gen = self.gen if gen is None else int(gen)
@@ -487,4 +591,5 @@ class ShardState:
         for ver, pid in ids:
             self._ids[int(pid)] = int(ver)
         self._trim_ids()
+        self.set_marks(marks)
         return True

@@ -58,8 +58,10 @@ def epoch_record(
     lr: float,
     lr_end: float,
     mode: str,
+    images_applied: int | None = None,
 ) -> dict:
-    """The history record of one epoch from the results of its replicas."""
+    """The history record of one epoch from the results of its replicas; ``images_applied``:
+    the images whose updates the parameter server applied (its data positions)."""
     images = sum(r["images"] for r in results)
     loss = (
         sum(r["loss"] * r["images"] for r in results if r["images"]) / images
@@ -75,6 +77,8 @@ def epoch_record(
         "test_accuracy": accuracy,
         "images": images,
         "images_pushed": sum(r["images_pushed"] for r in results),
+        "images_applied": images_applied,
+        "images_retrained": sum(r.get("images_retrained", 0) for r in results),
         "images_per_second": images / seconds if seconds else 0.0,
         "seconds": seconds,
         "quorum_seconds": quorum_seconds,

@@ -16,7 +16,10 @@ The server is anything with ``push(delta)``, ``push_outer(offset, errors, activa
 scale=)`` and ``pull()`` (a :class:`~adam_dask.ps.server.ParameterServer`, or an in-process
 stand-in in tests). The exchange counts what it pushed: ``pushes``, ``images_pushed`` (images
 whose updates the server acknowledged) and ``items`` (per stream item, the images pushed: the
-replica's data position).
+replica's data position). With a :class:`~adam_dask.train._position.Marker` every push carries
+its :class:`~adam_dask.ps.state.Mark` (number, what it covers, the position after it), which the
+parameter server records with it; :meth:`Exchange.push_segment` pushes a re-trained segment
+under a given number.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ClusterError, ConfigError, UpdateRejected
+from ._position import Marker, Segment
 from ._updates import Update
 from .replica import HogwildReplica
 
@@ -54,8 +58,10 @@ class Exchange:
         *,
         scale: float = 1.0,
         label: str = "the replica",
+        marker: Marker | None = None,
     ):
         self.replica = replica
+        self.marker = marker
         self.server = server
         self.scale = float(scale)
         self.label = label
@@ -63,7 +69,7 @@ class Exchange:
         self.pushes = 0
         self.pulls = 0
         self.images_pushed = 0
-        self.items: dict[int, int] = {}
+        self.items: dict[Any, int] = {}
         self.ps_seconds = 0.0
 
     def step(self) -> None:  # pragma: no cover - abstract
@@ -76,23 +82,41 @@ class Exchange:
     def close(self) -> None:
         """Release what the exchange holds after a failed training (never raises)."""
 
+    def push_segment(self, segment: Segment) -> None:
+        """Push everything trained since the last push as the re-trained ``segment`` (under its
+        number; the training threads are idle), then pull and install fresh weights."""
+        self._push(self.replica.take(), segment)
+        self.replica.install(self._pull())
+
     # -- the parameter-server calls -----------------------------------------------------------------
 
-    def _push(self, update: Update) -> None:
+    def _push(self, update: Update, segment: Segment | None = None) -> None:
         if update.empty:
             return
         t = time.perf_counter()
         scale = self.scale
+        prefixes = sorted(update.terms)
+        marks: list = [None] * (1 + len(prefixes))
+        if self.marker is not None:
+            marks = self.marker.marks(update.items, 1 + len(prefixes), segment)
         try:  # the server checks every value (NaN/Inf refused, nothing applied)
-            self.server.push(update.delta * scale if scale != 1.0 else update.delta)
-            for prefix, (acts, errs) in update.terms.items():  # the PS computes these updates
-                self.server.push_outer(self.offsets[prefix], errs, acts, scale=scale)
+            delta = update.delta * scale if scale != 1.0 else update.delta
+            if marks[0] is None:
+                self.server.push(delta)
+            else:
+                self.server.push(delta, mark=marks[0])
+            for i, prefix in enumerate(prefixes):  # the PS computes these updates
+                acts, errs = update.terms[prefix]
+                extra = {} if marks[i + 1] is None else {"mark": marks[i + 1]}
+                self.server.push_outer(self.offsets[prefix], errs, acts, scale=scale, **extra)
         except UpdateRejected as exc:
             raise UpdateRejected(
                 f"{self.label} produced a non-finite update (the model diverged): {exc.message}",
                 "lower the learning rate (--lr) or push_every",
                 shard=exc.shard,
             ) from exc
+        if self.marker is not None:
+            self.marker.commit(marks[0])
         self.ps_seconds += time.perf_counter() - t
         self.pushes += 1
         self.images_pushed += update.images

@@ -32,6 +32,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -50,7 +51,7 @@ class Update:
     """Offloaded layer prefix -> (activations (N, in), -lr * errors (N, out))."""
     images: int
     """Images whose updates the delta holds."""
-    items: dict[int, int]
+    items: dict[Any, int]
     """Stream item (its draw number) -> images of it the delta holds (the data position)."""
 
     @property
@@ -67,11 +68,11 @@ class Slot:
     acc: np.ndarray
     spare: np.ndarray
     images: int = 0
-    items: dict[int, int] = field(default_factory=dict)
+    items: dict[Any, int] = field(default_factory=dict)
     terms: list[dict[str, tuple[np.ndarray, np.ndarray]]] = field(default_factory=list)
 
     def record(
-        self, images: int, item: int, terms: dict[str, tuple[np.ndarray, np.ndarray]] | None
+        self, images: int, item: Any, terms: dict[str, tuple[np.ndarray, np.ndarray]] | None
     ) -> None:
         """Count one mini-batch just added to ``acc`` (call with the lock held)."""
         self.images += images
@@ -151,7 +152,7 @@ class Updates:
     def take(self) -> Update:
         """Every update applied since the last take, and reset (whole mini-batches only)."""
         retired: list[np.ndarray] = []
-        items: dict[int, int] = {}
+        items: dict[Any, int] = {}
         terms: list[dict[str, tuple[np.ndarray, np.ndarray]]] = []
         images = 0
         with self._control:

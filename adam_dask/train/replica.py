@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -48,6 +49,12 @@ from .schedule import Schedule
 __all__ = ["HogwildReplica", "TrainStats", "profitable_offload"]
 
 logger = logging.getLogger(__name__)
+
+
+class Flag(Protocol):
+    """A stop signal: a :class:`threading.Event`, or anything else with ``is_set()``."""
+
+    def is_set(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,7 +291,7 @@ class HogwildReplica:
         batches: Iterable,
         on_images: Callable[[HogwildReplica], None] | None = None,
         every: int | None = None,
-        stop_event: threading.Event | None = None,
+        stop_event: Flag | None = None,
     ) -> TrainStats:
         """Train on ``batches`` with the replica's threads until it is exhausted or stopped.
 
@@ -293,13 +300,15 @@ class HogwildReplica:
         batches : iterable of (x, y)
             x float32 (B, C, H, W), y integer (B,). The threads pull from it (one at a time,
             under a lock); a batch larger than ``batch_size`` is split into updates of
-            ``batch_size`` images. The n-th batch drawn is stream item n of :meth:`take`.
+            ``batch_size`` images. The n-th batch drawn is stream item n of :meth:`take`;
+            a batch ``(x, y, key)`` is stream item ``key`` instead.
         on_images : callable(replica), optional
             Called about every ``every`` images (config ``adam.train.push-every``) by one of the
             training threads, while the others go on; never two calls at once. The place to
             :meth:`take`, push, pull and :meth:`install`.
         stop_event : threading.Event, optional
-            Also stop when this event is set (besides :meth:`stop`).
+            Also stop when this event (anything with ``is_set()``) is set (besides
+            :meth:`stop`); asked once per mini-batch.
 
         Returns
         -------
@@ -436,7 +445,10 @@ class HogwildReplica:
                 x, y = xbuf, ybuf
                 chunks = [(0, n)]
             else:
-                x, y = item
+                if len(item) == 3:  # (x, y, key): the item's identity in the data
+                    x, y, seq = item
+                else:
+                    x, y = item
                 x = net.check_input(x)
                 y = net.check_labels(y, x.shape[0])
                 n = x.shape[0]

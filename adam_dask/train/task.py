@@ -141,6 +141,24 @@ class _Counted:
         return item
 
 
+class _StopPoll:
+    """A Dask :class:`~distributed.Event` as the ``stop_event`` of
+    :meth:`HogwildReplica.train` (asked at most every ``interval`` seconds: each ask is a call
+    to the scheduler)."""
+
+    def __init__(self, event: Any, interval: float = 0.5):
+        self.event, self.interval = event, interval
+        self._next = 0.0
+        self._set = False
+
+    def is_set(self) -> bool:
+        now = time.monotonic()
+        if not self._set and now >= self._next:
+            self._next = now + self.interval
+            self._set = bool(self.event.is_set())
+        return self._set
+
+
 class _Reporter:
     """Progress events to the client, at most every ``interval`` seconds (and a final one)."""
 
@@ -178,8 +196,10 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: Any = None) ->
     """
     from distributed import Event, get_worker, secede
 
+    from ..errors import ClusterError
     from ..model.network import Network
     from ._exchange import AsyncExchange, Exchange, SyncExchange
+    from ._position import Marker, resume_plan
     from .replica import HogwildReplica, profitable_offload
 
     secede()
@@ -199,6 +219,27 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: Any = None) ->
     )
     rep.set_progress(job.epoch)
     rep.set_weights(server.pull())
+    # where this run starts: the data position the parameter server holds for the replica
+    plan = resume_plan({sid: m.get(job.replica, ()) for sid, m in server.marks(job.epoch).items()})
+    if plan.replicas is not None and plan.replicas != job.replicas:
+        raise ClusterError(
+            f"replica {job.replica} of epoch {job.epoch} runs as one of {job.replicas}, but "
+            f"its data position was recorded as one of {plan.replicas}",
+            f"resume the epoch with {plan.replicas} replicas",
+        )
+    if plan.resumed:
+        logger.info(
+            "replica %d of epoch %d resumes at %d images, of which %d in %d segment(s) to "
+            "re-train for some shards; next push %d",
+            job.replica,
+            job.epoch,
+            plan.images_done,
+            sum(seg.images for seg in plan.segments),
+            len(plan.segments),
+            plan.next_seq,
+        )
+    marker = Marker(job.epoch, job.replica, job.replicas, plan)
+    rep.set_progress(job.epoch + min(1.0, plan.images_done / max(1, job.share_images)))
     label = f"replica {job.replica} in epoch {job.epoch}"
     exchange: Exchange
     if sync:
@@ -206,29 +247,51 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: Any = None) ->
         def wait() -> dict:
             return barrier.wait(job.replica, s.sync_timeout).result()
 
-        exchange = SyncExchange(rep, server, wait=wait, scale=1.0 / job.replicas, label=label)
+        exchange = SyncExchange(
+            rep, server, wait=wait, scale=1.0 / job.replicas, label=label, marker=marker
+        )
     else:
-        exchange = AsyncExchange(rep, server, label=label)
+        exchange = AsyncExchange(rep, server, label=label, marker=marker)
     stop = Event(job.stop_name)
-    stream = data.stream(job.replica, job.replicas, job.epoch)
-    batches = _Counted(stream, job.delay)
     reporter = _Reporter(worker, job, t0)
-    stopped = False
-
-    def on_images(r: HogwildReplica) -> None:
-        nonlocal stopped
-        r.set_progress(job.epoch + min(1.0, batches.images / max(1, job.share_images)))
-        exchange.step()
-        reporter.report(batches.images, exchange.pushes)
-        if stop.is_set():
-            stopped = True
-            r.stop()
-
-    if stop.is_set():  # the epoch's quorum was reached before this replica started
-        stopped = True
-        batches = _Counted(())
+    base = plan.images_done
+    retrained = 0
+    stream: Any = None
+    stopped = stop.is_set()  # the epoch's quorum was reached before this replica started
+    batches = _Counted(())
     done = False
     try:
+        for seg in () if stopped else plan.segments:  # images some shards miss, pushed alone
+            seg_stream = data.stream(
+                job.replica, job.replicas, job.epoch, return_key=True, only=seg.items
+            )
+            try:
+                st = rep.train(_Counted(seg_stream, job.delay), stop_event=_StopPoll(stop))
+            finally:
+                seg_stream.close()
+            if st.stopped:  # a part of a segment must not be pushed: its number covers all of it
+                rep.take()
+                stopped = True
+                break
+            exchange.push_segment(seg)
+            retrained += st.images
+        base = sum(marker.position.values())
+        if not stopped:
+            stream = data.stream(
+                job.replica, job.replicas, job.epoch, return_key=True, resume=marker.position
+            )
+            batches = _Counted(stream, job.delay)
+
+        def on_images(r: HogwildReplica) -> None:
+            nonlocal stopped
+            progress = (base + batches.images) / max(1, job.share_images)
+            r.set_progress(job.epoch + min(1.0, progress))
+            exchange.step()
+            reporter.report(base + batches.images, exchange.pushes)
+            if stop.is_set():
+                stopped = True
+                r.stop()
+
         stats = rep.train(batches, on_images=on_images, every=s.push_every)
         exchange.finish()
         done = True
@@ -237,14 +300,17 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: Any = None) ->
             exchange.close()
         if sync and barrier is not None:
             barrier.leave(job.replica).result()
-        stream_stats = stream.stats()
-        stream.close()
-    reporter.report(batches.images, exchange.pushes, final=True)
+        stream_stats = stream.stats() if stream is not None else {}
+        if stream is not None:
+            stream.close()
+    reporter.report(base + batches.images, exchange.pushes, final=True)
     return {
         "replica": job.replica,
         "epoch": job.epoch,
-        "images": stats.images,
+        "images": stats.images + retrained,
         "images_pushed": exchange.images_pushed,
+        "images_retrained": retrained,
+        "images_before": plan.images_done,
         "loss": stats.loss,
         "seconds": time.perf_counter() - t0,
         "train_seconds": stats.seconds,

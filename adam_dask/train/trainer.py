@@ -30,6 +30,7 @@ from ..data.augment import to_float
 from ..errors import ClusterError, ConfigError, DatasetError
 from ._checkpoint import history_url, refuse_existing, resumed_state
 from ._epoch import epoch_record, replica_count, share_sizes
+from ._position import applied_images, recorded_replicas
 from ._settings import RunSettings, network_for, resolve_augment
 from ._submit import run_replicas
 from .metrics import History, Progress
@@ -338,9 +339,7 @@ class Trainer:
 
     def _run_epoch(self) -> dict:
         epoch = self.epoch
-        R = self._replicas_now = replica_count(
-            self._fixed_replicas, len(workers_with_role(self.client, TRAIN))
-        )
+        R = self._replicas_now = self._epoch_replicas(epoch)
         self._progress_state, self.replica_workers = {}, {}
         self._bar = Progress(
             len(self.train_split), desc=f"epoch {epoch + 1}", enabled=self.progress
@@ -360,6 +359,7 @@ class Trainer:
         flush_t = time.perf_counter()
         self.server.flush(epoch=epoch, meta=self._meta())
         flush_seconds = time.perf_counter() - flush_t
+        images_applied = applied_images(self.server.marks(epoch))
         accuracy = self.evaluate()
         schedule = self.schedule
         return epoch_record(
@@ -375,7 +375,17 @@ class Trainer:
             lr=schedule.at(epoch),
             lr_end=schedule.at(epoch + 1),
             mode=self.mode,
+            images_applied=images_applied,
         )
+
+    def _epoch_replicas(self, epoch: int) -> int:
+        """The epoch's replicas: those its data positions name (an epoch resumed midway keeps
+        its shares), else a fixed count or one per TRAIN worker present now."""
+        recorded = recorded_replicas(self.server.marks(epoch))
+        if recorded is not None:
+            logger.info("epoch %d resumes with its %d replicas", epoch, recorded)
+            return recorded
+        return replica_count(self._fixed_replicas, len(workers_with_role(self.client, TRAIN)))
 
     def _ps_stats(self) -> dict:
         try:

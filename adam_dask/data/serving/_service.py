@@ -272,10 +272,17 @@ class DataService:
         *,
         prefetch: int | None = None,
         return_index: bool = False,
+        return_key: bool = False,
+        resume: dict[tuple[int, int], int] | None = None,
+        only: dict[tuple[int, int], tuple[int, int]] | None = None,
     ) -> BatchStream:
         """Replica ``replica``'s share (of ``replicas``) of epoch ``epoch``, as a
         :class:`BatchStream` of ``(x float32 (B, C, H, W) in [0, 1], y int64 (B,))``
-        (``(x, y, idx)`` with ``return_index``, idx the global image indices)."""
+        (``(x, y, idx)`` with ``return_index``, idx the global image indices; ``(x, y,
+        (p, k))`` with ``return_key``: batch ``k`` of partition ``p``, its identity in every
+        run of the share). ``resume`` {(p, k): images done}: the share from a data position
+        (batches done are not served, partly done ones from their next image); ``only`` {(p,
+        k): (first, stop)}: these images of these batches and nothing else."""
         if self._closed:
             raise ClusterError(f"the DataService {self.name} is closed", "create a new one")
         check_share(replica, replicas, epoch)
@@ -283,7 +290,16 @@ class DataService:
         if bs < 1:
             raise ConfigError(f"batch_size={bs} must be at least 1", "give a positive batch size")
         return BatchStream(
-            self, replica, replicas, epoch, bs, prefetch=prefetch, return_index=return_index
+            self,
+            replica,
+            replicas,
+            epoch,
+            bs,
+            prefetch=prefetch,
+            return_index=return_index,
+            return_key=return_key,
+            resume=resume,
+            only=only,
         )
 
     # -- generations: what a stream asks for -------------------------------------------------------

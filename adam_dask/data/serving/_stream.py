@@ -190,7 +190,9 @@ class BatchStream:
     """One replica's share of one epoch; iterate for ``(x, y)`` batches.
 
     Keeps ``prefetch`` requests in flight (``adam.serving.prefetch``). ``len(stream)`` is the
-    number of batches, ``stream.images`` the images in the share. Stop early with :meth:`close`
+    number of batches, ``stream.images`` the images in the share. ``resume`` and ``only``
+    restrict it to part of the share (:meth:`DataService.stream`): the batches left out are
+    never served, as if received already. Stop early with :meth:`close`
     (it releases the servers' state for this stream; other streams never wait for it).
     :meth:`stats` reports what was served, how long the consumer waited, and the recoveries.
     """
@@ -205,11 +207,15 @@ class BatchStream:
         *,
         prefetch: int | None = None,
         return_index: bool = False,
+        return_key: bool = False,
+        resume: dict[tuple[int, int], int] | None = None,
+        only: dict[tuple[int, int], tuple[int, int]] | None = None,
     ):
         self.service, self.replica, self.replicas, self.epoch = service, replica, replicas, epoch
         self.batch_size = batch_size
         self.prefetch = max(1, int(config.get("serving.prefetch", prefetch)))
         self.return_index = return_index
+        self.return_key = return_key
         self.sid = f"{service.name}-e{epoch}-r{replica}of{replicas}-{uuid.uuid4().hex[:8]}"
         lay = service.layout
         self._counts, self._schedule = batch_plan(
@@ -222,6 +228,9 @@ class BatchStream:
         self._opened = 0
         self._pending: deque[_Request] = deque()
         self._received: list[set[int]] = [set() for _ in range(lay.partitions)]
+        self._slices: dict[tuple[int, int], tuple[int, int]] = {}
+        if resume is not None or only is not None:
+            self._restrict(resume or {}, only)
         self._sources: dict[int, _Source] = {}
         self._closed = False
         self.wait_seconds = self.max_wait_seconds = 0.0
@@ -230,6 +239,44 @@ class BatchStream:
         self._t_first: float | None = None
         self._t_last: float | None = None
         self._open_sources()
+
+    def batch_images(self, p: int, k: int) -> int:
+        """Images in batch ``k`` of partition ``p`` of this share."""
+        size = self.service.layout.share_size(p, self.replica, self.replicas)
+        return max(0, min(self.batch_size, size - k * self.batch_size))
+
+    def _restrict(
+        self,
+        resume: dict[tuple[int, int], int],
+        only: dict[tuple[int, int], tuple[int, int]] | None,
+    ) -> None:
+        """Serve part of the share: batches left out count as received (never asked for)."""
+        for p, count in enumerate(self._counts):
+            for k in range(count):
+                n = self.batch_images(p, k)
+                if only is not None:
+                    a, b = only.get((p, k), (0, 0))
+                else:
+                    a, b = resume.get((p, k), 0), n
+                a, b = max(0, int(a)), min(n, int(b))
+                if a >= b:
+                    self._received[p].add(k)
+                elif (a, b) != (0, n):
+                    self._slices[(p, k)] = (a, b)
+        skip = [len(r) for r in self._received]
+        schedule = []
+        for p in reversed(self._schedule):  # the last requests of each partition go
+            if skip[p]:
+                skip[p] -= 1
+            else:
+                schedule.append(p)
+        self._schedule = schedule[::-1]
+        self.images = sum(
+            self.batch_images(p, k)
+            for p, count in enumerate(self._counts)
+            for k in range(count)
+            if k not in self._received[p]
+        ) - sum(a + self.batch_images(p, k) - b for (p, k), (a, b) in self._slices.items())
 
     # -- sources ------------------------------------------------------------------------------------
 
@@ -437,9 +484,15 @@ class BatchStream:
         self._fill()
         self._t_last = time.perf_counter()
         x = batch.x if batch.x.dtype == np.float32 else as_model_input(batch.x)
+        y, idx = batch.y, batch.idx
+        cut = self._slices.get((req.p, batch.k))
+        if cut is not None:
+            x, y, idx = x[cut[0] : cut[1]], y[cut[0] : cut[1]], idx[cut[0] : cut[1]]
+        if self.return_key:
+            return x, y, (req.p, batch.k)
         if self.return_index:
-            return x, batch.y, batch.idx
-        return x, batch.y
+            return x, y, idx
+        return x, y
 
     def _finish(self) -> None:
         if not self._closed:
