@@ -91,6 +91,36 @@ def mnist_store(path: str | None = None) -> str:
     return path
 
 
+def mnist_subset_store(n_train: int, n_test: int = 10000) -> str:
+    """A Zarr store of the first ``n_train`` / ``n_test`` real MNIST images (a shorter epoch for
+    smoke runs), ingested once into a temporary folder; the full sets when the counts reach
+    60000 / 10000."""
+    from adam_dask.data.datasets import open_split
+    from adam_dask.data.ingest import MNIST_FILES, ingest, read_idx
+    from adam_dask.errors import DatasetError
+    from adam_dask.testing import write_idx
+
+    if n_train >= 60000 and n_test >= 10000:
+        return mnist_store()
+    folder = Path(tempfile.gettempdir()) / f"adam-dask-bench-mnist-{n_train}-{n_test}"
+    store = folder / "mnist.zarr"
+    try:
+        open_split(str(store), "train")
+        open_split(str(store), "test")
+        return str(store)
+    except DatasetError:
+        pass
+    root = mnist_folder()
+    src = folder / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    for split, n, prefix in (("train", n_train, "train"), ("test", n_test, "t10k")):
+        images, labels = MNIST_FILES[split]
+        write_idx(src / f"{prefix}-images-idx3-ubyte.gz", read_idx(f"{root}/{images}")[:n])
+        write_idx(src / f"{prefix}-labels-idx1-ubyte.gz", read_idx(f"{root}/{labels}")[:n])
+    ingest(str(src), str(store), overwrite=True)
+    return str(store)
+
+
 def load_mnist_arrays(store: str):
     """(x_train, y_train, x_test, y_test) of a dataset store: uint8 images, int64 labels."""
     import numpy as np
