@@ -38,7 +38,12 @@ class Pushing(Transport):
     _rng: Any
 
     async def _push(
-        self, rpc: Any, sched: Any, delta: np.ndarray, ack: str | None, mark: Mark | None
+        self,
+        rpc: Any,
+        sched: Any,
+        delta: np.ndarray,
+        ack: str | None,
+        mark: Mark | None = None,
     ) -> None:
         push_id = self._rng.getrandbits(62)
         ack = ack or self.ack
@@ -68,7 +73,7 @@ class Pushing(Transport):
         activations: np.ndarray,
         scale: float,
         ack: str | None,
-        mark: Mark | None,
+        mark: Mark | None = None,
     ) -> None:
         push_id = self._rng.getrandbits(62)
         ack = ack or self.ack
