@@ -24,7 +24,6 @@ import socket
 from collections.abc import Iterable
 from typing import Any
 
-import dask.config
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
 from . import config, sizing
@@ -131,12 +130,6 @@ def local_spec(
             sizing.machine_memory(), max(1, ps_nodes + data_nodes + trainers)
         )
     dashboard_address = config.get("cluster.dashboard-address", dashboard_address)
-    # Dask's config for the worker processes: the current one (as a Nanny passes it) with the
-    # sampling profiler's interval of adam.cluster.worker-profile-interval
-    interval = config.get("cluster.worker-profile-interval")
-    worker_config = dask.config.merge(
-        dask.config.config, {"distributed": {"worker": {"profile": {"interval": interval}}}}
-    )
     if str(dashboard_address).lower() in ("", "none", "false"):
         dashboard_address = None
     for name, n in (("ps_nodes", ps_nodes), ("data_nodes", data_nodes), ("trainers", trainers)):
@@ -174,7 +167,6 @@ def local_spec(
                 "memory_limit": memory_limit,
                 "name": name,
                 "dashboard": False,
-                "config": worker_config,
                 **tls,
             },
         }

@@ -57,21 +57,3 @@ def test_a_setting_that_is_neither_a_count_nor_auto_is_refused():
     with dask.config.set({"adam.cluster.trainers": "many"}):
         with pytest.raises(ConfigError, match="trainers='many' is not a count"):
             local_spec(dashboard_address="")
-
-
-def _worker_settings() -> tuple:
-    return (
-        dask.config.get("distributed.worker.profile.interval"),
-        dask.config.get("adam.ps.forward-interval"),
-    )
-
-
-def test_embedded_workers_sample_at_the_configured_interval_and_keep_the_callers_config():
-    import adam_dask
-
-    with dask.config.set({"adam.ps.forward-interval": 0.5}):
-        with adam_dask.cluster.local(
-            ps_nodes=1, data_nodes=0, trainers=0, memory_limit="1 GiB", dashboard_address=""
-        ) as client:
-            got = set(client.run(_worker_settings).values())
-    assert got == {(adam_dask.config.get("cluster.worker-profile-interval"), 0.5)}

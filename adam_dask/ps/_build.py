@@ -19,7 +19,7 @@ from ..model.layout import ParameterLayout, shard_ranges
 from ._plugin import ShardPlacement
 from ._policy import PLUGIN_NAME
 from .checkpoint import init_checkpoint
-from .state import first_nonfinite
+from .kernels import first_nonfinite
 
 logger = logging.getLogger(__name__)
 

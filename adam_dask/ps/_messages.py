@@ -76,12 +76,12 @@ Peer = tuple[str, str]  # (worker address, node actor key)
 
 @dataclass(frozen=True, slots=True)
 class Push:
-    """One push at a primary: ``deltas`` {sid: shard-length float32 delta}, ``stamps`` {sid:
+    """One push at a primary: ``deltas`` {sid: shard-length float32 delta, or None for zeros}, ``stamps`` {sid:
     the shard generation in the pusher's routing}; ``ack`` is "replay", "all" or "primary";
     ``mark`` what it covers of the pusher's data (recorded with it, fences repeats)."""
 
     req: Any
-    deltas: dict[int, np.ndarray]
+    deltas: dict[int, np.ndarray | None]
     push_id: int | None
     stamps: dict[int, int] | None
     ack: str

@@ -153,11 +153,11 @@ class NodeState(Commands):
 
     def _on_Pushes(self, ev: Pushes) -> list:
         out: list = []
-        todo: dict[int, list[tuple[int, np.ndarray, int | None, Mark | None]]] = {}
+        todo: dict[int, list[tuple[int, np.ndarray | None, int | None, Mark | None]]] = {}
         results = []
         for i, p in enumerate(ev.items):
             res: dict = {"per_shard": {}, "moved": [], "confirmed": {}, "gens": {}}
-            checked = {}
+            checked: dict[int, np.ndarray | None] = {}
             try:
                 for sid, d in p.deltas.items():
                     sid = int(sid)

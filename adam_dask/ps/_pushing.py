@@ -48,15 +48,20 @@ class Pushing(Transport):
         push_id = self._rng.getrandbits(62)
         ack = ack or self.ack
 
-        def part(s: int) -> np.ndarray:
-            return delta[self.shards[s][0] : self.shards[s][1]]
+        # A shard whose part of the delta is all zeros (the weights of dense layers whose update
+        # goes as activations and errors, push_outer) gets None: the push is recorded (its id,
+        # its mark, a version) without sending or adding zeros.
+        zero = {s for s, (a, b) in enumerate(self.shards) if not delta[a:b].any()}
+
+        def part(s: int) -> np.ndarray | None:
+            return None if s in zero else delta[self.shards[s][0] : self.shards[s][1]]
 
         def args(sids: list[int]) -> tuple:
             return ({s: part(s) for s in sids}, push_id, ack, self._stamps(sids), mark)
 
         def payload(sid: int) -> tuple[Any, int]:
-            p = part(sid).copy()
-            return p, p.nbytes
+            p = part(sid)
+            return (None, 0) if p is None else (p.copy(), p.nbytes)
 
         sids = range(len(self.shards))
         await self._send_push(rpc, sched, sids, "push", args, push_id, ack, payload, mark)

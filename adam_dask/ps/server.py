@@ -48,7 +48,8 @@ from ..storage import normalize_url
 from ._build import build_server, resolve_copies, shard_of
 from ._pushing import Pushing
 from .checkpoint import read_checkpoint, read_marks
-from .state import Mark, OuterPart, first_nonfinite, outer_part
+from .kernels import first_nonfinite
+from .state import Mark, OuterPart, outer_part
 
 logger = logging.getLogger(__name__)
 

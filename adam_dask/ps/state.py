@@ -13,10 +13,7 @@ outputs and ``inp`` inputs over a batch of ``B`` samples takes ``errors (B, out)
 ``activations (B, inp)`` and adds ``scale * errors.T @ activations`` (``(out, inp)``,
 row-major) to the flat buffer at ``offset``.
 
-The apply loops are numba kernels; a batch of deltas is applied fused, up to 8 at a time, each
-block of values (a SIMD vector, held in registers) taking every delta of the group before the
-next block, so the shard's values make one trip through memory per 8 updates instead of one per
-update; the per-element order of the additions is the push order.
+The apply loops are the numba kernels of :mod:`adam_dask.ps.kernels`.
 """
 
 from __future__ import annotations
@@ -28,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from numba import njit
 
 from .. import config
 from ..errors import UpdateRejected
+from .kernels import apply_all, first_nonfinite
 
 logger = logging.getLogger(__name__)
 
@@ -40,128 +37,9 @@ __all__ = [
     "OuterPart",
     "ShardState",
     "Snapshot",
-    "apply_rate_kernel",
-    "first_nonfinite",
     "outer_delta",
     "outer_part",
-    "warm_up",
 ]
-
-
-# -- kernels -------------------------------------------------------------------------------------
-
-
-@njit(nogil=True, cache=True, fastmath={"reassoc", "nsz", "arcp", "contract"})
-def _nonfinite_probe(x):
-    """``sum(x * 0)``: NaN exactly when ``x`` holds a NaN or an Inf. It vectorises: the fast-math
-    flags allow reordering the sum but keep NaN/Inf semantics (no ``nnan``/``ninf``)."""
-    acc = np.float32(0.0)
-    zero = np.float32(0.0)
-    for i in range(x.shape[0]):
-        acc += x[i] * zero
-    return acc
-
-
-@njit(nogil=True, cache=True)
-def _first_nonfinite(x):
-    """Index of the first NaN/Inf in ``x`` (1-D float32), or -1 (a fast probe, then a scan
-    only when the probe finds something)."""
-    p = _nonfinite_probe(x)
-    if p == p:
-        return -1
-    for i in range(x.shape[0]):
-        v = x[i]
-        if v != v or v == np.inf or v == -np.inf:
-            return i
-    return -1
-
-
-@njit(nogil=True, cache=True)
-def _add(values, delta):
-    """values += delta (both 1-D float32, same length)."""
-    for i in range(values.shape[0]):
-        values[i] += delta[i]
-
-
-@njit(nogil=True, cache=True)
-def _add2(values, d0, d1):
-    """values += d0 + d1 in one pass (the additions in push order, as if applied one by one)."""
-    for i in range(values.shape[0]):
-        v = values[i]
-        v += d0[i]
-        v += d1[i]
-        values[i] = v
-
-
-@njit(nogil=True, cache=True)
-def _add4(values, d0, d1, d2, d3):
-    for i in range(values.shape[0]):
-        v = values[i]
-        v += d0[i]
-        v += d1[i]
-        v += d2[i]
-        v += d3[i]
-        values[i] = v
-
-
-@njit(nogil=True, cache=True)
-def _add8(values, d0, d1, d2, d3, d4, d5, d6, d7):
-    for i in range(values.shape[0]):
-        v = values[i]
-        v += d0[i]
-        v += d1[i]
-        v += d2[i]
-        v += d3[i]
-        v += d4[i]
-        v += d5[i]
-        v += d6[i]
-        v += d7[i]
-        values[i] = v
-
-
-@njit(nogil=True, cache=True)
-def _add_at(values, lo, delta):
-    """values[lo:lo + len(delta)] += delta."""
-    for i in range(delta.shape[0]):
-        values[lo + i] += delta[i]
-
-
-def _apply_all(values: np.ndarray, deltas: list[np.ndarray]) -> None:
-    """values += sum(deltas), in push order: groups of 8 (then 4, 2, 1) deltas are fused into
-    one pass over the values, so a batch costs one trip through memory per 8 updates instead of
-    one per update (each vector-sized block of values takes all 8 deltas before the next)."""
-    i, n = 0, len(deltas)
-    while n - i >= 8:
-        _add8(values, *deltas[i : i + 8])
-        i += 8
-    if n - i >= 4:
-        _add4(values, *deltas[i : i + 4])
-        i += 4
-    if n - i >= 2:
-        _add2(values, *deltas[i : i + 2])
-        i += 2
-    if i < n:
-        _add(values, deltas[i])
-
-
-def first_nonfinite(x: np.ndarray) -> int:
-    """Index of the first non-finite value of a float32 array (any shape), or -1."""
-    return int(_first_nonfinite(np.ascontiguousarray(x, dtype=np.float32).reshape(-1)))
-
-
-def apply_rate_kernel(values: np.ndarray, delta: np.ndarray) -> None:
-    """``values += delta`` with the shard's kernel (exposed for the benchmark)."""
-    _add(values, delta)
-
-
-def warm_up() -> None:
-    """Compile (or load from numba's cache) every kernel, so the first push does not stall
-    the caller: a PS node calls this in a thread before it serves, because compiling on its
-    event loop would silence its heartbeats for seconds."""
-    x = np.zeros(8, np.float32)
-    _first_nonfinite(x)
-    _apply_all(x, [x.copy() for _ in range(15)])
-    _add_at(x, 0, x[:2].copy())
 
 
 # -- value objects -------------------------------------------------------------------------------
@@ -348,9 +226,11 @@ class ShardState:
 
     # -- checks ----------------------------------------------------------------------------------
 
-    def check(self, delta: np.ndarray) -> np.ndarray:
+    def check(self, delta: np.ndarray | None) -> np.ndarray | None:
         """``delta`` as a 1-D float32 array of the shard's length; :class:`UpdateRejected` if it
-        has the wrong length or holds NaN/Inf."""
+        has the wrong length or holds NaN/Inf. ``None`` is a delta of zeros (nothing to add)."""
+        if delta is None:
+            return None
         d = np.asarray(delta)
         if d.dtype != np.float32:
             d = d.astype(np.float32)
@@ -361,7 +241,7 @@ class ShardState:
                 "push a delta of the server's size",
                 shard=self.shard,
             )
-        bad = _first_nonfinite(d)
+        bad = first_nonfinite(d)
         if bad >= 0:
             raise UpdateRejected(
                 f"non-finite update to shard {self.shard} at flat index {self.start + bad} "
@@ -410,7 +290,7 @@ class ShardState:
 
     def apply_batch(
         self,
-        deltas: Sequence[np.ndarray],
+        deltas: Sequence[np.ndarray | None],
         push_ids: Sequence[int | None] | None = None,
         marks: Sequence[Mark | None] | None = None,
     ) -> list[int]:
@@ -439,12 +319,13 @@ class ShardState:
                 self._record(mark)
             v += 1
             versions.append(v)
-            todo.append(d)
+            if d is not None:  # None: a delta of zeros, recorded but nothing to add
+                todo.append(d)
             if pid is not None:
                 self._ids[pid] = v
-        _apply_all(self.values, todo)
+        apply_all(self.values, todo)
+        self.pushes_applied += v - self.version
         self.version = v
-        self.pushes_applied += len(todo)
         self._trim_ids()
         return versions
 

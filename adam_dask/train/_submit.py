@@ -14,7 +14,7 @@ from typing import Any
 
 from ..cluster import PS, TRAIN, workers_with_role
 from ._epoch import quorum_size
-from .task import ReplicaJob, SyncBarrier, run_replica
+from .task import BarrierRef, ReplicaJob, SyncBarrier, run_replica
 
 __all__ = ["EpochRun", "run_replicas"]
 
@@ -42,17 +42,21 @@ def run_replicas(
     R, epoch = len(jobs), first.epoch
     stop = Event(first.stop_name, client=client)
     stop.clear()
-    barrier = None
+    barrier = barrier_future = None
     if first.settings.mode == "sync":
         host = workers_with_role(client, PS)[0]
-        barrier = client.submit(
+        # the future is held until the epoch ends: released, the scheduler would forget the
+        # actor and cancel the replicas that take it ("lost dependencies")
+        barrier_future = client.submit(
             SyncBarrier,
             R,
             actor=True,
             workers=[host],
             allow_other_workers=False,
             key=f"adam-{first.run_id}-barrier-{epoch}",
-        ).result()
+        )
+        barrier_future.result()  # the actor is up
+        barrier = BarrierRef(host, barrier_future.key)
     t0 = time.perf_counter()
     # One graph for all replicas: the scheduler places them in one pass, each placement
     # raising its worker's occupancy, so they spread over the TRAIN workers. (Submitted one
@@ -87,4 +91,6 @@ def run_replicas(
         raise
     finally:
         stop.clear()
+        if barrier_future is not None:
+            barrier_future.release()
     return EpochRun(results, time.perf_counter() - t0, quorum_seconds)

@@ -26,7 +26,7 @@ from typing import Any
 from ._settings import RunSettings
 from .schedule import Schedule
 
-__all__ = ["PROGRESS_TOPIC", "ReplicaJob", "SyncBarrier", "run_replica"]
+__all__ = ["PROGRESS_TOPIC", "BarrierRef", "ReplicaJob", "SyncBarrier", "run_replica"]
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,36 @@ class _Reporter:
         )
 
 
-def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: Any = None) -> dict:
+@dataclass(frozen=True, slots=True)
+class BarrierRef:
+    """Where the epoch's :class:`SyncBarrier` actor lives. A replica calls it by address and
+    key (:func:`~adam_dask.ps._rpc.call_actor`), not through a Dask ``Actor`` handle: a handle
+    deserialized in a task binds a future in the worker's client, and that future was seen
+    reported "cancelled" while the actor was alive, failing the replica."""
+
+    address: str
+    key: str
+
+    def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        from distributed import get_worker
+        from distributed.utils import sync
+
+        from ..ps._rpc import call_actor
+
+        worker = get_worker()
+        return sync(
+            worker.loop,
+            call_actor,
+            worker.rpc,
+            self.address,
+            self.key,
+            method,
+            *args,
+            timeout=timeout,
+        )
+
+
+def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | None = None) -> dict:
     """Train replica ``job.replica`` for epoch ``job.epoch``; returns its statistics.
 
     Runs inside a Dask task on a TRAIN worker. ``server`` is a
@@ -245,7 +274,8 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: Any = None) ->
     if sync:
 
         def wait() -> dict:
-            return barrier.wait(job.replica, s.sync_timeout).result()
+            assert barrier is not None
+            return barrier.call("wait", job.replica, s.sync_timeout)
 
         exchange = SyncExchange(
             rep, server, wait=wait, scale=1.0 / job.replicas, label=label, marker=marker
@@ -299,7 +329,7 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: Any = None) ->
         if not done:
             exchange.close()
         if sync and barrier is not None:
-            barrier.leave(job.replica).result()
+            barrier.call("leave", job.replica)
         stream_stats = stream.stats() if stream is not None else {}
         if stream is not None:
             stream.close()

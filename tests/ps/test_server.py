@@ -43,8 +43,10 @@ def test_pushes_sum_exactly(make_server, tmp_path):
     s = make_server(size=N, shard_bytes=SHARD, checkpoint=str(tmp_path / "ck"))
     rng = np.random.default_rng(0)
     total = np.zeros(N, np.float32)
-    for _ in range(8):
+    per = SHARD // 4
+    for i in range(8):
         d = rng.integers(-4, 5, N).astype(np.float32)  # small integers: float sums are exact
+        d[per * (i % 6) : per * (i % 6 + 1)] = 0  # one shard's part all zeros: sent as None
         s.push(d)
         total += d
     versions = s.flush()

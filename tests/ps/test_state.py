@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from adam_dask.errors import UpdateRejected
-from adam_dask.ps.state import ShardState, first_nonfinite, outer_part
+from adam_dask.ps.kernels import first_nonfinite
+from adam_dask.ps.state import ShardState, outer_part
 
 
 def test_apply_sums_and_versions():
@@ -17,6 +18,15 @@ def test_apply_sums_and_versions():
     assert st.apply_batch(deltas[1:]) == [2, 3, 4, 5]
     np.testing.assert_allclose(st.values, np.sum(deltas, axis=0), rtol=1e-5, atol=1e-5)
     assert st.version == 5 and st.pushes_applied == 5
+
+
+def test_a_none_delta_is_recorded_without_adding():
+    st = ShardState(0, 0, 10, np.ones(10, np.float32))
+    assert st.apply_batch([None, np.full(10, 2, np.float32), None], [7, 8, 9]) == [1, 2, 3]
+    np.testing.assert_array_equal(st.values, np.full(10, 3, np.float32))
+    assert st.version == 3 and st.pushes_applied == 3
+    assert st.apply(None, push_id=7) == 1 and st.version == 3  # a repeated id: applied once
+    assert st.check(None) is None
 
 
 def test_blocked_batch_equals_numpy_across_blocks():

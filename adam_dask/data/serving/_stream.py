@@ -24,12 +24,11 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ... import config
-from ...errors import AdamError
 from ..augment import as_model_input
 from ._layout import batch_plan
 from ._messages import (
@@ -41,11 +40,9 @@ from ._messages import (
     ServingError,
     StreamExpired,
 )
-from ._partition import PartitionServer
+from ._sources import ActorSource, LocalSource, Remote, Source, Timing
 
 if TYPE_CHECKING:
-    from tornado.ioloop import IOLoop
-
     from ._service import DataService, ServerRef
 
 logger = logging.getLogger(__name__)
@@ -53,136 +50,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["BatchStream"]
 
 
-@dataclass(frozen=True, slots=True)
-class _Timing:
-    call_timeout: float
-    probe_after: float
-    probe_timeout: float
-    return_interval: float
-
-    @classmethod
-    def from_config(cls) -> _Timing:
-        return cls(
-            call_timeout=float(config.get("serving.call-timeout")),
-            probe_after=float(config.get("serving.probe-after")),
-            probe_timeout=float(config.get("serving.probe-timeout")),
-            return_interval=float(config.get("serving.return-interval")),
-        )
-
-
-class _Remote:
-    """Actor calls made from the consumer's thread, each a :class:`concurrent.futures.Future`
-    that Dask's event loop completes. Reading a finished one costs no trip through the event
-    loop (``ActorFuture.result`` always makes one, ~1 ms from a task thread), and waiting on
-    one with a timeout leaves the call running."""
-
-    def __init__(self) -> None:
-        from distributed import get_client, get_worker
-
-        loop: IOLoop | None
-        try:  # in a task: the worker's loop, which its actor handles use
-            loop = get_worker().loop
-        except ValueError:
-            loop = get_client().loop
-        assert loop is not None, "a running client has an event loop"
-        self._loop = loop
-
-    def call(self, actor: Any, method: str, *args: Any) -> Future:
-        out: Future = Future()
-
-        async def run() -> None:
-            if not out.set_running_or_notify_cancel():
-                return
-            try:
-                out.set_result(await getattr(actor, method)(*args))
-            except BaseException as exc:  # handed to the consumer, which decides
-                out.set_exception(exc)
-
-        self._loop.add_callback(run)
-        return out
-
-
-class _ActorSource:
-    """Stream ``sid`` on a DataServer actor."""
-
-    def __init__(self, ref: ServerRef, sid: str, remote: _Remote, timing: _Timing):
-        self.ref, self.sid, self.remote, self.timing = ref, sid, remote, timing
-
-    def request(self) -> Future:
-        return self.remote.call(self.ref.actor, "next_batch", self.sid)
-
-    def wait(self, call: Future) -> Any:
-        """The call's answer, or :class:`ServerLost` when the server's worker is gone, does
-        not answer a probe, or gives no answer within ``call-timeout``."""
-        t = self.timing
-        start = time.monotonic()
-        while True:
-            try:
-                return call.result(timeout=t.probe_after)
-            except TimeoutError:
-                pass
-            except AdamError:
-                raise
-            except Exception as exc:
-                return ServerLost(f"{type(exc).__name__}: {exc}", "error")
-            if not self.alive():
-                call.cancel()
-                return ServerLost(
-                    f"its worker {self.ref.address} did not answer a ping within "
-                    f"{t.probe_timeout} s (frozen?)",
-                    "unanswered",
-                )
-            if time.monotonic() - start > t.call_timeout:
-                call.cancel()
-                return ServerLost(
-                    f"no answer within {t.call_timeout} s (adam.serving.call-timeout)", "timeout"
-                )
-
-    def alive(self) -> bool:
-        """Whether the server answers a ping within ``probe-timeout``."""
-        ping = self.remote.call(self.ref.actor, "ping")
-        try:
-            ping.result(timeout=self.timing.probe_timeout)
-            return True
-        except Exception:
-            ping.cancel()
-            return False
-
-    def close(self) -> None:
-        try:  # fire and forget: a frozen server gets it when it wakes
-            self.remote.call(self.ref.actor, "close_stream", self.sid)
-        except RuntimeError:  # the event loop is closed: the process is shutting down
-            pass
-
-
-class _LocalSource:
-    """Stream ``sid`` on a partition server in this process (the last resort)."""
-
-    def __init__(self, server: PartitionServer, sid: str, timing: _Timing, lost: ServerRef | None):
-        self.server, self.sid, self.timing = server, sid, timing
-        self.lost = lost  # the DataServer this replaces (None: the service serves locally)
-        self.next_check = time.monotonic() + timing.return_interval
-
-    def request(self) -> Future:
-        return Future()  # a placeholder: wait() takes the batch from the server
-
-    def wait(self, call: Future) -> Message:
-        try:
-            return self.server.take(self.sid, self.timing.call_timeout)
-        except TimeoutError as exc:
-            return ServerLost(str(exc), "timeout")
-
-    def close(self) -> None:
-        self.server.close()
-
-
-_Source = _ActorSource | _LocalSource
-
-
 @dataclass(slots=True)
 class _Request:
     p: int
-    source: _Source
+    source: Source
     call: Future
 
 
@@ -222,8 +93,8 @@ class BatchStream:
             lay, replica, replicas, epoch, batch_size, service.seed
         )
         self.images = sum(lay.share_size(p, replica, replicas) for p in range(lay.partitions))
-        self._timing = _Timing.from_config()
-        self._remote = None if service.local else _Remote()
+        self._timing = Timing.from_config()
+        self._remote = None if service.local else Remote()
         self._pos = 0
         self._opened = 0
         self._pending: deque[_Request] = deque()
@@ -231,7 +102,7 @@ class BatchStream:
         self._slices: dict[tuple[int, int], tuple[int, int]] = {}
         if resume is not None or only is not None:
             self._restrict(resume or {}, only)
-        self._sources: dict[int, _Source] = {}
+        self._sources: dict[int, Source] = {}
         self._closed = False
         self.wait_seconds = self.max_wait_seconds = 0.0
         self.images_delivered = self.batches_delivered = self.local_batches = 0
@@ -306,11 +177,11 @@ class BatchStream:
                 lost = ServerLost(f"its worker {ref.address} sends no heartbeats", "unanswered")
                 self._sources[p] = self._recover(p, lost, ref)
         for p, ref, sid, call in opening:  # a server frozen just now is found by the probe
-            src = _ActorSource(ref, sid, self._remote_calls(), self._timing)
+            src = ActorSource(ref, sid, self._remote_calls(), self._timing)
             out = src.wait(call)
             self._sources[p] = self._recover(p, out, ref) if isinstance(out, ServerLost) else src
 
-    def _remote_calls(self) -> _Remote:
+    def _remote_calls(self) -> Remote:
         assert self._remote is not None, "a local service has no remote servers"
         return self._remote
 
@@ -318,19 +189,19 @@ class BatchStream:
         sid = self._next_sid(p)
         return sid, self._remote_calls().call(ref.actor, "open", sid, *self._open_args(p))
 
-    def _connect(self, p: int, ref: ServerRef) -> _ActorSource | ServerLost:
+    def _connect(self, p: int, ref: ServerRef) -> ActorSource | ServerLost:
         sid, call = self._start_open(p, ref)
-        src = _ActorSource(ref, sid, self._remote_calls(), self._timing)
+        src = ActorSource(ref, sid, self._remote_calls(), self._timing)
         out = src.wait(call)
         return out if isinstance(out, ServerLost) else src
 
-    def _serve_locally(self, p: int, lost: ServerRef | None) -> _LocalSource:
+    def _serve_locally(self, p: int, lost: ServerRef | None) -> LocalSource:
         sid = self._next_sid(p)
         server = self.service.local_server(p)
         server.open_stream(sid, *self._open_args(p))
-        return _LocalSource(server, sid, self._timing, lost)
+        return LocalSource(server, sid, self._timing, lost)
 
-    def _recover(self, p: int, lost: ServerLost, failed: ServerRef | None) -> _Source:
+    def _recover(self, p: int, lost: ServerLost, failed: ServerRef | None) -> Source:
         """A new source for partition ``p`` after its server was lost."""
         self.recoveries += 1
         self.unanswered += lost.cause == "unanswered"
@@ -358,7 +229,7 @@ class BatchStream:
         )
         return self._serve_locally(p, failed)
 
-    def _switch(self, p: int, new: _Source, reissue: int) -> None:
+    def _switch(self, p: int, new: Source, reissue: int) -> None:
         """Make ``new`` partition ``p``'s source: requests to the old one are dropped and
         asked again of the new one (``reissue`` more for requests already taken out)."""
         dropped = [r for r in self._pending if r.p == p]
@@ -377,7 +248,7 @@ class BatchStream:
         now = time.monotonic()
         for p, src in list(self._sources.items()):
             if not (
-                isinstance(src, _LocalSource) and src.lost is not None and now >= src.next_check
+                isinstance(src, LocalSource) and src.lost is not None and now >= src.next_check
             ):
                 continue
             src.next_check = now + self._timing.return_interval
@@ -385,7 +256,7 @@ class BatchStream:
             if not live:
                 continue
             ref = self.service.server(p)
-            back: _Source | ServerLost | None = None
+            back: Source | ServerLost | None = None
             if ref.address in live:
                 back = self._connect(p, ref)
             if back is None or isinstance(back, ServerLost):
@@ -463,8 +334,8 @@ class BatchStream:
                 self._lost(p, msg)
         return None
 
-    def _reopen(self, p: int, src: _Source) -> _Source:
-        if isinstance(src, _LocalSource):  # the same server, a new stream id
+    def _reopen(self, p: int, src: Source) -> Source:
+        if isinstance(src, LocalSource):  # the same server, a new stream id
             src.sid = self._next_sid(p)
             src.server.open_stream(src.sid, *self._open_args(p))
             return src
@@ -473,14 +344,14 @@ class BatchStream:
 
     def _lost(self, p: int, lost: ServerLost) -> None:
         src = self._sources[p]
-        failed = src.lost if isinstance(src, _LocalSource) else src.ref
+        failed = src.lost if isinstance(src, LocalSource) else src.ref
         self._switch(p, self._recover(p, lost, failed), 1)
 
     def _deliver(self, req: _Request, batch: Batch) -> tuple:
         self._received[req.p].add(batch.k)
         self.batches_delivered += 1
         self.images_delivered += len(batch)
-        self.local_batches += isinstance(req.source, _LocalSource)
+        self.local_batches += isinstance(req.source, LocalSource)
         self._fill()
         self._t_last = time.perf_counter()
         x = batch.x if batch.x.dtype == np.float32 else as_model_input(batch.x)
