@@ -454,7 +454,8 @@ class DataService:
             except Exception as exc:
                 logger.debug("partition %d: shutdown failed (%s)", p, exc)
             try:
-                client.unpublish_dataset(self._dataset(p))
+                # bounded: closing must not hang on a scheduler that does not answer
+                client.unpublish_dataset(self._dataset(p), callback_timeout=10 * timeout)
             except Exception as exc:
                 logger.debug("partition %d: unpublish failed (%s)", p, exc)
         for f in self._futures:  # with the datasets unpublished, the actors are released
