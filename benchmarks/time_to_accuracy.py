@@ -86,6 +86,7 @@ def engine_fit_to_target(xtr, ytr, xte, yte, *, target: float, epochs: int, thre
         train_seconds += st.seconds
         acc = float(net.evaluate(xt, yte))
         curve.append(round(acc, 4))
+        print(f"engine epoch {e + 1}: test accuracy {acc:.4f}", file=sys.stderr, flush=True)
         if acc >= target:
             reached = time.perf_counter() - t0
             break

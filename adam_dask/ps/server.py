@@ -5,9 +5,11 @@ cached copy of the routing (:mod:`adam_dask.ps._client`). It works from a client
 straight to the PS workers when the client has ``direct_to_workers``, else through the
 scheduler) and from inside Dask tasks on any worker (peer-to-peer).
 
->>> server = ParameterServer.create(client, size=n, checkpoint="file:///srv/ckpt")  # doctest: +SKIP
->>> server.push(delta); server.flush(epoch=1)                                        # doctest: +SKIP
->>> ParameterServer.restore(client, "file:///srv/ckpt").pull()                       # doctest: +SKIP
+Usage (on a cluster, so not a doctest)::
+
+    server = ParameterServer.create(client, size=n, checkpoint="file:///srv/ckpt")
+    server.push(delta); server.flush(epoch=1)
+    ParameterServer.restore(client, "file:///srv/ckpt").pull()
 
 Delivery: a push is split per shard and sent to the primaries concurrently; a push carries a
 random id, so one retried on a new primary after a fail-over is applied once. ``ack`` says when

@@ -1,8 +1,10 @@
 """The training driver: epochs, the epoch quorum, validation, metrics, progress and checkpoints.
 
->>> trainer = Trainer(data="data/mnist.zarr")                     # doctest: +SKIP
->>> trainer.fit(epochs=5, target_accuracy=0.99)                   # doctest: +SKIP
->>> trainer.history.plot()                                        # doctest: +SKIP
+Usage (on a cluster, so not a doctest)::
+
+    trainer = Trainer(data="data/mnist.zarr")
+    trainer.fit(epochs=5, target_accuracy=0.99)
+    trainer.history.plot()
 
 The Trainer runs on the client (a notebook, the CLI, a pipeline). Each epoch it submits one
 long-running task per replica (:func:`~adam_dask.train.task.run_replica`) to the TRAIN workers.
