@@ -11,7 +11,8 @@ in 1 MB shards, 3 copies of each shard.
   transport's limit, measured before and after the PS figures and averaged; ``raw_drift`` is
   after/before), once with the default ack (``adam.ps.ack``: ``ack``, keys ``push_vs_raw``,
   ``pull_vs_raw``, ...) and once with ``ack="primary"`` (``primary_*`` keys); ``one_shard_*``:
-  the default ack with the whole model as one 4 MB shard.
+  the default ack with the whole model as one 4 MB shard; ``one_copy_primary_*``: one copy,
+  ``ack="primary"``, the protocol alone without the replication that shares the cores.
 * fail-over (``sigkill_*``, ``sigstop_*``), default settings: a thread pushes small-integer
   deltas (exact in float32) into a fresh server; after ``--seconds`` of pushes the primary of
   shard 0 gets SIGKILL (``testing.hard_kill(wait=False)``) or SIGSTOP (``testing.freeze``) from
@@ -156,6 +157,14 @@ def bench_transfer(client, acks: list[str], seconds: float) -> dict:
         finally:
             server.close()
         measured[ack] = (push, pull, lag)
+    # one copy, ack="primary": the protocol alone (split, route, apply, answer), without the
+    # replication that shares the machine's cores with the pushes
+    bare = ParameterServer.create(client, size=N, shard_bytes=SHARD_BYTES, copies=1, ack="primary")
+    try:
+        push_bare = rate(lambda: bare.push(delta), seconds) * MB
+        pull_bare = rate(lambda: bare.pull(out=buf), seconds) * MB
+    finally:
+        bare.close()
     # the same payload as one shard: what the per-shard fan-out (4 calls to 3-4 nodes) costs
     one = ParameterServer.create(client, size=N, shard_bytes=N * 4, copies=COPIES, ack=acks[0])
     try:
@@ -186,6 +195,8 @@ def bench_transfer(client, acks: list[str], seconds: float) -> dict:
                 f"{pre}max_replication_lag_after_flush": lag,
             }
         )
+    out["one_copy_primary_push_vs_raw"] = push_bare / raw_push
+    out["one_copy_primary_pull_vs_raw"] = pull_bare / raw_pull
     out["one_shard_push_vs_raw"] = push1 / raw_push
     out["one_shard_pull_vs_raw"] = pull1 / raw_pull
     return out

@@ -49,10 +49,13 @@ def cluster_trainers() -> tuple[int, int]:
     return n, t
 
 
-def engine_fit_to_target(xtr, ytr, xte, yte, *, target: float, epochs: int, threads: int) -> dict:
+def engine_fit_to_target(
+    xtr, ytr, xte, yte, *, target: float, epochs: int, threads: int, train_eval: int = 0
+) -> dict:
     """Train the configured network with one ``HogwildReplica`` of ``threads`` threads on the
     Trainer's recipe (``adam.train.*``, ``adam.model.*``), evaluating after each epoch, until
-    test accuracy >= ``target`` or ``epochs``."""
+    test accuracy >= ``target`` or ``epochs``. ``train_eval``: also score the first that many
+    training images, unaugmented, after each epoch (``train_curve``: over- or under-fitting)."""
     import numpy as np
 
     from adam_dask import config
@@ -78,7 +81,7 @@ def engine_fit_to_target(xtr, ytr, xte, yte, *, target: float, epochs: int, thre
     x = None if aug is not None else to_float(xtr)
     xt = to_float(xte)
     index = np.arange(len(xtr))
-    curve, reached, images, train_seconds = [], None, 0, 0.0
+    curve, train_curve, reached, images, train_seconds = [], [], None, 0, 0.0
     for e in range(epochs):
         xe = aug.apply(xtr, index, seed=seed, epoch=e) if aug is not None else x
         st = rep.train_images(xe, ytr, epochs=1, seed=seed + e, first_epoch=e, schedule=plan)
@@ -86,7 +89,15 @@ def engine_fit_to_target(xtr, ytr, xte, yte, *, target: float, epochs: int, thre
         train_seconds += st.seconds
         acc = float(net.evaluate(xt, yte))
         curve.append(round(acc, 4))
-        print(f"engine epoch {e + 1}: test accuracy {acc:.4f}", file=sys.stderr, flush=True)
+        if train_eval:
+            tr = float(net.evaluate(to_float(xtr[:train_eval]), ytr[:train_eval]))
+            train_curve.append(round(tr, 5))
+        print(
+            f"engine epoch {e + 1}: test accuracy {acc:.4f}"
+            + (f", train {train_curve[-1]:.5f}" if train_eval else ""),
+            file=sys.stderr,
+            flush=True,
+        )
         if acc >= target:
             reached = time.perf_counter() - t0
             break
@@ -94,6 +105,7 @@ def engine_fit_to_target(xtr, ytr, xte, yte, *, target: float, epochs: int, thre
         "seconds_to_target": reached,
         "epochs": len(curve),
         "curve": curve,
+        "train_curve": train_curve,
         "seconds": time.perf_counter() - t0,
         "images_per_second": images / train_seconds if train_seconds else None,
         "augment": aug is not None,

@@ -234,10 +234,16 @@ class Pushing(Transport):
     async def _settle(self, rpc: Any, sched: Any, below: int = 0) -> None:
         """Until the held pushes take at most ``below`` bytes: replay moved ones, ask the
         primaries what every copy holds. :class:`ShardUnavailable` after the fail-over
-        timeout."""
-        deadline = time.monotonic() + float(config.get("ps.failover-timeout"))
+        timeout without progress (the held bytes going down restarts it: copies that confirm
+        slowly, a large model's pushes on a busy machine, are not a failure)."""
+        timeout = float(config.get("ps.failover-timeout"))
+        deadline = time.monotonic() + timeout
         interval = float(config.get("ps.forward-interval"))
+        held = self._log.nbytes
         while self._log and self._log.nbytes > below:
+            if self._log.nbytes < held:
+                held = self._log.nbytes
+                deadline = time.monotonic() + timeout
             await self._refresh(sched)
             await self._replay_moved(rpc, sched)
             sids = self._log.shards()
