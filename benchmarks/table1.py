@@ -28,7 +28,11 @@ def run(mode: str, store: str, args, seconds: float) -> dict:
     from adam_dask.train.trainer import Trainer
 
     t0 = time.perf_counter()
-    with adam_dask.cluster.local() as client:
+    # async vs sync needs several replicas: on a small machine the embedded cluster's default is
+    # one replica with a thread per core
+    with adam_dask.cluster.local(
+        trainers=args.trainers, trainer_threads=args.trainer_threads
+    ) as client:
         trainer = Trainer(
             store,
             client=client,
@@ -128,6 +132,8 @@ def main() -> None:
     ap.add_argument("--lr-floor", type=float, default=None, help="default adam.train.lr-floor")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-minutes", type=float, default=30.0, help="for both runs together")
+    ap.add_argument("--trainers", type=int, default=2, help="replicas (one per TRAIN worker)")
+    ap.add_argument("--trainer-threads", type=int, default=1, help="Hogwild threads per replica")
     ap.add_argument("--engine", action="store_true", help="explore on the engine alone")
     ap.add_argument(
         "--set",

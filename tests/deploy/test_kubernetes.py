@@ -246,7 +246,7 @@ def test_kubernetes_gateway_values_embed_the_options_file_and_adam_defaults(valu
     ]
     opts = c.Backend.cluster_options
     defaults = {f["field"]: f["default"] for f in opts.get_specification()}
-    trainers, threads = size_trainers(2)  # adam.yaml's "auto" on a 2-core machine
+    trainers, threads = size_trainers(4)  # adam.yaml's "auto" for 4 cores of TRAIN workers
     worker_memory = defaults.pop("worker_memory")
     assert defaults == {
         "ps_nodes": config.get("cluster.ps-nodes"),
