@@ -293,15 +293,28 @@ def connect(address: str | None = None, *, gateway: str | None = None, **kwargs)
     n = kwargs.pop("workers", None)
     if n is None:
         n = sum(int(config.get(f"cluster.{k}")) for k in ("ps-nodes", "data-nodes", "trainers"))
-    gw = Gateway(gateway, **{k: kwargs.pop(k) for k in ("auth", "proxy_address") if k in kwargs})
+
+    # This gateway client is closed here, never by the garbage collector: a Gateway's __del__
+    # stops its loop runner, and run from inside distributed's LoopRunner.start (a collection can
+    # happen anywhere) it waits for the lock start holds, and the process hangs; after close() it
+    # raises. The gateway is asked first (an unreachable one fails here, before new_cluster makes
+    # a GatewayCluster whose own client a failed start would leave open); the cluster keeps its own.
+    class _Gateway(Gateway):
+        def __del__(self) -> None:
+            pass
+
+    gw = _Gateway(gateway, **{k: kwargs.pop(k) for k in ("auth", "proxy_address") if k in kwargs})
     try:
+        gw.cluster_options()
         cluster = gw.new_cluster(**kwargs)
     except Exception as exc:  # aiohttp's and the gateway's own errors are not OSErrors
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ClusterError(
             f"cannot create a cluster on the dask-gateway at {gateway}: {text}",
             "check the URL, that the gateway is up, and dask-gateway's auth settings",
-        ) from exc
+        ) from None
+    finally:
+        gw.close()
     try:
         cluster.scale(int(n))
         client = cluster.get_client()

@@ -127,8 +127,16 @@ def test_unreachable_scheduler_is_one_error_line(store, capsys):
 
 
 def test_unreachable_gateway_is_one_error_line(store, capsys):
+    import gc
+
+    from dask_gateway import Gateway
+
     status, _, err = cli(capsys, "train", "--data", store, "--gateway", "http://127.0.0.1:9")
     assert_one_error(status, err, "dask-gateway at http://127.0.0.1:9")
+    # the gateway client was closed, not left for the garbage collector: its __del__ closing
+    # it during another loop runner's start hangs the process (it did, in this suite)
+    left = [g for g in gc.get_objects() if isinstance(g, Gateway) and g._loop_runner._started]
+    assert left == []
 
 
 # -- a real process ---------------------------------------------------------------------------------
