@@ -176,11 +176,16 @@ def sgd_update_into(flat, acc, grad, velocity, lr, momentum):
 
 
 @_kernel
-def forward_plan(plan, flat, x, n, acts, cols, argmax):
+def forward_plan(plan, flat, x, n, acts, cols, argmax, dropout=0.0, seed=-1):
     """Forward x (n * C*H*W values of the first layer's input, flat) through every layer of
     ``plan`` with the weights in ``flat``; each layer's output lands in its region of ``acts``
-    (also fills the conv patches ``cols`` and pooling winners ``argmax`` the backward reads)."""
-    for j in range(plan.shape[0]):
+    (also fills the conv patches ``cols`` and pooling winners ``argmax`` the backward reads).
+    ``dropout`` > 0: the hidden dense layers' outputs go through :func:`kernels.dropout_forward`
+    after their activation (``seed`` >= 0 reseeds the thread's generator first)."""
+    if dropout > 0.0 and seed >= 0:
+        np.random.seed(seed)
+    L = plan.shape[0]
+    for j in range(L):
         p = plan[j]
         C, H, W = p[_C], p[_H], p[_W]
         OC, OH, OW = p[_OC], p[_OH], p[_OW]
@@ -226,6 +231,8 @@ def forward_plan(plan, flat, x, n, acts, cols, argmax):
             K.tanh_forward(dst)
         elif act == _RELU:
             K.relu_forward(dst)
+        if dropout > 0.0 and kind == _FC and j < L - 1:
+            K.dropout_forward(dst, dropout, -1)
 
 
 @_kernel
@@ -248,15 +255,18 @@ def train_step(
     row,
     lr,
     momentum,
+    dropout=0.0,
+    seed=-1,
 ):
     """One SGD step on the mini-batch x[:n] (any shape, C-contiguous), labels[:n] (int64):
     forward, softmax cross-entropy (mean over the n images), backward, and the update
     ``flat += u, u = momentum * velocity - lr * grad`` (velocity <- u when momentum > 0;
     velocity like flat then, else unused), and ``acc += u`` unless ``acc`` is empty (a
     replica's accumulator of the updates for the parameter server). ``grad`` must be zero on
-    entry and is zero on exit. Returns the mean loss (float64)."""
+    entry and is zero on exit. ``dropout``: the rate on the hidden dense layers (relu only;
+    ``seed`` as in :func:`forward_plan`). Returns the mean loss (float64)."""
     xf = x.reshape(x.size)
-    forward_plan(plan, flat, xf, n, acts, cols, argmax)
+    forward_plan(plan, flat, xf, n, acts, cols, argmax, dropout, seed)
     L = plan.shape[0]
     k = plan[L - 1, _OC]
     a0 = plan[L - 1, _AOFF]
@@ -274,6 +284,9 @@ def train_step(
         out_sz = OC * OH * OW
         a0 = p[_AOFF]
         dout = errs[a0 : a0 + n * out_sz]
+        kind = p[_KIND]
+        if dropout > 0.0 and kind == _FC and j < L - 1:
+            K.dropout_backward(dout, acts[a0 : a0 + n * out_sz], dropout)
         act = p[_ACT]
         if act == _TANH:
             K.tanh_backward(dout, acts[a0 : a0 + n * out_sz])
@@ -287,7 +300,6 @@ def train_step(
         else:
             src = xf[: n * in_sz]
             dsrc = errs[:0]
-        kind = p[_KIND]
         if kind == _CONV:
             KH, KW = p[_KH], p[_KW]
             ckk = C * KH * KW
@@ -361,9 +373,11 @@ def step(
     velocity: np.ndarray,
     acc: np.ndarray | None = None,
     dense_terms: dict | None = None,
+    seed: int = -1,
 ) -> float:
     """:meth:`Network.step_into`: check what would corrupt memory (the kernels check nothing),
-    run :func:`train_step`, and copy the dense layers' offload terms out of the context."""
+    run :func:`train_step` (with the network's dropout; ``seed`` >= 0 reseeds its draws), and
+    copy the dense layers' offload terms out of the context."""
     n = x.shape[0] if n is None else n
     if not 0 < n <= min(ctx.batch_size, x.shape[0], y.shape[0]):
         raise InputShapeError(
@@ -406,6 +420,8 @@ def step(
         ctx.row,
         lr,
         momentum,
+        float(net.dropout),
+        int(seed),
     )
     if dense_terms is not None:
         # the step left each dense layer's input in the previous layer's activations and its

@@ -44,6 +44,8 @@ __all__ = [
     "dense_backward_input",
     "dense_backward_weights",
     "dense_forward",
+    "dropout_backward",
+    "dropout_forward",
     "im2col",
     "maxpool2_backward",
     "maxpool2_forward",
@@ -418,6 +420,40 @@ def relu_backward(dy, y):
     for i in range(d.size):
         if v[i] <= 0.0:
             d[i] = 0.0
+
+
+# -- inverted dropout (training only; relu layers: a dropped value is exactly 0) ----------------------
+
+
+@_kernel
+def dropout_forward(y, p, seed):
+    """y (any shape), in place: each value zeroed with probability p, the others scaled by
+    1 / (1 - p), so the expected output is unchanged and inference needs no rescaling. Draws come
+    from this thread's numba generator; ``seed`` >= 0 reseeds it first (tests), -1 goes on."""
+    if seed >= 0:
+        np.random.seed(seed)
+    f = y.reshape(-1)
+    inv = np.float32(1.0 / (1.0 - p))
+    for i in range(f.size):
+        if np.random.random() < p:
+            f[i] = 0.0
+        else:
+            f[i] *= inv
+
+
+@_kernel
+def dropout_backward(dy, y, p):
+    """dy <- dy / (1 - p) where the forward output y is not 0, else 0, in place: the gradient
+    through :func:`dropout_forward`, its mask read from y (exact after relu, whose own zeros
+    have no gradient either)."""
+    d = dy.reshape(-1)
+    v = y.reshape(-1)
+    inv = np.float32(1.0 / (1.0 - p))
+    for i in range(d.size):
+        if v[i] == 0.0:
+            d[i] = 0.0
+        else:
+            d[i] *= inv
 
 
 # -- softmax cross-entropy ---------------------------------------------------------------------------

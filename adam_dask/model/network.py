@@ -162,11 +162,17 @@ class Network:
     Build with :meth:`from_spec`. Attributes: ``spec`` (str), ``input_shape`` (C, H, W),
     ``activation``, ``classes``, ``layers`` (the plan), ``layout`` (:class:`ParameterLayout`),
     ``flat`` (1-D float32, all parameters; assigning to it copies values in, so the views stay
-    valid) and ``parameters`` (name -> view into ``flat``).
+    valid) and ``parameters`` (name -> view into ``flat``). ``dropout``: the rate of inverted
+    dropout on the hidden dense layers' outputs in the training step (:meth:`step_into`; 0, the
+    default, is the paper's network; relu only); inference and :meth:`backward_into` never drop.
     """
 
     def __init__(
-        self, spec: str, input_shape: tuple[int, ...] = (1, 28, 28), activation: str | None = None
+        self,
+        spec: str,
+        input_shape: tuple[int, ...] = (1, 28, 28),
+        activation: str | None = None,
+        dropout: float | None = None,
     ):
         activation = config.get("model.activation", activation)
         if activation not in ACTIVATIONS:
@@ -175,6 +181,18 @@ class Network:
                 f"use one of {', '.join(ACTIVATIONS)} (argument activation= or "
                 "config adam.model.activation)",
             )
+        dropout = float(config.get("model.dropout", dropout))
+        if not 0.0 <= dropout < 1.0:
+            raise ModelSpecError(
+                f"dropout={dropout} must lie in [0, 1)",
+                "set dropout= or adam.model.dropout (0 turns it off)",
+            )
+        if dropout > 0.0 and activation != "relu":
+            raise ModelSpecError(
+                f"dropout needs the relu activation, not {activation!r}",
+                "set adam.model.activation to relu, or dropout to 0",
+            )
+        self.dropout = dropout
         input_shape = tuple(int(d) for d in input_shape)
         if len(input_shape) == 2:
             input_shape = (1, *input_shape)
@@ -216,10 +234,11 @@ class Network:
         input_shape: tuple[int, ...] = (1, 28, 28),
         activation: str | None = None,
         seed: int = 0,
+        dropout: float | None = None,
     ) -> Network:
         """Parse ``spec`` (default: config ``adam.model.spec``) and initialise the weights:
         Glorot-uniform for tanh, He-normal for relu, zero biases, from ``seed``."""
-        net = cls(config.get("model.spec", spec), input_shape, activation)
+        net = cls(config.get("model.spec", spec), input_shape, activation, dropout)
         net.initialize(seed)
         return net
 
@@ -244,6 +263,7 @@ class Network:
             "spec": self.spec,
             "input_shape": list(self.input_shape),
             "activation": self.activation,
+            "dropout": self.dropout,
             "classes": self.classes,
             "parameters": self.layout.size,
         }
@@ -252,7 +272,13 @@ class Network:
     def from_dict(cls, d: dict, seed: int = 0) -> Network:
         """The network ``d`` (from :meth:`to_dict`) describes, freshly initialised from ``seed``."""
         try:
-            net = cls.from_spec(d["spec"], tuple(d["input_shape"]), d["activation"], seed=seed)
+            net = cls.from_spec(
+                d["spec"],
+                tuple(d["input_shape"]),
+                d["activation"],
+                seed=seed,
+                dropout=float(d.get("dropout", 0.0)),
+            )
         except KeyError as e:
             raise ModelSpecError(
                 f"a network description lacks the key {e}", "build it with Network.to_dict()"
@@ -265,7 +291,7 @@ class Network:
 
     def copy(self) -> Network:
         """A new network with the same spec and a copy of the weights."""
-        other = type(self)(self.spec, self.input_shape, self.activation)
+        other = type(self)(self.spec, self.input_shape, self.activation, self.dropout)
         other.flat = self._flat
         return other
 

@@ -20,6 +20,8 @@ __all__ = [
     "dense_backward_update",
     "dense_backward_weights",
     "dense_forward",
+    "dropout_backward",
+    "dropout_forward",
     "maxpool2_backward",
     "maxpool2_forward",
     "network_loss",
@@ -128,10 +130,11 @@ def dense_backward_update(dout, x, w, bias, lr, momentum=0.0, vw=None, vb=None):
     return dx, w + uw, bias + ub, uw, ub
 
 
-def network_loss(layers, params, x, labels, activation):
+def network_loss(layers, params, x, labels, activation, masks=None, p=0.0):
     """The mean softmax cross-entropy of a network's layer plan (``Network.layers``) with the
     parameters ``params`` (name -> array, e.g. ``layout.views(flat)``) on images x (B, C, H, W),
-    in float64 and the textbook order (conv -> act -> pool)."""
+    in float64 and the textbook order (conv -> act -> pool). ``masks``: layer index -> 0/1 array
+    of that layer's output shape, the dropout applied after its activation (rate ``p``)."""
     act = tanh_forward if activation == "tanh" else relu_forward
     h = np.asarray(x, np.float64)
     for L in layers:
@@ -144,7 +147,18 @@ def network_loss(layers, params, x, labels, activation):
             h = dense_forward(h.reshape(len(h), -1), params[f"{i}.weight"], params[f"{i}.bias"])
         if L is not layers[-1] and L.kind != "maxpool":
             h = act(h)
+        if masks is not None and i in masks:
+            h = dropout_forward(h, masks[i], p)
     return softmax_cross_entropy_forward(h, labels)[1]
+
+
+def dropout_forward(y, mask, p):
+    """y * mask / (1 - p): inverted dropout with a given 0/1 mask."""
+    return np.asarray(y, np.float64) * np.asarray(mask, np.float64) / (1.0 - p)
+
+
+def dropout_backward(dy, mask, p):
+    return np.asarray(dy, np.float64) * np.asarray(mask, np.float64) / (1.0 - p)
 
 
 def tanh_forward(z):

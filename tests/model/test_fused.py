@@ -205,3 +205,71 @@ def test_fused_step_refuses_unsafe_arguments():
     before = net.flat.copy()
     net.step_into(ctx, x, y, 4, 0.1, 0.0, v)  # and a valid step still works afterwards
     assert not np.array_equal(before, net.flat)
+
+
+# -- dropout (a named option; the paper's network has none) ----------------------------------------
+
+
+def test_dropout_kernels_match_the_reference_and_keep_the_mean():
+    rng = np.random.default_rng(0)
+    y = rng.random(20000).astype(np.float32) + 0.1  # relu outputs, none exactly 0
+    out = y.copy()
+    K.dropout_forward(out, 0.25, 7)
+    mask = (out != 0).astype(np.float64)
+    assert abs(1 - mask.mean() - 0.25) < 0.02  # about a quarter dropped
+    np.testing.assert_allclose(out, R.dropout_forward(y, mask, 0.25), rtol=1e-6)
+    assert abs(out.mean() / y.mean() - 1) < 0.02  # the expected output is kept
+    again = y.copy()
+    K.dropout_forward(again, 0.25, 7)
+    np.testing.assert_array_equal(again, out)  # a seed repeats its draws
+    dy = rng.normal(size=y.size).astype(np.float32)
+    d = dy.copy()
+    K.dropout_backward(d, out, 0.25)
+    np.testing.assert_allclose(d, R.dropout_backward(dy, mask, 0.25), rtol=1e-6)
+
+
+def test_fused_step_with_dropout_follows_the_finite_difference_gradient():
+    """The masks the step drew (its hidden dense outputs that are 0) in the float64 reference
+    loss: the applied update is that loss's gradient."""
+    spec, shape = "conv3x3:3,maxpool2,fc12,fc9,fc3", (1, 9, 9)
+    net = Network.from_spec(spec, shape, "relu", seed=3, dropout=0.5)
+    x, y = batch(net, 6, seed=1)
+    ctx = net.context(6)
+    before = net.flat.astype(np.float64)
+    lr = 1e-3
+    F.step(net, ctx, x, y, None, lr, 0.0, np.zeros(1, np.float32), seed=11)
+    step_grad = (before - net.flat.astype(np.float64)) / lr
+    hidden = [j for j, L in enumerate(net.layers) if L.kind == "fc"][:-1]
+    masks = {net.layers[j].index: (ctx.acts[j][:6] != 0).astype(np.float64) for j in hidden}
+    assert 0.2 < np.mean([m.mean() for m in masks.values()]) < 0.8  # units were dropped
+
+    def loss(flat64):
+        params = {e.name: flat64[e.offset : e.offset + e.size].reshape(e.shape) for e in net.layout}
+        return R.network_loss(net.layers, params, x, y, "relu", masks=masks, p=0.5)
+
+    rng = np.random.default_rng(0)
+    eps = 1e-6
+    for e in net.layout:
+        for i in rng.choice(e.size, min(e.size, 5), replace=False) + e.offset:
+            wp, wm = before.copy(), before.copy()
+            wp[i] += eps
+            wm[i] -= eps
+            fd = (loss(wp) - loss(wm)) / (2 * eps)
+            assert abs(fd - step_grad[i]) <= 2e-3 + 2e-3 * abs(fd), (e.name, i, fd, step_grad[i])
+    # without the masks the gradient differs: dropout changed the step
+    plain = {e.name: before[e.offset : e.offset + e.size].reshape(e.shape) for e in net.layout}
+    assert R.network_loss(net.layers, plain, x, y, "relu") != pytest.approx(loss(before))
+
+
+def test_dropout_is_checked_and_travels_with_the_network():
+    from adam_dask.errors import ModelSpecError
+
+    with pytest.raises(ModelSpecError, match="relu"):
+        Network.from_spec("fc8,fc3", (1, 4, 4), "tanh", dropout=0.5)
+    with pytest.raises(ModelSpecError, match=r"\[0, 1\)"):
+        Network.from_spec("fc8,fc3", (1, 4, 4), "relu", dropout=1.0)
+    net = Network.from_spec("fc8,fc3", (1, 4, 4), "relu", dropout=0.3)
+    assert Network.from_dict(net.to_dict()).dropout == 0.3 and net.copy().dropout == 0.3
+    # inference never drops: the same outputs every time
+    x = np.random.default_rng(0).random((5, 1, 4, 4), dtype=np.float32)
+    np.testing.assert_array_equal(net.forward(x), net.forward(x))
