@@ -5,21 +5,7 @@
 >>> sorted(net.parameters)[:2], net.parameters["0.weight"].shape, net.classes
 (['0.bias', '0.weight'], (10, 1, 5, 5), 10)
 
-Spec grammar, layers separated by commas; a layer's index is its position in the list:
-
-* ``conv<KH>x<KW>:<OC>`` (or ``conv<K>:<OC>``): valid 2-D convolution, stride 1, ``OC`` filters;
-  parameters ``<i>.weight`` (OC, C, KH, KW) and ``<i>.bias`` (OC,), torch's ``nn.Conv2d`` layout.
-* ``maxpool2``: 2x2 max-pooling, stride 2 (odd edges dropped, as torch's default). No parameters.
-* ``fc<O>``: dense layer, ``<i>.weight`` (O, I) and ``<i>.bias`` (O,), torch's ``nn.Linear``
-  layout; a convolutional input is flattened in (C, H, W) order, as ``torch.flatten``.
-
-Every conv and fc layer is followed by the activation (``tanh`` or ``relu``), except the last
-layer, which must be fc and gives the logits. Weights therefore move to and from a torch
-``nn.Sequential`` of the same layers by name (see ``benchmarks/engine.py``).
-
-A conv layer followed by max-pooling applies its activation *after* the pooling: tanh and relu
-are monotonic, so ``pool(act(z)) == act(pool(z))`` exactly, and the activation then runs on a
-quarter of the values.
+The spec grammar is in :mod:`adam_dask.model.spec`.
 
 Work buffers live in a :class:`Context` (one per thread, sized for a batch), so the hot loop of a
 replica allocates nothing; the convenience methods (``forward``, ``loss_and_gradient``) keep a
@@ -29,9 +15,7 @@ context per thread and batch size.
 from __future__ import annotations
 
 import logging
-import re
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,119 +25,14 @@ from . import fused as F
 from . import kernels as K
 from .context import Context
 from .layout import ParameterLayout
+from .spec import ACTIVATIONS, Layer, parse_spec
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ACTIVATIONS", "Context", "Layer", "Network", "parse_spec"]
 
-ACTIVATIONS = ("tanh", "relu")
-_CONV = re.compile(r"^conv(\d+)(?:x(\d+))?:(\d+)$")
-_POOL = re.compile(r"^maxpool(\d+)$")
-_FC = re.compile(r"^fc(\d+)$")
 _ACT_FWD = {"tanh": K.tanh_forward, "relu": K.relu_forward}
 _ACT_BWD = {"tanh": K.tanh_backward, "relu": K.relu_backward}
-
-
-@dataclass(slots=True)
-class Layer:
-    """One layer of the plan; shapes are per image (no batch axis)."""
-
-    index: int
-    kind: str  # "conv", "maxpool" or "fc"
-    token: str
-    in_shape: tuple[int, ...]
-    out_shape: tuple[int, ...]
-    kernel: tuple[int, int] = (0, 0)
-    act: str | None = None  # activation applied to this layer's output
-
-    @property
-    def has_params(self) -> bool:
-        return self.kind != "maxpool"
-
-    @property
-    def in_size(self) -> int:
-        return int(np.prod(self.in_shape))
-
-
-def parse_spec(spec: str, input_shape: tuple[int, ...], activation: str) -> list[Layer]:
-    """The layer plan of ``spec`` on images of ``input_shape`` (C, H, W); raises
-    :class:`ModelSpecError` naming the layer that does not parse or does not fit."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ModelSpecError(
-            f"empty network spec {spec!r}", "give layers such as 'conv5x5:10,maxpool2,fc10'"
-        )
-    tokens = [t.strip().lower() for t in spec.split(",")]
-    shape = tuple(int(d) for d in input_shape)
-    layers: list[Layer] = []
-    for i, tok in enumerate(tokens):
-        where = f"layer {i} ({tok!r}) of spec {spec!r}"
-        if m := _CONV.match(tok):
-            kh, kw, oc = int(m[1]), int(m[2] or m[1]), int(m[3])
-            if len(shape) != 3:
-                raise ModelSpecError(
-                    f"{where}: a convolution needs a (C, H, W) input, got {shape}",
-                    "put conv layers before fc layers",
-                    layer=i,
-                )
-            c, h, w = shape
-            if kh < 1 or kw < 1 or oc < 1:
-                raise ModelSpecError(f"{where}: kernel size and filters must be positive", layer=i)
-            if kh > h or kw > w:
-                raise ModelSpecError(
-                    f"{where}: a {kh}x{kw} kernel does not fit a {h}x{w} input",
-                    "use a smaller kernel or fewer pooling layers",
-                    layer=i,
-                )
-            layers.append(Layer(i, "conv", tok, shape, (oc, h - kh + 1, w - kw + 1), (kh, kw)))
-        elif m := _POOL.match(tok):
-            if int(m[1]) != 2:
-                raise ModelSpecError(
-                    f"{where}: only 2x2 max-pooling is supported", "write 'maxpool2'", layer=i
-                )
-            if len(shape) != 3:
-                raise ModelSpecError(
-                    f"{where}: pooling needs a (C, H, W) input, got {shape}",
-                    "put pooling layers before fc layers",
-                    layer=i,
-                )
-            c, h, w = shape
-            if h < 2 or w < 2:
-                raise ModelSpecError(f"{where}: cannot pool a {h}x{w} input", layer=i)
-            layers.append(Layer(i, "maxpool", tok, shape, (c, h // 2, w // 2), (2, 2)))
-        elif m := _FC.match(tok):
-            o = int(m[1])
-            if o < 1:
-                raise ModelSpecError(f"{where}: a dense layer needs at least one output", layer=i)
-            layers.append(Layer(i, "fc", tok, shape, (o,)))
-        else:
-            raise ModelSpecError(
-                f"{where} does not parse",
-                "layers are conv<KH>x<KW>:<filters>, maxpool2 or fc<outputs>",
-                layer=i,
-            )
-        shape = layers[-1].out_shape
-    last = layers[-1]
-    if last.kind != "fc":
-        raise ModelSpecError(
-            f"layer {last.index} ({last.token!r}) of spec {spec!r}: the last "
-            "layer must be fc<classes> (it gives the logits)",
-            "end the spec with e.g. 'fc10'",
-            layer=last.index,
-        )
-    if last.out_shape[0] < 2:
-        raise ModelSpecError(
-            f"layer {last.index} ({last.token!r}): a classifier needs at least 2 classes",
-            layer=last.index,
-        )
-    for j, L in enumerate(layers[:-1]):
-        if L.kind == "maxpool":
-            continue
-        nxt = layers[j + 1]
-        if L.kind == "conv" and nxt.kind == "maxpool":
-            nxt.act = activation  # act(pool(z)) == pool(act(z)): cheaper after the pool
-        else:
-            L.act = activation
-    return layers
 
 
 class Network:
