@@ -154,7 +154,9 @@ def main() -> None:
     overrides = _overrides(args.set)
     with dask.config.set(overrides):  # the embedded cluster's workers get the caller's config
         res = {m: run(m, store, args, budget) for m in ("async", "sync")}
-        recipe = {"augment": dict(config.get("augment")), "dropout": config.get("model.dropout")}
+        # the runs pass augment=True: the data servers augment whatever adam.augment.enabled says
+        augment = {**dict(config.get("augment")), "enabled": True}
+        recipe = {"augment": augment, "dropout": config.get("model.dropout")}
     record(
         "table1",
         (
