@@ -3,9 +3,11 @@ reproducibility per (seed, epoch, index), output range, colour images, configura
 
 from __future__ import annotations
 
+import dask
 import numpy as np
 import pytest
 
+from adam_dask import config
 from adam_dask.data.augment import Augment, affine_batch, as_model_input, elastic_field
 from adam_dask.errors import ConfigError, InputShapeError
 from adam_dask.testing import synthetic_digits
@@ -137,7 +139,14 @@ def test_augmentation_changes_images_but_keeps_their_mass(grey):
 
 def test_config_and_validation():
     a = Augment.from_config()
-    assert a.rotation == 10.0 and a.elastic_alpha == 34.0 and a.elastic_sigma == 4.0
+    assert (a.rotation, a.elastic_alpha, a.elastic_sigma) == (
+        config.get("augment.rotation"),
+        config.get("augment.elastic-alpha"),
+        config.get("augment.elastic-sigma"),
+    )
+    with dask.config.set({"adam.augment.rotation": 7.5, "adam.augment.shear": 0.2}):
+        b = Augment.from_config()
+    assert (b.rotation, b.shear) == (7.5, 0.2)
     assert Augment.from_config(rotation=3.0).rotation == 3.0
     assert Augment().is_identity and not a.is_identity
     with pytest.raises(ConfigError, match="rotation"):
