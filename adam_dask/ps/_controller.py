@@ -140,8 +140,11 @@ class ServerState(Repair):
         return {a: h for a, h in self.workers.items() if a not in self.dead}
 
     def pending(self) -> set[int]:
-        """Shards without a primary to push to right now."""
-        return self.needs_primary | set(self.rounds) | self.restoring | self.lost
+        """Shards without a primary to push to right now: waiting for one, fencing their
+        copies, being promoted (the routing already lacks the lost primary, the new one does
+        not know yet), restoring, or lost."""
+        promoting = {s for op in self.ops.values() if op.kind == "promote" for s in op.sids}
+        return self.needs_primary | set(self.rounds) | promoting | self.restoring | self.lost
 
     def healthy(self) -> bool:
         return not self.pending() and all(

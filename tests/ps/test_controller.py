@@ -81,6 +81,8 @@ def test_missed_heartbeats_fence_survivors_then_promote_the_newest(ctl):
     out = ctl.handle(CallDone(fences["c"].op, {0: (0, 7), 1: (0, 9)}))
     promotes = {c.args[0].popitem()[0]: c for c in of(out, Call) if c.method == "promote"}
     assert promotes[0].addr == "c"  # the newest copy of shard 0
+    # while the promotions are in flight the shards have no primary to push to yet
+    assert ctl.pending() == {0, 1} and "a" not in ctl.routing[0]
     for sid, call in promotes.items():
         ctl.handle(CallDone(call.op, {sid: 9}))
     assert ctl.routing[0][0] == "c" and "a" not in ctl.routing[0] + ctl.routing[1]
