@@ -65,10 +65,19 @@ def test_fused_step_follows_the_finite_difference_gradient(activation):
     net.step_into(net.context(4), x, y, None, lr, 0.0, np.zeros(1, np.float32))
     step_grad = (before - net.flat.astype(np.float64)) / lr  # what the step applied, / lr
 
-    def loss(flat64):
-        params = {e.name: flat64[e.offset : e.offset + e.size].reshape(e.shape) for e in net.layout}
-        return R.network_loss(net.layers, params, x, y, activation)
+    assert_follows_finite_differences(
+        net, before, step_grad, lambda p: R.network_loss(net.layers, p, x, y, activation)
+    )
 
+
+def params_of(net: Network, flat64: np.ndarray) -> dict:
+    """``flat64`` (float64, like net.flat) as the reference's name -> array parameters."""
+    return {e.name: flat64[e.offset : e.offset + e.size].reshape(e.shape) for e in net.layout}
+
+
+def assert_follows_finite_differences(net, before, step_grad, loss_of_params) -> None:
+    """``step_grad`` (what a step applied, / lr) matches central differences of
+    ``loss_of_params`` at ``before`` on 5 random entries of every parameter."""
     rng = np.random.default_rng(0)
     eps = 1e-6
     for e in net.layout:
@@ -76,7 +85,9 @@ def test_fused_step_follows_the_finite_difference_gradient(activation):
             wp, wm = before.copy(), before.copy()
             wp[i] += eps
             wm[i] -= eps
-            fd = (loss(wp) - loss(wm)) / (2 * eps)
+            fd = (loss_of_params(params_of(net, wp)) - loss_of_params(params_of(net, wm))) / (
+                2 * eps
+            )
             # float32 weights: the applied step is exact to ~1e-7 / lr of the gradient
             assert abs(fd - step_grad[i]) <= 2e-3 + 2e-3 * abs(fd), (e.name, i, fd, step_grad[i])
 
@@ -243,22 +254,13 @@ def test_fused_step_with_dropout_follows_the_finite_difference_gradient():
     masks = {net.layers[j].index: (ctx.acts[j][:6] != 0).astype(np.float64) for j in hidden}
     assert 0.2 < np.mean([m.mean() for m in masks.values()]) < 0.8  # units were dropped
 
-    def loss(flat64):
-        params = {e.name: flat64[e.offset : e.offset + e.size].reshape(e.shape) for e in net.layout}
+    def loss(params):
         return R.network_loss(net.layers, params, x, y, "relu", masks=masks, p=0.5)
 
-    rng = np.random.default_rng(0)
-    eps = 1e-6
-    for e in net.layout:
-        for i in rng.choice(e.size, min(e.size, 5), replace=False) + e.offset:
-            wp, wm = before.copy(), before.copy()
-            wp[i] += eps
-            wm[i] -= eps
-            fd = (loss(wp) - loss(wm)) / (2 * eps)
-            assert abs(fd - step_grad[i]) <= 2e-3 + 2e-3 * abs(fd), (e.name, i, fd, step_grad[i])
-    # without the masks the gradient differs: dropout changed the step
-    plain = {e.name: before[e.offset : e.offset + e.size].reshape(e.shape) for e in net.layout}
-    assert R.network_loss(net.layers, plain, x, y, "relu") != pytest.approx(loss(before))
+    assert_follows_finite_differences(net, before, step_grad, loss)
+    # without the masks the loss differs: dropout changed the step
+    plain = params_of(net, before)
+    assert R.network_loss(net.layers, plain, x, y, "relu") != pytest.approx(loss(plain))
 
 
 def test_dropout_is_checked_and_travels_with_the_network():
