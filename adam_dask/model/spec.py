@@ -58,6 +58,18 @@ class Layer:
         return int(np.prod(self.in_shape))
 
 
+def _image_shape(shape: tuple[int, ...], what: str, kind: str, i: int) -> tuple[int, int, int]:
+    """``shape`` as (C, H, W), or the error that layer ``i`` (``what`` needs) has no image input."""
+    if len(shape) != 3:
+        raise ModelSpecError(
+            f"{what} needs a (C, H, W) input, got {shape}",
+            f"put {kind} layers before fc layers",
+            layer=i,
+        )
+    c, h, w = shape
+    return c, h, w
+
+
 def parse_spec(spec: str, input_shape: tuple[int, ...], activation: str) -> list[Layer]:
     """The layer plan of ``spec`` on images of ``input_shape`` (C, H, W); raises
     :class:`ModelSpecError` naming the layer that does not parse or does not fit."""
@@ -72,13 +84,7 @@ def parse_spec(spec: str, input_shape: tuple[int, ...], activation: str) -> list
         where = f"layer {i} ({tok!r}) of spec {spec!r}"
         if m := _CONV.match(tok):
             kh, kw, oc = int(m[1]), int(m[2] or m[1]), int(m[3])
-            if len(shape) != 3:
-                raise ModelSpecError(
-                    f"{where}: a convolution needs a (C, H, W) input, got {shape}",
-                    "put conv layers before fc layers",
-                    layer=i,
-                )
-            c, h, w = shape
+            c, h, w = _image_shape(shape, f"{where}: a convolution", "conv", i)
             if kh < 1 or kw < 1 or oc < 1:
                 raise ModelSpecError(f"{where}: kernel size and filters must be positive", layer=i)
             if kh > h or kw > w:
@@ -93,13 +99,7 @@ def parse_spec(spec: str, input_shape: tuple[int, ...], activation: str) -> list
                 raise ModelSpecError(
                     f"{where}: only 2x2 max-pooling is supported", "write 'maxpool2'", layer=i
                 )
-            if len(shape) != 3:
-                raise ModelSpecError(
-                    f"{where}: pooling needs a (C, H, W) input, got {shape}",
-                    "put pooling layers before fc layers",
-                    layer=i,
-                )
-            c, h, w = shape
+            c, h, w = _image_shape(shape, f"{where}: pooling", "pooling", i)
             if h < 2 or w < 2:
                 raise ModelSpecError(f"{where}: cannot pool a {h}x{w} input", layer=i)
             layers.append(Layer(i, "maxpool", tok, shape, (c, h // 2, w // 2), (2, 2)))
