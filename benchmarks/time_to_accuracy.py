@@ -80,6 +80,7 @@ def engine_fit_to_target(
     t0 = time.perf_counter()
     x = None if aug is not None else to_float(xtr)
     xt = to_float(xte)
+    x_seen = to_float(xtr[:train_eval]) if train_eval else None  # scored unaugmented each epoch
     index = np.arange(len(xtr))
     curve, train_curve, reached, images, train_seconds = [], [], None, 0, 0.0
     for e in range(epochs):
@@ -90,7 +91,7 @@ def engine_fit_to_target(
         acc = float(net.evaluate(xt, yte))
         curve.append(round(acc, 4))
         if train_eval:
-            tr = float(net.evaluate(to_float(xtr[:train_eval]), ytr[:train_eval]))
+            tr = float(net.evaluate(x_seen, ytr[:train_eval]))
             train_curve.append(round(tr, 5))
         print(
             f"engine epoch {e + 1}: test accuracy {acc:.4f}"
