@@ -73,6 +73,11 @@ def _overrides(pairs: list[str]) -> dict:
     return out
 
 
+def _shown(overrides: dict) -> dict:
+    """The overrides as recorded: keys without the ``adam.`` namespace."""
+    return {k.removeprefix("adam."): v for k, v in overrides.items()}
+
+
 def engine(args, overrides: dict) -> None:
     """Explore a recipe on the engine alone: every epoch evaluated on the test split."""
     import dask
@@ -102,7 +107,7 @@ def engine(args, overrides: dict) -> None:
                 "epochs": args.epochs,
                 "seed": args.seed,
                 "threads": n * t,
-                "overrides": {k.removeprefix("adam."): v for k, v in overrides.items()},
+                "overrides": _shown(overrides),
                 "lr": config.get("train.lr"),
                 "lr_schedule": config.get("train.lr-schedule"),
                 "lr_floor": config.get("train.lr-floor"),
@@ -169,7 +174,7 @@ def main() -> None:
                 "dropout": recipe["dropout"],
                 "trainers": args.trainers,
                 "trainer_threads": args.trainer_threads,
-                "overrides": {k.removeprefix("adam."): v for k, v in overrides.items()},
+                "overrides": _shown(overrides),
                 "augment": recipe["augment"],
                 "async_accuracy": res["async"]["accuracy"],
                 "sync_accuracy": res["sync"]["accuracy"],
