@@ -50,6 +50,10 @@ def run(mode: str, store: str, args, seconds: float) -> dict:
         finally:
             trainer.close()
     h = trainer.history
+    sys.stderr.write(
+        f"{mode}: {len(h)} epochs, final {h.last['test_accuracy']:.2%}, "
+        f"best {h.best_accuracy:.2%}, {time.perf_counter() - t0:.0f} s\n"
+    )
     return {
         "accuracy": h.last["test_accuracy"],
         "best_accuracy": h.best_accuracy,
