@@ -13,6 +13,11 @@ Faults from outside
     ``SIGKILL`` from this process and waits until the scheduler has noticed, :func:`freeze` sends
     ``SIGSTOP`` (sockets stay open, nothing answers) and :func:`thaw` ``SIGCONT``.
 
+Work under way while the faults land
+    :class:`PushLoad` pushes small-integer deltas into a parameter server from a thread (their
+    float32 sums are exact, so what was acknowledged can be compared with what the server holds);
+    :func:`fit_in_background` runs ``Trainer.fit`` in a thread.
+
 >>> images, labels = synthetic_digits(4, seed=1)
 >>> images.shape, images.dtype.name, labels.shape
 ((4, 28, 28), 'uint8', (4,))
@@ -25,6 +30,7 @@ import logging
 import os
 import signal
 import struct
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -35,6 +41,8 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "PushLoad",
+    "fit_in_background",
     "freeze",
     "hard_kill",
     "synthetic_digits",
@@ -167,3 +175,78 @@ def thaw(pids: dict[str, int] | Iterable[int]) -> None:
     """SIGCONT processes frozen by :func:`freeze`."""
     values = pids.values() if isinstance(pids, dict) else pids
     _signal(list(values), signal.SIGCONT)
+
+
+# -- work under way --------------------------------------------------------------------------------
+
+
+class PushLoad(threading.Thread):
+    """Pushes small-integer deltas into ``server`` until :attr:`stop` is set.
+
+    The deltas (a few drawn from ``seed``, used in turn) are integers 1-3, so any sum of them is
+    exact in float32: :meth:`total` (the sum of the acknowledged pushes) must equal what the
+    server gained, to the last bit. :attr:`times` holds each acknowledged push's (start, end)
+    ``perf_counter``; :attr:`error` the exception that ended the loop, if one did.
+    """
+
+    def __init__(self, server: Any, seed: int, kinds: int = 4):
+        super().__init__(daemon=True, name=f"push-load-{seed}")
+        rng = np.random.default_rng(seed)
+        self.server = server
+        self.deltas = [rng.integers(1, 4, server.size).astype(np.float32) for _ in range(kinds)]
+        self.counts = [0] * kinds
+        self.times: list[tuple[float, float]] = []
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    @property
+    def count(self) -> int:
+        """Pushes acknowledged so far."""
+        return len(self.times)
+
+    def run(self) -> None:
+        k = 0
+        try:
+            while not self.stop.is_set():
+                i = k % len(self.deltas)
+                t0 = time.perf_counter()
+                self.server.push(self.deltas[i])
+                t1 = time.perf_counter()
+                self.counts[i] += 1
+                self.times.append((t0, t1))
+                k += 1
+        except BaseException as exc:  # the caller reads it
+            self.error = exc
+
+    def total(self) -> np.ndarray:
+        """The sum of the acknowledged pushes, float64 (exact)."""
+        out = np.zeros(self.server.size, np.float64)
+        for d, c in zip(self.deltas, self.counts, strict=True):
+            out += c * d.astype(np.float64)
+        return out
+
+    def served_after(self, t: float) -> float | None:
+        """Seconds from ``t`` to the end of the first push started at or after ``t``."""
+        for t0, t1 in list(self.times):
+            if t0 >= t:
+                return t1 - t
+        return None
+
+
+def fit_in_background(trainer: Any, epochs: int) -> tuple[threading.Thread, dict]:
+    """Start ``trainer.fit(epochs=epochs)`` in a daemon thread.
+
+    Returns the thread and a dict that gets ``"history"`` when the fit returns or ``"error"``
+    (the exception) when it raises.
+    """
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["history"] = trainer.fit(epochs=epochs)
+        except BaseException as exc:  # the caller reads it
+            box["error"] = exc
+
+    th = threading.Thread(target=target, daemon=True, name="fit-in-background")
+    th.start()
+    return th, box

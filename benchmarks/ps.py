@@ -49,7 +49,6 @@ import argparse
 import logging
 import os
 import sys
-import threading
 import time
 
 import numpy as np
@@ -205,48 +204,6 @@ def bench_transfer(client, acks: list[str], seconds: float) -> dict:
 # -- fail-over from real signals --------------------------------------------------------------------
 
 
-class Pusher(threading.Thread):
-    """Pushes small-integer deltas (sums exact in float32) until stopped, recording each push's
-    start and end; :meth:`total` is the sum of the acknowledged ones."""
-
-    def __init__(self, server, seed: int):
-        super().__init__(daemon=True, name="ps-bench-pusher")
-        rng = np.random.default_rng(seed)
-        self.server = server
-        self.deltas = [rng.integers(1, 4, server.size).astype(np.float32) for _ in range(4)]
-        self.counts = [0] * len(self.deltas)
-        self.times: list[tuple[float, float]] = []
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        k = 0
-        try:
-            while not self.stop.is_set():
-                i = k % len(self.deltas)
-                t0 = time.perf_counter()
-                self.server.push(self.deltas[i])
-                t1 = time.perf_counter()
-                self.counts[i] += 1
-                self.times.append((t0, t1))
-                k += 1
-        except BaseException as exc:  # reported in the line
-            self.error = exc
-
-    def total(self) -> np.ndarray:
-        out = np.zeros(self.server.size, np.float64)
-        for d, c in zip(self.deltas, self.counts, strict=True):
-            out += c * d.astype(np.float64)
-        return out
-
-    def served_after(self, t: float) -> float | None:
-        """Seconds from ``t`` to the end of the first push started at or after ``t``."""
-        for t0, t1 in list(self.times):
-            if t0 >= t:
-                return t1 - t
-        return None
-
-
 def _wait(cond, timeout: float, step: float = 0.02):
     deadline = time.perf_counter() + timeout
     while time.perf_counter() < deadline:
@@ -261,14 +218,14 @@ def bench_fault(client, kind: str, seconds: float, timeout: float, seed: int) ->
     """SIGKILL (``kind="sigkill"``) or SIGSTOP (``"sigstop"``) the primary of shard 0 while a
     thread pushes; see the module's docstring for the keys (prefixed by ``kind``)."""
     from adam_dask.ps import ParameterServer
-    from adam_dask.testing import freeze, hard_kill, thaw
+    from adam_dask.testing import PushLoad, freeze, hard_kill, thaw
 
     rng = np.random.default_rng(seed)
     init = rng.integers(-8, 8, N).astype(np.float32)
     server = ParameterServer.create(
         client, size=N, shard_bytes=SHARD_BYTES, copies=COPIES, init=init
     )
-    pusher = Pusher(server, seed)
+    pusher = PushLoad(server, seed)
     frozen: dict = {}
     out: dict = {}
     try:

@@ -50,6 +50,10 @@ def run(mode: str, store: str, args, seconds: float) -> dict:
         finally:
             trainer.close()
     h = trainer.history
+    sys.stderr.write(
+        f"{mode}: {len(h)} epochs, final {h.last['test_accuracy']:.2%}, "
+        f"best {h.best_accuracy:.2%}, {time.perf_counter() - t0:.0f} s\n"
+    )
     return {
         "accuracy": h.last["test_accuracy"],
         "best_accuracy": h.best_accuracy,
@@ -71,6 +75,11 @@ def _overrides(pairs: list[str]) -> dict:
             raise SystemExit(f"--set {pair!r}: expected key=value, e.g. augment.elastic-alpha=30")
         out[f"adam.{key.strip()}"] = yaml.safe_load(value)
     return out
+
+
+def _shown(overrides: dict) -> dict:
+    """The overrides as recorded: keys without the ``adam.`` namespace."""
+    return {k.removeprefix("adam."): v for k, v in overrides.items()}
 
 
 def engine(args, overrides: dict) -> None:
@@ -102,7 +111,7 @@ def engine(args, overrides: dict) -> None:
                 "epochs": args.epochs,
                 "seed": args.seed,
                 "threads": n * t,
-                "overrides": {k.removeprefix("adam."): v for k, v in overrides.items()},
+                "overrides": _shown(overrides),
                 "lr": config.get("train.lr"),
                 "lr_schedule": config.get("train.lr-schedule"),
                 "lr_floor": config.get("train.lr-floor"),
@@ -169,7 +178,7 @@ def main() -> None:
                 "dropout": recipe["dropout"],
                 "trainers": args.trainers,
                 "trainer_threads": args.trainer_threads,
-                "overrides": {k.removeprefix("adam."): v for k, v in overrides.items()},
+                "overrides": _shown(overrides),
                 "augment": recipe["augment"],
                 "async_accuracy": res["async"]["accuracy"],
                 "sync_accuracy": res["sync"]["accuracy"],

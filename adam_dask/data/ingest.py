@@ -198,6 +198,36 @@ def _get_client(client):
     return Client(cluster), cluster
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """An ingest's settings, resolved from the arguments and the config, for every split."""
+
+    dest: str
+    chunk: int
+    shard: int
+    block: int
+    level: int
+    num_classes: int | None
+    on_bad_image: str
+    image_size: tuple[int, int] | None
+    image_mode: str | None
+    storage_options: dict | None
+    dest_storage_options: dict | None
+    progress: bool
+
+    def __post_init__(self) -> None:
+        if self.shard % self.chunk or self.block % self.shard:
+            raise ConfigError(
+                f"chunk {self.chunk}, shard {self.shard} and block {self.block} images do not nest",
+                "make shard-images a multiple of chunk-images and "
+                "ingest-block-images a multiple of shard-images",
+            )
+        if self.on_bad_image not in ("fail", "skip"):
+            raise ConfigError(f"on_bad_image={self.on_bad_image!r}", "use 'fail' or 'skip'")
+        if self.image_mode not in (None, "L", "RGB"):
+            raise ConfigError(f"image_mode={self.image_mode!r}", "use 'L' or 'RGB'")
+
+
 def ingest(
     src: str,
     dest: str,
@@ -225,23 +255,20 @@ def ingest(
     src = src if src == "mnist" else normalize_url(src)
     dest = normalize_url(dest)
     dest_storage_options = storage_options if dest_storage_options is None else dest_storage_options
-    chunk = int(config.get("data.chunk-images", chunk_images))
-    shard = int(config.get("data.shard-images", shard_images))
-    block = int(config.get("data.ingest-block-images", block_images))
-    level = int(config.get("data.compression-level"))
-    on_bad_image = config.get("data.on-bad-image", on_bad_image)
-    image_size = config.get("data.image-size", image_size)
-    image_mode = config.get("data.image-mode", image_mode)
-    if shard % chunk or block % shard:
-        raise ConfigError(
-            f"chunk {chunk}, shard {shard} and block {block} images do not nest",
-            "make shard-images a multiple of chunk-images and "
-            "ingest-block-images a multiple of shard-images",
-        )
-    if on_bad_image not in ("fail", "skip"):
-        raise ConfigError(f"on_bad_image={on_bad_image!r}", "use 'fail' or 'skip'")
-    if image_mode not in (None, "L", "RGB"):
-        raise ConfigError(f"image_mode={image_mode!r}", "use 'L' or 'RGB'")
+    plan = _Plan(
+        dest=dest,
+        chunk=int(config.get("data.chunk-images", chunk_images)),
+        shard=int(config.get("data.shard-images", shard_images)),
+        block=int(config.get("data.ingest-block-images", block_images)),
+        level=int(config.get("data.compression-level")),
+        num_classes=num_classes,
+        on_bad_image=config.get("data.on-bad-image", on_bad_image),
+        image_size=config.get("data.image-size", image_size),
+        image_mode=config.get("data.image-mode", image_mode),
+        storage_options=storage_options,
+        dest_storage_options=dest_storage_options,
+        progress=progress,
+    )
     if src == dest:
         raise ConfigError(
             "the source and the destination are the same place", "choose another DEST"
@@ -274,38 +301,8 @@ def ingest(
         created = True
         summary: dict[str, Any] = {"dest": dest, "source": src, "splits": {}}
         for s in splits:
-            if s.kind == "idx":
-                info = _ingest_idx(
-                    client,
-                    root,
-                    dest,
-                    s,
-                    chunk,
-                    shard,
-                    block,
-                    level,
-                    num_classes,
-                    storage_options,
-                    dest_storage_options,
-                    progress,
-                )
-            else:
-                info = _ingest_folder(
-                    client,
-                    root,
-                    dest,
-                    s,
-                    chunk,
-                    shard,
-                    block,
-                    level,
-                    on_bad_image,
-                    image_size,
-                    image_mode,
-                    storage_options,
-                    dest_storage_options,
-                    progress,
-                )
+            ingest_split = _ingest_idx if s.kind == "idx" else _ingest_folder
+            info = ingest_split(client, root, s, plan)
             summary["splits"][s.name] = info
         root.attrs["splits"] = [s.name for s in splits]  # written last: the store is now complete
     except BaseException as exc:
@@ -354,22 +351,9 @@ def _run_blocks(client, futures: list, desc: str, progress: bool) -> None:
             f.cancel()
 
 
-def _ingest_idx(
-    client,
-    root,
-    dest,
-    s: SplitSource,
-    chunk,
-    shard,
-    block,
-    level,
-    num_classes,
-    storage_options,
-    dest_storage_options,
-    progress,
-) -> dict:
-    images = read_idx(s.images, storage_options)
-    labels = read_idx(s.labels, storage_options)
+def _ingest_idx(client, root, s: SplitSource, p: _Plan) -> dict:
+    images = read_idx(s.images, p.storage_options)
+    labels = read_idx(s.labels, p.storage_options)
     if images.dtype != np.uint8 or images.ndim not in (3, 4):
         raise SourceError(
             f"{s.images} holds {images.dtype} {images.shape}, expected uint8 images (N, H, W)",
@@ -390,16 +374,16 @@ def _ingest_idx(
         )
     if len(images) == 0:
         raise SourceError(f"{s.images} holds no images", "check the source", path=s.images)
-    num_classes = int(config.get("data.idx-classes", num_classes))
+    num_classes = int(config.get("data.idx-classes", p.num_classes))
     _check_labels(labels.astype(np.int64), num_classes, s.labels)
     classes = [str(i) for i in range(num_classes)]
     sha = hashlib.sha256(np.ascontiguousarray(images).data).hexdigest()
     attrs = {"classes": classes, "source": s.images, "labels_source": s.labels, "sha256": sha}
-    g = _create_split(root, s.name, len(images), images.shape[1:], chunk, shard, level, attrs)
-    target = Target(dest, s.name, dest_storage_options)
+    g = _create_split(root, s.name, len(images), images.shape[1:], p.chunk, p.shard, p.level, attrs)
+    target = Target(p.dest, s.name, p.dest_storage_options)
     futures = []
-    for start in range(0, len(images), block):
-        stop = min(start + block, len(images))
+    for start in range(0, len(images), p.block):
+        stop = min(start + p.block, len(images))
         futures.append(
             client.submit(
                 _write_block,
@@ -410,7 +394,7 @@ def _ingest_idx(
                 pure=False,
             )
         )
-    _run_blocks(client, futures, f"ingest {s.name}", progress)
+    _run_blocks(client, futures, f"ingest {s.name}", p.progress)
     g.attrs["complete"] = True
     return {
         "images": len(images),
@@ -420,30 +404,15 @@ def _ingest_idx(
     }
 
 
-def _ingest_folder(
-    client,
-    root,
-    dest,
-    s: SplitSource,
-    chunk,
-    shard,
-    block,
-    level,
-    on_bad_image,
-    image_size,
-    image_mode,
-    storage_options,
-    dest_storage_options,
-    progress,
-) -> dict:
+def _ingest_folder(client, root, s: SplitSource, p: _Plan) -> dict:
     probe_block = 512
     futures = [
-        client.submit(_probe_images, s.files[i : i + probe_block], storage_options, pure=False)
+        client.submit(_probe_images, s.files[i : i + probe_block], p.storage_options, pure=False)
         for i in range(0, len(s.files), probe_block)
     ]
     probed = [row for f in futures for row in f.result()]
     bad = [(u, reason) for u, size, reason in probed if size is None]
-    if bad and on_bad_image == "fail":
+    if bad and p.on_bad_image == "fail":
         raise SourceError(
             f"{len(bad)} unreadable file(s) in the source, first: {bad[0][1]}",
             "remove them, or pass --on-bad-image skip",
@@ -458,10 +427,12 @@ def _ingest_folder(
     urls = [u for u, _, _ in good]
     labels = np.array([label_of[u] for u in urls], dtype=np.int16)
     size = (
-        tuple(image_size) if image_size else Counter(sz for _, sz, _ in good).most_common(1)[0][0]
+        tuple(p.image_size)
+        if p.image_size
+        else Counter(sz for _, sz, _ in good).most_common(1)[0][0]
     )
     grey = {"L", "1", "I", "I;16", "F"}
-    mode = image_mode or ("L" if all(m in grey for _, _, m in good) else "RGB")
+    mode = p.image_mode or ("L" if all(m in grey for _, _, m in good) else "RGB")
     resized = sum(1 for _, sz, _ in good if sz != size)
     if resized:
         logger.info("resizing %d of %d images to %dx%d", resized, len(good), size[0], size[1])
@@ -472,27 +443,27 @@ def _ingest_folder(
         "image_mode": mode,
         "skipped": [u for u, _ in bad],
     }
-    g = _create_split(root, s.name, len(urls), shape, chunk, shard, level, attrs)
-    target = Target(dest, s.name, dest_storage_options)
+    g = _create_split(root, s.name, len(urls), shape, p.chunk, p.shard, p.level, attrs)
+    target = Target(p.dest, s.name, p.dest_storage_options)
     futures = [
         client.submit(
             _write_folder_block,
             target,
             i,
-            urls[i : i + block],
-            labels[i : i + block],
+            urls[i : i + p.block],
+            labels[i : i + p.block],
             size,
             mode,
             pure=False,
         )
-        for i in range(0, len(urls), block)
+        for i in range(0, len(urls), p.block)
     ]
-    _run_blocks(client, futures, f"ingest {s.name}", progress)
+    _run_blocks(client, futures, f"ingest {s.name}", p.progress)
     # the hash of what was decoded, read back in store order (also verifies the write)
     h = hashlib.sha256()
     images = g["images"]
-    for i in range(0, len(urls), shard):
-        h.update(np.ascontiguousarray(images[i : i + shard]).data)
+    for i in range(0, len(urls), p.shard):
+        h.update(np.ascontiguousarray(images[i : i + p.shard]).data)
     sha = h.hexdigest()
     g.attrs.update({"sha256": sha, "complete": True})
     return {

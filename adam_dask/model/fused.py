@@ -175,6 +175,13 @@ def sgd_update_into(flat, acc, grad, velocity, lr, momentum):
         grad[i] = 0.0
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _drops(dropout, kind, j, L):
+    """Whether layer ``j`` of ``L`` goes through dropout: a hidden dense layer, rate > 0 (the
+    output layer feeds the softmax and is never dropped)."""
+    return dropout > 0.0 and kind == _FC and j < L - 1
+
+
 @_kernel
 def forward_plan(plan, flat, x, n, acts, cols, argmax, dropout=0.0, seed=-1):
     """Forward x (n * C*H*W values of the first layer's input, flat) through every layer of
@@ -231,7 +238,7 @@ def forward_plan(plan, flat, x, n, acts, cols, argmax, dropout=0.0, seed=-1):
             K.tanh_forward(dst)
         elif act == _RELU:
             K.relu_forward(dst)
-        if dropout > 0.0 and kind == _FC and j < L - 1:
+        if _drops(dropout, kind, j, L):
             K.dropout_forward(dst, dropout, -1)
 
 
@@ -285,7 +292,7 @@ def train_step(
         a0 = p[_AOFF]
         dout = errs[a0 : a0 + n * out_sz]
         kind = p[_KIND]
-        if dropout > 0.0 and kind == _FC and j < L - 1:
+        if _drops(dropout, kind, j, L):
             K.dropout_backward(dout, acts[a0 : a0 + n * out_sz], dropout)
         act = p[_ACT]
         if act == _TANH:

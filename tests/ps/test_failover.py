@@ -5,13 +5,13 @@ to 3 copies on distinct hosts and no acknowledged update may be lost, at the def
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import numpy as np
 import pytest
 
 from adam_dask.ps import ParameterServer
+from adam_dask.testing import PushLoad
 from adam_dask.testing import hard_kill as kill_workers
 
 logger = logging.getLogger(__name__)
@@ -32,28 +32,6 @@ def fo_client():
         ps_nodes=3, data_nodes=0, trainers=0, memory_limit="1 GiB"
     ) as client:
         yield client
-
-
-class Pusher(threading.Thread):
-    """Pushes small-integer deltas until stopped; ``total`` is the sum of the acknowledged ones."""
-
-    def __init__(self, server: ParameterServer, seed: int):
-        super().__init__(daemon=True)
-        self.server, self.rng = server, np.random.default_rng(seed)
-        self.total = np.zeros(server.size, np.float32)
-        self.count = 0
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            while not self.stop.is_set():
-                d = self.rng.integers(1, 4, self.server.size).astype(np.float32)
-                self.server.push(d)
-                self.total += d
-                self.count += 1
-        except BaseException as exc:  # reported by the test
-            self.error = exc
 
 
 def wait_healed(server: ParameterServer, lost: set[str], timeout: float = 90) -> dict:
@@ -77,7 +55,7 @@ def test_kill_primary_holder_while_pushing(fo_client):
     s = ParameterServer.create(fo_client, size=N, shard_bytes=SHARD)
     try:
         victim = s.placement()[0][0]
-        pushers = [Pusher(s, 1), Pusher(s, 2)]
+        pushers = [PushLoad(s, 1), PushLoad(s, 2)]
         for p in pushers:
             p.start()
         while sum(p.count for p in pushers) < 10:
@@ -96,7 +74,7 @@ def test_kill_primary_holder_while_pushing(fo_client):
             p.join(60)
         assert all(p.error is None for p in pushers), [p.error for p in pushers]
         s.flush()
-        np.testing.assert_array_equal(s.pull(), pushers[0].total + pushers[1].total)
+        np.testing.assert_array_equal(s.pull(), pushers[0].total() + pushers[1].total())
         check_placement(s)
         heal = info["heal_times"][heals_before:]
         assert heal

@@ -5,7 +5,6 @@ generation are refused, and the sums stay exact."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -15,7 +14,7 @@ import adam_dask
 from adam_dask.ps import ParameterServer
 from adam_dask.ps._rpc import call_actor
 from adam_dask.ps.state import Snapshot
-from adam_dask.testing import freeze, thaw
+from adam_dask.testing import PushLoad, freeze, thaw
 
 SHARD = 1 << 16
 N = 3 * (SHARD // 4) + 11  # 4 shards
@@ -26,28 +25,6 @@ def client():
     # 4 PS workers: with one frozen, every shard can still get 3 copies on distinct hosts
     with adam_dask.cluster.local(ps_nodes=4, data_nodes=0, trainers=0, memory_limit="1 GiB") as c:
         yield c
-
-
-class Pusher(threading.Thread):
-    """Pushes small-integer deltas until stopped; ``total`` sums the acknowledged ones."""
-
-    def __init__(self, server: ParameterServer, seed: int):
-        super().__init__(daemon=True)
-        self.server, self.rng = server, np.random.default_rng(seed)
-        self.total = np.zeros(server.size, np.float32)
-        self.count = 0
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            while not self.stop.is_set():
-                d = self.rng.integers(1, 4, self.server.size).astype(np.float32)
-                self.server.push(d)
-                self.total += d
-                self.count += 1
-        except BaseException as exc:  # reported by the test
-            self.error = exc
 
 
 def wait_for(cond, what: str, timeout: float = 120):
@@ -62,7 +39,7 @@ def wait_for(cond, what: str, timeout: float = 120):
 
 def test_frozen_primary_fenced_replaced_and_refused_after_waking(client):
     s = ParameterServer.create(client, size=N, shard_bytes=SHARD)
-    pushers = [Pusher(s, 1), Pusher(s, 2)]
+    pushers = [PushLoad(s, 1), PushLoad(s, 2)]
     frozen: dict = {}
     try:
         before = s.routing_info()
@@ -113,7 +90,7 @@ def test_frozen_primary_fenced_replaced_and_refused_after_waking(client):
             p.join(60)
         assert all(p.error is None for p in pushers), [p.error for p in pushers]
         s.flush()
-        np.testing.assert_array_equal(s.pull(), pushers[0].total + pushers[1].total)
+        np.testing.assert_array_equal(s.pull(), pushers[0].total() + pushers[1].total())
         assert s.stats()["refused_stale"] >= 2
     finally:
         if frozen:

@@ -4,14 +4,13 @@ PS settings: a primary frozen (SIGSTOP) mid-training, and every holder of a shar
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
 import adam_dask
 from adam_dask.ps._rpc import call_actor
-from adam_dask.testing import freeze, hard_kill, synthetic_store, thaw
+from adam_dask.testing import fit_in_background, freeze, hard_kill, synthetic_store, thaw
 from adam_dask.train.trainer import Trainer
 
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"
@@ -45,20 +44,6 @@ def trainer(store, client, **kwargs):
         slow_replicas={0: 0.02, 1: 0.02},  # the faults land mid-epoch
         **kwargs,
     )
-
-
-def fit_in_background(t, epochs):
-    box: dict = {}
-
-    def target():
-        try:
-            box["history"] = t.fit(epochs=epochs)
-        except BaseException as exc:  # surfaced by the test
-            box["error"] = exc
-
-    th = threading.Thread(target=target, daemon=True)
-    th.start()
-    return th, box
 
 
 def wait_for_pushes(t, box, n, timeout=300):

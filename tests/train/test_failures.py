@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import dask
@@ -11,7 +10,7 @@ import pytest
 import adam_dask
 from adam_dask.cluster import PS, TRAIN, workers_with_role
 from adam_dask.errors import ClusterError
-from adam_dask.testing import freeze, synthetic_store, thaw
+from adam_dask.testing import fit_in_background, freeze, synthetic_store, thaw
 from adam_dask.testing import hard_kill as kill_workers
 from adam_dask.train.trainer import Trainer
 
@@ -30,20 +29,6 @@ def cluster():
         ps_nodes=4, data_nodes=1, trainers=2, trainer_threads=1, memory_limit="2 GiB"
     ) as client:
         yield client
-
-
-def _fit_in_background(trainer, epochs):
-    box = {}
-
-    def target():
-        try:
-            box["history"] = trainer.fit(epochs=epochs)
-        except BaseException as exc:  # surfaced by the test
-            box["error"] = exc
-
-    th = threading.Thread(target=target, daemon=True)
-    th.start()
-    return th, box
 
 
 def _wait_for_images(trainer, epoch, n, box, timeout=300):
@@ -71,7 +56,7 @@ def test_train_worker_killed_mid_epoch(store, cluster):
         epoch_quorum=1.0,
         slow_replicas={0: 0.1, 1: 0.1},
     )
-    th, box = _fit_in_background(t, epochs=2)
+    th, box = fit_in_background(t, epochs=2)
     _wait_for_images(t, 0, 256, box)
     victim = workers_with_role(cluster, TRAIN)[0]  # each TRAIN worker runs one replica now
     kill_workers(cluster, [victim])
@@ -102,7 +87,7 @@ def test_ps_worker_killed_mid_epoch(store, cluster):
         shard_bytes=4096,
         slow_replicas={0: 0.02, 1: 0.02},
     )
-    th, box = _fit_in_background(t, epochs=2)
+    th, box = fit_in_background(t, epochs=2)
     _wait_for_images(t, 0, 128, box)
     placement = t.server.placement()
     victim = placement[0][0]  # the primary of shard 0
@@ -143,7 +128,7 @@ def test_sync_step_waiting_for_a_frozen_replica_fails_naming_it(store, cluster):
             progress=False,
             slow_replicas={0: 0.05, 1: 0.05},
         )
-    th, box = _fit_in_background(t, epochs=2)
+    th, box = fit_in_background(t, epochs=2)
     _wait_for_images(t, 0, 128, box)
     deadline = time.time() + 60
     while 1 not in t.replica_workers and time.time() < deadline:
