@@ -119,3 +119,34 @@ def test_to_float_is_the_pixel_divided_by_255():
     assert np.array_equal(to_float(px), px.astype(np.float32) / np.float32(255))
     with pytest.raises(InputShapeError, match="uint8"):
         to_float(px.astype(np.float32))
+
+
+EXIT_SCRIPT = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from adam_dask.data.serving._layout import PartitionLayout
+from adam_dask.data.serving._partition import PartitionServer, ServerSettings
+layout = PartitionLayout(int(sys.argv[2]), 64, 1, window_chunks=1)  # streamed: reads go on
+srv = PartitionServer(sys.argv[1], "train", None, layout, 0, ServerSettings.from_config(augment=None))
+srv.open_stream("a", 0, 0, 1, 8)
+assert srv.take("a", timeout=60).k == 0
+sys.exit(0)  # the producers are still at work, reading ahead
+"""
+
+
+def test_a_process_ending_mid_stream_closes_its_partitions_first(store):
+    """A worker process that ends while its partitions serve (closed by its nanny, a job
+    stopped by SIGTERM) closes them at exit, before the exit stops the thread pools their reads
+    run on: no read fails and no traceback is written (it did about one run in three)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT, store, str(N)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "closing 1 data partition(s) at exit" in proc.stderr
+    assert "Traceback" not in proc.stderr and "failed" not in proc.stderr, proc.stderr[-2000:]

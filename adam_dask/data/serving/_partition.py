@@ -9,9 +9,11 @@ wraps one; a stream whose servers are gone runs one in-process.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -95,6 +97,39 @@ class _StreamState:
     last_used: float = 0.0
 
 
+_live: weakref.WeakSet[PartitionServer] = weakref.WeakSet()
+_live_lock = threading.Lock()
+_exit_hook = False
+
+
+def _close_live() -> None:
+    """When the process ends: close the partitions still serving.
+
+    A process ends (a worker closed by its nanny, a job stopped by SIGTERM) with the producer
+    threads, daemons, still reading; the exit stops the thread pools their reads run on (the
+    cache's, zarr's), and a read under way fails. Closing the partitions first lets their
+    producers stop quietly.
+    """
+    live = list(_live)
+    if live:
+        logger.info("closing %d data partition(s) at exit", len(live))
+    for server in live:
+        server.close()
+
+
+def _track(server: PartitionServer) -> None:
+    global _exit_hook
+    with _live_lock:
+        if not _exit_hook:
+            # concurrent.futures stops every thread pool in a hook threading runs before it
+            # joins the threads, earlier than atexit; hooks run newest first, so this one, added
+            # after concurrent.futures' (imported by now), runs before it
+            register = getattr(threading, "_register_atexit", atexit.register)
+            register(_close_live)
+            _exit_hook = True
+        _live.add(server)
+
+
 class PartitionServer:
     """Partition ``partition`` of split ``split`` of the store at ``url``, served to streams.
 
@@ -145,6 +180,7 @@ class PartitionServer:
         if layout.window_chunks is None:  # it fits: load the whole partition now
             self.cache.prefetch(self.cache.chunk_ids)
         self._warm = threading.Event()
+        _track(self)
         threading.Thread(
             target=self._warm_up, name=f"adam-data-p{partition}-warm", daemon=True
         ).start()
