@@ -426,3 +426,4 @@ class PartitionServer:
             self._streams.clear()
             self._cond.notify_all()
         self.cache.close()
+        _live.discard(self)
