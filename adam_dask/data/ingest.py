@@ -207,7 +207,7 @@ class _Plan:
     shard: int
     block: int
     level: int
-    num_classes: int | None
+    num_classes: int  # IDX sources: labels must lie in 0..num_classes-1
     on_bad_image: str
     image_size: tuple[int, int] | None
     image_mode: str | None
@@ -261,7 +261,7 @@ def ingest(
         shard=int(config.get("data.shard-images", shard_images)),
         block=int(config.get("data.ingest-block-images", block_images)),
         level=int(config.get("data.compression-level")),
-        num_classes=num_classes,
+        num_classes=int(config.get("data.idx-classes", num_classes)),
         on_bad_image=config.get("data.on-bad-image", on_bad_image),
         image_size=config.get("data.image-size", image_size),
         image_mode=config.get("data.image-mode", image_mode),
@@ -374,9 +374,8 @@ def _ingest_idx(client, root, s: SplitSource, p: _Plan) -> dict:
         )
     if len(images) == 0:
         raise SourceError(f"{s.images} holds no images", "check the source", path=s.images)
-    num_classes = int(config.get("data.idx-classes", p.num_classes))
-    _check_labels(labels.astype(np.int64), num_classes, s.labels)
-    classes = [str(i) for i in range(num_classes)]
+    _check_labels(labels.astype(np.int64), p.num_classes, s.labels)
+    classes = [str(i) for i in range(p.num_classes)]
     sha = hashlib.sha256(np.ascontiguousarray(images).data).hexdigest()
     attrs = {"classes": classes, "source": s.images, "labels_source": s.labels, "sha256": sha}
     g = _create_split(root, s.name, len(images), images.shape[1:], p.chunk, p.shard, p.level, attrs)
