@@ -54,15 +54,16 @@ def run(mode: str, seed: int, store: str, args, seconds: float) -> dict:
         finally:
             trainer.close()
     h = trainer.history
+    took = time.perf_counter() - t0
     sys.stderr.write(
         f"{mode} (seed {seed}): {len(h)} epochs, final {h.last['test_accuracy']:.2%}, "
-        f"best {h.best_accuracy:.2%}, {time.perf_counter() - t0:.0f} s\n"
+        f"best {h.best_accuracy:.2%}, {took:.0f} s\n"
     )
     return {
         "accuracy": h.last["test_accuracy"],
         "best_accuracy": h.best_accuracy,
         "epochs": len(h),
-        "seconds": round(time.perf_counter() - t0, 1),
+        "seconds": round(took, 1),
         "images_per_second": round(sum(h.column("images")) / sum(h.column("seconds"))),
         "curve": [round(a, 4) for a in h.column("test_accuracy")],
     }
