@@ -50,17 +50,34 @@ def cluster_trainers() -> tuple[int, int]:
 
 
 def engine_fit_to_target(
-    xtr, ytr, xte, yte, *, target: float, epochs: int, threads: int, train_eval: int = 0
+    xtr,
+    ytr,
+    xte,
+    yte,
+    *,
+    target: float,
+    epochs: int,
+    threads: int,
+    train_eval: int = 0,
+    clean_last: int = 0,
+    weight_decay: float = 0.0,
 ) -> dict:
     """Train the configured network with one ``HogwildReplica`` of ``threads`` threads on the
     Trainer's recipe (``adam.train.*``, ``adam.model.*``), evaluating after each epoch, until
     test accuracy >= ``target`` or ``epochs``. ``train_eval``: also score the first that many
-    training images, unaugmented, after each epoch (``train_curve``: over- or under-fitting)."""
+    training images, unaugmented, after each epoch (``train_curve``: over- or under-fitting).
+    With ``adam.train.average-from`` set, the tail average of the end-of-epoch weights is
+    scored too (``average_curve``), as the Trainer does.
+
+    Explorations only: ``clean_last`` trains the last that many epochs on undistorted images;
+    ``weight_decay`` shrinks the weights (not the biases) by ``1 - lr * weight_decay`` after
+    every mini-batch (decoupled L2; the engine has no such option)."""
     import numpy as np
 
     from adam_dask import config
     from adam_dask.data.augment import Augment, to_float
     from adam_dask.model import Network
+    from adam_dask.train._average import TailAverage
     from adam_dask.train.replica import HogwildReplica
     from adam_dask.train.schedule import Schedule
 
@@ -77,15 +94,32 @@ def engine_fit_to_target(
     aug = Augment.default()
     if aug is not None and aug.is_identity:
         aug = None
+    average_from = config.get("train.average-from")
+    average = None if average_from is None else TailAverage.planned(float(average_from), epochs)
+    decay: dict = {}
+    if weight_decay > 0:
+        spans = [
+            (e.offset, e.offset + e.size) for e in net.layout.entries if e.name.endswith("weight")
+        ]
+
+        def shrink(r) -> None:
+            f = np.float32(1.0 - r.lr * weight_decay)
+            for a, b in spans:
+                net.flat[a:b] *= f
+
+        decay = {"on_images": shrink, "every": rep.batch_size}
     t0 = time.perf_counter()
-    x = None if aug is not None else to_float(xtr)
+    x = None if aug is not None and clean_last < epochs else to_float(xtr)
     xt = to_float(xte)
     x_seen = to_float(xtr[:train_eval]) if train_eval else None  # scored unaugmented each epoch
     index = np.arange(len(xtr))
-    curve, train_curve, reached, images, train_seconds = [], [], None, 0, 0.0
+    curve, train_curve, average_curve, reached, images, train_seconds = [], [], [], None, 0, 0.0
     for e in range(epochs):
-        xe = aug.apply(xtr, index, seed=seed, epoch=e) if aug is not None else x
-        st = rep.train_images(xe, ytr, epochs=1, seed=seed + e, first_epoch=e, schedule=plan)
+        distort = aug is not None and e < epochs - clean_last
+        xe = aug.apply(xtr, index, seed=seed, epoch=e) if distort else x
+        st = rep.train_images(
+            xe, ytr, epochs=1, seed=seed + e, first_epoch=e, schedule=plan, **decay
+        )
         images += st.images
         train_seconds += st.seconds
         acc = float(net.evaluate(xt, yte))
@@ -93,9 +127,14 @@ def engine_fit_to_target(
         if train_eval:
             tr = float(net.evaluate(x_seen, ytr[:train_eval]))
             train_curve.append(round(tr, 5))
+        if average is not None and average.add(e, net.flat):
+            mean = net.copy()
+            mean.flat = average.weights()
+            average_curve.append(round(float(mean.evaluate(xt, yte)), 4))
         print(
             f"engine epoch {e + 1}: test accuracy {acc:.4f}"
-            + (f", train {train_curve[-1]:.5f}" if train_eval else ""),
+            + (f", train {train_curve[-1]:.5f}" if train_eval else "")
+            + (f", tail average {average_curve[-1]:.4f}" if average_curve else ""),
             file=sys.stderr,
             flush=True,
         )
@@ -107,6 +146,7 @@ def engine_fit_to_target(
         "epochs": len(curve),
         "curve": curve,
         "train_curve": train_curve,
+        "average_curve": average_curve,
         "seconds": time.perf_counter() - t0,
         "images_per_second": images / train_seconds if train_seconds else None,
         "augment": aug is not None,

@@ -98,6 +98,14 @@ def register(sub) -> None:
         "updates (where that saves bytes)",
     )
     p.add_argument(
+        "--average-from",
+        type=_fraction_below_one,
+        default=None,
+        metavar="F",
+        help="also validate the mean of the end-of-epoch weights from this fraction of the "
+        "planned epochs on (e.g. 0.5; default adam.train.average-from, off)",
+    )
+    p.add_argument(
         "--checkpoint",
         metavar="URL",
         default=None,
@@ -170,6 +178,17 @@ def _check_before_start(args: argparse.Namespace) -> None:
         )
 
 
+def _fraction_below_one(text: str) -> float:
+    """A number in [0, 1): a point of the run, as a fraction of its planned epochs."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must lie in [0, 1), e.g. 0.5 for the 2nd half")
+    return value
+
+
 def train_result(trainer: Any, first_epoch: int, seconds: float, target: float | None) -> dict:
     """The JSON result of a training run: this invocation's epochs and the last validation."""
     records = trainer.history.records
@@ -187,6 +206,9 @@ def train_result(trainer: Any, first_epoch: int, seconds: float, target: float |
         "replicas": getattr(trainer, "replicas", None),
         "loss": last["loss"] if last else None,
     }
+    if last and "average_accuracy" in last:
+        result["average_accuracy"] = last["average_accuracy"]
+        result["averaged_epochs"] = last["averaged_epochs"]
     if target is not None:
         result["target_accuracy"] = target
         reached = trainer.seconds_to_target if new else None
@@ -227,6 +249,7 @@ def cmd_train(args: argparse.Namespace) -> dict:
             metrics_out=args.metrics_out,
             seed=args.seed,
             offload_dense=args.offload_dense,
+            average_from=args.average_from,
         )
         kw = {k: v for k, v in given.items() if v is not None}
         kw["progress"] = not args.no_progress

@@ -7,14 +7,26 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..errors import DestinationExistsError
 from .metrics import History
 
-__all__ = ["HISTORY", "Resumed", "history_url", "refuse_existing", "resumed_state"]
+__all__ = [
+    "AVERAGE",
+    "HISTORY",
+    "Resumed",
+    "history_url",
+    "load_average",
+    "refuse_existing",
+    "resumed_state",
+    "save_average",
+]
 
 logger = logging.getLogger(__name__)
 
 HISTORY = "history.jsonl"
+AVERAGE = "average"  # the tail average's float64 sum, a Zarr array beside the shards
 
 # the stored settings a resumed run keeps unless the caller gives new ones
 _RESUMABLE = (
@@ -29,6 +41,7 @@ _RESUMABLE = (
     "seed",
     "epoch_quorum",
     "offload_dense",
+    "average_from",
 )
 
 
@@ -50,6 +63,52 @@ def history_url(checkpoint: str) -> str:
     from ..storage import normalize_url
 
     return normalize_url(checkpoint) + "/" + HISTORY
+
+
+def save_average(checkpoint: str, average: Any, storage_options: dict | None) -> None:
+    """Write a :class:`~._average.TailAverage` into the checkpoint (whole, once per epoch:
+    the sum is the size of the model), so a resumed run goes on averaging."""
+    import zarr
+
+    from ..storage import join_url, normalize_url, zarr_store
+
+    total, attrs = average.state()
+    if total is None:
+        return
+    url = join_url(normalize_url(checkpoint), AVERAGE)
+    arr = zarr.create_array(
+        store=zarr_store(url, storage_options, read_only=False),
+        shape=total.shape,
+        dtype="float64",
+        chunks=total.shape,
+        attributes=attrs,
+        overwrite=True,
+    )
+    arr[...] = total
+
+
+def load_average(checkpoint: str, storage_options: dict | None, next_epoch: int) -> Any:
+    """The tail average stored in the checkpoint, without the epochs a resumed run trains
+    again (from ``next_epoch`` on); None when the checkpoint holds none."""
+    import zarr
+
+    from ..storage import join_url, normalize_url, zarr_store
+    from ._average import TailAverage
+
+    url = join_url(normalize_url(checkpoint), AVERAGE)
+    try:
+        arr = zarr.open_array(store=zarr_store(url, storage_options), mode="r")
+    except (FileNotFoundError, zarr.errors.NodeNotFoundError, zarr.errors.ArrayNotFoundError):
+        return None
+    attrs: dict[str, Any] = dict(arr.attrs)
+    if any(int(e) >= next_epoch for e in attrs.get("epochs") or ()):
+        # the average is written after the shards' flush: an epoch it holds that the shards'
+        # manifest does not is trained again, and averaged again, so drop the stored mean
+        logger.warning(
+            "the weight average at %s holds epochs the checkpoint does not; it starts anew", url
+        )
+        return TailAverage(start_epoch=int(attrs["start_epoch"]))
+    return TailAverage.from_state(np.asarray(arr[...]), attrs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ _KEYS = {
     "sync_timeout": "train.sync-timeout",
     "report_interval": "train.report-interval",
     "stream_images": "train.stream-images",
+    "average_from": "train.average-from",
 }
 
 
@@ -56,6 +57,7 @@ class RunSettings:
     sync_timeout: float
     report_interval: float
     stream_images: int
+    average_from: float | None  # tail averaging from this fraction of the plan; None: off
 
     @classmethod
     def resolve(cls, base: RunSettings | dict | None = None, **given: Any) -> RunSettings:
@@ -86,6 +88,7 @@ class RunSettings:
             sync_timeout=float(values["sync_timeout"]),
             report_interval=float(values["report_interval"]),
             stream_images=int(values["stream_images"]),
+            average_from=_optional_fraction(values["average_from"]),
         )
         s.check()
         if s.mode == "sync" and s.epoch_quorum != 1.0:
@@ -114,6 +117,12 @@ class RunSettings:
                 "offload_dense needs momentum 0 (the PS applies plain outer-product updates)",
                 "set momentum=0 or offload_dense=False",
             )
+        if self.average_from is not None and not 0.0 <= self.average_from < 1.0:
+            raise ConfigError(
+                f"average_from={self.average_from} must lie in [0, 1)",
+                "set average_from= or adam.train.average-from to a fraction of the planned "
+                "epochs (0.5: average the second half), or null for no averaging",
+            )
         if self.sync_timeout <= 0:
             raise ConfigError(
                 f"sync_timeout={self.sync_timeout} must be positive",
@@ -129,6 +138,13 @@ class RunSettings:
     def to_dict(self) -> dict:
         """JSON-safe, for the checkpoint's manifest."""
         return asdict(self)
+
+
+def _optional_fraction(v: Any) -> float | None:
+    """None for null/"none"/"off" (the setting is off), else the number."""
+    if v is None or (isinstance(v, str) and v.strip().lower() in ("none", "null", "off", "")):
+        return None
+    return float(v)
 
 
 def resolve_augment(augment: Any) -> Any:

@@ -30,7 +30,8 @@ from .. import config
 from ..cluster import PS, TRAIN, workers_with_role
 from ..data.augment import to_float
 from ..errors import ClusterError, ConfigError, DatasetError
-from ._checkpoint import history_url, refuse_existing, resumed_state
+from ._average import TailAverage
+from ._checkpoint import history_url, load_average, refuse_existing, resumed_state, save_average
 from ._epoch import epoch_record, replica_count, share_sizes
 from ._position import applied_images, recorded_replicas
 from ._settings import RunSettings, network_for, resolve_augment
@@ -84,6 +85,11 @@ class Trainer:
         The paper's dense-layer offload: for the dense layers where it saves bytes
         (``k * (in + out) < in * out``), replicas send activations and error terms and the
         parameter server computes the weight update (config ``adam.train.offload-dense``).
+    average_from : float, optional
+        Tail averaging (config ``adam.train.average-from``, off by default): from this fraction
+        of the planned epochs on, the mean of the parameter server's end-of-epoch weights is
+        validated too (``average_accuracy`` in the history) and returned by
+        :meth:`averaged_network`; training itself is unchanged.
     slow_replicas : dict, optional
         ``{replica: seconds per batch}``: deliberately slowed replicas, for straggler
         experiments (``benchmarks/quorum.py``).
@@ -114,6 +120,7 @@ class Trainer:
         slow_replicas: dict[int, float] | None = None,
         shard_bytes: int | None = None,
         offload_dense: bool | None = None,
+        average_from: float | None = None,
         overwrite: bool = False,
     ):
         from ..data.datasets import open_split
@@ -132,6 +139,7 @@ class Trainer:
             seed=seed,
             epoch_quorum=epoch_quorum,
             offload_dense=offload_dense,
+            average_from=average_from,
         )
         self.checkpoint = checkpoint
         if checkpoint and not overwrite:
@@ -171,6 +179,7 @@ class Trainer:
         self._lock = threading.Lock()
         self._bar: Progress | None = None
         self._test_cache: tuple[np.ndarray, np.ndarray] | None = None
+        self.average: TailAverage | None = None  # set by fit when averaging is on
 
     # -- settings ---------------------------------------------------------------------------------
 
@@ -286,6 +295,10 @@ class Trainer:
         ``fit`` to the end of the first epoch at or above ``target_accuracy``.
         """
         self.epochs = self._planned(epochs)
+        if self.settings.average_from is not None:
+            start = TailAverage.planned(self.settings.average_from, self.epochs).start_epoch
+            if self.average is None or self.average.start_epoch != start:
+                self.average = TailAverage(start_epoch=start)
         self._start()
         t_start = time.perf_counter()
         self.seconds_to_target = None
@@ -363,8 +376,9 @@ class Trainer:
         flush_seconds = time.perf_counter() - flush_t
         images_applied = applied_images(self.server.marks(epoch))
         accuracy = self.evaluate()
+        averaged = self._update_average(epoch)
         schedule = self.schedule
-        return epoch_record(
+        record = epoch_record(
             epoch,
             run.results,
             replicas=R,
@@ -379,6 +393,30 @@ class Trainer:
             mode=self.mode,
             images_applied=images_applied,
         )
+        if averaged is not None:
+            record["average_accuracy"], record["averaged_epochs"] = averaged
+        return record
+
+    def _update_average(self, epoch: int) -> tuple[float, int] | None:
+        """Take the epoch's weights (just pulled by :meth:`evaluate`) into the tail average and
+        validate the average: ``(accuracy, epochs averaged)``, or None outside the tail."""
+        if self.average is None or not self.average.add(epoch, self.net.flat):
+            return None
+        if self.checkpoint:
+            save_average(self.checkpoint, self.average, self.storage_options)
+        x, y = self._test_arrays()
+        return float(self.averaged_network().evaluate(x, y)), self.average.count
+
+    def averaged_network(self):
+        """A copy of the network holding the tail average of the weights (``average_from``)."""
+        if self.average is None or not self.average.count:
+            raise ConfigError(
+                "no weights have been averaged yet",
+                "set average_from= (adam.train.average-from) and train into the averaged epochs",
+            )
+        net = self.net.copy()
+        net.flat = self.average.weights()
+        return net
 
     def _epoch_replicas(self, epoch: int) -> int:
         """The epoch's replicas: those its data positions name (an epoch resumed midway keeps
@@ -482,6 +520,8 @@ class Trainer:
         trainer.history.records = [dict(r) for r in state.records]
         trainer.epoch = state.epoch
         trainer.epochs = state.epochs
+        if trainer.settings.average_from is not None:
+            trainer.average = load_average(checkpoint, storage_options, state.epoch)
         return trainer
 
     def close(self) -> None:
