@@ -122,7 +122,13 @@ class History:
         ax_loss.plot(epochs, self.column("loss"), marker="o")
         ax_loss.set(xlabel="epoch", ylabel="training loss", title="loss")
         acc = [None if a is None else 100 * a for a in self.column("test_accuracy")]
-        ax_acc.plot(epochs, acc, marker="o", color="tab:green")
+        ax_acc.plot(epochs, acc, marker="o", color="tab:green", label="weights")
+        averaged = [
+            (r["epoch"], 100 * r["average_accuracy"]) for r in self if "average_accuracy" in r
+        ]
+        if averaged:  # tail averaging was on: its curve beside the weights' own
+            ax_acc.plot(*zip(*averaged), marker=".", color="tab:purple", label="tail average")
+            ax_acc.legend()
         ax_acc.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
         for a in (ax_loss, ax_acc):
             a.grid(alpha=0.3)

@@ -93,6 +93,15 @@ def test_trainer_validates_the_average_and_resumes_it(store, adam_cluster, tmp_p
     assert h.last["average_accuracy"] == pytest.approx(averaged.evaluate(x, y))
     # the average is not the last weights: it differs from what the PS ends with
     assert not np.allclose(averaged.flat, seen[-1])
+    # the history's plot draws the average's curve beside the weights' own
+    import matplotlib
+
+    matplotlib.use("Agg")
+    acc_ax = h.plot().axes[1]
+    assert [line.get_label() for line in acc_ax.lines] == ["weights", "tail average"]
+    np.testing.assert_allclose(
+        acc_ax.lines[1].get_ydata(), [100 * a for a in h.column("average_accuracy")]
+    )
 
 
 def test_without_averaging_the_history_has_no_average(store, adam_cluster):
