@@ -403,7 +403,15 @@ class Trainer:
         if self.average is None or not self.average.add(epoch, self.net.flat):
             return None
         if self.checkpoint:
-            save_average(self.checkpoint, self.average, self.storage_options)
+            try:
+                save_average(self.checkpoint, self.average, self.storage_options)
+            except Exception as exc:  # the mean stays in memory: only a resume would miss it
+                logger.warning(
+                    "could not store the weight average in %s (%s); training goes on, and a "
+                    "run resumed from there averages anew",
+                    self.checkpoint,
+                    exc,
+                )
         x, y = self._test_arrays()
         return float(self.averaged_network().evaluate(x, y)), self.average.count
 
