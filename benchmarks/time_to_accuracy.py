@@ -128,8 +128,7 @@ def engine_fit_to_target(
             tr = float(net.evaluate(x_seen, ytr[:train_eval]))
             train_curve.append(round(tr, 5))
         if average is not None and average.add(e, net.flat):
-            mean = net.copy()
-            mean.flat = average.weights()
+            mean = average.applied_to(net)
             average_curve.append(round(float(mean.evaluate(xt, yte)), 4))
         print(
             f"engine epoch {e + 1}: test accuracy {acc:.4f}"

@@ -22,12 +22,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ..errors import ConfigError
 
-__all__ = ["TailAverage"]
+__all__ = ["TailAverage", "check_average_from"]
+
+
+def check_average_from(value: float) -> None:
+    """The one check of the setting: a fraction of the planned epochs in [0, 1)."""
+    if not 0.0 <= value < 1.0:
+        raise ConfigError(
+            f"average_from={value} must lie in [0, 1)",
+            "set average_from= or adam.train.average-from to a fraction of the planned "
+            "epochs (0.5: average the second half), or null for no averaging",
+        )
 
 
 @dataclass(slots=True)
@@ -43,11 +54,7 @@ class TailAverage:
     def planned(cls, average_from: float, epochs: int) -> TailAverage:
         """Average the epochs from ``average_from`` (a fraction in [0, 1) of the ``epochs``
         planned) to the end: 0.5 over a 30-epoch run averages epochs 16 to 30."""
-        if not (0.0 <= average_from < 1.0):
-            raise ConfigError(
-                f"average_from={average_from} must lie in [0, 1)",
-                "set adam.train.average-from to a fraction of the planned epochs, or null",
-            )
+        check_average_from(average_from)
         return cls(start_epoch=min(math.floor(average_from * epochs), epochs - 1))
 
     @property
@@ -74,6 +81,12 @@ class TailAverage:
         if self._sum is None:
             raise ValueError("no epoch is in the average yet")
         return (self._sum / self.count).astype(np.float32)
+
+    def applied_to(self, net: Any) -> Any:
+        """A copy of the Network ``net`` holding the mean instead of its own weights."""
+        out = net.copy()
+        out.flat = self.weights()
+        return out
 
     def state(self) -> tuple[np.ndarray | None, dict]:
         """``(sum, attributes)`` to store: the float64 sum and the epochs it holds."""

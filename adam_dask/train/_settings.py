@@ -13,6 +13,7 @@ from typing import Any
 
 from .. import config, sizing
 from ..errors import ConfigError
+from ._average import check_average_from
 from .schedule import KINDS
 
 __all__ = ["MODES", "RunSettings", "network_for", "resolve_augment"]
@@ -117,12 +118,8 @@ class RunSettings:
                 "offload_dense needs momentum 0 (the PS applies plain outer-product updates)",
                 "set momentum=0 or offload_dense=False",
             )
-        if self.average_from is not None and not 0.0 <= self.average_from < 1.0:
-            raise ConfigError(
-                f"average_from={self.average_from} must lie in [0, 1)",
-                "set average_from= or adam.train.average-from to a fraction of the planned "
-                "epochs (0.5: average the second half), or null for no averaging",
-            )
+        if self.average_from is not None:
+            check_average_from(self.average_from)
         if self.sync_timeout <= 0:
             raise ConfigError(
                 f"sync_timeout={self.sync_timeout} must be positive",

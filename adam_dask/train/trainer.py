@@ -422,9 +422,7 @@ class Trainer:
                 "no weights have been averaged yet",
                 "set average_from= (adam.train.average-from) and train into the averaged epochs",
             )
-        net = self.net.copy()
-        net.flat = self.average.weights()
-        return net
+        return self.average.applied_to(self.net)
 
     def _epoch_replicas(self, epoch: int) -> int:
         """The epoch's replicas: those its data positions name (an epoch resumed midway keeps
