@@ -471,9 +471,12 @@ class NodeState(Commands):
         lag = 0
         for sid in self.primaries:
             lag = max(lag, self.shards[sid].version - self.confirmed(sid))
-        wb = max(
-            (self.shards[s].version - self.written.get(s, -1) for s in self.primaries), default=0
-        )
+        wb = 0  # without a checkpoint nothing is written back, so nothing lags behind
+        if self.checkpoint:
+            wb = max(
+                (self.shards[s].version - self.written.get(s, -1) for s in self.primaries),
+                default=0,
+            )
         return {
             "primaries": sorted(self.primaries),
             "backups": sorted(set(self.shards) - set(self.primaries)),

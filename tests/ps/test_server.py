@@ -85,6 +85,9 @@ def test_push_outer_equals_explicit_delta(make_server):
     np.testing.assert_allclose(s.pull(), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(UpdateRejected):
         s.push_outer(29_000, err, act)  # does not fit
+    # no checkpoint: nothing is written back, so nothing is reported as lagging behind
+    stats = s.stats()
+    assert stats["writeback_lag_versions"] == 0 and stats["writeback_lag_seconds"] == 0.0
 
 
 def test_nan_push_refused_shard_unchanged(make_server):
