@@ -66,6 +66,10 @@ def run(mode: str, seed: int, store: str, args, seconds: float) -> dict:
         "seconds": round(took, 1),
         "images_per_second": round(sum(h.column("images")) / sum(h.column("seconds"))),
         "curve": [round(a, 4) for a in h.column("test_accuracy")],
+        # a lost or doubled update would show here: the training loss beside the engine's, and
+        # every image of an epoch applied by the parameter server
+        "loss_curve": [None if x is None else round(x, 5) for x in h.column("loss")],
+        "images_applied": h.column("images_applied"),
     }
     if "average_accuracy" in h.last:  # tail averaging (adam.train.average-from) was on
         out["average_accuracy"] = h.last["average_accuracy"]
@@ -115,6 +119,10 @@ def engine(args, overrides: dict) -> None:
     ):
         xtr, ytr, xte, yte = load_mnist_arrays(mnist_store())
         n, t = cluster_trainers()
+        # --trainers/--trainer-threads given: the engine runs their product of threads (they
+        # were ignored here once, so a "1 thread" run trained with the machine's 2)
+        n = args.trainers if args.trainers is not None else n
+        t = args.trainer_threads if args.trainer_threads is not None else t
         res = engine_fit_to_target(
             xtr,
             ytr,
@@ -153,6 +161,7 @@ def engine(args, overrides: dict) -> None:
                 "images_per_second": round(res["images_per_second"] or 0),
                 "curve": res["curve"],
                 "train_curve": res["train_curve"],
+                "loss_curve": res["loss_curve"],
                 **(
                     {
                         "average_from": config.get("train.average-from"),
@@ -189,8 +198,19 @@ def main() -> None:
         "the line holds every run and the means",
     )
     ap.add_argument("--max-minutes", type=float, default=30.0, help="for all the runs together")
-    ap.add_argument("--trainers", type=int, default=2, help="replicas (one per TRAIN worker)")
-    ap.add_argument("--trainer-threads", type=int, default=1, help="Hogwild threads per replica")
+    ap.add_argument(
+        "--trainers",
+        type=int,
+        default=None,
+        help="replicas, one per TRAIN worker (default 2; --engine: the embedded cluster's)",
+    )
+    ap.add_argument(
+        "--trainer-threads",
+        type=int,
+        default=None,
+        help="Hogwild threads per replica (default 1; --engine: the embedded cluster's); "
+        "--engine trains with trainers x threads threads",
+    )
     ap.add_argument("--engine", action="store_true", help="explore on the engine alone")
     ap.add_argument(
         "--clean-last",
@@ -215,6 +235,8 @@ def main() -> None:
     if args.engine:
         engine(args, _overrides(args.set))
         return
+    args.trainers = 2 if args.trainers is None else args.trainers
+    args.trainer_threads = 1 if args.trainer_threads is None else args.trainer_threads
     import dask
 
     store = mnist_store()

@@ -114,6 +114,7 @@ def engine_fit_to_target(
     x_seen = to_float(xtr[:train_eval]) if train_eval else None  # scored unaugmented each epoch
     index = np.arange(len(xtr))
     curve, train_curve, average_curve, reached, images, train_seconds = [], [], [], None, 0, 0.0
+    loss_curve: list[float] = []
     for e in range(epochs):
         distort = aug is not None and e < epochs - clean_last
         xe = aug.apply(xtr, index, seed=seed, epoch=e) if distort else x
@@ -122,6 +123,7 @@ def engine_fit_to_target(
         )
         images += st.images
         train_seconds += st.seconds
+        loss_curve.append(round(float(st.loss), 5))
         acc = float(net.evaluate(xt, yte))
         curve.append(round(acc, 4))
         if train_eval:
@@ -145,6 +147,7 @@ def engine_fit_to_target(
         "epochs": len(curve),
         "curve": curve,
         "train_curve": train_curve,
+        "loss_curve": loss_curve,
         "average_curve": average_curve,
         "seconds": time.perf_counter() - t0,
         "images_per_second": images / train_seconds if train_seconds else None,
