@@ -113,3 +113,40 @@ def test_without_averaging_the_history_has_no_average(store, adam_cluster):
     finally:
         t.close()
     assert "average_accuracy" not in t.history.last
+
+
+def test_an_average_that_cannot_be_stored_is_logged_and_training_goes_on(
+    store, adam_cluster, tmp_path, caplog
+):
+    # a plain file where the checkpoint's average array must go: every write of it fails
+    ckpt = tmp_path / "ckpt"
+    t = Trainer(
+        store,
+        model=SPEC,
+        client=adam_cluster,
+        checkpoint=str(ckpt),
+        average_from=0.0,
+        lr=0.05,
+        push_every=64,
+        progress=False,
+    )
+    evaluate = t.evaluate
+
+    def obstructed(*a, **kw):  # the checkpoint exists by now (the PS made it in fit)
+        if not (ckpt / "average").exists():
+            (ckpt / "average").write_text("in the way")
+        return evaluate(*a, **kw)
+
+    t.evaluate = obstructed  # type: ignore[method-assign]
+    try:
+        with caplog.at_level("WARNING", logger="adam_dask.train.trainer"):
+            t.fit(epochs=2)
+        averaged = t.averaged_network()  # the mean stayed in memory
+        x, y = t._test_arrays()
+    finally:
+        t.close()
+    warned = [r.getMessage() for r in caplog.records if "weight average" in r.getMessage()]
+    assert len(warned) == 2 and "training goes on" in warned[0]
+    assert t.history.column("averaged_epochs") == [1, 2]
+    assert t.history.last["average_accuracy"] == pytest.approx(averaged.evaluate(x, y))
+    assert (ckpt / "average").read_text() == "in the way"
