@@ -119,8 +119,7 @@ def engine(args, overrides: dict) -> None:
     ):
         xtr, ytr, xte, yte = load_mnist_arrays(mnist_store())
         n, t = cluster_trainers()
-        # --trainers/--trainer-threads given: the engine runs their product of threads (they
-        # were ignored here once, so a "1 thread" run trained with the machine's 2)
+        # --trainers/--trainer-threads given: the engine runs their product of threads
         n = args.trainers if args.trainers is not None else n
         t = args.trainer_threads if args.trainer_threads is not None else t
         res = engine_fit_to_target(
@@ -179,6 +178,7 @@ def main() -> None:
     from _common import mnist_store, record
 
     from adam_dask import config
+    from adam_dask.train._settings import MODES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=12)
@@ -247,9 +247,10 @@ def main() -> None:
 
     store = mnist_store()
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
-    modes = [m for m in ("async", "sync") if m in args.modes.split(",")]
-    if not modes:
+    asked = {m.strip() for m in args.modes.split(",") if m.strip()}
+    if not asked or asked - set(MODES):  # a misspelt mode must not quietly drop a run
         raise SystemExit(f"--modes {args.modes!r}: give async, sync or async,sync")
+    modes = [m for m in MODES if m in asked]
     budget = args.max_minutes * 60 / (len(modes) * len(seeds))
     overrides = _overrides(args.set)
     runs: dict[str, list[dict]] = {m: [] for m in modes}
