@@ -54,6 +54,7 @@ __all__ = [
     "count",
     "fraction",
     "json_object",
+    "non_negative_float",
     "positive_float",
     "positive_int",
     "run_job",
@@ -202,6 +203,16 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{text} must be a positive number")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a number >= 0")
     return value
 
 

@@ -265,6 +265,7 @@ def main() -> None:
             "dropout": config.get("model.dropout"),
             "average_from": config.get("train.average-from"),
             "push_every": config.get("train.push-every"),
+            "lr_warmup": config.get("train.lr-warmup"),
         }
     final = {m: [r["accuracy"] for r in rs] for m, rs in runs.items()}
     mean = {m: round(sum(v) / len(v), 4) for m, v in final.items()}
@@ -277,6 +278,7 @@ def main() -> None:
         "lr": args.lr,
         "lr_schedule": config.get("train.lr-schedule", args.lr_schedule),
         "lr_floor": config.get("train.lr-floor", args.lr_floor),
+        "lr_warmup": recipe["lr_warmup"],
         "dropout": recipe["dropout"],
         "push_every": recipe["push_every"],
         "trainers": args.trainers,

@@ -11,7 +11,7 @@ from typing import Any
 from .. import config
 from ..cluster import client_for, dashboard_link
 from ..errors import CheckpointError, ConfigError, DestinationExistsError
-from ..jobs import count, fraction, positive_float, positive_int
+from ..jobs import count, fraction, non_negative_float, positive_float, positive_int
 from ._common import add_cluster, add_storage
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,14 @@ def register(sub) -> None:
         type=positive_float,
         default=None,
         help=f"learning rate (default {config.get('train.lr')})",
+    )
+    p.add_argument(
+        "--lr-warmup",
+        type=non_negative_float,
+        default=None,
+        metavar="EPOCHS",
+        help="ramp the rate up over the first EPOCHS epochs (default "
+        f"{config.get('train.lr-warmup')}); many asynchronous replicas need it",
     )
     p.add_argument(
         "--push-every",
@@ -243,6 +251,7 @@ def cmd_train(args: argparse.Namespace) -> dict:
             mode=args.mode,  # None on --resume: the run keeps its own mode
             push_every=args.push_every,
             lr=args.lr,
+            lr_warmup=args.lr_warmup,
             threads=args.threads,
             epoch_quorum=args.epoch_quorum,
             augment=args.augment,

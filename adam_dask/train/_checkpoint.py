@@ -35,6 +35,7 @@ _RESUMABLE = (
     "lr",
     "lr_schedule",
     "lr_floor",
+    "lr_warmup",
     "momentum",
     "batch_size",
     "threads",

@@ -8,6 +8,7 @@ tasks receive it inside their :class:`~adam_dask.train.task.ReplicaJob`. Pure: n
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -27,6 +28,7 @@ _KEYS = {
     "lr": "train.lr",
     "lr_schedule": "train.lr-schedule",
     "lr_floor": "train.lr-floor",
+    "lr_warmup": "train.lr-warmup",
     "momentum": "train.momentum",
     "batch_size": "train.batch-size",
     "threads": "cluster.trainer-threads",
@@ -49,6 +51,7 @@ class RunSettings:
     lr: float
     lr_schedule: str
     lr_floor: float
+    lr_warmup: float  # epochs over which the rate ramps up (Schedule.warmup); 0: none
     momentum: float
     batch_size: int
     threads: int
@@ -80,6 +83,7 @@ class RunSettings:
             lr=float(values["lr"]),
             lr_schedule=str(values["lr_schedule"]),
             lr_floor=float(values["lr_floor"]),
+            lr_warmup=float(values["lr_warmup"]),
             momentum=float(values["momentum"]),
             batch_size=int(values["batch_size"]),
             threads=sizing.resolve_threads(values["threads"]),
@@ -112,6 +116,11 @@ class RunSettings:
             raise ConfigError(
                 f"lr_schedule={self.lr_schedule!r} is not one of {', '.join(KINDS)}",
                 "set lr_schedule= or adam.train.lr-schedule",
+            )
+        if not (math.isfinite(self.lr_warmup) and self.lr_warmup >= 0):
+            raise ConfigError(
+                f"lr_warmup={self.lr_warmup} must be a number of epochs >= 0",
+                "set lr_warmup= or adam.train.lr-warmup (0 for none)",
             )
         if self.offload_dense and self.momentum > 0:
             raise ConfigError(

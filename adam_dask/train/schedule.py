@@ -13,6 +13,11 @@ Shapes (``kind``, config ``adam.train.lr-schedule``), with ``p = progress / epoc
 * ``exponential``: ``lr * floor ** p`` (a constant factor per epoch, fitted to the plan);
 * ``constant``: ``lr`` throughout (``floor`` is ignored).
 
+A warm-up (``warmup`` epochs, config ``adam.train.lr-warmup``; 0 = none) ramps the rate linearly
+from ``lo`` (``lr * floor``) up to the shape's rate over the run's first ``warmup`` epochs:
+asynchronous replicas that all start from the same weights add their deltas, and at full rate
+those early, aligned steps overshoot (the measurements are beside the setting in adam.yaml).
+
 Pure: no Dask, no clocks; the replica (:class:`~adam_dask.train.replica.HogwildReplica`), the
 replica task and the Trainer all use this one definition.
 
@@ -21,6 +26,9 @@ replica task and the Trainer all use this one definition.
 (0.1, 0.05, 0.0, 0.0)
 >>> round(Schedule(lr=0.1, epochs=2, kind="exponential", floor=0.25).at(1), 6)
 0.05
+>>> w = Schedule(lr=0.1, epochs=10, kind="constant", floor=0.1, warmup=1.0)
+>>> round(w.at(0), 6), round(w.at(0.5), 6), w.at(1)
+(0.01, 0.055, 0.1)
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ class Schedule:
     """``cosine``, ``linear``, ``exponential`` or ``constant``."""
     floor: float
     """The final rate as a fraction of ``lr`` (in [0, 1]; > 0 for ``exponential``)."""
+    warmup: float = 0.0
+    """Epochs over which the rate ramps up from ``lr * floor`` to the shape's rate; 0: none."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -65,6 +75,11 @@ class Schedule:
                 ", 1] for the schedule {self.kind!r}",
                 "set lr_floor= or adam.train.lr-floor",
             )
+        if not (math.isfinite(self.warmup) and self.warmup >= 0):
+            raise ConfigError(
+                f"lr warm-up {self.warmup} must be a number of epochs >= 0",
+                "set lr_warmup= or adam.train.lr-warmup (0 for none)",
+            )
 
     @classmethod
     def from_config(
@@ -73,6 +88,7 @@ class Schedule:
         epochs: int | None = None,
         kind: str | None = None,
         floor: float | None = None,
+        warmup: float | None = None,
     ) -> Schedule:
         """A schedule with each argument left as None taken from ``adam.train.*``."""
         return cls(
@@ -80,11 +96,19 @@ class Schedule:
             epochs=int(config.get("train.epochs", epochs)),
             kind=str(config.get("train.lr-schedule", kind)),
             floor=float(config.get("train.lr-floor", floor)),
+            warmup=float(config.get("train.lr-warmup", warmup)),
         )
 
     def at(self, progress: float) -> float:
         """The rate after ``progress`` epochs of the run (fractional; clamped to the plan)."""
-        p = min(max(float(progress) / self.epochs, 0.0), 1.0)
+        progress = max(float(progress), 0.0)
+        rate = self._shape(min(progress / self.epochs, 1.0))
+        if progress < self.warmup:
+            low = self.lr * self.floor
+            return low + (rate - low) * progress / self.warmup
+        return rate
+
+    def _shape(self, p: float) -> float:
         low = self.lr * self.floor
         if self.kind == "cosine":
             return low + (self.lr - low) * 0.5 * (1.0 + math.cos(math.pi * p))
@@ -96,7 +120,7 @@ class Schedule:
 
     def replan(self, epochs: int) -> Schedule:
         """The same schedule over ``epochs`` planned epochs."""
-        return Schedule(self.lr, int(epochs), self.kind, self.floor)
+        return Schedule(self.lr, int(epochs), self.kind, self.floor, self.warmup)
 
     def to_dict(self) -> dict:
         """JSON-safe, for a checkpoint's manifest."""
@@ -104,4 +128,10 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, d: dict) -> Schedule:
-        return cls(float(d["lr"]), int(d["epochs"]), str(d["kind"]), float(d["floor"]))
+        return cls(
+            float(d["lr"]),
+            int(d["epochs"]),
+            str(d["kind"]),
+            float(d["floor"]),
+            float(d.get("warmup", 0.0)),  # manifests written before the warm-up existed
+        )

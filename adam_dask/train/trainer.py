@@ -64,10 +64,11 @@ class Trainer:
     mode : {"async", "sync"}
         Asynchronous Adam training, or the synchronous baseline (every step waits for all
         replicas and applies their averaged update).
-    push_every, lr, lr_schedule, lr_floor, momentum, batch_size, threads : optional
+    push_every, lr, lr_schedule, lr_floor, lr_warmup, momentum, batch_size, threads : optional
         Training settings (config ``adam.train.*`` / ``adam.cluster.trainer-threads``). The
         learning rate follows ``lr_schedule`` from ``lr`` to ``lr * lr_floor`` over the epochs
-        planned by :meth:`fit` (:class:`~adam_dask.train.schedule.Schedule`).
+        planned by :meth:`fit`, ramping up over the first ``lr_warmup`` epochs
+        (:class:`~adam_dask.train.schedule.Schedule`).
     augment : bool or Augment, optional
         Augmentation on the data servers (config ``adam.augment``).
     checkpoint : str, optional
@@ -107,6 +108,7 @@ class Trainer:
         lr: float | None = None,
         lr_schedule: str | None = None,
         lr_floor: float | None = None,
+        lr_warmup: float | None = None,
         momentum: float | None = None,
         batch_size: int | None = None,
         threads: int | None = None,
@@ -133,6 +135,7 @@ class Trainer:
             lr=lr,
             lr_schedule=lr_schedule,
             lr_floor=lr_floor,
+            lr_warmup=lr_warmup,
             momentum=momentum,
             batch_size=batch_size,
             threads=threads,
@@ -192,7 +195,7 @@ class Trainer:
     def schedule(self) -> Schedule:
         """The learning-rate schedule over the planned epochs."""
         s = self.settings
-        return Schedule(s.lr, self._planned(), s.lr_schedule, s.lr_floor)
+        return Schedule(s.lr, self._planned(), s.lr_schedule, s.lr_floor, s.lr_warmup)
 
     def _planned(self, epochs: int | None = None) -> int:
         return int(config.get("train.epochs", epochs if epochs is not None else self.epochs))

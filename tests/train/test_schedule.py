@@ -31,6 +31,39 @@ def test_exponential_is_a_constant_factor_per_epoch_and_constant_stays():
     assert Schedule.from_dict(s.to_dict()) == s
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_warmup_ramps_from_the_floor_to_the_shape_then_follows_it(kind):
+    plain = Schedule(lr=0.05, epochs=10, kind=kind, floor=0.01)
+    warm = Schedule(lr=0.05, epochs=10, kind=kind, floor=0.01, warmup=1.5)
+    assert warm.at(0) == pytest.approx(0.05 * 0.01)  # the first push steps at the floor's rate
+    ramp = [warm.at(1.5 * i / 50) for i in range(51)]
+    assert all(a < b for a, b in zip(ramp, ramp[1:]))  # rises all through the warm-up
+    assert all(w < p for w, p in zip(ramp[:-1], (plain.at(1.5 * i / 50) for i in range(50))))
+    # it ends on the shape's own rate, and from there on the two schedules are the same
+    for e in (1.5, 2.0, 7.25, 10.0, 12.0):
+        assert warm.at(e) == pytest.approx(plain.at(e))
+    assert Schedule.from_dict(warm.to_dict()) == warm and warm.replan(20).warmup == 1.5
+
+
+def test_a_manifest_from_before_the_warmup_reads_as_none():
+    old = {"lr": 0.05, "epochs": 10, "kind": "cosine", "floor": 0.01}
+    assert Schedule.from_dict(old) == Schedule(0.05, 10, "cosine", 0.01, warmup=0.0)
+
+
+def test_warmup_comes_from_the_config_and_is_kept_by_a_resumed_run():
+    with dask.config.set({"adam.train.lr-warmup": 0.5}):
+        assert Schedule.from_config(epochs=4).warmup == 0.5
+        stored = RunSettings.resolve(lr_warmup=2.0).to_dict()
+        assert RunSettings.resolve().lr_warmup == 0.5
+    assert RunSettings.resolve(stored).lr_warmup == 2.0
+    assert RunSettings.resolve(stored, lr_warmup=0.0).lr_warmup == 0.0
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ConfigError, match="lr_warmup"):
+            RunSettings.resolve(lr_warmup=bad)
+        with pytest.raises(ConfigError, match="warm-up"):
+            Schedule(0.05, 3, "cosine", 0.01, warmup=bad)
+
+
 @pytest.mark.parametrize(
     "kw, words",
     [
