@@ -94,6 +94,7 @@ def epoch_record(
         "replicas_finished": sum(not r["stopped"] for r in results),
         "replicas": replicas,
         "replica_workers": sorted(r["worker"] for r in results),
+        "replica_threads": sorted(r.get("threads", 0) for r in results),
         "lr": lr,
         "lr_end": lr_end,
         "mode": mode,

@@ -54,7 +54,7 @@ class RunSettings:
     lr_warmup: float  # epochs over which the rate ramps up (Schedule.warmup); 0: none
     momentum: float
     batch_size: int
-    threads: int
+    threads: int | None  # Hogwild threads per replica; None ("auto"): its TRAIN worker's threads
     seed: int
     epoch_quorum: float
     offload_dense: bool
@@ -86,7 +86,7 @@ class RunSettings:
             lr_warmup=float(values["lr_warmup"]),
             momentum=float(values["momentum"]),
             batch_size=int(values["batch_size"]),
-            threads=sizing.resolve_threads(values["threads"]),
+            threads=_auto_threads(values["threads"]),
             seed=int(values["seed"]),
             epoch_quorum=float(values["epoch_quorum"]),
             offload_dense=bool(values["offload_dense"]),
@@ -144,6 +144,20 @@ class RunSettings:
     def to_dict(self) -> dict:
         """JSON-safe, for the checkpoint's manifest."""
         return asdict(self)
+
+
+def _auto_threads(v: Any) -> int | None:
+    """None for "auto" (each replica runs as many threads as its TRAIN worker has), else the
+    number, at least 1."""
+    if v is None or str(v).strip().lower() == sizing.AUTO:
+        return None
+    n = int(v)
+    if n < 1:
+        raise ConfigError(
+            f"threads={n}: a replica needs at least one thread",
+            "set threads= or adam.cluster.trainer-threads (auto: the TRAIN worker's threads)",
+        )
+    return n
 
 
 def _optional_fraction(v: Any) -> float | None:

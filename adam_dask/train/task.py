@@ -240,7 +240,9 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | N
     offload = profitable_offload(net, s.push_every) if s.offload_dense else []
     rep = HogwildReplica(
         net,
-        threads=1 if sync else s.threads,
+        # auto: as many Hogwild threads as the TRAIN worker has (its --nthreads), not the client's
+        # cores: the replica's threads share that worker's cores
+        threads=1 if sync else (s.threads or worker.state.nthreads),
         momentum=s.momentum,
         batch_size=s.batch_size,
         offload=offload,
@@ -350,5 +352,6 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | N
         "stall_fraction": float(stream_stats.get("stall_fraction", 0.0)),
         "wait_seconds": float(stream_stats.get("wait_seconds", 0.0)),
         "worker": worker.address,
+        "threads": rep.threads,
         "lr_end": rep.lr,
     }

@@ -93,6 +93,11 @@ def test_settings_keyword_over_stored_over_config():
         RunSettings.resolve(mode="fast")
     with pytest.raises(ConfigError, match="momentum"):
         RunSettings.resolve(offload_dense=True, momentum=0.9)
+    # threads auto: None here, each replica then runs as many threads as its TRAIN worker has
+    with dask.config.set({"adam.cluster.trainer-threads": "auto"}):
+        assert RunSettings.resolve().threads is None and RunSettings.resolve(threads=3).threads == 3
+    with pytest.raises(ConfigError, match="threads=0"):
+        RunSettings.resolve(threads=0)
 
 
 def test_epoch_arithmetic():

@@ -42,6 +42,8 @@ def test_async_training_learns(store, adam_cluster, tmp_path):
     assert all(r["replicas"] == 2 for r in h)
     # the two replicas ran side by side, one per TRAIN worker, not queued on one
     assert all(len(set(r["replica_workers"])) == 2 for r in h), h.column("replica_workers")
+    # threads "auto": each replica runs its TRAIN worker's one thread, not the client's cores
+    assert all(r["replica_threads"] == [1, 1] for r in h), h.column("replica_threads")
     lines = (tmp_path / "m.jsonl").read_text().splitlines()
     assert [json.loads(l)["epoch"] for l in lines] == [0, 1, 2]
     # every image of an epoch was trained on once (the quorum is all of two replicas at 0.75)
