@@ -74,6 +74,14 @@ def register(sub) -> None:
         f"{config.get('train.lr-warmup')}); many asynchronous replicas need it",
     )
     p.add_argument(
+        "--lr-replicas",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="async: --lr is the rate for N replicas; with R > N each steps lr * N / R "
+        f"(default {config.get('train.lr-replicas')})",
+    )
+    p.add_argument(
         "--push-every",
         type=positive_int,
         default=None,
@@ -252,6 +260,7 @@ def cmd_train(args: argparse.Namespace) -> dict:
             push_every=args.push_every,
             lr=args.lr,
             lr_warmup=args.lr_warmup,
+            lr_replicas=args.lr_replicas,
             threads=args.threads,
             epoch_quorum=args.epoch_quorum,
             augment=args.augment,

@@ -36,6 +36,7 @@ _RESUMABLE = (
     "lr_schedule",
     "lr_floor",
     "lr_warmup",
+    "lr_replicas",
     "momentum",
     "batch_size",
     "threads",

@@ -29,6 +29,7 @@ _KEYS = {
     "lr_schedule": "train.lr-schedule",
     "lr_floor": "train.lr-floor",
     "lr_warmup": "train.lr-warmup",
+    "lr_replicas": "train.lr-replicas",
     "momentum": "train.momentum",
     "batch_size": "train.batch-size",
     "threads": "cluster.trainer-threads",
@@ -52,6 +53,7 @@ class RunSettings:
     lr_schedule: str
     lr_floor: float
     lr_warmup: float  # epochs over which the rate ramps up (Schedule.warmup); 0: none
+    lr_replicas: int | None  # async: lr is for this many replicas; more step lr * this / R
     momentum: float
     batch_size: int
     threads: int | None  # Hogwild threads per replica; None ("auto"): its TRAIN worker's threads
@@ -84,6 +86,7 @@ class RunSettings:
             lr_schedule=str(values["lr_schedule"]),
             lr_floor=float(values["lr_floor"]),
             lr_warmup=float(values["lr_warmup"]),
+            lr_replicas=_optional_count(values["lr_replicas"]),
             momentum=float(values["momentum"]),
             batch_size=int(values["batch_size"]),
             threads=_auto_threads(values["threads"]),
@@ -156,6 +159,19 @@ def _auto_threads(v: Any) -> int | None:
         raise ConfigError(
             f"threads={n}: a replica needs at least one thread",
             "set threads= or adam.cluster.trainer-threads (auto: the TRAIN worker's threads)",
+        )
+    return n
+
+
+def _optional_count(v: Any) -> int | None:
+    """None for null/"none"/"off", else a whole number >= 1."""
+    if v is None or (isinstance(v, str) and v.strip().lower() in ("none", "null", "off", "")):
+        return None
+    n = int(v)
+    if n < 1:
+        raise ConfigError(
+            f"lr_replicas={n} must be at least 1",
+            "set lr_replicas= or adam.train.lr-replicas (null: the rate whatever the replicas)",
         )
     return n
 

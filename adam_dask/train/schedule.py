@@ -118,6 +118,11 @@ class Schedule:
             return self.lr * self.floor**p
         return self.lr
 
+    def scaled(self, factor: float) -> Schedule:
+        """The same schedule with every rate times ``factor`` (the floor and warm-up are
+        fractions and epochs, so they keep their meaning)."""
+        return Schedule(self.lr * factor, self.epochs, self.kind, self.floor, self.warmup)
+
     def replan(self, epochs: int) -> Schedule:
         """The same schedule over ``epochs`` planned epochs."""
         return Schedule(self.lr, int(epochs), self.kind, self.floor, self.warmup)

@@ -32,7 +32,7 @@ from ..data.augment import to_float
 from ..errors import ClusterError, ConfigError, DatasetError
 from ._average import TailAverage
 from ._checkpoint import history_url, load_average, refuse_existing, resumed_state, save_average
-from ._epoch import epoch_record, replica_count, share_sizes
+from ._epoch import async_rate_factor, epoch_record, replica_count, share_sizes
 from ._position import applied_images, recorded_replicas
 from ._settings import RunSettings, network_for, resolve_augment
 from ._submit import run_replicas
@@ -64,11 +64,12 @@ class Trainer:
     mode : {"async", "sync"}
         Asynchronous Adam training, or the synchronous baseline (every step waits for all
         replicas and applies their averaged update).
-    push_every, lr, lr_schedule, lr_floor, lr_warmup, momentum, batch_size, threads : optional
+    push_every, lr, lr_schedule, lr_floor, lr_warmup, lr_replicas, momentum, batch_size, threads : optional
         Training settings (config ``adam.train.*`` / ``adam.cluster.trainer-threads``). The
         learning rate follows ``lr_schedule`` from ``lr`` to ``lr * lr_floor`` over the epochs
         planned by :meth:`fit`, ramping up over the first ``lr_warmup`` epochs
-        (:class:`~adam_dask.train.schedule.Schedule`).
+        (:class:`~adam_dask.train.schedule.Schedule`); in an epoch of more than ``lr_replicas``
+        asynchronous replicas each steps ``lr_replicas / R`` as far (:meth:`schedule_for`).
     augment : bool or Augment, optional
         Augmentation on the data servers (config ``adam.augment``).
     checkpoint : str, optional
@@ -109,6 +110,7 @@ class Trainer:
         lr_schedule: str | None = None,
         lr_floor: float | None = None,
         lr_warmup: float | None = None,
+        lr_replicas: int | None = None,
         momentum: float | None = None,
         batch_size: int | None = None,
         threads: int | None = None,
@@ -136,6 +138,7 @@ class Trainer:
             lr_schedule=lr_schedule,
             lr_floor=lr_floor,
             lr_warmup=lr_warmup,
+            lr_replicas=lr_replicas,
             momentum=momentum,
             batch_size=batch_size,
             threads=threads,
@@ -196,6 +199,12 @@ class Trainer:
         """The learning-rate schedule over the planned epochs."""
         s = self.settings
         return Schedule(s.lr, self._planned(), s.lr_schedule, s.lr_floor, s.lr_warmup)
+
+    def schedule_for(self, replicas: int) -> Schedule:
+        """The schedule each replica of an epoch of ``replicas`` follows: :attr:`schedule`, its
+        rates scaled down past ``lr_replicas`` asynchronous replicas (see ``async_rate_factor``)."""
+        s = self.settings
+        return self.schedule.scaled(async_rate_factor(s.mode, replicas, s.lr_replicas))
 
     def _planned(self, epochs: int | None = None) -> int:
         return int(config.get("train.epochs", epochs if epochs is not None else self.epochs))
@@ -338,7 +347,7 @@ class Trainer:
         return self.history
 
     def _jobs(self, epoch: int, R: int) -> list[ReplicaJob]:
-        model, schedule = self.net.to_dict(), self.schedule
+        model, schedule = self.net.to_dict(), self.schedule_for(R)
         shares = share_sizes(len(self.train_split), R)
         return [
             ReplicaJob(
@@ -380,7 +389,7 @@ class Trainer:
         images_applied = applied_images(self.server.marks(epoch))
         accuracy = self.evaluate()
         averaged = self._update_average(epoch)
-        schedule = self.schedule
+        schedule = self.schedule_for(R)
         record = epoch_record(
             epoch,
             run.results,

@@ -7,7 +7,7 @@ import dask
 import pytest
 
 from adam_dask.errors import ClusterError, ConfigError
-from adam_dask.train._epoch import quorum_size, replica_count, share_sizes
+from adam_dask.train._epoch import async_rate_factor, quorum_size, replica_count, share_sizes
 from adam_dask.train._settings import RunSettings
 from adam_dask.train.schedule import KINDS, Schedule
 
@@ -107,3 +107,12 @@ def test_epoch_arithmetic():
     with pytest.raises(ClusterError, match="no TRAIN workers"):
         replica_count(None, 0)
     assert share_sizes(10, 3) == [3, 3, 4] and sum(share_sizes(60000, 7)) == 60000
+    # past lr_replicas asynchronous replicas, each steps lr_replicas / R as far
+    assert [async_rate_factor("async", r, 2) for r in (1, 2, 3, 4, 8)] == [1, 1, 2 / 3, 0.5, 0.25]
+    assert async_rate_factor("sync", 8, 2) == 1.0  # synchronous replicas average their deltas
+    assert async_rate_factor("async", 8, None) == 1.0  # off: the rate as given
+    s = Schedule(0.05, 10, "cosine", 0.01, warmup=1.0)
+    for e in (0.0, 0.5, 3.0, 10.0):
+        assert s.scaled(0.25).at(e) == pytest.approx(0.25 * s.at(e))
+    with pytest.raises(ConfigError, match="lr_replicas=0"):
+        RunSettings.resolve(lr_replicas=0)

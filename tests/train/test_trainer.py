@@ -44,6 +44,9 @@ def test_async_training_learns(store, adam_cluster, tmp_path):
     assert all(len(set(r["replica_workers"])) == 2 for r in h), h.column("replica_workers")
     # threads "auto": each replica runs its TRAIN worker's one thread, not the client's cores
     assert all(r["replica_threads"] == [1, 1] for r in h), h.column("replica_threads")
+    # each replica stepped at the schedule's own rate, which falls from lr to lr_end
+    for r in h:
+        assert all(r["lr_end"] * 0.999 <= x <= r["lr"] * 1.001 for x in r["replica_lr_end"]), r
     lines = (tmp_path / "m.jsonl").read_text().splitlines()
     assert [json.loads(l)["epoch"] for l in lines] == [0, 1, 2]
     # every image of an epoch was trained on once (the quorum is all of two replicas at 0.75)
@@ -65,6 +68,14 @@ def test_sync_training_learns_and_resumes_in_sync_mode(store, adam_cluster, tmp_
         assert r.history.last["mode"] == "sync"
     finally:
         r.close()
+
+
+def test_async_replicas_past_lr_replicas_step_a_share_of_the_rate(store, adam_cluster):
+    """lr_replicas=1: two asynchronous replicas each step at half the rate (their deltas add)."""
+    t = fit(store, adam_cluster, epochs=1, lr_schedule="constant", lr_replicas=1)
+    rec = t.history.last
+    assert rec["replica_lr_end"] == pytest.approx([0.025, 0.025]) and rec["lr"] == 0.025
+    assert rec["test_accuracy"] > 0.5  # and it learns
 
 
 def test_quorum_ends_epoch_while_straggler_runs(store, adam_cluster):
