@@ -151,7 +151,8 @@ class AsyncExchange(Exchange):
         """Take the update and queue it for the communicator; raises its first error."""
         if self._error is not None:
             raise self._error
-        self._queue.put(self.replica.take())
+        # in transit: weights pulled before the server holds it must not set the replica back
+        self._queue.put(self.replica.take(in_transit=True))
 
     def _run(self) -> None:
         while True:
@@ -162,6 +163,7 @@ class AsyncExchange(Exchange):
                 continue
             try:
                 self._push(update)
+                self.replica.landed(update)
                 self.replica.install(self._pull())
             except BaseException as exc:  # raised in the training thread at the next step
                 self._error = exc

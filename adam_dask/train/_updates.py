@@ -16,7 +16,10 @@ zeroed spare under the slot's lock, so the cut between two takes falls on a mini
 of every thread: the taken :class:`Update` holds whole mini-batches, each exactly once.
 :meth:`Updates.install` holds every slot's lock at once (each thread finishes its current
 mini-batch first) and writes ``pulled + the updates not yet taken``: nothing lands during the
-write, so nothing is lost or counted twice. Two Hogwild threads racing inside ``flat`` may still
+write, so nothing is lost or counted twice. An update taken *in transit* (``take(in_transit=True)``:
+on its way to the server, which may not hold it yet when the next weights are pulled) is added
+on top of every install too, until :meth:`Updates.landed` says the server holds it: weights
+pulled while a queued update waits must not set the replica back by that update. Two Hogwild threads racing inside ``flat`` may still
 lose one update locally (the paper's lock-free write), but it is in its thread's accumulator, so
 it is pushed and comes back with the next pull.
 
@@ -53,6 +56,8 @@ class Update:
     """Images whose updates the delta holds."""
     items: dict[Any, int]
     """Stream item (its draw number) -> images of it the delta holds (the data position)."""
+    ticket: int | None = None
+    """Set when taken in transit: :meth:`Updates.landed` takes it."""
 
     @property
     def empty(self) -> bool:
@@ -105,6 +110,8 @@ class Updates:
         for slot in self._slots:
             slot.gate.set()
         self._control = threading.Lock()  # one taker or installer at a time
+        self._in_transit: dict[int, np.ndarray] = {}  # ticket -> the update's whole local sum
+        self._tickets = 0
 
     @contextmanager
     def hold(self, t: int) -> Iterator[Slot]:
@@ -149,8 +156,11 @@ class Updates:
             for slot in slots:
                 slot.gate.set()
 
-    def take(self) -> Update:
-        """Every update applied since the last take, and reset (whole mini-batches only)."""
+    def take(self, in_transit: bool = False) -> Update:
+        """Every update applied since the last take, and reset (whole mini-batches only).
+
+        ``in_transit``: the update is on its way to the server; every :meth:`install` adds it
+        on top of the weights it writes until :meth:`landed` (the server holds it)."""
         retired: list[np.ndarray] = []
         items: dict[Any, int] = {}
         terms: list[dict[str, tuple[np.ndarray, np.ndarray]]] = []
@@ -170,9 +180,23 @@ class Updates:
                 delta += buf
             for buf in retired:
                 buf[...] = 0.0  # the next swap hands it out as an active accumulator
-        for offset, size in self.offload.values():
-            delta[offset : offset + size] = 0.0
-        return Update(delta, _concat_terms(terms, self.offload), images, items)
+            ticket = None
+            if in_transit and images:
+                self._tickets += 1
+                ticket = self._tickets
+                # the local sum, offloaded weights included (the server applies their terms)
+                self._in_transit[ticket] = delta.copy() if self.offload else delta
+        if self.offload:
+            delta = delta.copy() if ticket is not None else delta
+            for offset, size in self.offload.values():
+                delta[offset : offset + size] = 0.0
+        return Update(delta, _concat_terms(terms, self.offload), images, items, ticket)
+
+    def landed(self, update: Update) -> None:
+        """The server holds ``update`` (or it was dropped): installs stop adding it."""
+        if update.ticket is not None:
+            with self._control:
+                self._in_transit.pop(update.ticket, None)
 
     def pending(self) -> np.ndarray:
         """The sum of the updates not yet taken (a copy)."""
@@ -183,10 +207,16 @@ class Updates:
         return out
 
     def install(self, flat: np.ndarray, weights: np.ndarray, keep_pending: bool = True) -> None:
-        """Write ``weights`` into ``flat`` plus the updates not yet taken (``keep_pending``),
-        or discard those (``keep_pending=False``); no thread steps meanwhile."""
+        """Write ``weights`` into ``flat`` plus the updates in transit and not yet taken
+        (``keep_pending``), or discard those (``keep_pending=False``); no thread steps
+        meanwhile."""
         with self._control, self._locked(self._slots):
             np.copyto(flat, weights)
+            if keep_pending:
+                for delta in self._in_transit.values():
+                    flat += delta
+            else:
+                self._in_transit.clear()
             for slot in self._slots:
                 if keep_pending:
                     flat += slot.acc

@@ -236,11 +236,16 @@ class HogwildReplica:
 
     # -- parameter-server sync ------------------------------------------------------------------
 
-    def take(self) -> Update:
+    def take(self, in_transit: bool = False) -> Update:
         """The updates applied since the last take (whole mini-batches, each exactly once), with
         the images and stream items they cover; the offloaded dense weights travel as terms.
-        Safe while the threads train."""
-        return self._updates.take()
+        Safe while the threads train. ``in_transit``: :meth:`install` keeps it on top of the
+        weights it writes until :meth:`landed`."""
+        return self._updates.take(in_transit)
+
+    def landed(self, update: Update) -> None:
+        """The server holds ``update`` (taken in transit), or it was dropped."""
+        self._updates.landed(update)
 
     def take_update(self) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
         """``(delta, terms)`` of :meth:`take`."""

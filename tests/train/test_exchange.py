@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -129,6 +130,35 @@ def test_async_exchange_pushes_every_image_once(offload):
     assert ex.pulls == 2000  # one pull per push of 8 images
     assert ex.items == {k: 16 for k in range(1000)}  # every stream item, all its images
     np.testing.assert_allclose(server.values, net.flat, atol=2e-5)
+
+
+class SlowServer(InProcessServer):
+    """Every push takes a while, so the replica takes its next update while one is in flight."""
+
+    def push(self, delta: np.ndarray) -> None:
+        time.sleep(0.002)
+        super().push(delta)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_replica_never_trains_on_weights_missing_its_own_queued_update(offload):
+    """One thread against a slow server: each take happens while the previous push is in
+    flight, so weights pulled before the queued update lands lack it. Installed as they come
+    they would set the replica back by that update; the exchange keeps it on top until the
+    server holds it, so the replica follows exactly the path it takes with no server at all."""
+    alone = Network.from_spec(SPEC, SHAPE, seed=0)
+    HogwildReplica(alone, threads=1, lr=0.05, momentum=0.0, batch_size=4).train(_batches(4000, 16))
+    net = Network.from_spec(SPEC, SHAPE, seed=0)
+    server = SlowServer(net.flat)
+    rep = HogwildReplica(
+        net, threads=1, lr=0.05, momentum=0.0, batch_size=4, offload=["2"] if offload else None
+    )
+    ex = AsyncExchange(rep, server, label="replica 0")
+    rep.train(_batches(4000, 16), on_images=lambda r: ex.step(), every=8)
+    ex.finish()
+    assert ex.pulls > 100 and ex.images_pushed == 4000
+    np.testing.assert_allclose(server.values, alone.flat, atol=2e-5)
+    np.testing.assert_allclose(net.flat, alone.flat, atol=2e-5)
 
 
 def test_sync_barrier_timeout_names_the_missing_replicas():
