@@ -86,10 +86,21 @@ class RunSettings:
             lr_schedule=str(values["lr_schedule"]),
             lr_floor=float(values["lr_floor"]),
             lr_warmup=float(values["lr_warmup"]),
-            lr_replicas=_optional_count(values["lr_replicas"]),
+            lr_replicas=_count_or_none(
+                values["lr_replicas"],
+                _OFF,
+                "lr_replicas",
+                "set lr_replicas= or adam.train.lr-replicas (null: the rate whatever the replicas)",
+            ),
             momentum=float(values["momentum"]),
             batch_size=int(values["batch_size"]),
-            threads=_auto_threads(values["threads"]),
+            # auto: None, each replica runs as many threads as its TRAIN worker has
+            threads=_count_or_none(
+                values["threads"],
+                (sizing.AUTO,),
+                "threads",
+                "set threads= or adam.cluster.trainer-threads (auto: the TRAIN worker's threads)",
+            ),
             seed=int(values["seed"]),
             epoch_quorum=float(values["epoch_quorum"]),
             offload_dense=bool(values["offload_dense"]),
@@ -149,36 +160,22 @@ class RunSettings:
         return asdict(self)
 
 
-def _auto_threads(v: Any) -> int | None:
-    """None for "auto" (each replica runs as many threads as its TRAIN worker has), else the
-    number, at least 1."""
-    if v is None or str(v).strip().lower() == sizing.AUTO:
+_OFF = ("none", "null", "off", "")
+
+
+def _count_or_none(v: Any, none: tuple[str, ...], name: str, hint: str) -> int | None:
+    """None for None or one of the words ``none``, else a whole number >= 1."""
+    if v is None or str(v).strip().lower() in none:
         return None
     n = int(v)
     if n < 1:
-        raise ConfigError(
-            f"threads={n}: a replica needs at least one thread",
-            "set threads= or adam.cluster.trainer-threads (auto: the TRAIN worker's threads)",
-        )
-    return n
-
-
-def _optional_count(v: Any) -> int | None:
-    """None for null/"none"/"off", else a whole number >= 1."""
-    if v is None or (isinstance(v, str) and v.strip().lower() in ("none", "null", "off", "")):
-        return None
-    n = int(v)
-    if n < 1:
-        raise ConfigError(
-            f"lr_replicas={n} must be at least 1",
-            "set lr_replicas= or adam.train.lr-replicas (null: the rate whatever the replicas)",
-        )
+        raise ConfigError(f"{name}={n} must be at least 1", hint)
     return n
 
 
 def _optional_fraction(v: Any) -> float | None:
     """None for null/"none"/"off" (the setting is off), else the number."""
-    if v is None or (isinstance(v, str) and v.strip().lower() in ("none", "null", "off", "")):
+    if v is None or (isinstance(v, str) and v.strip().lower() in _OFF):
         return None
     return float(v)
 
