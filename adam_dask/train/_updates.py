@@ -16,12 +16,13 @@ zeroed spare under the slot's lock, so the cut between two takes falls on a mini
 of every thread: the taken :class:`Update` holds whole mini-batches, each exactly once.
 :meth:`Updates.install` holds every slot's lock at once (each thread finishes its current
 mini-batch first) and writes ``pulled + the updates not yet taken``: nothing lands during the
-write, so nothing is lost or counted twice. An update taken *in transit* (``take(in_transit=True)``:
-on its way to the server, which may not hold it yet when the next weights are pulled) is added
-on top of every install too, until :meth:`Updates.landed` says the server holds it: weights
-pulled while a queued update waits must not set the replica back by that update. Two Hogwild threads racing inside ``flat`` may still
-lose one update locally (the paper's lock-free write), but it is in its thread's accumulator, so
-it is pushed and comes back with the next pull.
+write, so nothing is lost or counted twice. An update taken *in transit*
+(``take(in_transit=True)``: on its way to the server, which may not hold it yet when the next
+weights are pulled) is added on top of every install too, until :meth:`Updates.landed` says the
+server holds it: weights pulled while a queued update waits must not set the replica back by
+that update. Two Hogwild threads racing inside ``flat`` may still lose one update locally (the
+paper's lock-free write), but it is in its thread's accumulator, so it is pushed and comes back
+with the next pull.
 
 A taker never starves behind a thread that re-takes its lock at once: it closes the slot's
 gate first, and a thread waits at the gate before its next mini-batch.
@@ -185,9 +186,10 @@ class Updates:
                 self._tickets += 1
                 ticket = self._tickets
                 # the local sum, offloaded weights included (the server applies their terms)
-                self._in_transit[ticket] = delta.copy() if self.offload else delta
+                self._in_transit[ticket] = delta
         if self.offload:
-            delta = delta.copy() if ticket is not None else delta
+            if ticket is not None:
+                delta = delta.copy()  # the pushed delta leaves the offloaded weights out
             for offset, size in self.offload.values():
                 delta[offset : offset + size] = 0.0
         return Update(delta, _concat_terms(terms, self.offload), images, items, ticket)
