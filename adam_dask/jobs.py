@@ -196,22 +196,25 @@ def count(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
+def _finite(text: str) -> float | None:
+    """``text`` as a float, None when it is not finite; an argparse error when no number."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value <= 0:
+    return value if math.isfinite(value) else None
+
+
+def positive_float(text: str) -> float:
+    value = _finite(text)
+    if value is None or value <= 0:
         raise argparse.ArgumentTypeError(f"{text} must be a positive number")
     return value
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value < 0:
+    value = _finite(text)
+    if value is None or value < 0:
         raise argparse.ArgumentTypeError(f"{text} must be a number >= 0")
     return value
 

@@ -105,9 +105,9 @@ def epoch_record(
         "replicas_finished": sum(not r["stopped"] for r in results),
         "replicas": replicas,
         "replica_workers": sorted(r["worker"] for r in results),
-        "replica_threads": sorted(r.get("threads", 0) for r in results),
+        "replica_threads": sorted(r["threads"] for r in results),
         # the rate each replica stepped with last, as it ran (the schedule, scaled for R)
-        "replica_lr_end": sorted(r["lr_end"] for r in results if "lr_end" in r),
+        "replica_lr_end": sorted(r["lr_end"] for r in results),
         "lr": lr,
         "lr_end": lr_end,
         "mode": mode,
