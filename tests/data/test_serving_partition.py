@@ -150,3 +150,49 @@ def test_a_process_ending_mid_stream_closes_its_partitions_first(store):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "closing 1 data partition(s) at exit" in proc.stderr
     assert "Traceback" not in proc.stderr and "failed" not in proc.stderr, proc.stderr[-2000:]
+
+
+LATE_SCRIPT = """
+import atexit, logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from adam_dask.data.serving._layout import PartitionLayout
+from adam_dask.data.serving._partition import PartitionServer, ServerSettings
+from adam_dask.errors import ClusterError
+layout = PartitionLayout(int(sys.argv[2]), 64, 1, window_chunks=1)
+settings = ServerSettings.from_config(augment=None)
+first = PartitionServer(sys.argv[1], "train", None, layout, 0, settings)
+first.open_stream("a", 0, 0, 1, 8)
+assert first.take("a", timeout=60).k == 0
+
+def late():  # a daemon thread still at work after the exit closed the partitions
+    try:
+        srv = PartitionServer(sys.argv[1], "train", None, layout, 0, settings)
+    except ClusterError as exc:
+        print("refused:", exc, file=sys.stderr)
+        return
+    srv.open_stream("b", 0, 0, 1, 8)
+    print("started:", srv.take("b", timeout=60).k, file=sys.stderr)
+
+atexit.register(late)  # runs after the threading exit hooks, before zarr stops its pool
+sys.exit(0)
+"""
+
+
+def test_a_partition_asked_for_while_the_process_ends_is_refused_not_read(store):
+    """A replica task's thread can go on to its next stream after the exit closed the
+    partitions; a partition started then would read while zarr stops its pool, and its failed
+    read would blame the store ("ingest it again"). It is refused, and says why."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", LATE_SCRIPT, store, str(N)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "refused: the DataServer of partition 0 was not started: this process is ending" in (
+        proc.stderr
+    ), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "failed" not in proc.stderr, proc.stderr[-2000:]

@@ -100,26 +100,42 @@ class _StreamState:
 _live: weakref.WeakSet[PartitionServer] = weakref.WeakSet()
 _live_lock = threading.Lock()
 _exit_hook = False
+_exiting = False
 
 
 def _close_live() -> None:
-    """When the process ends: close the partitions still serving.
+    """When the process ends: close the partitions still serving, and refuse new ones.
 
     A process ends (a worker closed by its nanny, a job stopped by SIGTERM) with the producer
     threads, daemons, still reading; the exit stops the thread pools their reads run on (the
-    cache's, zarr's), and a read under way fails. Closing the partitions first lets their
-    producers stop quietly.
+    cache's, then zarr's at ``atexit``), and a read under way fails. Closing the partitions
+    first lets their producers stop quietly. A daemon thread that still runs (a replica task
+    going on to its next stream) may ask for a partition after this: it gets a ClusterError
+    that says the process is ending, not a read failure that blames the store.
     """
-    live = list(_live)
+    global _exiting
+    with _live_lock:
+        _exiting = True
+        live = list(_live)
     if live:
         logger.info("closing %d data partition(s) at exit", len(live))
     for server in live:
         server.close()
 
 
-def _track(server: PartitionServer) -> None:
+def _ending(partition: int) -> ClusterError:
+    return ClusterError(
+        f"the DataServer of partition {partition} was not started: this process is ending",
+        "nothing to do; the process that asked for it is shutting down",
+    )
+
+
+def _track(server: PartitionServer) -> bool:
+    """Close ``server`` when the process ends; False (do not start it) when it is ending."""
     global _exit_hook
     with _live_lock:
+        if _exiting:
+            return False
         if not _exit_hook:
             # concurrent.futures stops every thread pool in a hook threading runs before it
             # joins the threads, earlier than atexit; hooks run newest first, so this one, added
@@ -128,6 +144,7 @@ def _track(server: PartitionServer) -> None:
             register(_close_live)
             _exit_hook = True
         _live.add(server)
+        return True
 
 
 class PartitionServer:
@@ -155,6 +172,8 @@ class PartitionServer:
         self.settings = settings
         self._notify = notify
         self.start, self.stop = layout.partition(partition)
+        if _exiting:  # zarr's pool is about to go: do not start reading
+            raise _ending(partition)
         self._split = open_split(url, split, storage_options)
         if len(self._split) != layout.n:
             raise DatasetError(
@@ -177,10 +196,12 @@ class PartitionServer:
         self.images_served = 0
         self.batches_served = 0
         self.batches_made = 0
+        self._warm = threading.Event()
+        if not _track(self):  # the process began to end while the store was opened
+            self.cache.close()
+            raise _ending(partition)
         if layout.window_chunks is None:  # it fits: load the whole partition now
             self.cache.prefetch(self.cache.chunk_ids)
-        self._warm = threading.Event()
-        _track(self)
         threading.Thread(
             target=self._warm_up, name=f"adam-data-p{partition}-warm", daemon=True
         ).start()
