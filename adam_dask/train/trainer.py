@@ -24,18 +24,16 @@ import time
 import uuid
 from typing import Any
 
-import numpy as np
-
 from .. import config
 from ..cluster import PS, TRAIN, workers_with_role
-from ..data.augment import to_float
-from ..errors import ClusterError, ConfigError, DatasetError
+from ..errors import ClusterError, ConfigError
 from ._average import TailAverage
-from ._checkpoint import history_url, load_average, refuse_existing, resumed_state, save_average
+from ._checkpoint import history_url, load_average, refuse_existing, resumed_state
 from ._epoch import async_rate_factor, epoch_record, replica_count, share_sizes
 from ._position import applied_images, recorded_replicas
 from ._settings import RunSettings, network_for, resolve_augment
 from ._submit import run_replicas
+from ._validation import Validation
 from .metrics import History, Progress
 from .schedule import Schedule
 from .task import PROGRESS_TOPIC, ReplicaJob
@@ -159,15 +157,7 @@ class Trainer:
         self.set_replicas(config.get("train.replicas", replicas))
 
         self.train_split = open_split(data, "train", storage_options)
-        self.test_split: Any = None
-        try:
-            self.test_split = open_split(data, "test", storage_options)
-        except DatasetError:
-            logger.warning(
-                "%s has no test split: validating on the first %d training images",
-                data,
-                int(config.get("train.validation-images")),
-            )
+        self.validation = Validation(data, self.train_split, storage_options)
         self.net = network_for(model, self.train_split, data, self.settings.seed)
         self.num_classes = self.train_split.num_classes
 
@@ -184,8 +174,6 @@ class Trainer:
         self.replica_workers: dict[int, str] = {}  # replica -> its worker, this epoch
         self._lock = threading.Lock()
         self._bar: Progress | None = None
-        self._test_cache: tuple[np.ndarray, np.ndarray] | None = None
-        self.average: TailAverage | None = None  # set by fit when averaging is on
 
     # -- settings ---------------------------------------------------------------------------------
 
@@ -307,10 +295,7 @@ class Trainer:
         ``fit`` to the end of the first epoch at or above ``target_accuracy``.
         """
         self.epochs = self._planned(epochs)
-        if self.settings.average_from is not None:
-            start = TailAverage.planned(self.settings.average_from, self.epochs).start_epoch
-            if self.average is None or self.average.start_epoch != start:
-                self.average = TailAverage(start_epoch=start)
+        self.validation.plan_average(self.settings.average_from, self.epochs)
         self._start()
         t_start = time.perf_counter()
         self.seconds_to_target = None
@@ -388,7 +373,7 @@ class Trainer:
         flush_seconds = time.perf_counter() - flush_t
         images_applied = applied_images(self.server.marks(epoch))
         accuracy = self.evaluate()
-        averaged = self._update_average(epoch)
+        averaged = self.validation.add_epoch(epoch, self.net, self.checkpoint)
         schedule = self.schedule_for(R)
         record = epoch_record(
             epoch,
@@ -409,32 +394,14 @@ class Trainer:
             record["average_accuracy"], record["averaged_epochs"] = averaged
         return record
 
-    def _update_average(self, epoch: int) -> tuple[float, int] | None:
-        """Take the epoch's weights (just pulled by :meth:`evaluate`) into the tail average and
-        validate the average: ``(accuracy, epochs averaged)``, or None outside the tail."""
-        if self.average is None or not self.average.add(epoch, self.net.flat):
-            return None
-        if self.checkpoint:
-            try:
-                save_average(self.checkpoint, self.average, self.storage_options)
-            except Exception as exc:  # the mean stays in memory: only a resume would miss it
-                logger.warning(
-                    "could not store the weight average in %s (%s); training goes on, and a "
-                    "run resumed from there averages anew",
-                    self.checkpoint,
-                    exc,
-                )
-        x, y = self._test_arrays()
-        return float(self.averaged_network().evaluate(x, y)), self.average.count
+    @property
+    def average(self) -> TailAverage | None:
+        """The tail average of the weights (``average_from``), None when it is off."""
+        return self.validation.average
 
     def averaged_network(self):
         """A copy of the network holding the tail average of the weights (``average_from``)."""
-        if self.average is None or not self.average.count:
-            raise ConfigError(
-                "no weights have been averaged yet",
-                "set average_from= (adam.train.average-from) and train into the averaged epochs",
-            )
-        return self.average.applied_to(self.net)
+        return self.validation.averaged(self.net)
 
     def _epoch_replicas(self, epoch: int) -> int:
         """The epoch's replicas: those its data positions name (an epoch resumed midway keeps
@@ -462,29 +429,12 @@ class Trainer:
 
     # -- evaluation ------------------------------------------------------------------------------
 
-    def _test_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._test_cache is None:
-            if self.test_split is not None:
-                x, y = self.test_split.read()
-            else:
-                n = int(config.get("train.validation-images"))
-                x, y = self.train_split.read(0, min(n, len(self.train_split)))
-            self._test_cache = (to_float(x), y)
-        return self._test_cache
-
     def evaluate(self, data: str | None = None, split: str = "test") -> float:
         """Top-1 accuracy of the parameter server's current weights on ``data`` (default: the
         training store's test split)."""
         if self.server is not None:
             self.net.flat = self.server.pull()
-        if data is None:
-            x, y = self._test_arrays()
-        else:
-            from ..data.datasets import open_split
-
-            x, y = open_split(data, split, self.storage_options).read()
-            x = to_float(x)
-        return float(self.net.evaluate(x, y))
+        return self.validation.accuracy(self.net, data, split)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -539,7 +489,7 @@ class Trainer:
         trainer.epoch = state.epoch
         trainer.epochs = state.epochs
         if trainer.settings.average_from is not None:
-            trainer.average = load_average(checkpoint, storage_options, state.epoch)
+            trainer.validation.average = load_average(checkpoint, storage_options, state.epoch)
         return trainer
 
     def close(self) -> None:

@@ -82,7 +82,7 @@ def test_trainer_validates_the_average_and_resumes_it(store, adam_cluster, tmp_p
         np.testing.assert_allclose(r.average.weights(), seen[0], rtol=1e-6)
         _recording(r, seen)
         r.fit(epochs=4)
-        x, y = r._test_arrays()
+        x, y = r.validation.arrays()
         averaged = r.averaged_network()
     finally:
         r.close()
@@ -142,7 +142,7 @@ def test_an_average_that_cannot_be_stored_is_logged_and_training_goes_on(
         with caplog.at_level("WARNING", logger="adam_dask.train.trainer"):
             t.fit(epochs=2)
         averaged = t.averaged_network()  # the mean stayed in memory
-        x, y = t._test_arrays()
+        x, y = t.validation.arrays()
     finally:
         t.close()
     warned = [r.getMessage() for r in caplog.records if "weight average" in r.getMessage()]
