@@ -5,6 +5,10 @@ Each benchmark appends one JSON line per run to ``benchmarks/results/NAME.jsonl`
 between ``<!-- figures:start -->`` and ``<!-- figures:end -->`` in README.md, so no figure in the
 README is typed by hand. ``--check`` exits 1 when the README is not up to date.
 
+Table 1 gets a block of its own (``<!-- table1:start -->`` ... ``<!-- table1:end -->``): one run
+of each mode is noise (two runs of one recipe differ by ~0.07 points), so the block shows, for
+the recipe of the newest table1 line, the newest async/sync pair of every seed and their mean.
+
 Usage: ``python benchmarks/report.py [--check]``
 """
 
@@ -19,12 +23,31 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 START, END = "<!-- figures:start -->", "<!-- figures:end -->"
+T1_START, T1_END = "<!-- table1:start -->", "<!-- table1:end -->"
+# what makes two table1 lines the same experiment (the seed aside)
+RECIPE = (
+    "epochs",
+    "lr",
+    "lr_schedule",
+    "lr_floor",
+    "lr_warmup",
+    "dropout",
+    "push_every",
+    "trainers",
+    "trainer_threads",
+    "overrides",
+    "augment",
+)
 STAMP = ("benchmark", "date", "commit", "cpus", "notes", "load")
 
 
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
 def newest(path: Path) -> dict | None:
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    return json.loads(lines[-1]) if lines else None
+    lines = read_lines(path)
+    return lines[-1] if lines else None
 
 
 def _fmt(v: object) -> str:
@@ -61,12 +84,81 @@ def table() -> str:
     return "\n".join(rows)
 
 
+def _recipe(line: dict) -> str:
+    return json.dumps({k: line.get(k) for k in RECIPE}, sort_keys=True)
+
+
+def _runs(line: dict, mode: str) -> list[dict]:
+    """A line's runs of ``mode``: one dict (one seed) or a list of them (``--seeds``)."""
+    runs = line[mode]
+    return runs if isinstance(runs, list) else [runs]
+
+
+def _pct(v: float) -> str:
+    return f"{100 * v:.2f}"
+
+
+def table1_by_seed(lines: list[dict]) -> str:
+    """For the recipe of the newest line with both modes: the newest pair of every seed, and
+    the means over those seeds."""
+    pairs = [ln for ln in lines if "async" in ln and "sync" in ln]
+    if not pairs:
+        return "No table1 line with both modes yet."
+    recipe = _recipe(pairs[-1])
+    by_seed: dict[int, tuple[dict, dict, dict]] = {}
+    for ln in pairs:
+        if _recipe(ln) != recipe:
+            continue
+        for a, s in zip(_runs(ln, "async"), _runs(ln, "sync"), strict=True):
+            by_seed[int(a["seed"])] = (ln, a, s)
+    rows = [
+        "| seed | run (date, commit) | async final (best) | sync final (best) | async - sync |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    diffs, finals = [], {"async": [], "sync": []}
+    for seed in sorted(by_seed):
+        ln, a, s = by_seed[seed]
+        diff = a["accuracy"] - s["accuracy"]
+        diffs.append(diff)
+        finals["async"].append(a["accuracy"])
+        finals["sync"].append(s["accuracy"])
+        rows.append(
+            f"| {seed} | {ln.get('date', '?')[:10]}, {ln.get('commit', '?')} | "
+            f"{_pct(a['accuracy'])} ({_pct(a['best_accuracy'])}) | "
+            f"{_pct(s['accuracy'])} ({_pct(s['best_accuracy'])}) | {100 * diff:+.2f} |"
+        )
+    n = len(diffs)
+    rows.append(
+        f"| mean of {n} | | {_pct(sum(finals['async']) / n)} | {_pct(sum(finals['sync']) / n)} "
+        f"| {100 * sum(diffs) / n:+.2f} |"
+    )
+    last = pairs[-1]
+    shown = {k: last.get(k) for k in RECIPE if k not in ("overrides", "augment")}
+    recipe_text = ", ".join(f"{k} {_fmt(v)}" for k, v in shown.items())
+    return "\n".join(
+        [
+            f"Recipe: {recipe_text}; overrides {_fmt(last.get('overrides') or {}) or 'none'}. "
+            f"The paper: async {_pct(last.get('paper_async', 0.9963))}, sync "
+            f"{_pct(last.get('paper_sync', 0.9939))}.",
+            "",
+            *rows,
+        ]
+    )
+
+
+def _replace(readme: str, start: str, end: str, body: str) -> str:
+    if start not in readme or end not in readme:
+        raise SystemExit(f"README.md has no {start} ... {end} block")
+    head, rest = readme.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{body}\n{end}{tail}"
+
+
 def render(readme: str) -> str:
-    if START not in readme or END not in readme:
-        raise SystemExit(f"README.md has no {START} ... {END} block")
-    head, rest = readme.split(START, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{START}\n{table()}\n{END}{tail}"
+    out = _replace(readme, START, END, table())
+    t1 = RESULTS / "table1.jsonl"
+    body = table1_by_seed(read_lines(t1) if t1.exists() else [])
+    return _replace(out, T1_START, T1_END, body)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,58 @@
+"""benchmarks/report.py: the README's figures come from the stored lines, and Table 1 is shown
+seed by seed for one recipe."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _report():
+    spec = importlib.util.spec_from_file_location("report", ROOT / "benchmarks" / "report.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _line(seed, a, s, *, epochs=30, commit="c", best=0.999):
+    def run(sd, acc):
+        return {"seed": sd, "accuracy": acc, "best_accuracy": best}
+
+    line = {"date": "2026-11-24T00:00:00Z", "commit": commit, "epochs": epochs, "lr": 0.05}
+    if isinstance(seed, list):  # a --seeds line
+        line.update(
+            seed=seed,
+            **{"async": [run(x, y) for x, y in zip(seed, a)]},
+            sync=[run(x, y) for x, y in zip(seed, s)],
+        )
+    else:
+        line.update(seed=seed, **{"async": run(seed, a)}, sync=run(seed, s))
+    return line
+
+
+def test_table1_shows_the_newest_pair_of_each_seed_of_the_newest_recipe():
+    report = _report()
+    lines = [
+        _line(0, 0.9950, 0.9944, commit="old"),  # replaced by the newer seed-0 pair below
+        _line(5, 0.9900, 0.9800, epochs=12),  # another recipe: left out
+        _line([0, 1], [0.9936, 0.9948], [0.9941, 0.9949], commit="new"),
+        {"date": "x", "commit": "one-mode", "epochs": 30, "async": {"seed": 2}},  # no sync
+        _line(2, 0.9960, 0.9940, commit="last"),
+    ]
+    text = report.table1_by_seed(lines)
+    rows = [
+        r for r in text.splitlines() if r.startswith("| ") and not r.startswith(("| seed", "| ---"))
+    ]
+    assert [r.split(" | ")[0] for r in rows] == ["| 0", "| 1", "| 2", "| mean of 3"]
+    assert "new | 99.36 (99.90) | 99.41 (99.90) | -0.05 |" in rows[0]
+    assert "old" not in text and "| 5 |" not in text
+    assert rows[3].endswith("| 99.48 | 99.43 | +0.05 |")  # (-0.05 - 0.01 + 0.20) / 3
+
+
+def test_the_readme_shows_what_the_stored_lines_say():
+    report = _report()
+    readme = (ROOT / "README.md").read_text()
+    assert report.render(readme) == readme, "run python benchmarks/report.py"
