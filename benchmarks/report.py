@@ -31,6 +31,7 @@ RECIPE = (
     "lr_schedule",
     "lr_floor",
     "lr_warmup",
+    "lr_replicas",
     "dropout",
     "push_every",
     "trainers",
@@ -133,7 +134,7 @@ def table1_by_seed(lines: list[dict]) -> str:
         f"| {100 * sum(diffs) / n:+.2f} |"
     )
     last = pairs[-1]
-    shown = {k: last.get(k) for k in RECIPE if k not in ("overrides", "augment")}
+    shown = {k: last[k] for k in RECIPE if k in last and k not in ("overrides", "augment")}
     recipe_text = ", ".join(f"{k} {_fmt(v)}" for k, v in shown.items())
     return "\n".join(
         [

@@ -266,6 +266,7 @@ def main() -> None:
             "average_from": config.get("train.average-from"),
             "push_every": config.get("train.push-every"),
             "lr_warmup": config.get("train.lr-warmup"),
+            "lr_replicas": config.get("train.lr-replicas"),
         }
     final = {m: [r["accuracy"] for r in rs] for m, rs in runs.items()}
     mean = {m: round(sum(v) / len(v), 4) for m, v in final.items()}
@@ -279,6 +280,7 @@ def main() -> None:
         "lr_schedule": config.get("train.lr-schedule", args.lr_schedule),
         "lr_floor": config.get("train.lr-floor", args.lr_floor),
         "lr_warmup": recipe["lr_warmup"],
+        "lr_replicas": recipe["lr_replicas"],
         "dropout": recipe["dropout"],
         "push_every": recipe["push_every"],
         "trainers": args.trainers,
