@@ -172,7 +172,7 @@ class PartitionServer:
         self.settings = settings
         self._notify = notify
         self.start, self.stop = layout.partition(partition)
-        if _exiting:  # zarr's pool is about to go: do not start reading
+        if _exiting:  # the exit began: the pools reads run on are going or gone
             raise _ending(partition)
         self._split = open_split(url, split, storage_options)
         if len(self._split) != layout.n:
