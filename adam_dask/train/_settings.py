@@ -163,9 +163,14 @@ class RunSettings:
 _OFF = ("none", "null", "off", "")
 
 
+def _is_none(v: Any, words: tuple[str, ...] = _OFF) -> bool:
+    """``v`` is None or one of ``words`` (a setting left off, or left to the cluster)."""
+    return v is None or (isinstance(v, str) and v.strip().lower() in words)
+
+
 def _count_or_none(v: Any, none: tuple[str, ...], name: str, hint: str) -> int | None:
     """None for None or one of the words ``none``, else a whole number >= 1."""
-    if v is None or str(v).strip().lower() in none:
+    if _is_none(v, none):
         return None
     n = int(v)
     if n < 1:
@@ -175,9 +180,7 @@ def _count_or_none(v: Any, none: tuple[str, ...], name: str, hint: str) -> int |
 
 def _optional_fraction(v: Any) -> float | None:
     """None for null/"none"/"off" (the setting is off), else the number."""
-    if v is None or (isinstance(v, str) and v.strip().lower() in _OFF):
-        return None
-    return float(v)
+    return None if _is_none(v) else float(v)
 
 
 def resolve_augment(augment: Any) -> Any:
