@@ -153,6 +153,15 @@ def torch_model(torch, spec_activation: str = "relu"):
     )
 
 
+def torch_accuracy(torch, model, x, y) -> float:
+    """Accuracy of ``model`` (put in eval mode) on float images ``x`` (a tensor) with labels
+    ``y`` (numpy), in chunks of 1000 images."""
+    model.eval()
+    with torch.no_grad():
+        pred = torch.cat([model(x[i : i + 1000]).argmax(1) for i in range(0, len(x), 1000)])
+    return float((pred.numpy() == y).mean())
+
+
 def torch_fit_to_target(
     xtr,
     ytr,
@@ -194,10 +203,7 @@ def torch_fit_to_target(
             opt.zero_grad()
             lossf(model(X[idx]), Y[idx]).backward()
             opt.step()
-        model.eval()
-        with torch.no_grad():
-            pred = torch.cat([model(Xt[i : i + 1000]).argmax(1) for i in range(0, len(Xt), 1000)])
-        acc = float((pred.numpy() == yte).mean())
+        acc = torch_accuracy(torch, model, Xt, yte)
         curve.append(round(acc, 4))
         if acc >= target:
             reached = time.perf_counter() - t0

@@ -22,13 +22,12 @@ option on the same seeds. Appends one line per run to benchmarks/results/table1_
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 
 import dask
 import numpy as np
-from _common import load_mnist_arrays, mnist_store, record, torch_model
+from _common import load_mnist_arrays, mnist_store, record, torch_accuracy, torch_model
 
 
 def build(torch, batch_norm: str):
@@ -68,6 +67,7 @@ def main(argv=None) -> dict:
     except ImportError:
         sys.exit("table1_torch.py needs PyTorch: pip install -e .[bench]")
     from adam_dask.data.augment import Augment, to_float
+    from adam_dask.train.schedule import Schedule
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
@@ -78,11 +78,10 @@ def main(argv=None) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     lossf = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     xt = torch.from_numpy(np.ascontiguousarray(to_float(xte)[:, None]))
-    yt = torch.from_numpy(yte)
     y = torch.from_numpy(ytr)
     n, bs = len(xtr), args.batch_size
     steps = n // bs
-    total = steps * args.epochs
+    schedule = Schedule(args.lr, args.epochs, "cosine", args.lr_floor)
     rng = np.random.default_rng(args.seed)
     index = np.arange(n)
     curve, losses = [], []
@@ -98,9 +97,8 @@ def main(argv=None) -> dict:
         model.train()
         total_loss = 0.0
         for b in range(steps):
-            cosine = 0.5 * (1 + math.cos(math.pi * step / total))
             for g in opt.param_groups:
-                g["lr"] = args.lr * (args.lr_floor + (1 - args.lr_floor) * cosine)
+                g["lr"] = schedule.at(step / steps)
             j = order[b * bs : (b + 1) * bs]
             loss = lossf(model(x[j]), y[j])
             opt.zero_grad(set_to_none=True)
@@ -108,10 +106,7 @@ def main(argv=None) -> dict:
             opt.step()
             step += 1
             total_loss += float(loss)
-        model.eval()
-        with torch.no_grad():
-            pred = torch.cat([model(xt[i : i + 1000]).argmax(1) for i in range(0, len(xt), 1000)])
-        curve.append(float((pred == yt).float().mean()))
+        curve.append(torch_accuracy(torch, model, xt, yte))
         losses.append(total_loss / steps)
         sys.stderr.write(f"epoch {epoch + 1}: loss {losses[-1]:.4f}, test {curve[-1]:.2%}\n")
     return record(
