@@ -263,6 +263,7 @@ def main() -> None:
         recipe = {
             "augment": augment,
             "dropout": config.get("model.dropout"),
+            "label_smoothing": config.get("model.label-smoothing"),
             "average_from": config.get("train.average-from"),
             "push_every": config.get("train.push-every"),
             "lr_warmup": config.get("train.lr-warmup"),
@@ -282,6 +283,7 @@ def main() -> None:
         "lr_warmup": recipe["lr_warmup"],
         "lr_replicas": recipe["lr_replicas"],
         "dropout": recipe["dropout"],
+        "label_smoothing": recipe["label_smoothing"],
         "push_every": recipe["push_every"],
         "trainers": args.trainers,
         "trainer_threads": args.trainer_threads,

@@ -52,6 +52,24 @@ def test_table1_shows_the_newest_pair_of_each_seed_of_the_newest_recipe():
     assert rows[3].endswith("| 99.48 | 99.43 | +0.05 |")  # (-0.05 - 0.01 + 0.20) / 3
 
 
+def test_table1_is_shown_without_unnamed_regularisers_too():
+    report = _report()
+    smoothed = _line([0, 1], [0.9970, 0.9966], [0.9950, 0.9952], commit="ls")
+    smoothed["label_smoothing"] = 0.1
+    lines = [_line([0, 1], [0.9957, 0.9967], [0.9942, 0.9944], commit="plain"), smoothed]
+    text = report.table1_block(lines)
+    plain, _, rest = text.partition("The newest recipe, with label_smoothing 0.1:")
+    assert rest, text
+    assert "plain" in plain and "ls" not in plain and "| mean of 2 | | 99.62 | 99.43 |" in plain
+    assert "ls" in rest and "plain" not in rest and "| mean of 2 | | 99.68 | 99.51 |" in rest
+    # the newest recipe without a regulariser: one table, as before
+    assert report.table1_block(lines[:1]) == report.table1_by_seed(lines[:1])
+    # a line from before label_smoothing was recorded is the same recipe as one with 0
+    zero = _line([2], [0.9950], [0.9940], commit="zero")
+    zero["label_smoothing"] = 0.0
+    assert "plain" in report.table1_block([lines[0], zero])
+
+
 def test_the_readme_shows_what_the_stored_lines_say():
     report = _report()
     readme = (ROOT / "README.md").read_text()

@@ -264,6 +264,7 @@ def train_step(
     momentum,
     dropout=0.0,
     seed=-1,
+    smoothing=0.0,
 ):
     """One SGD step on the mini-batch x[:n] (any shape, C-contiguous), labels[:n] (int64):
     forward, softmax cross-entropy (mean over the n images), backward, and the update
@@ -271,7 +272,8 @@ def train_step(
     velocity like flat then, else unused), and ``acc += u`` unless ``acc`` is empty (a
     replica's accumulator of the updates for the parameter server). ``grad`` must be zero on
     entry and is zero on exit. ``dropout``: the rate on the hidden dense layers (relu only;
-    ``seed`` as in :func:`forward_plan`). Returns the mean loss (float64)."""
+    ``seed`` as in :func:`forward_plan`). ``smoothing``: label smoothing of the cross-entropy's
+    target (:func:`kernels.softmax_cross_entropy_forward`). Returns the mean loss (float64)."""
     xf = x.reshape(x.size)
     forward_plan(plan, flat, xf, n, acts, cols, argmax, dropout, seed)
     L = plan.shape[0]
@@ -279,9 +281,9 @@ def train_step(
     a0 = plan[L - 1, _AOFF]
     logits = acts[a0 : a0 + n * k].reshape((n, k))
     pr = probs[:n]
-    loss = K.softmax_cross_entropy_forward(pr, losses[:n], logits, labels[:n])
+    loss = K.softmax_cross_entropy_forward(pr, losses[:n], logits, labels[:n], smoothing)
     K.softmax_cross_entropy_backward(
-        errs[a0 : a0 + n * k].reshape((n, k)), pr, labels[:n], np.float32(1.0 / n)
+        errs[a0 : a0 + n * k].reshape((n, k)), pr, labels[:n], np.float32(1.0 / n), smoothing
     )
     for j in range(L - 1, -1, -1):
         p = plan[j]
@@ -383,8 +385,8 @@ def step(
     seed: int = -1,
 ) -> float:
     """:meth:`Network.step_into`: check what would corrupt memory (the kernels check nothing),
-    run :func:`train_step` (with the network's dropout; ``seed`` >= 0 reseeds its draws), and
-    copy the dense layers' offload terms out of the context."""
+    run :func:`train_step` (with the network's dropout and label smoothing; ``seed`` >= 0 reseeds
+    its draws), and copy the dense layers' offload terms out of the context."""
     n = x.shape[0] if n is None else n
     if not 0 < n <= min(ctx.batch_size, x.shape[0], y.shape[0]):
         raise InputShapeError(
@@ -429,6 +431,7 @@ def step(
         momentum,
         float(net.dropout),
         int(seed),
+        float(net.label_smoothing),
     )
     if dense_terms is not None:
         # the step left each dense layer's input in the previous layer's activations and its

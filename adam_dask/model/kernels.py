@@ -460,14 +460,18 @@ def dropout_backward(dy, y, p):
 
 
 @_kernel
-def softmax_cross_entropy_forward(probs, losses, logits, labels):
-    """probs (B, K) = softmax(logits (B, K)); losses (B,) = -log probs[b, labels[b]];
-    returns the mean loss (float64)."""
+def softmax_cross_entropy_forward(probs, losses, logits, labels, smoothing=0.0):
+    """probs (B, K) = softmax(logits (B, K)); losses (B,) = the cross-entropy against the target
+    (1 - smoothing) * onehot(labels) + smoothing / K, that is
+    (1 - smoothing) * -log probs[b, labels[b]] + smoothing * mean_k(-log probs[b, k])
+    (smoothing 0: -log probs[b, labels[b]]); returns the mean loss (float64)."""
     B, K = logits.shape
     total = 0.0
     for b in range(B):
         m = logits[b, 0]
-        for k in range(1, K):
+        zsum = 0.0
+        for k in range(K):
+            zsum += logits[b, k]
             if logits[b, k] > m:
                 m = logits[b, k]
         s = 0.0
@@ -478,20 +482,24 @@ def softmax_cross_entropy_forward(probs, losses, logits, labels):
         inv = 1.0 / s
         for k in range(K):
             probs[b, k] *= inv
-        loss = math.log(s) + m - logits[b, labels[b]]
+        lse = math.log(s) + m
+        loss = (1.0 - smoothing) * (lse - logits[b, labels[b]]) + smoothing * (lse - zsum / K)
         losses[b] = loss
         total += loss
     return total / B
 
 
 @_kernel
-def softmax_cross_entropy_backward(dlogits, probs, labels, scale):
-    """dlogits (B, K) = (probs - onehot(labels)) * scale; scale = 1/B for a mean loss."""
+def softmax_cross_entropy_backward(dlogits, probs, labels, scale, smoothing=0.0):
+    """dlogits (B, K) = (probs - (1 - smoothing) * onehot(labels) - smoothing / K) * scale, the
+    gradient of :func:`softmax_cross_entropy_forward`'s loss; scale = 1/B for a mean loss."""
     B, K = probs.shape
+    off = np.float32(smoothing / K) * scale
+    hit = np.float32(1.0 - smoothing) * scale
     for b in range(B):
         for k in range(K):
-            dlogits[b, k] = probs[b, k] * scale
-        dlogits[b, labels[b]] -= scale
+            dlogits[b, k] = probs[b, k] * scale - off
+        dlogits[b, labels[b]] -= hit
 
 
 # -- the update ------------------------------------------------------------------------------------------

@@ -44,6 +44,9 @@ class Network:
     valid) and ``parameters`` (name -> view into ``flat``). ``dropout``: the rate of inverted
     dropout on the hidden dense layers' outputs in the training step (:meth:`step_into`; 0, the
     default, is the paper's network; relu only); inference and :meth:`backward_into` never drop.
+    ``label_smoothing``: the weight of the uniform distribution in the training target,
+    ``(1 - label_smoothing) * onehot + label_smoothing / classes`` (0, the default, is the
+    paper's cross-entropy); it changes the loss, so :meth:`backward_into` uses it too.
     """
 
     def __init__(
@@ -52,6 +55,7 @@ class Network:
         input_shape: tuple[int, ...] = (1, 28, 28),
         activation: str | None = None,
         dropout: float | None = None,
+        label_smoothing: float | None = None,
     ):
         activation = config.get("model.activation", activation)
         if activation not in ACTIVATIONS:
@@ -72,6 +76,13 @@ class Network:
                 "set adam.model.activation to relu, or dropout to 0",
             )
         self.dropout = dropout
+        label_smoothing = float(config.get("model.label-smoothing", label_smoothing))
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ModelSpecError(
+                f"label_smoothing={label_smoothing} must lie in [0, 1)",
+                "set label_smoothing= or adam.model.label-smoothing (0 turns it off)",
+            )
+        self.label_smoothing = label_smoothing
         input_shape = tuple(int(d) for d in input_shape)
         if len(input_shape) == 2:
             input_shape = (1, *input_shape)
@@ -114,10 +125,11 @@ class Network:
         activation: str | None = None,
         seed: int = 0,
         dropout: float | None = None,
+        label_smoothing: float | None = None,
     ) -> Network:
         """Parse ``spec`` (default: config ``adam.model.spec``) and initialise the weights:
         Glorot-uniform for tanh, He-normal for relu, zero biases, from ``seed``."""
-        net = cls(config.get("model.spec", spec), input_shape, activation, dropout)
+        net = cls(config.get("model.spec", spec), input_shape, activation, dropout, label_smoothing)
         net.initialize(seed)
         return net
 
@@ -143,6 +155,7 @@ class Network:
             "input_shape": list(self.input_shape),
             "activation": self.activation,
             "dropout": self.dropout,
+            "label_smoothing": self.label_smoothing,
             "classes": self.classes,
             "parameters": self.layout.size,
         }
@@ -157,6 +170,7 @@ class Network:
                 d["activation"],
                 seed=seed,
                 dropout=float(d.get("dropout", 0.0)),
+                label_smoothing=float(d.get("label_smoothing", 0.0)),
             )
         except KeyError as e:
             raise ModelSpecError(
@@ -170,7 +184,9 @@ class Network:
 
     def copy(self) -> Network:
         """A new network with the same spec and a copy of the weights."""
-        other = type(self)(self.spec, self.input_shape, self.activation, self.dropout)
+        other = type(self)(
+            self.spec, self.input_shape, self.activation, self.dropout, self.label_smoothing
+        )
         other.flat = self._flat
         return other
 
@@ -299,9 +315,10 @@ class Network:
         g = ctx.gviews if grads is None else grads
         p = self.parameters
         probs = ctx.probs[:n]
-        loss = K.softmax_cross_entropy_forward(probs, ctx.losses[:n], logits, y)
+        eps = self.label_smoothing
+        loss = K.softmax_cross_entropy_forward(probs, ctx.losses[:n], logits, y, eps)
         last = self.layers[-1].index
-        K.softmax_cross_entropy_backward(ctx.errs[last][:n], probs, y, np.float32(1.0 / n))
+        K.softmax_cross_entropy_backward(ctx.errs[last][:n], probs, y, np.float32(1.0 / n), eps)
         for j in range(len(self.layers) - 1, -1, -1):
             L = self.layers[j]
             i = L.index

@@ -130,11 +130,12 @@ def dense_backward_update(dout, x, w, bias, lr, momentum=0.0, vw=None, vb=None):
     return dx, w + uw, bias + ub, uw, ub
 
 
-def network_loss(layers, params, x, labels, activation, masks=None, p=0.0):
+def network_loss(layers, params, x, labels, activation, masks=None, p=0.0, smoothing=0.0):
     """The mean softmax cross-entropy of a network's layer plan (``Network.layers``) with the
     parameters ``params`` (name -> array, e.g. ``layout.views(flat)``) on images x (B, C, H, W),
     in float64 and the textbook order (conv -> act -> pool). ``masks``: layer index -> 0/1 array
-    of that layer's output shape, the dropout applied after its activation (rate ``p``)."""
+    of that layer's output shape, the dropout applied after its activation (rate ``p``).
+    ``smoothing``: label smoothing of the target (:func:`softmax_cross_entropy_forward`)."""
     act = tanh_forward if activation == "tanh" else relu_forward
     h = np.asarray(x, np.float64)
     for L in layers:
@@ -149,7 +150,7 @@ def network_loss(layers, params, x, labels, activation, masks=None, p=0.0):
             h = act(h)
         if masks is not None and i in masks:
             h = dropout_forward(h, masks[i], p)
-    return softmax_cross_entropy_forward(h, labels)[1]
+    return softmax_cross_entropy_forward(h, labels, smoothing)[1]
 
 
 def dropout_forward(y, mask, p):
@@ -177,17 +178,21 @@ def relu_backward(dy, y):
     return np.where(np.asarray(y) > 0, np.asarray(dy, np.float64), 0.0)
 
 
-def softmax_cross_entropy_forward(logits, labels):
-    """logits (B, K), labels (B,) -> (probs (B, K), mean loss)."""
+def softmax_cross_entropy_forward(logits, labels, smoothing=0.0):
+    """logits (B, K), labels (B,) -> (probs (B, K), mean loss), the cross-entropy against the
+    smoothed target (1 - smoothing) * onehot + smoothing / K."""
     z = np.asarray(logits, np.float64)
     z = z - z.max(axis=1, keepdims=True)
-    p = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
-    loss = -np.log(p[np.arange(len(labels)), labels]).mean()
+    logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    p = np.exp(logp)
+    target = np.full(p.shape, smoothing / p.shape[1])
+    target[np.arange(len(labels)), labels] += 1.0 - smoothing
+    loss = -(target * logp).sum(axis=1).mean()
     return p, float(loss)
 
 
-def softmax_cross_entropy_backward(probs, labels):
-    """-> dlogits (B, K) of the mean loss: (probs - onehot) / B."""
-    d = np.array(probs, np.float64)
-    d[np.arange(len(labels)), labels] -= 1.0
+def softmax_cross_entropy_backward(probs, labels, smoothing=0.0):
+    """-> dlogits (B, K) of the mean loss: (probs - target) / B."""
+    d = np.array(probs, np.float64) - smoothing / probs.shape[1]
+    d[np.arange(len(labels)), labels] -= 1.0 - smoothing
     return d / len(labels)

@@ -275,3 +275,49 @@ def test_dropout_is_checked_and_travels_with_the_network():
     # inference never drops: the same outputs every time
     x = np.random.default_rng(0).random((5, 1, 4, 4), dtype=np.float32)
     np.testing.assert_array_equal(net.forward(x), net.forward(x))
+
+
+# -- label smoothing (a named option; the paper's loss is plain cross-entropy) -----------------------
+
+
+def test_fused_step_with_label_smoothing_follows_the_finite_difference_gradient():
+    spec, shape = SPECS[0]
+    net = Network.from_spec(spec, shape, "relu", seed=3, label_smoothing=0.2)
+    x, y = batch(net, 4, seed=1)
+    before = net.flat.astype(np.float64)
+    lr = 1e-3
+    net.step_into(net.context(4), x, y, None, lr, 0.0, np.zeros(1, np.float32))
+    step_grad = (before - net.flat.astype(np.float64)) / lr
+
+    def loss(params):
+        return R.network_loss(net.layers, params, x, y, "relu", smoothing=0.2)
+
+    assert_follows_finite_differences(net, before, step_grad, loss)
+    # the plain loss differs: smoothing changed the objective the step descends
+    plain = params_of(net, before)
+    assert R.network_loss(net.layers, plain, x, y, "relu") != pytest.approx(loss(plain))
+
+
+def test_label_smoothing_is_the_same_in_the_fused_and_layer_by_layer_paths():
+    spec, shape = SPECS[0]
+    a = Network.from_spec(spec, shape, "relu", seed=1, label_smoothing=0.1)
+    b = a.copy()
+    ca, cb = a.context(8), b.context(8)
+    x, y = batch(a, 8, seed=2)
+    la = a.backward_into(ca, x, y)
+    K.sgd_update(a.flat, ca.grad, np.zeros(1, np.float32), 0.05, 0.0)
+    lb = b.step_into(cb, x, y, None, 0.05, 0.0, np.zeros(1, np.float32))
+    assert lb == pytest.approx(la, rel=1e-6)
+    np.testing.assert_allclose(b.flat, a.flat, rtol=1e-6, atol=1e-7)
+
+
+def test_label_smoothing_is_checked_and_travels_with_the_network():
+    from adam_dask.errors import ModelSpecError
+
+    with pytest.raises(ModelSpecError, match="label_smoothing"):
+        Network.from_spec("fc8,fc3", (1, 4, 4), "relu", label_smoothing=1.0)
+    net = Network.from_spec("fc8,fc3", (1, 4, 4), "tanh", label_smoothing=0.1)
+    assert net.to_dict()["label_smoothing"] == 0.1
+    assert Network.from_dict(net.to_dict()).label_smoothing == 0.1
+    assert net.copy().label_smoothing == 0.1
+    assert Network.from_spec("fc8,fc3", (1, 4, 4), "tanh").label_smoothing == 0.0

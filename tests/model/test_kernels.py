@@ -168,23 +168,47 @@ def test_activations_match_reference_and_finite_differences(name, n, seed):
 
 
 @SETTINGS
-@given(st.integers(1, 6), st.integers(2, 12), st.integers(0, 2**31))
-def test_softmax_cross_entropy_matches_reference_and_finite_differences(B, Kc, seed):
+@given(
+    st.integers(1, 6),
+    st.integers(2, 12),
+    st.integers(0, 2**31),
+    st.sampled_from([0.0, 0.1, 0.5]),
+)
+def test_softmax_cross_entropy_matches_reference_and_finite_differences(B, Kc, seed, eps):
     rng = np.random.default_rng(seed)
     logits = rand(rng, B, Kc) * 3
     labels = rng.integers(0, Kc, B).astype(np.int64)
     probs, losses = np.zeros((B, Kc), np.float32), np.zeros(B, np.float32)
-    loss = K.softmax_cross_entropy_forward(probs, losses, logits, labels)
-    ref_p, ref_loss = R.softmax_cross_entropy_forward(logits, labels)
+    loss = K.softmax_cross_entropy_forward(probs, losses, logits, labels, eps)
+    ref_p, ref_loss = R.softmax_cross_entropy_forward(logits, labels, eps)
     np.testing.assert_allclose(probs, ref_p, rtol=1e-5, atol=1e-6)
     assert abs(loss - ref_loss) < 1e-5 * max(1.0, abs(ref_loss))
     np.testing.assert_allclose(losses.mean(), ref_loss, rtol=1e-5)
     d = np.zeros((B, Kc), np.float32)
-    K.softmax_cross_entropy_backward(d, probs, labels, np.float32(1.0 / B))
-    ref_d = R.softmax_cross_entropy_backward(ref_p, labels)
+    K.softmax_cross_entropy_backward(d, probs, labels, np.float32(1.0 / B), eps)
+    ref_d = R.softmax_cross_entropy_backward(ref_p, labels, eps)
     np.testing.assert_allclose(d, ref_d, rtol=1e-5, atol=1e-6)
-    fd = fd_grad(lambda v: R.softmax_cross_entropy_forward(v, labels)[1], logits)
+    fd = fd_grad(lambda v: R.softmax_cross_entropy_forward(v, labels, eps)[1], logits)
     np.testing.assert_allclose(fd, ref_d, rtol=1e-5, atol=1e-6)
+
+
+def test_label_smoothing_pulls_the_loss_minimum_off_the_one_hot():
+    """With smoothing the loss is smallest at probs = the smoothed target, not at ever larger
+    logits: the gradient of a confident correct answer points back (it is 0 without smoothing
+    only in the limit)."""
+    eps, Kc = 0.1, 10
+    logits = np.zeros((1, Kc), np.float32)
+    logits[0, 3] = 20.0  # probs[3] ~ 1
+    probs, losses, d = (
+        np.zeros((1, Kc), np.float32),
+        np.zeros(1, np.float32),
+        np.zeros((1, Kc), np.float32),
+    )
+    K.softmax_cross_entropy_forward(probs, losses, logits, np.array([3]), eps)
+    K.softmax_cross_entropy_backward(d, probs, np.array([3]), np.float32(1.0), eps)
+    assert d[0, 3] > 0.09 and (d[0, :3] < 0).all()  # lowers the winner, raises the rest
+    K.softmax_cross_entropy_backward(d, probs, np.array([3]), np.float32(1.0), 0.0)
+    assert abs(d[0, 3]) < 1e-6
 
 
 def test_softmax_is_stable_for_large_logits():
