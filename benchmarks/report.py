@@ -110,6 +110,31 @@ def _pairs(lines: list[dict]) -> list[dict]:
     return [ln for ln in lines if "async" in ln and "sync" in ln]
 
 
+def plain_and_newest(lines: list[dict]) -> list[dict]:
+    """The lines whose recipes Table 1 is shown for: the newest with both modes, preceded by
+    the newest without a regulariser the paper does not name when that is another recipe."""
+    pairs = _pairs(lines)
+    if not pairs:
+        return []
+    plain = [ln for ln in pairs if not any(ln.get(k) for k in REGULARISERS)]
+    if plain and _recipe(plain[-1]) != _recipe(pairs[-1]):
+        return [plain[-1], pairs[-1]]
+    return [pairs[-1]]
+
+
+def table1_pairs(lines: list[dict], like: dict) -> dict[int, tuple[dict, dict, dict]]:
+    """seed -> (line, async run, sync run): the newest pair of every seed with ``like``'s
+    recipe."""
+    recipe = _recipe(like)
+    by_seed: dict[int, tuple[dict, dict, dict]] = {}
+    for ln in _pairs(lines):
+        if _recipe(ln) != recipe:
+            continue
+        for a, s in zip(_runs(ln, "async"), _runs(ln, "sync"), strict=True):
+            by_seed[int(a["seed"])] = (ln, a, s)
+    return by_seed
+
+
 def table1_by_seed(lines: list[dict], like: dict | None = None) -> str:
     """For the recipe of ``like`` (default: the newest line with both modes): the newest pair
     of every seed, and the means over those seeds."""
@@ -117,13 +142,7 @@ def table1_by_seed(lines: list[dict], like: dict | None = None) -> str:
     if not pairs:
         return "No table1 line with both modes yet."
     like = pairs[-1] if like is None else like
-    recipe = _recipe(like)
-    by_seed: dict[int, tuple[dict, dict, dict]] = {}
-    for ln in pairs:
-        if _recipe(ln) != recipe:
-            continue
-        for a, s in zip(_runs(ln, "async"), _runs(ln, "sync"), strict=True):
-            by_seed[int(a["seed"])] = (ln, a, s)
+    by_seed = table1_pairs(lines, like)
     rows = [
         "| seed | run (date, commit) | async final (best) | sync final (best) | async - sync |",
         "| --- | --- | --- | --- | --- |",
@@ -162,20 +181,20 @@ def table1_by_seed(lines: list[dict], like: dict | None = None) -> str:
 def table1_block(lines: list[dict]) -> str:
     """:func:`table1_by_seed` of the newest recipe; when it uses a regulariser the paper does
     not name, that of the newest recipe without one first."""
-    pairs = _pairs(lines)
-    plain = [ln for ln in pairs if not any(ln.get(k) for k in REGULARISERS)]
-    if not pairs or not plain or _recipe(plain[-1]) == _recipe(pairs[-1]):
+    shown = plain_and_newest(lines)
+    if len(shown) < 2:
         return table1_by_seed(lines)
-    used = ", ".join(f"{k} {_fmt(pairs[-1][k])}" for k in REGULARISERS if pairs[-1].get(k))
+    plain, newest = shown
+    used = ", ".join(f"{k} {_fmt(newest[k])}" for k in REGULARISERS if newest.get(k))
     return "\n".join(
         [
             "The paper's network and loss, no regulariser it does not name:",
             "",
-            table1_by_seed(lines, plain[-1]),
+            table1_by_seed(lines, plain),
             "",
             f"The newest recipe, with {used}:",
             "",
-            table1_by_seed(lines),
+            table1_by_seed(lines, newest),
         ]
     )
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -68,6 +70,38 @@ def test_table1_is_shown_without_unnamed_regularisers_too():
     zero = _line([2], [0.9950], [0.9940], commit="zero")
     zero["label_smoothing"] = 0.0
     assert "plain" in report.table1_block([lines[0], zero])
+
+
+def test_the_curves_plot_draws_each_shown_recipe(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "plot_table1", ROOT / "benchmarks" / "plot_table1.py"
+        )
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    a, b = _line([0, 1], [0.9957, 0.9967], [0.9942, 0.9944]), _line([0], [0.997], [0.995])
+    b["label_smoothing"] = 0.1
+    for ln, base in ((a, 0.990), (b, 0.992)):
+        for mode in ("async", "sync"):
+            for i, run in enumerate(ln[mode]):
+                run["curve"] = [base + 0.001 * e + 0.0001 * i for e in range(5 - i)]
+    assert mod.mean_curve(a["async"]) == pytest.approx([0.99005, 0.99105, 0.99205, 0.99305])
+    labels = mod.plot([a, b], tmp_path / "c.png")
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert labels[:4] == [
+        "async, no unnamed regulariser (mean of 2 seeds)",
+        "sync, no unnamed regulariser (mean of 2 seeds)",
+        "async, label_smoothing 0.1 (mean of 1 seed)",
+        "sync, label_smoothing 0.1 (mean of 1 seed)",
+    ]
+    with pytest.raises(SystemExit, match="no table1 line"):
+        mod.plot([], tmp_path / "none.png")
 
 
 def test_the_readme_shows_what_the_stored_lines_say():

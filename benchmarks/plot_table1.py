@@ -1,0 +1,81 @@
+"""Draw Table 1's learning curves from the stored lines: ``docs/table1-curves.png``.
+
+For each recipe the README's Table 1 block shows (:func:`report.plain_and_newest`), the test
+accuracy after every epoch, averaged over the seeds the block lists, asynchronous (solid) and
+synchronous (dashed), beside the paper's two figures. Needs matplotlib (``pip install
+".[plot]"``). Usage: ``python benchmarks/plot_table1.py [--out PATH]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import report
+
+OUT = report.ROOT / "docs" / "table1-curves.png"
+COLOURS = ("tab:blue", "tab:orange", "tab:green")
+
+
+def mean_curve(runs: list[dict]) -> list[float]:
+    """The per-epoch mean of the runs' ``curve`` lists, as long as the shortest."""
+    curves = [r["curve"] for r in runs if r.get("curve")]
+    if not curves:
+        return []
+    n = min(len(c) for c in curves)
+    return [sum(c[i] for c in curves) / len(curves) for i in range(n)]
+
+
+def plot(lines: list[dict], out: Path) -> list[str]:
+    """Write the curves of ``lines`` (table1.jsonl's) to ``out``; returns the curves' labels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = report.plain_and_newest(lines)
+    if not shown:
+        raise SystemExit("no table1 line with both modes: run benchmarks/table1.py first")
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for colour, like in zip(COLOURS, shown, strict=False):
+        pairs = report.table1_pairs(lines, like)
+        used = [f"{k} {like[k]}" for k in report.REGULARISERS if like.get(k)]
+        name = ", ".join(used) or "no unnamed regulariser"
+        for mode, style, idx in (("async", "-", 1), ("sync", "--", 2)):
+            curve = mean_curve([p[idx] for p in pairs.values()])
+            if curve:
+                ax.plot(
+                    range(1, len(curve) + 1),
+                    [100 * v for v in curve],
+                    style,
+                    color=colour,
+                    label=f"{mode}, {name} (mean of {len(pairs)} seed{'s' * (len(pairs) > 1)})",
+                )
+    ax.axhline(99.63, color="black", lw=0.8, ls=":", label="paper async 99.63")
+    ax.axhline(99.39, color="grey", lw=0.8, ls=":", label="paper sync 99.39")
+    ax.set_ylim(99.0, 99.8)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("MNIST test accuracy (%)")
+    ax.set_title("Table 1: the paper's network, asynchronous vs synchronous training")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    labels = [ln.get_label() for ln in ax.get_lines()]
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return labels
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args(argv)
+    plot(report.read_lines(report.RESULTS / "table1.jsonl"), args.out)
+    print(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
