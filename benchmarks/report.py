@@ -11,6 +11,9 @@ the recipe of the newest table1 line, the newest async/sync pair of every seed a
 When that recipe uses a regulariser the paper does not name (dropout, label smoothing), the
 block shows the newest recipe without any first, so Table 1 is always reported without them.
 
+Without ``--check`` it also redraws ``docs/table1-curves.png`` (``plot_table1.py``) when
+matplotlib is installed.
+
 Usage: ``python benchmarks/report.py [--check]``
 """
 
@@ -229,6 +232,13 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     README.write_text(new)
+    try:  # the Table 1 curves, drawn from the same lines, when matplotlib is installed
+        import plot_table1
+    except ImportError:
+        return 0
+    t1 = RESULTS / "table1.jsonl"
+    if t1.exists() and _pairs(read_lines(t1)):
+        plot_table1.plot(read_lines(t1), plot_table1.OUT)
     return 0
 
 
