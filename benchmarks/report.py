@@ -237,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         return 0
     t1 = RESULTS / "table1.jsonl"
-    if t1.exists() and _pairs(read_lines(t1)):
-        plot_table1.plot(read_lines(t1), plot_table1.OUT)
+    lines = read_lines(t1) if t1.exists() else []
+    if _pairs(lines):
+        plot_table1.plot(lines, plot_table1.OUT)
     return 0
 
 

@@ -4,6 +4,7 @@ seed by seed for one recipe."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,12 +12,23 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _report():
-    spec = importlib.util.spec_from_file_location("report", ROOT / "benchmarks" / "report.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def _bench(name: str):
+    """benchmarks/NAME.py as a module, with benchmarks/ on sys.path while it loads (as when it
+    runs as a script: plot_table1 imports report)."""
+    path = str(ROOT / "benchmarks")
+    sys.path.insert(0, path)
+    try:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(path)
     return mod
+
+
+def _report():
+    return _bench("report")
 
 
 def _line(seed, a, s, *, epochs=30, commit="c", best=0.999):
@@ -73,18 +85,7 @@ def test_table1_is_shown_without_unnamed_regularisers_too():
 
 
 def test_the_curves_plot_draws_each_shown_recipe(tmp_path):
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "plot_table1", ROOT / "benchmarks" / "plot_table1.py"
-        )
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    mod = _bench("plot_table1")
     a, b = _line([0, 1], [0.9957, 0.9967], [0.9942, 0.9944]), _line([0], [0.997], [0.995])
     b["label_smoothing"] = 0.1
     for ln, base in ((a, 0.990), (b, 0.992)):

@@ -35,6 +35,19 @@ _ACT_FWD = {"tanh": K.tanh_forward, "relu": K.relu_forward}
 _ACT_BWD = {"tanh": K.tanh_backward, "relu": K.relu_backward}
 
 
+def _fraction(name: str, value: float | None) -> float:
+    """The training option ``name`` (argument ``name=``, else config ``adam.model.<name>`` with
+    dashes) as a float in [0, 1), where 0 turns it off."""
+    key = name.replace("_", "-")
+    v = float(config.get(f"model.{key}", value))
+    if not 0.0 <= v < 1.0:
+        raise ModelSpecError(
+            f"{name}={v} must lie in [0, 1)",
+            f"set {name}= or adam.model.{key} (0 turns it off)",
+        )
+    return v
+
+
 class Network:
     """A feed-forward conv net with every parameter in one flat float32 buffer.
 
@@ -64,25 +77,14 @@ class Network:
                 f"use one of {', '.join(ACTIVATIONS)} (argument activation= or "
                 "config adam.model.activation)",
             )
-        dropout = float(config.get("model.dropout", dropout))
-        if not 0.0 <= dropout < 1.0:
-            raise ModelSpecError(
-                f"dropout={dropout} must lie in [0, 1)",
-                "set dropout= or adam.model.dropout (0 turns it off)",
-            )
+        dropout = _fraction("dropout", dropout)
         if dropout > 0.0 and activation != "relu":
             raise ModelSpecError(
                 f"dropout needs the relu activation, not {activation!r}",
                 "set adam.model.activation to relu, or dropout to 0",
             )
         self.dropout = dropout
-        label_smoothing = float(config.get("model.label-smoothing", label_smoothing))
-        if not 0.0 <= label_smoothing < 1.0:
-            raise ModelSpecError(
-                f"label_smoothing={label_smoothing} must lie in [0, 1)",
-                "set label_smoothing= or adam.model.label-smoothing (0 turns it off)",
-            )
-        self.label_smoothing = label_smoothing
+        self.label_smoothing = _fraction("label_smoothing", label_smoothing)
         input_shape = tuple(int(d) for d in input_shape)
         if len(input_shape) == 2:
             input_shape = (1, *input_shape)
