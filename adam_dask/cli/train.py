@@ -308,6 +308,7 @@ def cmd_evaluate(args: argparse.Namespace) -> dict:
     from ..data.datasets import open_split
     from ..model.network import Network
     from ..ps.checkpoint import read_checkpoint
+    from ..train._validation import calibrate
 
     t0 = time.perf_counter()
     split_name = config.get("cli.evaluate-split", args.split)
@@ -327,6 +328,8 @@ def cmd_evaluate(args: argparse.Namespace) -> dict:
             f"{args.data} holds {split.input_shape}",
             "evaluate on matching data",
         )
+    if net.batch_norm:  # its population statistics are not stored: recompute them
+        calibrate(net, open_split(args.data, "train", args.storage_options))
     x, y = split.read()
     return {
         "test_accuracy": float(net.evaluate(x, y)),

@@ -29,7 +29,9 @@ __all__ = ["ACT_CODES", "KINDS", "PLAN_COLUMNS", "Context"]
 #: The columns of ``Context.plan``, one row per layer. Shapes are per image: a dense layer is
 #: (C, H, W) = (inputs, 1, 1) -> (OC, OH, OW) = (outputs, 1, 1); pooling keeps OC = C. Offsets
 #: index ``net.flat`` (weights, bias) and the context's flat buffers (acts/errs, cols, dcols,
-#: argmax); ``row`` is the dense layers' one-row scratch (its size is the widest input).
+#: argmax, stats); ``row`` is the dense layers' one-row scratch (its size is the widest input).
+#: A bn layer is (C, H, W) -> (C, H, W) (after a dense layer, (O, 1, 1)); its weight and bias
+#: are the scale and shift, and its stats region holds the batch's (mean, invstd) per channel.
 PLAN_COLUMNS = (
     "kind",
     "act",
@@ -47,8 +49,9 @@ PLAN_COLUMNS = (
     "cols_off",
     "dcols_off",
     "argmax_off",
+    "stats_off",
 )
-KINDS = {"conv": 0, "maxpool": 1, "fc": 2}
+KINDS = {"conv": 0, "maxpool": 1, "fc": 2, "bn": 3}
 ACT_CODES = {None: 0, "tanh": 1, "relu": 2}
 
 
@@ -58,9 +61,10 @@ class Context:
     named views. One per thread; never shared.
 
     Attributes: ``acts`` / ``errs`` (per layer, (B, *out_shape) views), ``cols`` / ``dcols`` /
-    ``argmax`` (dicts by layer index), ``grad`` (flat, like ``net.flat``; all zero between steps)
+    ``argmax`` / ``stats`` (dicts by layer index; ``stats[i]`` (2, C) is the last training
+    batch's mean and 1/std per channel of bn layer ``i``), ``grad`` (flat, like ``net.flat``; all zero between steps)
     and ``gviews``, ``probs`` (B, classes), ``losses`` (B,), and the flat buffers ``act_buf``,
-    ``err_buf``, ``col_buf``, ``dcol_buf``, ``argmax_buf``, ``row`` with ``plan`` (int64, one row
+    ``err_buf``, ``col_buf``, ``dcol_buf``, ``argmax_buf``, ``stats_buf``, ``row`` with ``plan`` (int64, one row
     per layer, columns :data:`PLAN_COLUMNS`) for the fused step.
     """
 
@@ -71,7 +75,7 @@ class Context:
         layers = net.layers
         plan = np.zeros((len(layers), len(PLAN_COLUMNS)), np.int64)
         col = {name: k for k, name in enumerate(PLAN_COLUMNS)}
-        act_size = cols_size = dcols_size = argmax_size = row_size = 0
+        act_size = cols_size = dcols_size = argmax_size = stats_size = row_size = 0
         for j, L in enumerate(layers):
             r = plan[j]
             r[col["kind"]] = KINDS[L.kind]
@@ -98,12 +102,16 @@ class Context:
             elif L.kind == "maxpool":
                 r[col["argmax_off"]] = argmax_size
                 argmax_size += B * int(np.prod(outs))
+            elif L.kind == "bn":
+                r[col["stats_off"]] = stats_size
+                stats_size += 2 * outs[0]
         self.plan = plan
         self.act_buf = np.zeros(act_size, np.float32)
         self.err_buf = np.zeros(act_size, np.float32)
         self.col_buf = np.zeros(cols_size, np.float32)
         self.dcol_buf = np.zeros(dcols_size, np.float32)
         self.argmax_buf = np.zeros(argmax_size, np.int8)
+        self.stats_buf = np.zeros(max(stats_size, 1), np.float32)
         self.row = np.zeros(max(row_size, 1), np.float32)
 
         def view(buf, off, shape):
@@ -114,6 +122,7 @@ class Context:
         self.cols: dict[int, np.ndarray] = {}
         self.dcols: dict[int, np.ndarray] = {}
         self.argmax: dict[int, np.ndarray] = {}
+        self.stats: dict[int, np.ndarray] = {}
         for j, L in enumerate(layers):
             r = plan[j]
             a0 = int(r[col["act_off"]])
@@ -127,6 +136,10 @@ class Context:
             elif L.kind == "maxpool":
                 self.argmax[L.index] = view(
                     self.argmax_buf, int(r[col["argmax_off"]]), (B, *L.out_shape)
+                )
+            elif L.kind == "bn":
+                self.stats[L.index] = view(
+                    self.stats_buf, int(r[col["stats_off"]]), (2, L.out_shape[0])
                 )
         k = net.classes
         self.probs = np.zeros((B, k), np.float32)

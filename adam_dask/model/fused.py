@@ -48,8 +48,8 @@ __all__ = ["dense_backward_update", "forward_plan", "sgd_update_into", "step", "
 
 # plan columns (see context.PLAN_COLUMNS) and codes (context.KINDS, context.ACT_CODES)
 _KIND, _ACT, _C, _H, _W, _OC, _OH, _OW, _KH, _KW = range(10)
-_WOFF, _BOFF, _AOFF, _COFF, _DCOFF, _MOFF = range(10, 16)
-_CONV, _POOL, _FC = 0, 1, 2
+_WOFF, _BOFF, _AOFF, _COFF, _DCOFF, _MOFF, _SOFF = range(10, 17)
+_CONV, _POOL, _FC, _BN = 0, 1, 2, 3
 _TANH, _RELU = 1, 2
 _NO_ACC = np.zeros(0, np.float32)
 
@@ -183,10 +183,11 @@ def _drops(dropout, kind, j, L):
 
 
 @_kernel
-def forward_plan(plan, flat, x, n, acts, cols, argmax, dropout=0.0, seed=-1):
+def forward_plan(plan, flat, x, n, acts, cols, argmax, stats, dropout=0.0, seed=-1):
     """Forward x (n * C*H*W values of the first layer's input, flat) through every layer of
-    ``plan`` with the weights in ``flat``; each layer's output lands in its region of ``acts``
-    (also fills the conv patches ``cols`` and pooling winners ``argmax`` the backward reads).
+    ``plan`` with the weights in ``flat``, as in training; each layer's output lands in its
+    region of ``acts`` (also fills the conv patches ``cols``, pooling winners ``argmax`` and
+    the batch statistics of the bn layers ``stats`` that the backward reads).
     ``dropout`` > 0: the hidden dense layers' outputs go through :func:`kernels.dropout_forward`
     after their activation (``seed`` >= 0 reseeds the thread's generator first)."""
     if dropout > 0.0 and seed >= 0:
@@ -225,6 +226,16 @@ def forward_plan(plan, flat, x, n, acts, cols, argmax, dropout=0.0, seed=-1):
                 argmax[m0 : m0 + n * out_sz].reshape((n, OC, OH, OW)),
                 src.reshape((n, C, H, W)),
             )
+        elif kind == _BN:
+            w0, b0, s0 = p[_WOFF], p[_BOFF], p[_SOFF]
+            K.batchnorm_forward(
+                dst.reshape((n, OC, OH * OW)),
+                stats[s0 : s0 + 2 * OC].reshape((2, OC)),
+                src.reshape((n, OC, OH * OW)),
+                flat[w0 : w0 + OC],
+                flat[b0 : b0 + OC],
+                K.BN_EPS,
+            )
         else:
             w0, b0 = p[_WOFF], p[_BOFF]
             K.dense_forward(
@@ -257,6 +268,7 @@ def train_step(
     cols,
     dcols,
     argmax,
+    stats,
     probs,
     losses,
     row,
@@ -275,7 +287,7 @@ def train_step(
     ``seed`` as in :func:`forward_plan`). ``smoothing``: label smoothing of the cross-entropy's
     target (:func:`kernels.softmax_cross_entropy_forward`). Returns the mean loss (float64)."""
     xf = x.reshape(x.size)
-    forward_plan(plan, flat, xf, n, acts, cols, argmax, dropout, seed)
+    forward_plan(plan, flat, xf, n, acts, cols, argmax, stats, dropout, seed)
     L = plan.shape[0]
     k = plan[L - 1, _OC]
     a0 = plan[L - 1, _AOFF]
@@ -339,6 +351,20 @@ def train_step(
                     dout.reshape((n, OC, OH, OW)),
                     argmax[m0 : m0 + n * out_sz].reshape((n, OC, OH, OW)),
                 )
+        elif kind == _BN:  # never the first layer: it follows a conv or fc layer
+            w0, b0, s0 = p[_WOFF], p[_BOFF], p[_SOFF]
+            hi = b0 + OC
+            P = OH * OW
+            K.batchnorm_backward(
+                dsrc.reshape((n, OC, P)),
+                grad[w0:b0],
+                grad[b0:hi],
+                dout.reshape((n, OC, P)),
+                src.reshape((n, OC, P)),
+                stats[s0 : s0 + 2 * OC].reshape((2, OC)),
+                flat[w0:b0],
+            )
+            sgd_update_into(flat[w0:hi], acc[w0:hi], grad[w0:hi], velocity[w0:hi], lr, momentum)
         else:
             w0, b0 = p[_WOFF], p[_BOFF]
             if momentum > 0.0:
@@ -424,6 +450,7 @@ def step(
         ctx.col_buf,
         ctx.dcol_buf,
         ctx.argmax_buf,
+        ctx.stats_buf,
         ctx.probs,
         ctx.losses,
         ctx.row,

@@ -18,6 +18,7 @@ Shape legend::
     OC = output channels (filters)   KH, KW = kernel size     OH = H-KH+1, OW = W-KW+1 (valid)
     CKK = C*KH*KW (one patch)        P  = OH*OW (patches)     PH = H//2, PW = W//2 (2x2 pooling)
     I  = dense inputs                O  = dense outputs       K  = classes
+    N  = B*P, the values batch normalisation pools per channel (P = 1 after a dense layer)
 
 Convolution is im2col + a hand-written matrix product (no BLAS: numba's ``np.dot`` needs scipy,
 and a BLAS call per small image costs more than it saves here). ``cols`` (B, CKK, P) holds the
@@ -37,6 +38,9 @@ from numba import njit
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "batchnorm_backward",
+    "batchnorm_forward",
+    "batchnorm_infer",
     "conv2d_backward_input",
     "conv2d_backward_weights",
     "conv2d_forward",
@@ -420,6 +424,84 @@ def relu_backward(dy, y):
     for i in range(d.size):
         if v[i] <= 0.0:
             d[i] = 0.0
+
+
+# -- batch normalisation (per channel over the batch and the positions; x is (B, C, P)) -------------
+
+#: The variance floor of batch normalisation (torch's default).
+BN_EPS = 1e-5
+
+
+@_kernel
+def batchnorm_forward(out, stats, x, gamma, beta, eps):
+    """Training mode: out (B, C, P) = gamma * (x - mean) * invstd + beta with the mean and
+    biased variance of each channel over the mini-batch's B*P values, invstd = 1/sqrt(var +
+    eps); stats (2, C) <- (mean, invstd), which :func:`batchnorm_backward` reads. Sums in
+    float64 (two passes), so a large mean does not swamp the variance."""
+    B, C, P = x.shape
+    inv_n = 1.0 / (B * P)
+    for c in range(C):
+        s = 0.0
+        for b in range(B):
+            for p in range(P):
+                s += x[b, c, p]
+        mean = s * inv_n
+        v = 0.0
+        for b in range(B):
+            for p in range(P):
+                d = x[b, c, p] - mean
+                v += d * d
+        invstd = 1.0 / math.sqrt(v * inv_n + eps)
+        stats[0, c] = mean
+        stats[1, c] = invstd
+        g = np.float32(gamma[c] * invstd)
+        h = np.float32(beta[c] - mean * gamma[c] * invstd)
+        for b in range(B):
+            for p in range(P):
+                out[b, c, p] = x[b, c, p] * g + h
+
+
+@_kernel
+def batchnorm_infer(out, x, mean, var, gamma, beta, eps):
+    """Inference mode: out (B, C, P) = gamma * (x - mean) / sqrt(var + eps) + beta with fixed
+    statistics mean (C,) and var (C,) (the population's, ``Network.calibrate``)."""
+    B, C, P = x.shape
+    for c in range(C):
+        invstd = 1.0 / math.sqrt(var[c] + eps)
+        g = np.float32(gamma[c] * invstd)
+        h = np.float32(beta[c] - mean[c] * gamma[c] * invstd)
+        for b in range(B):
+            for p in range(P):
+                out[b, c, p] = x[b, c, p] * g + h
+
+
+@_kernel
+def batchnorm_backward(dx, dgamma, dbeta, dout, x, stats, gamma):
+    """The gradient through :func:`batchnorm_forward` (the batch statistics depend on x):
+    with xhat = (x - mean) * invstd, dgamma (C,) += sum(dout * xhat), dbeta (C,) += sum(dout),
+    and dx (B, C, P) = gamma * invstd * (dout - mean(dout) - xhat * mean(dout * xhat)) over
+    each channel's B*P values (overwrites dx; dx may not alias dout or x)."""
+    B, C, P = x.shape
+    inv_n = 1.0 / (B * P)
+    for c in range(C):
+        mean = stats[0, c]
+        invstd = stats[1, c]
+        sd = 0.0
+        sdx = 0.0
+        for b in range(B):
+            for p in range(P):
+                d = dout[b, c, p]
+                sd += d
+                sdx += d * (x[b, c, p] - mean) * invstd
+        dgamma[c] += sdx
+        dbeta[c] += sd
+        k = np.float32(gamma[c] * invstd)
+        md = np.float32(sd * inv_n)
+        mdx = np.float32(sdx * inv_n)
+        for b in range(B):
+            for p in range(P):
+                xh = (x[b, c, p] - mean) * invstd
+                dx[b, c, p] = k * (dout[b, c, p] - md - xh * mdx)
 
 
 # -- inverted dropout (training only; relu layers: a dropped value is exactly 0) ----------------------

@@ -60,6 +60,12 @@ class Network:
     ``label_smoothing``: the weight of the uniform distribution in the training target,
     ``(1 - label_smoothing) * onehot + label_smoothing / classes`` (0, the default, is the
     paper's cross-entropy); it changes the loss, so :meth:`backward_into` uses it too.
+
+    A spec with ``bn`` layers (batch normalisation, not one of the paper's layers) trains with
+    each mini-batch's statistics; inference needs the population's, which depend on the
+    weights: :meth:`calibrate` recomputes them from training images (the Trainer does it before
+    it evaluates). They are not parameters: assigning ``flat`` drops them, and a network that
+    has none refuses to infer (:attr:`population`, :attr:`batch_norm`).
     """
 
     def __init__(
@@ -99,9 +105,25 @@ class Network:
         self.activation = activation
         self.layers = parse_spec(spec, input_shape, activation)
         self.classes = self.layers[-1].out_shape[0]
+        for j, L in enumerate(self.layers[:-1]):
+            if dropout > 0.0 and L.kind == "fc" and self.layers[j + 1].kind == "bn":
+                raise ModelSpecError(
+                    f"dropout on a dense layer followed by batch normalisation (layer {j}) is "
+                    "not supported",
+                    "set dropout to 0, or drop the bn after the dense layers",
+                    layer=j,
+                )
+        #: bn layer index -> its population (mean, var) per channel, (2, C) float32; set by
+        #: :meth:`calibrate`, dropped when ``flat`` is assigned
+        self.population: dict[int, np.ndarray] = {}
         entries = []
         for L in self.layers:
-            if L.kind == "conv":
+            if L.kind == "bn":
+                entries += [
+                    (f"{L.index}.weight", (L.out_shape[0],)),
+                    (f"{L.index}.bias", (L.out_shape[0],)),
+                ]
+            elif L.kind == "conv":
                 kh, kw = L.kernel
                 entries += [
                     (f"{L.index}.weight", (L.out_shape[0], L.in_shape[0], kh, kw)),
@@ -130,17 +152,23 @@ class Network:
         label_smoothing: float | None = None,
     ) -> Network:
         """Parse ``spec`` (default: config ``adam.model.spec``) and initialise the weights:
-        Glorot-uniform for tanh, He-normal for relu, zero biases, from ``seed``."""
+        Glorot-uniform for tanh, He-normal for relu, zero biases, from ``seed`` (a bn layer
+        starts as the identity: scale 1, shift 0)."""
         net = cls(config.get("model.spec", spec), input_shape, activation, dropout, label_smoothing)
         net.initialize(seed)
         return net
 
     def initialize(self, seed: int = 0) -> None:
         rng = np.random.default_rng(seed)
+        self.population = {}
         for L in self.layers:
             if not L.has_params:
                 continue
             w = self.parameters[f"{L.index}.weight"]
+            if L.kind == "bn":
+                w[...] = 1.0
+                self.parameters[f"{L.index}.bias"][...] = 0.0
+                continue
             fan_in = int(np.prod(w.shape[1:]))
             fan_out = w.shape[0] * int(np.prod(w.shape[2:]))
             if self.activation == "relu":
@@ -185,12 +213,19 @@ class Network:
         return net
 
     def copy(self) -> Network:
-        """A new network with the same spec and a copy of the weights."""
+        """A new network with the same spec and a copy of the weights (and of the population
+        statistics of its bn layers)."""
         other = type(self)(
             self.spec, self.input_shape, self.activation, self.dropout, self.label_smoothing
         )
         other.flat = self._flat
+        other.population = {i: s.copy() for i, s in self.population.items()}
         return other
+
+    @property
+    def batch_norm(self) -> bool:
+        """Whether the spec has bn layers (inference then needs :meth:`calibrate`)."""
+        return any(L.kind == "bn" for L in self.layers)
 
     def __repr__(self) -> str:
         return (
@@ -210,6 +245,7 @@ class Network:
                 f"expected {self._flat.shape[0]} parameter values, got shape {values.shape}"
             )
         self._flat[...] = values
+        self.population = {}  # new weights: the old statistics no longer describe them
 
     # -- input checks -----------------------------------------------------------------------------
 
@@ -280,8 +316,20 @@ class Network:
 
     # -- the passes (no checks: callers validated x and y) -------------------------------------
 
-    def forward_into(self, ctx: Context, x: np.ndarray, n: int | None = None) -> np.ndarray:
-        """Forward ``x[:n]`` through the net in ``ctx``; returns the logits view (n, classes)."""
+    def forward_into(
+        self,
+        ctx: Context,
+        x: np.ndarray,
+        n: int | None = None,
+        train: bool = False,
+        collect: np.ndarray | None = None,
+    ) -> np.ndarray | None:
+        """Forward ``x[:n]`` through the net in ``ctx``; returns the logits view (n, classes).
+
+        ``train``: bn layers normalise by the batch's statistics (kept in ``ctx.stats`` for
+        the backward pass), else by :attr:`population`. With ``collect`` ((2, C) float64), the
+        first bn layer without population statistics adds its input's per-channel sum and sum
+        of squares into it and the pass stops there (returns None): :meth:`calibrate`."""
         n = x.shape[0] if n is None else n
         inp = x[:n]
         p = self.parameters
@@ -292,6 +340,27 @@ class Network:
                 K.conv2d_forward(out, ctx.cols[i][:n], inp, p[f"{i}.weight"], p[f"{i}.bias"])
             elif L.kind == "maxpool":
                 K.maxpool2_forward(out, ctx.argmax[i][:n], inp)
+            elif L.kind == "bn":
+                c = L.out_shape[0]
+                x3, o3 = inp.reshape(n, c, -1), out.reshape(n, c, -1)
+                gamma, beta = p[f"{i}.weight"], p[f"{i}.bias"]
+                if train:
+                    K.batchnorm_forward(o3, ctx.stats[i], x3, gamma, beta, K.BN_EPS)
+                elif i in self.population:
+                    mean, var = self.population[i]
+                    K.batchnorm_infer(o3, x3, mean, var, gamma, beta, K.BN_EPS)
+                elif collect is not None:
+                    x64 = x3.astype(np.float64)
+                    collect[0] += x64.sum(axis=(0, 2))
+                    collect[1] += (x64 * x64).sum(axis=(0, 2))
+                    return None
+                else:
+                    raise ModelSpecError(
+                        f"layer {i} normalises by population statistics this network does not "
+                        "have yet (new or just-assigned weights)",
+                        "call net.calibrate(training_images) before inference",
+                        layer=i,
+                    )
             else:
                 K.dense_forward(out, inp.reshape(n, -1), p[f"{i}.weight"], p[f"{i}.bias"])
             if L.act is not None:
@@ -312,7 +381,8 @@ class Network:
         loss into ``grads`` (default ``ctx.gviews``) and returns the mean loss. When
         ``dense_terms`` is a dict, fills it with name prefix -> (activations, errors) copies."""
         n = x.shape[0] if n is None else n
-        logits = self.forward_into(ctx, x, n)
+        logits = self.forward_into(ctx, x, n, train=True)
+        assert logits is not None
         y = y[:n]
         g = ctx.gviews if grads is None else grads
         p = self.parameters
@@ -337,6 +407,17 @@ class Network:
             elif L.kind == "maxpool":
                 if need_dx:
                     K.maxpool2_backward(dinp, dout, ctx.argmax[i][:n])
+            elif L.kind == "bn":  # never first: it follows a conv or fc layer
+                c = L.out_shape[0]
+                K.batchnorm_backward(
+                    dinp.reshape(n, c, -1),
+                    g[f"{i}.weight"],
+                    g[f"{i}.bias"],
+                    dout.reshape(n, c, -1),
+                    inp.reshape(n, c, -1),
+                    ctx.stats[i],
+                    p[f"{i}.weight"],
+                )
             else:
                 a2 = inp.reshape(n, -1)
                 if dense_terms is not None:
@@ -380,7 +461,8 @@ class Network:
     # -- the public passes ------------------------------------------------------------------------
 
     def forward(self, x, batch_size: int = 256) -> np.ndarray:
-        """Logits (B, classes) float32 of images ``x`` (B, C, H, W) float32."""
+        """Logits (B, classes) float32 of images ``x`` (B, C, H, W) float32 (inference: bn
+        layers use the population statistics, see :meth:`calibrate`)."""
         x = self.check_input(x)
         N = x.shape[0]
         bs = min(int(batch_size), N)
@@ -388,8 +470,34 @@ class Network:
         out = np.empty((N, self.classes), np.float32)
         for s in range(0, N, bs):
             chunk = x[s : s + bs]
-            out[s : s + len(chunk)] = self.forward_into(ctx, chunk)
+            logits = self.forward_into(ctx, chunk)
+            assert logits is not None
+            out[s : s + len(chunk)] = logits
         return out
+
+    def calibrate(self, x, batch_size: int = 256) -> None:
+        """Set the population statistics of the bn layers from images ``x`` (any form
+        :meth:`as_images` accepts; training images, without augmentation): each layer's mean
+        and (biased) variance over all of ``x``, the earlier bn layers already normalising by
+        theirs, as they will at inference. One pass over ``x`` per bn layer; nothing to do for
+        a network without bn layers."""
+        if not self.batch_norm:
+            return
+        x = self.as_images(x)
+        N = x.shape[0]
+        bs = min(int(batch_size), N)
+        ctx = self._thread_context(bs)
+        self.population = {}
+        for L in self.layers:
+            if L.kind != "bn":
+                continue
+            sums = np.zeros((2, L.out_shape[0]), np.float64)
+            for s in range(0, N, bs):
+                self.forward_into(ctx, x[s : s + bs], collect=sums)
+            count = N * int(np.prod(L.out_shape[1:]))
+            mean = sums[0] / count
+            var = np.maximum(sums[1] / count - mean * mean, 0.0)
+            self.population[L.index] = np.stack([mean, var]).astype(np.float32)
 
     def loss_and_gradient(self, x, y, dense_terms: bool = False):
         """Mean softmax cross-entropy of the batch and its gradient wrt ``flat``.

@@ -13,6 +13,9 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "batchnorm_backward",
+    "batchnorm_forward",
+    "batchnorm_infer",
     "conv2d_backward_input",
     "conv2d_backward_weights",
     "conv2d_forward",
@@ -133,24 +136,75 @@ def dense_backward_update(dout, x, w, bias, lr, momentum=0.0, vw=None, vb=None):
 def network_loss(layers, params, x, labels, activation, masks=None, p=0.0, smoothing=0.0):
     """The mean softmax cross-entropy of a network's layer plan (``Network.layers``) with the
     parameters ``params`` (name -> array, e.g. ``layout.views(flat)``) on images x (B, C, H, W),
-    in float64 and the textbook order (conv -> act -> pool). ``masks``: layer index -> 0/1 array
-    of that layer's output shape, the dropout applied after its activation (rate ``p``).
+    in float64 and the textbook order (conv -> [bn ->] act -> pool; batch normalisation with the
+    mini-batch's statistics, as in training). ``masks``: layer index -> 0/1 array of that
+    layer's output shape, the dropout applied after its activation (rate ``p``).
     ``smoothing``: label smoothing of the target (:func:`softmax_cross_entropy_forward`)."""
     act = tanh_forward if activation == "tanh" else relu_forward
     h = np.asarray(x, np.float64)
-    for L in layers:
+    for j, L in enumerate(layers):
         i = L.index
         if L.kind == "conv":
             h = conv2d_forward(h, params[f"{i}.weight"], params[f"{i}.bias"])
         elif L.kind == "maxpool":
             h = maxpool2_forward(h)[0]
+        elif L.kind == "bn":
+            h = batchnorm_forward(h, params[f"{i}.weight"], params[f"{i}.bias"])
         else:
             h = dense_forward(h.reshape(len(h), -1), params[f"{i}.weight"], params[f"{i}.bias"])
-        if L is not layers[-1] and L.kind != "maxpool":
+        normalised_next = j + 1 < len(layers) and layers[j + 1].kind == "bn"
+        if L is not layers[-1] and L.kind != "maxpool" and not normalised_next:
             h = act(h)
         if masks is not None and i in masks:
             h = dropout_forward(h, masks[i], p)
     return softmax_cross_entropy_forward(h, labels, smoothing)[1]
+
+
+def _channels(x):
+    """x (B, C, ...) as float64 (B, C, P)."""
+    x = np.asarray(x, np.float64)
+    return x.reshape(x.shape[0], x.shape[1], -1)
+
+
+def batchnorm_forward(x, gamma, beta, eps=1e-5):
+    """x (B, C, ...) -> the same shape, each channel normalised by the batch's mean and biased
+    variance over its B*P values, then scaled by gamma (C,) and shifted by beta (C,)."""
+    x3 = _channels(x)
+    mean = x3.mean(axis=(0, 2), keepdims=True)
+    var = x3.var(axis=(0, 2), keepdims=True)
+    g = np.asarray(gamma, np.float64)[None, :, None]
+    b = np.asarray(beta, np.float64)[None, :, None]
+    return (g * (x3 - mean) / np.sqrt(var + eps) + b).reshape(np.shape(x))
+
+
+def batchnorm_infer(x, mean, var, gamma, beta, eps=1e-5):
+    """x (B, C, ...) normalised by fixed per-channel statistics mean (C,) and var (C,)."""
+    x3 = _channels(x)
+    m = np.asarray(mean, np.float64)[None, :, None]
+    v = np.asarray(var, np.float64)[None, :, None]
+    g = np.asarray(gamma, np.float64)[None, :, None]
+    b = np.asarray(beta, np.float64)[None, :, None]
+    return (g * (x3 - m) / np.sqrt(v + eps) + b).reshape(np.shape(x))
+
+
+def batchnorm_backward(dout, x, gamma, eps=1e-5):
+    """The gradient through :func:`batchnorm_forward`: dout, x (B, C, ...) -> (dx like x,
+    dgamma (C,), dbeta (C,)), the textbook chain rule through the mean and the variance."""
+    x3, d3 = _channels(x), _channels(dout)
+    n = x3.shape[0] * x3.shape[2]
+    mean = x3.mean(axis=(0, 2), keepdims=True)
+    var = x3.var(axis=(0, 2), keepdims=True)
+    g = np.asarray(gamma, np.float64)[None, :, None]
+    xc = x3 - mean
+    invstd = 1.0 / np.sqrt(var + eps)
+    dxhat = d3 * g
+    dvar = (dxhat * xc).sum(axis=(0, 2), keepdims=True) * -0.5 * invstd**3
+    dmean = -(dxhat * invstd).sum(axis=(0, 2), keepdims=True) - 2.0 * dvar * xc.mean(
+        axis=(0, 2), keepdims=True
+    )
+    dx = dxhat * invstd + dvar * 2.0 * xc / n + dmean / n
+    dgamma = (d3 * xc * invstd).sum(axis=(0, 2))
+    return dx.reshape(np.shape(x)), dgamma, d3.sum(axis=(0, 2))
 
 
 def dropout_forward(y, mask, p):

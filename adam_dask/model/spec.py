@@ -7,17 +7,24 @@ Spec grammar, layers separated by commas; a layer's index is its position in the
 * ``maxpool2``: 2x2 max-pooling, stride 2 (odd edges dropped, as torch's default). No parameters.
 * ``fc<O>``: dense layer, ``<i>.weight`` (O, I) and ``<i>.bias`` (O,), torch's ``nn.Linear``
   layout; a convolutional input is flattened in (C, H, W) order, as ``torch.flatten``.
+* ``bn``: batch normalisation of the conv or fc layer just before it, per channel (torch's
+  ``nn.BatchNorm2d`` / ``nn.BatchNorm1d``, affine): ``<i>.weight`` (C,) scales and
+  ``<i>.bias`` (C,) shifts. Training normalises by the mini-batch's statistics; inference by
+  the population statistics that ``Network.calibrate`` recomputes from training images. Not
+  one of the paper's layers: a named option (``conv5x5:10,bn,maxpool2,...``).
 
 Every conv and fc layer is followed by the activation (``tanh`` or ``relu``), except the last
 layer, which must be fc and gives the logits. Weights therefore move to and from a torch
 ``nn.Sequential`` of the same layers by name (see ``benchmarks/engine.py``).
 
-A conv layer followed by max-pooling applies its activation *after* the pooling: tanh and relu
-are monotonic, so ``pool(act(z)) == act(pool(z))`` exactly, and the activation then runs on a
-quarter of the values.
+The activation goes after a layer's batch normalisation, and a conv layer followed by
+max-pooling applies its activation *after* the pooling: tanh and relu are monotonic, so
+``pool(act(z)) == act(pool(z))`` exactly, and the activation then runs on a quarter of the values.
 
 >>> [(L.kind, L.out_shape) for L in parse_spec("conv5x5:10,maxpool2,fc10", (1, 28, 28), "relu")]
 [('conv', (10, 24, 24)), ('maxpool', (10, 12, 12)), ('fc', (10,))]
+>>> [(L.kind, L.act) for L in parse_spec("conv5x5:10,bn,maxpool2,fc10", (1, 28, 28), "relu")]
+[('conv', None), ('bn', None), ('maxpool', 'relu'), ('fc', None)]
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ ACTIVATIONS = ("tanh", "relu")
 _CONV = re.compile(r"^conv(\d+)(?:x(\d+))?:(\d+)$")
 _POOL = re.compile(r"^maxpool(\d+)$")
 _FC = re.compile(r"^fc(\d+)$")
+_NORMALISED = ("conv", "fc")  # what a bn layer may follow
 
 
 @dataclass(slots=True)
@@ -42,7 +50,7 @@ class Layer:
     """One layer of the plan; shapes are per image (no batch axis)."""
 
     index: int
-    kind: str  # "conv", "maxpool" or "fc"
+    kind: str  # "conv", "maxpool", "fc" or "bn"
     token: str
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
@@ -108,10 +116,18 @@ def parse_spec(spec: str, input_shape: tuple[int, ...], activation: str) -> list
             if o < 1:
                 raise ModelSpecError(f"{where}: a dense layer needs at least one output", layer=i)
             layers.append(Layer(i, "fc", tok, shape, (o,)))
+        elif tok == "bn":
+            if not layers or layers[-1].kind not in _NORMALISED:
+                raise ModelSpecError(
+                    f"{where}: batch normalisation must follow a conv or fc layer",
+                    "write it right after one, e.g. 'conv5x5:10,bn,maxpool2'",
+                    layer=i,
+                )
+            layers.append(Layer(i, "bn", tok, shape, shape))
         else:
             raise ModelSpecError(
                 f"{where} does not parse",
-                "layers are conv<KH>x<KW>:<filters>, maxpool2 or fc<outputs>",
+                "layers are conv<KH>x<KW>:<filters>, maxpool2, fc<outputs> or bn",
                 layer=i,
             )
         shape = layers[-1].out_shape
@@ -129,11 +145,13 @@ def parse_spec(spec: str, input_shape: tuple[int, ...], activation: str) -> list
             layer=last.index,
         )
     for j, L in enumerate(layers[:-1]):
-        if L.kind == "maxpool":
+        if L.kind not in _NORMALISED:
             continue
-        nxt = layers[j + 1]
-        if L.kind == "conv" and nxt.kind == "maxpool":
-            nxt.act = activation  # act(pool(z)) == pool(act(z)): cheaper after the pool
-        else:
-            L.act = activation
+        # the activation goes on the last of L, its bn, and (after a conv) the pooling
+        k = j
+        if layers[k + 1].kind == "bn":
+            k += 1
+        if L.kind == "conv" and layers[k + 1].kind == "maxpool":
+            k += 1  # act(pool(z)) == pool(act(z)): cheaper after the pool
+        layers[k].act = activation
     return layers

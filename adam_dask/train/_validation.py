@@ -23,7 +23,21 @@ from ._checkpoint import save_average
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Validation"]
+__all__ = ["Validation", "calibrate", "calibration_images"]
+
+
+def calibration_images(train_split: Any) -> np.ndarray:
+    """The first ``adam.model.calibration-images`` images of ``train_split`` (unaugmented,
+    float32 in [0, 1]): what the population statistics of bn layers are recomputed from."""
+    n = min(int(config.get("model.calibration-images")), len(train_split))
+    return to_float(train_split.read(0, n)[0])
+
+
+def calibrate(net: Any, train_split: Any) -> None:
+    """Recompute the population statistics of ``net``'s bn layers from
+    :func:`calibration_images` of ``train_split``; nothing to do for a network without them."""
+    if net.batch_norm:
+        net.calibrate(calibration_images(train_split))
 
 
 class Validation:
@@ -44,6 +58,7 @@ class Validation:
                 int(config.get("train.validation-images")),
             )
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+        self._calibration: np.ndarray | None = None
         self.average: TailAverage | None = None  # set by plan_average when averaging is on
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -59,7 +74,12 @@ class Validation:
 
     def accuracy(self, net: Any, data: str | None = None, split: str = "test") -> float:
         """Top-1 accuracy of ``net`` on the validation images, or on split ``split`` of the
-        store at ``data``."""
+        store at ``data``. A network with bn layers is first calibrated (:func:`calibrate`) on
+        the training images, since its weights changed since the last time."""
+        if net.batch_norm:
+            if self._calibration is None:
+                self._calibration = calibration_images(self.train_split)
+            net.calibrate(self._calibration)
         if data is None:
             x, y = self.arrays()
         else:

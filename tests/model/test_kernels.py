@@ -192,6 +192,46 @@ def test_softmax_cross_entropy_matches_reference_and_finite_differences(B, Kc, s
     np.testing.assert_allclose(fd, ref_d, rtol=1e-5, atol=1e-6)
 
 
+@SETTINGS
+@given(
+    st.integers(1, 5),
+    st.integers(1, 4),
+    st.integers(1, 6),
+    st.integers(0, 2**31),
+)
+def test_batchnorm_matches_reference_and_finite_differences(B, C, P, seed):
+    rng = np.random.default_rng(seed)
+    if B * P == 1:
+        P = 2  # one value per channel has no spread: the gradient is 0 and FD says nothing
+    x = rand(rng, B, C, P) * 2 + 3  # an offset mean, as a conv's output has
+    gamma, beta = rand(rng, C) + 1.5, rand(rng, C)
+    out, stats = np.zeros((B, C, P), np.float32), np.zeros((2, C), np.float32)
+    K.batchnorm_forward(out, stats, x, gamma, beta, K.BN_EPS)
+    np.testing.assert_allclose(out, R.batchnorm_forward(x, gamma, beta), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(stats[0], x.astype(np.float64).mean(axis=(0, 2)), rtol=1e-5)
+    dout = rand(rng, B, C, P)
+    dx = np.full((B, C, P), 9.0, np.float32)  # overwritten
+    dg, db = np.full(C, 0.5, np.float32), np.full(C, 0.5, np.float32)  # accumulated into
+    K.batchnorm_backward(dx, dg, db, dout, x, stats, gamma)
+    ref_dx, ref_dg, ref_db = R.batchnorm_backward(dout, x, gamma)
+    np.testing.assert_allclose(dx, ref_dx, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(dg - 0.5, ref_dg, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(db - 0.5, ref_db, rtol=1e-4, atol=1e-4)
+    d64 = dout.astype(np.float64)
+    fd_x = fd_grad(lambda v: (R.batchnorm_forward(v, gamma, beta) * d64).sum(), x)
+    np.testing.assert_allclose(fd_x, ref_dx, rtol=1e-4, atol=1e-5)
+    fd_g = fd_grad(lambda g: (R.batchnorm_forward(x, g, beta) * d64).sum(), gamma)
+    np.testing.assert_allclose(fd_g, ref_dg, rtol=1e-4, atol=1e-5)
+    # inference with the batch's own statistics gives the training output
+    var = x.astype(np.float64).var(axis=(0, 2))
+    inf = np.zeros_like(out)
+    K.batchnorm_infer(inf, x, stats[0], var.astype(np.float32), gamma, beta, K.BN_EPS)
+    np.testing.assert_allclose(inf, out, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        R.batchnorm_infer(x, stats[0], var, gamma, beta), out, rtol=1e-4, atol=1e-4
+    )
+
+
 def test_label_smoothing_pulls_the_loss_minimum_off_the_one_hot():
     """With smoothing the loss is smallest at probs = the smoothed target, not at ever larger
     logits: the gradient of a confident correct answer points back (it is 0 without smoothing
