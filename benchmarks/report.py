@@ -39,6 +39,7 @@ RECIPE = (
     "lr_replicas",
     "dropout",
     "label_smoothing",
+    "batch_norm",
     "push_every",
     "trainers",
     "trainer_threads",
@@ -46,9 +47,9 @@ RECIPE = (
     "augment",
 )
 # the value a recipe key had before lines recorded it
-RECIPE_DEFAULTS = {"label_smoothing": 0.0}
+RECIPE_DEFAULTS = {"label_smoothing": 0.0, "batch_norm": False}
 # recipe keys that are regularisers the paper does not name (0 or absent: off)
-REGULARISERS = ("dropout", "label_smoothing")
+REGULARISERS = ("dropout", "label_smoothing", "batch_norm")
 STAMP = ("benchmark", "date", "commit", "cpus", "notes", "load")
 
 

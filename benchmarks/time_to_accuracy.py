@@ -112,6 +112,9 @@ def engine_fit_to_target(
     x = None if aug is not None and clean_last < epochs else to_float(xtr)
     xt = to_float(xte)
     x_seen = to_float(xtr[:train_eval]) if train_eval else None  # scored unaugmented each epoch
+    # a spec with bn layers: the population statistics, recomputed before each evaluation from
+    # the images the Trainer's validation uses (the first of the training split, unaugmented)
+    x_cal = to_float(xtr[: int(config.get("model.calibration-images"))])
     index = np.arange(len(xtr))
     curve, train_curve, average_curve, reached, images, train_seconds = [], [], [], None, 0, 0.0
     loss_curve: list[float] = []
@@ -124,6 +127,7 @@ def engine_fit_to_target(
         images += st.images
         train_seconds += st.seconds
         loss_curve.append(round(float(st.loss), 5))
+        net.calibrate(x_cal)
         acc = float(net.evaluate(xt, yte))
         curve.append(round(acc, 4))
         if train_eval:
@@ -131,6 +135,7 @@ def engine_fit_to_target(
             train_curve.append(round(tr, 5))
         if average is not None and average.add(e, net.flat):
             mean = average.applied_to(net)
+            mean.calibrate(x_cal)
             average_curve.append(round(float(mean.evaluate(xt, yte)), 4))
         print(
             f"engine epoch {e + 1}: test accuracy {acc:.4f}"

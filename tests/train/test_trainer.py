@@ -162,3 +162,35 @@ def test_offload_dense_learns(store, adam_cluster):
     finally:
         t.close()
     assert t.history.last["test_accuracy"] >= 0.9, t.history.records
+
+
+def test_batch_norm_network_trains_and_evaluates_with_recomputed_statistics(
+    store, adam_cluster, tmp_path
+):
+    """bn layers (a named option) through the whole system: the replicas push their scale and
+    shift like any weight, and each evaluation recomputes the population statistics from the
+    training images, in the Trainer and in ``adam-dask evaluate`` of the checkpoint alike."""
+    ckpt = str(tmp_path / "ckpt")
+    spec = "conv5x5:6,bn,maxpool2,fc32,bn,fc10"
+    t = Trainer(
+        store,
+        model=spec,
+        client=adam_cluster,
+        lr=0.05,
+        push_every=64,
+        batch_size=8,
+        progress=False,
+        checkpoint=ckpt,
+    )
+    try:
+        t.fit(epochs=2)
+    finally:
+        t.close()
+    acc = t.history.last["test_accuracy"]
+    assert acc >= 0.9, t.history.records
+    assert sorted(t.net.population) == [1, 4]  # the trainer's model can predict as it stands
+    scales = t.net.parameters["1.weight"]
+    assert not np.allclose(scales, 1.0), "the bn scales were trained through the PS"
+    printed: list[str] = []
+    assert run(["evaluate", ckpt, "--data", store], out=printed.append) == 0
+    assert json.loads(printed[-1])["test_accuracy"] == pytest.approx(acc, abs=1e-9)
