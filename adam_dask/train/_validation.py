@@ -76,10 +76,7 @@ class Validation:
         """Top-1 accuracy of ``net`` on the validation images, or on split ``split`` of the
         store at ``data``. A network with bn layers is first calibrated (:func:`calibrate`) on
         the training images, since its weights changed since the last time."""
-        if net.batch_norm:
-            if self._calibration is None:
-                self._calibration = calibration_images(self.train_split)
-            net.calibrate(self._calibration)
+        self.calibrate(net)
         if data is None:
             x, y = self.arrays()
         else:
@@ -88,6 +85,14 @@ class Validation:
             x, y = open_split(data, split, self.storage_options).read()
             x = to_float(x)
         return float(net.evaluate(x, y))
+
+    def calibrate(self, net: Any) -> None:
+        """Recompute the population statistics of ``net``'s bn layers (none: nothing to do)
+        from :func:`calibration_images` of the training split, read once per run."""
+        if net.batch_norm:
+            if self._calibration is None:
+                self._calibration = calibration_images(self.train_split)
+            net.calibrate(self._calibration)
 
     # -- the tail average ------------------------------------------------------------------------
 

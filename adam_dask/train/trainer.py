@@ -400,8 +400,11 @@ class Trainer:
         return self.validation.average
 
     def averaged_network(self):
-        """A copy of the network holding the tail average of the weights (``average_from``)."""
-        return self.validation.averaged(self.net)
+        """A copy of the network holding the tail average of the weights (``average_from``),
+        ready to predict (bn layers calibrated on the training images)."""
+        net = self.validation.averaged(self.net)
+        self.validation.calibrate(net)
+        return net
 
     def _epoch_replicas(self, epoch: int) -> int:
         """The epoch's replicas: those its data positions name (an epoch resumed midway keeps

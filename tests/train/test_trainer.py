@@ -181,6 +181,7 @@ def test_batch_norm_network_trains_and_evaluates_with_recomputed_statistics(
         batch_size=8,
         progress=False,
         checkpoint=ckpt,
+        average_from=0.0,  # epochs 0 and 1: other weights than the last
     )
     try:
         t.fit(epochs=2)
@@ -188,6 +189,10 @@ def test_batch_norm_network_trains_and_evaluates_with_recomputed_statistics(
         t.close()
     acc = t.history.last["test_accuracy"]
     assert acc >= 0.9, t.history.records
+    assert t.history.last["average_accuracy"] >= 0.9  # the average, calibrated for itself
+    averaged = t.averaged_network()
+    assert sorted(averaged.population) == [1, 4]
+    assert not np.array_equal(averaged.population[1], t.net.population[1])
     assert sorted(t.net.population) == [1, 4]  # the trainer's model can predict as it stands
     scales = t.net.parameters["1.weight"]
     assert not np.allclose(scales, 1.0), "the bn scales were trained through the PS"
