@@ -116,7 +116,7 @@ class Network:
         #: bn layer index -> its population (mean, var) per channel, (2, C) float32; set by
         #: :meth:`calibrate`, dropped when ``flat`` is assigned
         self.population: dict[int, np.ndarray] = {}
-        entries = []
+        entries: list[tuple[str, tuple[int, ...]]] = []
         for L in self.layers:
             if L.kind == "bn":
                 entries += [
