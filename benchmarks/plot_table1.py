@@ -40,8 +40,7 @@ def plot(lines: list[dict], out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for colour, like in zip(COLOURS, shown, strict=False):
         pairs = report.table1_pairs(lines, like)
-        used = [f"{k} {like[k]}" for k in report.REGULARISERS if like.get(k)]
-        name = ", ".join(used) or "no unnamed regulariser"
+        name = report.regularisers_used(like) or "no unnamed regulariser"
         for mode, style, idx in (("async", "-", 1), ("sync", "--", 2)):
             curve = mean_curve([p[idx] for p in pairs.values()])
             if curve:

@@ -114,6 +114,13 @@ def _pairs(lines: list[dict]) -> list[dict]:
     return [ln for ln in lines if "async" in ln and "sync" in ln]
 
 
+def regularisers_used(line: dict) -> str:
+    """The regularisers the paper does not name that ``line``'s recipe uses, e.g.
+    ``"label_smoothing 0.1, batch_norm"`` (empty: none)."""
+    used = [k if line[k] is True else f"{k} {_fmt(line[k])}" for k in REGULARISERS if line.get(k)]
+    return ", ".join(used)
+
+
 def plain_and_newest(lines: list[dict]) -> list[dict]:
     """The lines whose recipes Table 1 is shown for: the newest with both modes, preceded by
     the newest without a regulariser the paper does not name when that is another recipe."""
@@ -189,7 +196,7 @@ def table1_block(lines: list[dict]) -> str:
     if len(shown) < 2:
         return table1_by_seed(lines)
     plain, newest = shown
-    used = ", ".join(f"{k} {_fmt(newest[k])}" for k in REGULARISERS if newest.get(k))
+    used = regularisers_used(newest)
     return "\n".join(
         [
             "The paper's network and loss, no regulariser it does not name:",
