@@ -13,7 +13,7 @@ from adam_dask.model import Network
 from adam_dask.model import kernels as K
 from adam_dask.model import reference as R
 
-from .test_fused import assert_follows_finite_differences, batch
+from .test_fused import applied_gradient, assert_follows_finite_differences, batch
 
 # conv -> bn -> pool (odd edge), conv -> bn (no pool), fc -> bn, then the logits
 SPEC, SHAPE = "conv3x3:3,bn,maxpool2,conv2x2:4,bn,fc6,bn,fc3", (2, 9, 9)
@@ -52,10 +52,7 @@ def test_fused_step_with_batch_norm_follows_the_finite_difference_gradient(activ
     for name in ("1.bias", "4.bias", "6.bias"):
         net.parameters[name][...] = rng.uniform(-0.3, 0.3, net.parameters[name].shape)
     x, y = batch(net, 6, seed=1)
-    before = net.flat.astype(np.float64)
-    lr = 1e-3
-    net.step_into(net.context(6), x, y, None, lr, 0.0, np.zeros(1, np.float32))
-    step_grad = (before - net.flat.astype(np.float64)) / lr
+    before, step_grad = applied_gradient(net, x, y)
 
     def loss(params):
         return R.network_loss(net.layers, params, x, y, activation)

@@ -60,14 +60,19 @@ def test_fused_step_follows_the_finite_difference_gradient(activation):
     spec, shape = SPECS[0]
     net = Network.from_spec(spec, shape, activation, seed=3)
     x, y = batch(net, 4, seed=1)
-    before = net.flat.astype(np.float64)
-    lr = 1e-3
-    net.step_into(net.context(4), x, y, None, lr, 0.0, np.zeros(1, np.float32))
-    step_grad = (before - net.flat.astype(np.float64)) / lr  # what the step applied, / lr
+    before, step_grad = applied_gradient(net, x, y)
 
     assert_follows_finite_differences(
         net, before, step_grad, lambda p: R.network_loss(net.layers, p, x, y, activation)
     )
+
+
+def applied_gradient(net: Network, x, y, lr: float = 1e-3) -> tuple[np.ndarray, np.ndarray]:
+    """One plain SGD step of ``net`` on ``x``, ``y``: ``(weights before (float64), what the
+    step applied / lr)``, the gradient it followed."""
+    before = net.flat.astype(np.float64)
+    net.step_into(net.context(len(x)), x, y, None, lr, 0.0, np.zeros(1, np.float32))
+    return before, (before - net.flat.astype(np.float64)) / lr
 
 
 def params_of(net: Network, flat64: np.ndarray) -> dict:
@@ -284,10 +289,7 @@ def test_fused_step_with_label_smoothing_follows_the_finite_difference_gradient(
     spec, shape = SPECS[0]
     net = Network.from_spec(spec, shape, "relu", seed=3, label_smoothing=0.2)
     x, y = batch(net, 4, seed=1)
-    before = net.flat.astype(np.float64)
-    lr = 1e-3
-    net.step_into(net.context(4), x, y, None, lr, 0.0, np.zeros(1, np.float32))
-    step_grad = (before - net.flat.astype(np.float64)) / lr
+    before, step_grad = applied_gradient(net, x, y)
 
     def loss(params):
         return R.network_loss(net.layers, params, x, y, "relu", smoothing=0.2)

@@ -25,7 +25,8 @@ def fit(store, client, **kw):
     kw.setdefault("push_every", 64)
     kw.setdefault("batch_size", 8)
     kw.setdefault("progress", False)
-    t = Trainer(store, model=SPEC, client=client, **kw)
+    kw.setdefault("model", SPEC)
+    t = Trainer(store, client=client, **kw)
     try:
         t.fit(epochs=epochs)
     finally:
@@ -147,20 +148,7 @@ def test_offload_dense_learns(store, adam_cluster):
 
     spec = "conv5x5:6,maxpool2,fc256,fc10"
     assert profitable_offload(Network.from_spec(spec, (1, 28, 28)), 64) == ["2"]
-    t = Trainer(
-        store,
-        model=spec,
-        client=adam_cluster,
-        lr=0.05,
-        push_every=64,
-        batch_size=8,
-        progress=False,
-        offload_dense=True,
-    )
-    try:
-        t.fit(epochs=2)
-    finally:
-        t.close()
+    t = fit(store, adam_cluster, model=spec, offload_dense=True, epochs=2)
     assert t.history.last["test_accuracy"] >= 0.9, t.history.records
 
 
@@ -172,21 +160,8 @@ def test_batch_norm_network_trains_and_evaluates_with_recomputed_statistics(
     training images, in the Trainer and in ``adam-dask evaluate`` of the checkpoint alike."""
     ckpt = str(tmp_path / "ckpt")
     spec = "conv5x5:6,bn,maxpool2,fc32,bn,fc10"
-    t = Trainer(
-        store,
-        model=spec,
-        client=adam_cluster,
-        lr=0.05,
-        push_every=64,
-        batch_size=8,
-        progress=False,
-        checkpoint=ckpt,
-        average_from=0.0,  # epochs 0 and 1: other weights than the last
-    )
-    try:
-        t.fit(epochs=2)
-    finally:
-        t.close()
+    # average_from 0: epochs 0 and 1 averaged, other weights than the last
+    t = fit(store, adam_cluster, model=spec, checkpoint=ckpt, average_from=0.0, epochs=2)
     acc = t.history.last["test_accuracy"]
     assert acc >= 0.9, t.history.records
     assert t.history.last["average_accuracy"] >= 0.9  # the average, calibrated for itself
