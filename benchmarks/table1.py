@@ -264,7 +264,7 @@ def main() -> None:
             "augment": augment,
             "dropout": config.get("model.dropout"),
             "label_smoothing": config.get("model.label-smoothing"),
-            "batch_norm": "bn" in str(config.get("model.spec")).replace(" ", "").split(","),
+            "batch_norm": "bn" in [t.strip().lower() for t in config.get("model.spec").split(",")],
             "average_from": config.get("train.average-from"),
             "push_every": config.get("train.push-every"),
             "lr_warmup": config.get("train.lr-warmup"),

@@ -308,7 +308,7 @@ def cmd_evaluate(args: argparse.Namespace) -> dict:
     from ..data.datasets import open_split
     from ..model.network import Network
     from ..ps.checkpoint import read_checkpoint
-    from ..train._validation import calibrate
+    from ..train._validation import calibration_images
 
     t0 = time.perf_counter()
     split_name = config.get("cli.evaluate-split", args.split)
@@ -329,7 +329,7 @@ def cmd_evaluate(args: argparse.Namespace) -> dict:
             "evaluate on matching data",
         )
     if net.batch_norm:  # its population statistics are not stored: recompute them
-        calibrate(net, open_split(args.data, "train", args.storage_options))
+        net.calibrate(calibration_images(open_split(args.data, "train", args.storage_options)))
     x, y = split.read()
     return {
         "test_accuracy": float(net.evaluate(x, y)),

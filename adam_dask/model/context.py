@@ -62,10 +62,11 @@ class Context:
 
     Attributes: ``acts`` / ``errs`` (per layer, (B, *out_shape) views), ``cols`` / ``dcols`` /
     ``argmax`` / ``stats`` (dicts by layer index; ``stats[i]`` (2, C) is the last training
-    batch's mean and 1/std per channel of bn layer ``i``), ``grad`` (flat, like ``net.flat``; all zero between steps)
-    and ``gviews``, ``probs`` (B, classes), ``losses`` (B,), and the flat buffers ``act_buf``,
-    ``err_buf``, ``col_buf``, ``dcol_buf``, ``argmax_buf``, ``stats_buf``, ``row`` with ``plan`` (int64, one row
-    per layer, columns :data:`PLAN_COLUMNS`) for the fused step.
+    batch's mean and 1/std per channel of bn layer ``i``), ``grad`` (flat, like ``net.flat``;
+    all zero between steps) and ``gviews``, ``probs`` (B, classes), ``losses`` (B,), and the
+    flat buffers ``act_buf``, ``err_buf``, ``col_buf``, ``dcol_buf``, ``argmax_buf``,
+    ``stats_buf``, ``row`` with ``plan`` (int64, one row per layer, columns
+    :data:`PLAN_COLUMNS`) for the fused step.
     """
 
     def __init__(self, net: Network, batch_size: int):

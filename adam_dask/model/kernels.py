@@ -432,6 +432,16 @@ def relu_backward(dy, y):
 BN_EPS = 1e-5
 
 
+@njit(nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy", inline="always")
+def _bn_channel(out, x, c, mean, invstd, gamma, beta):
+    """out[:, c] = gamma * (x[:, c] - mean) * invstd + beta, as one multiply-add per value."""
+    g = np.float32(gamma * invstd)
+    h = np.float32(beta - mean * gamma * invstd)
+    for b in range(x.shape[0]):
+        for p in range(x.shape[2]):
+            out[b, c, p] = x[b, c, p] * g + h
+
+
 @_kernel
 def batchnorm_forward(out, stats, x, gamma, beta, eps):
     """Training mode: out (B, C, P) = gamma * (x - mean) * invstd + beta with the mean and
@@ -454,25 +464,15 @@ def batchnorm_forward(out, stats, x, gamma, beta, eps):
         invstd = 1.0 / math.sqrt(v * inv_n + eps)
         stats[0, c] = mean
         stats[1, c] = invstd
-        g = np.float32(gamma[c] * invstd)
-        h = np.float32(beta[c] - mean * gamma[c] * invstd)
-        for b in range(B):
-            for p in range(P):
-                out[b, c, p] = x[b, c, p] * g + h
+        _bn_channel(out, x, c, mean, invstd, gamma[c], beta[c])
 
 
 @_kernel
 def batchnorm_infer(out, x, mean, var, gamma, beta, eps):
     """Inference mode: out (B, C, P) = gamma * (x - mean) / sqrt(var + eps) + beta with fixed
     statistics mean (C,) and var (C,) (the population's, ``Network.calibrate``)."""
-    B, C, P = x.shape
-    for c in range(C):
-        invstd = 1.0 / math.sqrt(var[c] + eps)
-        g = np.float32(gamma[c] * invstd)
-        h = np.float32(beta[c] - mean[c] * gamma[c] * invstd)
-        for b in range(B):
-            for p in range(P):
-                out[b, c, p] = x[b, c, p] * g + h
+    for c in range(x.shape[1]):
+        _bn_channel(out, x, c, mean[c], 1.0 / math.sqrt(var[c] + eps), gamma[c], beta[c])
 
 
 @_kernel

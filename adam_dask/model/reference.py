@@ -170,11 +170,7 @@ def batchnorm_forward(x, gamma, beta, eps=1e-5):
     """x (B, C, ...) -> the same shape, each channel normalised by the batch's mean and biased
     variance over its B*P values, then scaled by gamma (C,) and shifted by beta (C,)."""
     x3 = _channels(x)
-    mean = x3.mean(axis=(0, 2), keepdims=True)
-    var = x3.var(axis=(0, 2), keepdims=True)
-    g = np.asarray(gamma, np.float64)[None, :, None]
-    b = np.asarray(beta, np.float64)[None, :, None]
-    return (g * (x3 - mean) / np.sqrt(var + eps) + b).reshape(np.shape(x))
+    return batchnorm_infer(x, x3.mean(axis=(0, 2)), x3.var(axis=(0, 2)), gamma, beta, eps)
 
 
 def batchnorm_infer(x, mean, var, gamma, beta, eps=1e-5):

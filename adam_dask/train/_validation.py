@@ -23,7 +23,7 @@ from ._checkpoint import save_average
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Validation", "calibrate", "calibration_images"]
+__all__ = ["Validation", "calibration_images"]
 
 
 def calibration_images(train_split: Any) -> np.ndarray:
@@ -31,13 +31,6 @@ def calibration_images(train_split: Any) -> np.ndarray:
     float32 in [0, 1]): what the population statistics of bn layers are recomputed from."""
     n = min(int(config.get("model.calibration-images")), len(train_split))
     return to_float(train_split.read(0, n)[0])
-
-
-def calibrate(net: Any, train_split: Any) -> None:
-    """Recompute the population statistics of ``net``'s bn layers from
-    :func:`calibration_images` of ``train_split``; nothing to do for a network without them."""
-    if net.batch_norm:
-        net.calibrate(calibration_images(train_split))
 
 
 class Validation:
@@ -74,7 +67,7 @@ class Validation:
 
     def accuracy(self, net: Any, data: str | None = None, split: str = "test") -> float:
         """Top-1 accuracy of ``net`` on the validation images, or on split ``split`` of the
-        store at ``data``. A network with bn layers is first calibrated (:func:`calibrate`) on
+        store at ``data``. A network with bn layers is first calibrated (:meth:`calibrate`) on
         the training images, since its weights changed since the last time."""
         self.calibrate(net)
         if data is None:
