@@ -125,3 +125,52 @@ def test_the_only_data_server_frozen_serves_locally_then_returns(store, arrays):
         finally:
             thaw(pids)
             svc.close()
+
+
+def test_late_heartbeats_alone_lose_no_server(store, arrays):
+    """The scheduler's view of a DATA worker can lag (a loaded machine delivers heartbeats
+    seconds late): a stream then still opens its partitions on the servers, which answer, and
+    loses none of them; only an unanswered ping loses a server."""
+    import dask
+
+    with adam_dask.cluster.local(
+        ps_nodes=0, data_nodes=2, trainers=0, memory_limit="2 GiB"
+    ) as client:
+        svc = DataService.create(client, store, augment=AUG, seed=3, batch_size=32)
+        try:
+            servers = svc.servers()
+            # every heartbeat now counts as late: no DATA worker is live by the scheduler's view
+            with dask.config.set({"adam.serving.heartbeat-timeout": -1.0}):
+                assert svc.live_data_workers() == []
+                stream = svc.stream(0, 1, 0, return_index=True)
+                got = list(stream)
+            check_exactly_once(got, arrays, seed=3, epoch=0)
+            st = stream.stats()
+            assert st["recoveries"] == 0 and st["unanswered"] == 0
+            assert st["local_batches"] == 0  # served by the DATA workers, not here
+            assert svc.servers() == servers and svc.generation(0) == 0
+        finally:
+            svc.close()
+
+
+def test_a_stream_opened_on_a_frozen_server_moves_its_partition(store, arrays):
+    """A stream that opens while a DATA worker is frozen finds it by the probe of its open,
+    whatever the scheduler's heartbeats say yet, and the other DATA worker takes the partition."""
+    with adam_dask.cluster.local(
+        ps_nodes=0, data_nodes=2, trainers=0, memory_limit="2 GiB"
+    ) as client:
+        svc = DataService.create(client, store, augment=AUG, seed=4, batch_size=32)
+        pids: dict[str, int] = {}
+        try:
+            victim, other = svc.servers()
+            pids = freeze(client, [victim])
+            stream = svc.stream(0, 1, 0, return_index=True)
+            got = list(stream)
+            check_exactly_once(got, arrays, seed=4, epoch=0)
+            st = stream.stats()
+            assert st["recoveries"] == 1 and st["unanswered"] == 1
+            assert st["call_timeouts"] == 0 and st["local_batches"] == 0
+            assert svc.servers() == [other, other]
+        finally:
+            thaw(pids)
+            svc.close()

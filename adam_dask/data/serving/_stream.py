@@ -167,16 +167,12 @@ class BatchStream:
             for p in parts:
                 self._sources[p] = self._serve_locally(p, None)
             return
-        live = self.service.live_data_workers()
-        opening = []
-        for p in parts:  # open every partition at once, then collect the answers
-            ref = self.service.server(p)
-            if live is None or ref.address in live:
-                opening.append((p, ref, *self._start_open(p, ref)))
-            else:  # frozen (or gone) for a while: no need to wait for a probe
-                lost = ServerLost(f"its worker {ref.address} sends no heartbeats", "unanswered")
-                self._sources[p] = self._recover(p, lost, ref)
-        for p, ref, sid, call in opening:  # a server frozen just now is found by the probe
+        # Every partition is opened, even on a worker whose scheduler heartbeats look late: on a
+        # loaded machine they arrive seconds late from a live worker (or the scheduler stamps
+        # them late), so silence alone loses nothing; an open that waits is decided by a ping.
+        refs = {p: self.service.server(p) for p in parts}
+        opening = [(p, ref, *self._start_open(p, ref)) for p, ref in refs.items()]
+        for p, ref, sid, call in opening:  # collect the answers; a frozen server fails its probe
             src = ActorSource(ref, sid, self._remote_calls(), self._timing)
             out = src.wait(call)
             self._sources[p] = self._recover(p, out, ref) if isinstance(out, ServerLost) else src
