@@ -178,6 +178,7 @@ def main() -> None:
     from _common import mnist_store, record
 
     from adam_dask import config
+    from adam_dask.model.spec import parse_spec
     from adam_dask.train._settings import MODES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -260,11 +261,13 @@ def main() -> None:
                 runs[mode].append({"seed": seed, **run(mode, seed, store, args, budget)})
         # the runs pass augment=True: the data servers augment whatever adam.augment.enabled says
         augment = {**dict(config.get("augment")), "enabled": True}
+        # bn layers as the replicas' parser finds them in the spec (MNIST images: 1 x 28 x 28)
+        layers = parse_spec(config.get("model.spec"), (1, 28, 28), config.get("model.activation"))
         recipe = {
             "augment": augment,
             "dropout": config.get("model.dropout"),
             "label_smoothing": config.get("model.label-smoothing"),
-            "batch_norm": "bn" in [t.strip().lower() for t in config.get("model.spec").split(",")],
+            "batch_norm": any(L.kind == "bn" for L in layers),
             "average_from": config.get("train.average-from"),
             "push_every": config.get("train.push-every"),
             "lr_warmup": config.get("train.lr-warmup"),
