@@ -24,7 +24,7 @@ import socket
 from collections.abc import Iterable
 from typing import Any
 
-from distributed import Client, Nanny, Scheduler, SpecCluster
+from distributed import Client, Nanny, Scheduler, SpecCluster, Status
 
 from . import config, sizing
 from .errors import ClusterError, ConfigError
@@ -58,7 +58,12 @@ class EmbeddedClient(Client):
         try:
             return super().close(*args, **kwargs)
         finally:
-            if cluster is not None and getattr(cluster, "status", None) is not None:
+            # Once only: a closed SpecCluster's close() still stops its loop runner, which takes
+            # distributed's class-wide LoopRunner lock. A closed client sits in a reference cycle
+            # until a collection finalises it (its __del__ calls close() again), and a collection
+            # can run inside a new cluster's start, which holds that lock: the close waited there
+            # for good.
+            if cluster is not None and getattr(cluster, "status", Status.closed) != Status.closed:
                 try:
                     cluster.close()
                 except Exception:  # pragma: no cover - best effort at shutdown

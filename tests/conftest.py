@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from pathlib import Path
@@ -88,16 +87,6 @@ def local_client():
         Client(cluster) as client,
     ):
         yield client
-
-
-@pytest.fixture(autouse=True)
-def _collect_garbage_between_tests():
-    """Collect cycles after each test, when no Dask lock is held. A client left in a reference
-    cycle is otherwise closed by whatever allocation next runs the collector: once that was the
-    next test's cluster start, inside distributed's class-wide LoopRunner lock, which the
-    client's close then waited on forever (the suite's one 300 s timeout)."""
-    yield
-    gc.collect()
 
 
 def pytest_configure(config):

@@ -134,3 +134,41 @@ def test_client_for_a_scheduler_assigns_roles_once(local_client):
             assert [len(v) for v in first.values()] == [1, 1, 1]
         with client_for(cluster.scheduler_address, ps_nodes=2, data_nodes=0) as client:
             assert {r: workers_with_role(client, r) for r in (PS, DATA, TRAIN)} == first
+
+
+# A closed client sits in a reference cycle until the garbage collector finalises it, and its
+# __del__ closes it again. A collection runs inside whatever allocation comes next: here, while
+# this thread holds the lock every client and cluster takes to start or stop its event loop (a new
+# cluster's start holds it), as happened once inside the suite. The script runs in a process of
+# its own, so a hang fails this test instead of stopping the suite.
+_COLLECTED_UNDER_THE_LOOP_LOCK = """
+import gc, weakref
+from distributed import LocalCluster
+from distributed.utils import LoopRunner
+from adam_dask.cluster import EmbeddedClient
+
+cluster = LocalCluster(n_workers=1, processes=False, dashboard_address=":0")
+with EmbeddedClient(cluster) as client:
+    assert client.submit(sum, [1, 2]).result() == 3
+print("cluster", cluster.status.name, flush=True)
+client.itself = client  # a cycle, whatever distributed's own references are
+alive = weakref.ref(client)
+del client
+with LoopRunner._lock:
+    gc.collect()
+print("collected", alive() is None, flush=True)
+"""
+
+
+def test_a_closed_client_collected_under_the_loop_lock_does_not_hang():
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _COLLECTED_UNDER_THE_LOOP_LOCK],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the collector hung finalising a closed client; it printed {exc.stdout!r}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["cluster", "closed", "collected", "True"], proc.stderr[-2000:]
