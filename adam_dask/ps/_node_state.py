@@ -10,7 +10,9 @@ The rules:
 * **Apply**: a primary applies a push to a shard when the pusher's stamp is the shard's current
   generation; otherwise the shard is reported ``moved`` and the pusher refreshes its routing.
 * **Acknowledge**: with ``ack="replay"``/``"primary"`` at once, with the version every copy
-  holds (``confirmed``); with ``ack="all"`` once every backup holds the push.
+  holds (``confirmed``) and the version that also the checkpoint holds (``durable``: a
+  replaying pusher keeps its pushes until then); with ``ack="all"`` once every backup holds
+  the push.
 * **Forward**: each backup gets, one forward at a time, the newest values of every shard that
   changed since the position it last reported, with the push ids applied since (all of them
   when it holds another generation's values).
@@ -134,6 +136,15 @@ class NodeState(Commands):
             out = min(out, version if gen == st.gen else -1)
         return out
 
+    def durable(self, sid: int) -> int:
+        """The newest version of primary ``sid`` that outlives the loss of every copy: every
+        current backup holds it and, with a checkpoint, the block the manifest names does too.
+        A pusher keeps its pushes (``ack="replay"``) until they are durable."""
+        out = self.confirmed(sid)
+        if self.checkpoint:
+            out = min(out, self.written.get(sid, -1))
+        return out
+
     def heartbeat(self) -> dict[int, Position]:
         """What a heartbeat carries: the positions of the primaries."""
         return {s: self.shards[s].position for s in self.primaries}
@@ -195,6 +206,7 @@ class NodeState(Commands):
                 urgent = True
             else:
                 res["confirmed"] = {s: self.confirmed(s) for s in res["per_shard"]}
+                res["durable"] = {s: self.durable(s) for s in res["per_shard"]}
                 res["gens"] = {s: self.gens[s] for s in res["per_shard"]}
                 out.append(Reply(p.req, res))
         if urgent:
@@ -233,6 +245,7 @@ class NodeState(Commands):
                 ev.req,
                 {
                     "per_shard": {s: self.confirmed(s) for s in ok},
+                    "durable": {s: self.durable(s) for s in ok},
                     "gens": {s: self.gens[s] for s in ok},
                     "moved": [s for s in ev.sids if s not in ok],
                 },
@@ -459,6 +472,7 @@ class NodeState(Commands):
                 return None
         if w.kind == "push":
             w.value["confirmed"] = {s: self.confirmed(s) for s in w.value["per_shard"]}
+            w.value["durable"] = {s: self.durable(s) for s in w.value["per_shard"]}
             w.value["gens"] = {s: self.gens[s] for s in w.value["per_shard"]}
         if w.kind == "add":
             return {s: v for s, v in w.need.items()}

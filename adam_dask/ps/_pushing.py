@@ -1,7 +1,7 @@
 """Pushes from a parameter-server handle, and with ``ack="replay"`` their replay: each push a
 primary acknowledged is kept (a :class:`~adam_dask.ps._replay.ReplayLog`) until that primary
-reports every copy holds it, and sent again, with its push id, to a new primary after a
-fail-over or a restore. A background task keeps settling while pushes are held, so they are
+reports it durable (every copy holds it, and the checkpoint when there is one), and sent again,
+with its push id, to a new primary after a fail-over or a restore from the checkpoint. A background task keeps settling while pushes are held, so they are
 replayed even when the pusher pushes nothing more.
 """
 
@@ -169,7 +169,9 @@ class Pushing(Transport):
         keep = ack == "replay"
         limit = int(config.get("ps.replay-bytes"))
         if keep and self._log.nbytes > limit:
-            await self._settle(rpc, sched, below=limit)
+            self._shed(limit)
+            if self._log.nbytes > limit:
+                await self._settle(rpc, sched, below=limit)
 
         def on_reply(addr: str, reply: dict) -> None:
             if keep:
@@ -189,10 +191,26 @@ class Pushing(Transport):
                 self._settler.add_done_callback(_settlers.discard)
 
     def _confirm(self, addr: str, reply: dict, key: str = "confirmed") -> None:
-        """Drop the held pushes ``reply`` (``reply[key]``: {sid: version}) says every copy
-        holds; ``reply["gens"]`` names the generation of the answering primary."""
+        """Drop the held pushes ``reply`` says are durable, and mark replicated those it says
+        every copy holds (``reply[key]``: {sid: version}; ``reply["durable"]``: {sid: version
+        the checkpoint holds too}, absent from a flush's reply, which waits for both);
+        ``reply["gens"]`` names the generation of the answering primary."""
+        durable = reply.get("durable")
         for sid, version in (reply.get(key) or {}).items():
-            self._log.confirm(int(sid), addr, int(reply["gens"][sid]), int(version))
+            d = None if durable is None else int(durable.get(sid, -1))
+            self._log.confirm(int(sid), addr, int(reply["gens"][sid]), int(version), d)
+
+    def _shed(self, below: int) -> None:
+        """Over the byte budget: let go of the pushes every copy holds that wait for the
+        checkpoint alone (its write-back is behind: a storage outage, or a slow store)."""
+        gone = self._log.shed(below)
+        if gone:
+            logger.warning(
+                "server %s: the checkpoint is behind; %d push(es) every copy holds are no longer "
+                "kept against the loss of all copies (adam.ps.replay-bytes)",
+                self.server_id,
+                gone,
+            )
 
     async def _replay_moved(self, rpc: Any, sched: Any) -> int:
         """Send the held pushes of shards whose primary changed to the new primary (same push
@@ -233,9 +251,12 @@ class Pushing(Transport):
 
     async def _settle(self, rpc: Any, sched: Any, below: int = 0) -> None:
         """Until the held pushes take at most ``below`` bytes: replay moved ones, ask the
-        primaries what every copy holds. :class:`ShardUnavailable` after the fail-over
-        timeout without progress (the held bytes going down restarts it: copies that confirm
-        slowly, a large model's pushes on a busy machine, are not a failure)."""
+        primaries what every copy and the checkpoint hold. :class:`ShardUnavailable` after the
+        fail-over timeout without progress while some copy still lacks a push (the held bytes
+        going down restarts it: copies that confirm slowly, a large model's pushes on a busy
+        machine, are not a failure). When every copy holds the rest and only the checkpoint is
+        behind, a push waiting for room sheds them (:meth:`_shed`); the background settler keeps
+        waiting."""
         timeout = float(config.get("ps.failover-timeout"))
         deadline = time.monotonic() + timeout
         interval = float(config.get("ps.forward-interval"))
@@ -259,6 +280,13 @@ class Pushing(Transport):
             if not self._log or self._log.nbytes <= below:
                 return
             if time.monotonic() > deadline:
+                if not self._log.unreplicated:
+                    # every copy holds what is left; only the checkpoint is behind
+                    if below > 0:
+                        self._shed(below)
+                        return
+                    deadline = time.monotonic() + timeout
+                    continue
                 sid = self._log.shards()[0]
                 raise ShardUnavailable(
                     f"server {self.server_id}: the copies of shard {sid} did not confirm "
@@ -270,7 +298,7 @@ class Pushing(Transport):
 
     async def _settle_in_background(self, rpc: Any, sched: Any) -> None:
         """Keep settling while pushes are held (so they are replayed after a fail-over even
-        when no more pushes come); ends when every held push is confirmed."""
+        when no more pushes come); ends when every held push is durable."""
         interval = float(config.get("ps.forward-interval"))
         while self._log and not self._closed:
             await asyncio.sleep(interval)

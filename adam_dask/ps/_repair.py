@@ -202,8 +202,9 @@ class Repair:
         )
         logger.error(
             "server %s: every copy of shard %d was lost; rebuilt from the checkpoint at "
-            "version %d on %s. The updates applied after that write-back are lost (at least "
-            "%d known from heartbeats); pushers replay the ones they still hold",
+            "version %d on %s. It lacks the updates applied after that write-back (at least "
+            "%d known from heartbeats); pushers with ack=replay hold them and replay them, "
+            "others' are lost",
             self.server_id,
             sid,
             version,

@@ -1,12 +1,19 @@
-"""The pusher's side of "no acknowledged update lost": pushes kept until every copy holds them.
+"""The pusher's side of "no acknowledged update lost": pushes kept until they are durable.
 
 With ``ack="replay"`` (the default) a primary acknowledges a push as soon as it applied it, and
-forwards it to the shard's other copies a little later, in batches. A primary that dies in
-between would take the push with it; so the pusher keeps every acknowledged push, per shard,
-until the primary reports it *confirmed*: held by every live copy of the shard. When the routing
-names a new primary for a shard (fail-over, or a shard rebuilt from the checkpoint), the pusher
-sends the pushes it still holds for that shard to the new primary again, with their original
-push ids, so a push that did reach the surviving copies is recognised and applied once.
+forwards it to the shard's other copies a little later, in batches, and writes it back to the
+checkpoint later still. A primary that dies before forwarding would take the push with it, and
+every copy dying before the write-back would too; so the pusher keeps every acknowledged push,
+per shard, until the primary reports it *durable*: held by every live copy of the shard and,
+when the server has a checkpoint, by the block the manifest names. When the routing names a new
+primary for a shard (fail-over, or a shard rebuilt from the checkpoint), the pusher sends the
+pushes it still holds for that shard to the new primary again, with their original push ids
+and marks, so a push the survivors or the checkpoint already hold is recognised and applied once.
+
+A push every copy holds is marked *replicated* while it waits for the write-back; over the byte
+budget (a storage outage holding the write-back up), replicated pushes are let go first
+(:meth:`ReplayLog.shed`): three copies still hold them, and only the loss of all three at once
+could take them.
 
 A primary is known by its address *and* the shard's generation: a worker that comes back under
 the same address holds another lineage of the shard, and its word confirms nothing acknowledged
@@ -30,7 +37,7 @@ __all__ = ["HeldPush", "ReplayLog"]
 
 @dataclass(slots=True)
 class HeldPush:
-    """One shard's part of an acknowledged push, kept until confirmed.
+    """One shard's part of an acknowledged push, kept until durable.
 
     ``method`` and ``payload`` rebuild the node call for this shard alone (``"push"`` with the
     shard's delta, or ``"push_outer"`` with the outer-product arguments); ``primary``, ``gen``
@@ -47,10 +54,11 @@ class HeldPush:
     version: int
     nbytes: int
     mark: Any = None  # the push's data position (a Mark), replayed with it
+    replicated: bool = False  # every copy holds it: it waits for the checkpoint alone
 
 
 class ReplayLog:
-    """Acknowledged but unconfirmed pushes, by shard, oldest first."""
+    """Acknowledged pushes not yet durable, by shard, oldest first."""
 
     def __init__(self) -> None:
         self._held: dict[int, OrderedDict[int, HeldPush]] = {}
@@ -83,22 +91,48 @@ class ReplayLog:
         held = per.get(push_id) if per is not None else None
         if held is not None:
             held.primary, held.gen, held.version = primary, int(gen), int(version)
+            held.replicated = False  # the new primary's copies have yet to say so
 
-    def confirm(self, sid: int, primary: str, gen: int, version: int) -> int:
+    @property
+    def unreplicated(self) -> int:
+        """How many held pushes some copy may still lack."""
+        return sum(not h.replicated for per in self._held.values() for h in per.values())
+
+    def confirm(
+        self, sid: int, primary: str, gen: int, version: int, durable: int | None = None
+    ) -> int:
         """``primary`` of generation ``gen`` reports every copy of ``sid`` holds its versions up
-        to ``version``: drop the pushes it acknowledged at or below it. Returns how many were
-        dropped."""
+        to ``version`` and the checkpoint up to ``durable`` (``None``: as far as ``version``, a
+        server without a checkpoint or a flush, which waits for both). Drop the pushes it
+        acknowledged at or below ``durable``, mark those at or below ``version`` replicated.
+        Returns how many were dropped."""
         per = self._held.get(sid)
         if not per:
             return 0
-        drop = [
-            p
-            for p, h in per.items()
-            if h.primary == primary and h.gen == gen and h.version <= version
-        ]
+        durable = int(version) if durable is None else min(int(durable), int(version))
+        drop = []
+        for p, h in per.items():
+            if h.primary != primary or h.gen != gen:
+                continue
+            if h.version <= durable:
+                drop.append(p)
+            elif h.version <= version:
+                h.replicated = True
         for p in drop:
             self.nbytes -= per.pop(p).nbytes
         return len(drop)
+
+    def shed(self, below: int) -> int:
+        """Let go of replicated pushes, each shard's oldest first, until the held ones take at
+        most ``below`` bytes (or none replicated is left). Returns how many went."""
+        gone = 0
+        for per in self._held.values():
+            for p in [p for p, h in per.items() if h.replicated]:
+                if self.nbytes <= below:
+                    return gone
+                self.nbytes -= per.pop(p).nbytes
+                gone += 1
+        return gone
 
     def moved(self, primaries: dict[int, tuple[str, int]]) -> dict[int, list[HeldPush]]:
         """{sid: held pushes} acknowledged by another primary than the shard's now

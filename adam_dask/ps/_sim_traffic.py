@@ -354,7 +354,7 @@ class Traffic:
             return
         if what == "confirmed":
             for s, v in x["per_shard"].items():
-                p.log.confirm(s, addr, x["gens"][s], v)
+                p.log.confirm(s, addr, x["gens"][s], v, x["durable"][s])
         else:
             for s, v in x["per_shard"].items():
                 if kind == "push" and p.current is not None and p.current["k"] == k:
@@ -364,7 +364,7 @@ class Traffic:
                 elif kind == "replay":
                     p.log.acknowledged(s, k, addr, x["gens"][s], v)
             for s, v in x.get("confirmed", {}).items():
-                p.log.confirm(s, addr, x["gens"][s], v)
+                p.log.confirm(s, addr, x["gens"][s], v, x["durable"][s])
             if (
                 kind == "push"
                 and p.current is not None

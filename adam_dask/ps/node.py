@@ -370,7 +370,8 @@ class PSNode:
         mark: Mark | None = None,
     ) -> dict:
         """Add {sid: delta} to the primaries held here. Returns ``{"per_shard": {sid:
-        version}, "moved": [sid, ...], "confirmed": {sid: version every copy holds}}``;
+        version}, "moved": [sid, ...], "confirmed": {sid: version every copy holds}, "durable":
+        {sid: version the checkpoint holds too}}``;
         ``moved`` lists the shards this node may not take (the caller refreshes its routing
         and retries them). Raises :class:`UpdateRejected` (nothing applied) for a bad delta.
         ``mark``: what the push covers of the pusher's data (:class:`Mark`), recorded with it."""
@@ -426,7 +427,7 @@ class PSNode:
         res = await self.push(deltas, push_id, ack, stamps, mark) if deltas else None
         moved = [int(s) for s in parts if int(s) not in deltas]
         if res is None:
-            return {"per_shard": {}, "moved": moved, "confirmed": {}}
+            return {"per_shard": {}, "moved": moved, "confirmed": {}, "durable": {}}
         res["moved"] = sorted(set(res["moved"]) | set(moved))
         return res
 

@@ -109,3 +109,37 @@ def test_kill_two_of_three_holders(fo_client):
         check_placement(s)
     finally:
         s.close()
+
+
+def test_kill_every_holder_while_pushing_loses_no_acknowledged_push(fo_client, tmp_path):
+    """Every PS worker (all three copies of every shard) killed at once, mid-push: the shards
+    come back from the checkpoint, which lags the pushes by up to a write-back interval; the
+    pushers replay what it lacks, so the server ends with every acknowledged push, once."""
+    s = ParameterServer.create(
+        fo_client, size=N, shard_bytes=SHARD, checkpoint=str(tmp_path / "ckpt")
+    )
+    try:
+        pushers = [PushLoad(s, 3), PushLoad(s, 4)]
+        for p in pushers:
+            p.start()
+        while sum(p.count for p in pushers) < 20:
+            time.sleep(0.02)
+        victims = sorted({a for h in s.placement().values() for a in h})
+        kill_workers(fo_client, victims)
+        wait_healed(s, set(victims))
+        assert s.stats()["restored"], "every copy was lost: the shards must come from storage"
+        n_at_heal = sum(p.count for p in pushers)
+        while sum(p.count for p in pushers) < n_at_heal + 10:
+            assert all(p.error is None and p.is_alive() for p in pushers), [
+                p.error for p in pushers
+            ]
+            time.sleep(0.02)
+        for p in pushers:
+            p.stop.set()
+            p.join(60)
+        assert all(p.error is None for p in pushers), [p.error for p in pushers]
+        s.flush()
+        np.testing.assert_array_equal(s.pull(), pushers[0].total() + pushers[1].total())
+        check_placement(s)
+    finally:
+        s.close()

@@ -1,4 +1,5 @@
-"""ReplayLog: the pusher's record of acknowledged pushes not yet held by every copy (no Dask)."""
+"""ReplayLog: the pusher's record of acknowledged pushes not yet durable: held by every copy and,
+with a checkpoint, by the block the manifest names (no Dask)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,37 @@ def test_moved_lists_pushes_acknowledged_by_a_former_primary():
     assert log.confirm(0, "c", 4, 9) == 1 and len(log) == 2
     log.clear()
     assert not log and log.nbytes == 0
+
+
+def test_a_push_every_copy_holds_waits_for_the_checkpoint():
+    log = ReplayLog()
+    for pid, version in ((1, 5), (2, 6), (3, 7)):
+        log.add(0, held(pid, "a", version))
+    # every copy holds up to 6, the checkpoint up to 5: push 1 goes, push 2 waits, replicated
+    assert log.confirm(0, "a", 0, 6, durable=5) == 1
+    assert [(h.push_id, h.replicated) for h in log.held(0)] == [(2, True), (3, False)]
+    assert log.unreplicated == 1
+    assert log.confirm(0, "a", 0, 6, durable=9) == 1  # durable never runs ahead of the copies
+    assert [h.push_id for h in log.held(0)] == [3]
+    assert log.confirm(0, "a", 0, 7, durable=None) == 1  # a flush's word: both at once
+    assert not log
+
+
+def test_a_replayed_push_is_replicated_again_only_by_its_new_primary():
+    log = ReplayLog()
+    log.add(0, held(1, "a", 5))
+    log.confirm(0, "a", 0, 5, durable=4)
+    assert log.unreplicated == 0
+    log.acknowledged(0, 1, "c", 1, 2)  # replayed to the restored shard's primary
+    assert log.unreplicated == 1
+
+
+def test_shed_lets_go_of_replicated_pushes_only():
+    log = ReplayLog()
+    log.add(0, held(1, "a", 5))
+    log.add(0, held(2, "a", 6))
+    log.add(1, held(3, "b", 1))
+    log.confirm(0, "a", 0, 6, durable=-1)  # the checkpoint is behind (a storage outage)
+    assert log.shed(below=25) == 1 and log.nbytes == 20  # the oldest replicated one first
+    assert log.shed(below=0) == 1  # push 3 is not on every copy yet: it stays
+    assert [h.push_id for h in log.held(1)] == [3] and log.nbytes == 10

@@ -35,6 +35,13 @@ def test_the_simulation_exercises_total_loss_and_restore():
     runs = [simulate(seed) for seed in range(40)]
     assert any(r["restored"] for r in runs)
     assert {r["ack"] for r in runs} == {"replay", "all"}
+    # every copy of a shard lost after pushes were acknowledged, and none of them missing at
+    # the end: the pushers held them until the checkpoint did, and replayed them to the
+    # restored shard (before pushes were kept past "every copy holds it", 5 of these 40 seeds
+    # lost acknowledged pushes, 31 in all)
+    replay = [r for r in runs if r["ack"] == "replay" and r["restored"]]
+    assert sum(r["lost_with_all_copies"] for r in replay) > 0
+    assert all(r["acknowledged_lost"] == 0 for r in replay)
 
 
 def test_the_checks_catch_a_lossy_protocol():
