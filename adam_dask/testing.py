@@ -45,6 +45,8 @@ __all__ = [
     "fit_in_background",
     "freeze",
     "hard_kill",
+    "push_on",
+    "stop_and_check_sum",
     "synthetic_digits",
     "synthetic_store",
     "thaw",
@@ -231,6 +233,32 @@ class PushLoad(threading.Thread):
             if t0 >= t:
                 return t1 - t
         return None
+
+
+def push_on(pushers: list[PushLoad], more: int, timeout: float = 120.0) -> None:
+    """Wait until ``pushers`` together acknowledged ``more`` pushes beyond their count now;
+    AssertionError when one of them stops (with its error) or the time runs out."""
+    target = sum(p.count for p in pushers) + more
+    deadline = time.monotonic() + timeout
+    while sum(p.count for p in pushers) < target:
+        if not all(p.error is None and p.is_alive() for p in pushers):
+            raise AssertionError(f"a pusher stopped: {[p.error for p in pushers]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"fewer than {more} more pushes in {timeout}s")
+        time.sleep(0.02)
+
+
+def stop_and_check_sum(server: Any, pushers: list[PushLoad]) -> None:
+    """Stop ``pushers``, flush ``server`` and check it holds every push they were told was
+    applied, exactly once, to the last bit (AssertionError otherwise)."""
+    for p in pushers:
+        p.stop.set()
+        p.join(60)
+    errors = [p.error for p in pushers if p.error is not None]
+    if errors:
+        raise AssertionError(f"pushers failed: {errors}")
+    server.flush()
+    np.testing.assert_array_equal(server.pull(), sum(p.total() for p in pushers))
 
 
 def fit_in_background(trainer: Any, epochs: int) -> tuple[threading.Thread, dict]:

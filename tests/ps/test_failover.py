@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from adam_dask.ps import ParameterServer
-from adam_dask.testing import PushLoad
+from adam_dask.testing import PushLoad, push_on, stop_and_check_sum
 from adam_dask.testing import hard_kill as kill_workers
 
 logger = logging.getLogger(__name__)
@@ -63,18 +63,8 @@ def test_kill_primary_holder_while_pushing(fo_client):
         heals_before = len(s.routing_info()["heal_times"])
         kill_workers(fo_client, [victim])
         info = wait_healed(s, {victim})
-        n_at_heal = sum(p.count for p in pushers)
-        while sum(p.count for p in pushers) < n_at_heal + 10:  # pushes go on after the heal
-            assert all(p.error is None and p.is_alive() for p in pushers), [
-                p.error for p in pushers
-            ]
-            time.sleep(0.02)
-        for p in pushers:
-            p.stop.set()
-            p.join(60)
-        assert all(p.error is None for p in pushers), [p.error for p in pushers]
-        s.flush()
-        np.testing.assert_array_equal(s.pull(), pushers[0].total() + pushers[1].total())
+        push_on(pushers, 10)  # pushes go on after the heal
+        stop_and_check_sum(s, pushers)
         check_placement(s)
         heal = info["heal_times"][heals_before:]
         assert heal
@@ -128,18 +118,8 @@ def test_kill_every_holder_while_pushing_loses_no_acknowledged_push(fo_client, t
         kill_workers(fo_client, victims)
         wait_healed(s, set(victims))
         assert s.stats()["restored"], "every copy was lost: the shards must come from storage"
-        n_at_heal = sum(p.count for p in pushers)
-        while sum(p.count for p in pushers) < n_at_heal + 10:
-            assert all(p.error is None and p.is_alive() for p in pushers), [
-                p.error for p in pushers
-            ]
-            time.sleep(0.02)
-        for p in pushers:
-            p.stop.set()
-            p.join(60)
-        assert all(p.error is None for p in pushers), [p.error for p in pushers]
-        s.flush()
-        np.testing.assert_array_equal(s.pull(), pushers[0].total() + pushers[1].total())
+        push_on(pushers, 10)
+        stop_and_check_sum(s, pushers)
         check_placement(s)
     finally:
         s.close()

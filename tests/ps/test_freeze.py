@@ -14,7 +14,7 @@ import adam_dask
 from adam_dask.ps import ParameterServer
 from adam_dask.ps._rpc import call_actor
 from adam_dask.ps.state import Snapshot
-from adam_dask.testing import PushLoad, freeze, thaw
+from adam_dask.testing import PushLoad, freeze, stop_and_check_sum, thaw
 
 SHARD = 1 << 16
 N = 3 * (SHARD // 4) + 11  # 4 shards
@@ -85,12 +85,7 @@ def test_frozen_primary_fenced_replaced_and_refused_after_waking(client):
         )
         assert refused["accepted"] == {} and 0 in refused["refused"]
 
-        for p in pushers:
-            p.stop.set()
-            p.join(60)
-        assert all(p.error is None for p in pushers), [p.error for p in pushers]
-        s.flush()
-        np.testing.assert_array_equal(s.pull(), pushers[0].total() + pushers[1].total())
+        stop_and_check_sum(s, pushers)
         assert s.stats()["refused_stale"] >= 2
     finally:
         if frozen:
