@@ -254,9 +254,9 @@ class Pushing(Transport):
         primaries what every copy and the checkpoint hold. :class:`ShardUnavailable` after the
         fail-over timeout without progress while some copy still lacks a push (the held bytes
         going down restarts it: copies that confirm slowly, a large model's pushes on a busy
-        machine, are not a failure). When every copy holds the rest and only the checkpoint is
-        behind, a push waiting for room sheds them (:meth:`_shed`); the background settler keeps
-        waiting."""
+        machine, are not a failure). A push waiting for room sheds the pushes every copy holds
+        that wait for the checkpoint alone (:meth:`_shed`); the background settler waits for the
+        checkpoint as long as it takes."""
         timeout = float(config.get("ps.failover-timeout"))
         deadline = time.monotonic() + timeout
         interval = float(config.get("ps.forward-interval"))
@@ -277,14 +277,13 @@ class Pushing(Transport):
                     lambda s: (s,),
                     on_reply=lambda a, r: self._confirm(a, r, "per_shard"),
                 )
+            if below > 0:  # room for a push: those waiting for the checkpoint alone go first
+                self._shed(below)
             if not self._log or self._log.nbytes <= below:
                 return
             if time.monotonic() > deadline:
                 if not self._log.unreplicated:
-                    # every copy holds what is left; only the checkpoint is behind
-                    if below > 0:
-                        self._shed(below)
-                        return
+                    # every copy holds what is left; only the checkpoint is behind: keep waiting
                     deadline = time.monotonic() + timeout
                     continue
                 sid = self._log.shards()[0]

@@ -435,7 +435,9 @@ class ParameterServer(Pushing):
         is behind), ``writeback_errors``, ``healthy``, ``heal_times``, ``restored`` (shards
         rebuilt from the checkpoint, each with ``lost_at_least``: updates after its last
         write-back the heartbeats had reported), ``updates_lost_at_least``, ``declared_dead``,
-        ``refused_stale`` (calls refused for a stale generation), ``nodes``."""
+        ``refused_stale`` (calls refused for a stale generation), ``replayed`` /
+        ``held_pushes`` / ``held_bytes`` (this handle's pushes sent again to a new primary, and
+        those it keeps until they are durable: ``ack="replay"``), ``nodes``."""
         nodes, routing = self._run(self._stats)
         now = time.monotonic()
         ok = [n for n in nodes.values() if isinstance(n, dict)]
@@ -468,6 +470,8 @@ class ParameterServer(Pushing):
             "manifest_errors": routing["manifest_errors"],
             "refused_stale": sum(n["refused_stale"] for n in ok) + routing["refused_writes"],
             "replayed": self._log.replayed,
+            "held_pushes": len(self._log),
+            "held_bytes": self._log.nbytes,
             "nodes": nodes,
         }
 
