@@ -278,10 +278,17 @@ class ShardPlacement(SchedulerPlugin):
         self._feed(server_id, NodeReady(addr, key, time.monotonic()))
 
     async def _retire(self, addr: str) -> None:
-        """A node missed its heartbeats: take its worker out of the cluster (a frozen process
-        cannot hand anything over; it closes when it wakes)."""
-        if addr not in self.scheduler.workers:
+        """A node missed its heartbeats: take its worker out of the cluster. A frozen process
+        cannot hand anything over. When its nanny answers (the process hung, the machine did
+        not), the nanny kills it and starts a fresh worker, which joins under a new address as
+        an empty node the controller places copies on again: the cluster keeps its size, as a
+        restarted machine would rejoin (``adam.ps.replace-retired``). Otherwise (the whole
+        machine is silent, or replacing is off) the worker is told to close, and does so, with
+        its nanny, if it ever wakes."""
+        ws = self.scheduler.workers.get(addr)
+        if ws is None:
             return
+        nanny = ws.nanny
         logger.warning("PS controller: removing the silent worker %s from the cluster", addr)
         try:
             await self.scheduler.remove_worker(
@@ -289,6 +296,26 @@ class ShardPlacement(SchedulerPlugin):
             )
         except Exception:  # pragma: no cover - the worker may be gone already
             logger.exception("removing %s failed", addr)
+        if not nanny or not config.get("ps.replace-retired"):
+            return
+        try:
+            # the nanny asks the worker to stop, SIGKILLs it 4 s later, starts a new one
+            got = await asyncio.wait_for(
+                self.scheduler.rpc(nanny).restart(timeout=30, reason="adam-ps-heartbeat-missed"),
+                40,
+            )
+        except Exception as exc:
+            got = f"{type(exc).__name__}: {exc}"
+        if got == "OK":
+            logger.warning("PS controller: the nanny %s replaced the silent worker %s", nanny, addr)
+        else:
+            logger.warning(
+                "PS controller: the nanny %s of the silent worker %s did not replace it (%s); "
+                "the worker closes when it wakes",
+                nanny,
+                addr,
+                got,
+            )
 
     async def _write_manifest(self, server_id: str, a: WriteManifest) -> None:
         from .checkpoint import put_manifest

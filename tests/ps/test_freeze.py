@@ -1,20 +1,24 @@
 """A frozen primary (SIGSTOP from the test process: its sockets stay open, nothing answers) is
 noticed by its missing heartbeats, fenced out and replaced while pushes go on, at the default
-settings; when it wakes (SIGCONT) it is no member any more, stale calls stamped with its old
-generation are refused, and the sums stay exact."""
+settings. A frozen host's worker (nothing there replaces it: ``adam.ps.replace-retired``
+off) that wakes (SIGCONT) is no member any more, stale calls stamped with its old generation are refused, and the sums stay exact. A hung
+worker whose nanny still answers is killed and replaced by a fresh one, so a cluster of three
+PS workers gets back to three copies of every shard."""
 
 from __future__ import annotations
 
 import time
 
+import dask
 import numpy as np
 import pytest
 
 import adam_dask
+from adam_dask.cluster import PS, workers_with_role
 from adam_dask.ps import ParameterServer
 from adam_dask.ps._rpc import call_actor
 from adam_dask.ps.state import Snapshot
-from adam_dask.testing import PushLoad, freeze, stop_and_check_sum, thaw
+from adam_dask.testing import PushLoad, freeze, push_on, stop_and_check_sum, thaw
 
 SHARD = 1 << 16
 N = 3 * (SHARD // 4) + 11  # 4 shards
@@ -48,15 +52,18 @@ def test_frozen_primary_fenced_replaced_and_refused_after_waking(client):
         for p in pushers:
             p.start()
         wait_for(lambda: sum(p.count for p in pushers) >= 10, "pushes before the freeze")
-        frozen = freeze(client, [victim])
-        info = wait_for(
-            lambda: (r := s.routing_info())["routing"][0][0] != victim and not r["pending"] and r,
-            "a new primary for shard 0",
-        )
-        n = sum(p.count for p in pushers)
-        wait_for(lambda: sum(p.count for p in pushers) >= n + 10, "pushes after the fail-over")
-        thaw(frozen)
-        frozen = {}
+        with dask.config.set({"adam.ps.replace-retired": False}):  # a host that went silent
+            frozen = freeze(client, [victim])  # whole: nothing there replaces the worker
+            info = wait_for(
+                lambda: (
+                    (r := s.routing_info())["routing"][0][0] != victim and not r["pending"] and r
+                ),
+                "a new primary for shard 0",
+            )
+            n = sum(p.count for p in pushers)
+            wait_for(lambda: sum(p.count for p in pushers) >= n + 10, "pushes after the fail-over")
+            thaw(frozen)
+            frozen = {}
         assert info["gens"][0] > old_gen and victim not in info["nodes"], info
         assert s.stats()["declared_dead"] >= 1
 
@@ -93,3 +100,45 @@ def test_frozen_primary_fenced_replaced_and_refused_after_waking(client):
         for p in pushers:
             p.stop.set()
         s.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_hung_ps_worker_is_replaced_and_three_workers_hold_three_copies_again():
+    """The default cluster's three PS workers: one hangs (SIGSTOP, its nanny alive). It is
+    declared dead, its nanny kills it and starts a fresh worker, and every shard is back at
+    three copies on three hosts, which two survivors alone could not give."""
+    with adam_dask.cluster.local(ps_nodes=3, data_nodes=0, trainers=0, memory_limit="1 GiB") as c:
+        s = ParameterServer.create(c, size=N, shard_bytes=SHARD)
+        pushers = [PushLoad(s, 5), PushLoad(s, 6)]
+        frozen: dict = {}
+        try:
+            victim = s.routing_info()["routing"][0][0]
+            for p in pushers:
+                p.start()
+            push_on(pushers, 10)
+            frozen = freeze(c, [victim])
+
+            def healed():
+                r = s.routing_info()
+                holders = [set(h) for h in r["routing"]]
+                whole = all(len(h) == 3 and victim not in h for h in holders)
+                return r["healthy"] and not r["pending"] and whole and r
+
+            info = wait_for(healed, "three copies of every shard without the hung worker")
+            assert not _alive(frozen[victim])  # killed by its nanny, not left to wake
+            assert len(workers_with_role(c, PS)) == 3 and victim not in workers_with_role(c, PS)
+            assert all(len({a.split(":")[1] for a in h}) == 3 for h in info["routing"])
+            push_on(pushers, 10)
+            stop_and_check_sum(s, pushers)
+        finally:
+            thaw(frozen)
+            for p in pushers:
+                p.stop.set()
+            s.close()
