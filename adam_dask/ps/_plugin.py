@@ -280,7 +280,7 @@ class ShardPlacement(SchedulerPlugin):
     async def _retire(self, addr: str) -> None:
         """A node missed its heartbeats: take its worker out of the cluster. A frozen process
         cannot hand anything over. When its nanny answers (the process hung, the machine did
-        not), the nanny kills it and starts a fresh worker, which joins under a new address as
+        not), the nanny SIGKILLs it and starts a fresh worker, which joins under a new address as
         an empty node the controller places copies on again: the cluster keeps its size, as a
         restarted machine would rejoin (``adam.ps.replace-retired``). Otherwise (the whole
         machine is silent, or replacing is off) the worker is told to close, and does so, with
@@ -288,30 +288,41 @@ class ShardPlacement(SchedulerPlugin):
         ws = self.scheduler.workers.get(addr)
         if ws is None:
             return
-        nanny = ws.nanny
+        nanny = ws.nanny if config.get("ps.replace-retired") else None
         logger.warning("PS controller: removing the silent worker %s from the cluster", addr)
         try:
+            # no "close" for a worker its nanny replaces: woken inside the nanny's grace, the
+            # worker would run it and close the nanny with itself (a host lost for good)
             await self.scheduler.remove_worker(
-                address=addr, stimulus_id=f"adam-ps-heartbeat-missed-{time.time()}", close=True
+                address=addr,
+                stimulus_id=f"adam-ps-heartbeat-missed-{time.time()}",
+                close=not nanny,
             )
         except Exception:  # pragma: no cover - the worker may be gone already
             logger.exception("removing %s failed", addr)
-        if not nanny or not config.get("ps.replace-retired"):
+        if not nanny:
             return
         try:
-            # the nanny asks the worker to stop, SIGKILLs it 4 s later, starts a new one
-            got = await asyncio.wait_for(
-                self.scheduler.rpc(nanny).restart(timeout=30, reason="adam-ps-heartbeat-missed"),
-                40,
+            # the nanny SIGKILLs it after 0.4 s (a short grace: woken in it, the worker would
+            # find itself unknown to the scheduler and close the nanny with itself) and, seeing
+            # its worker die while it runs, starts a new one
+            await asyncio.wait_for(
+                self.scheduler.rpc(nanny).kill(timeout=0.5, reason="adam-ps-heartbeat-missed"),
+                self._timeout,
             )
+            got = "OK"
         except Exception as exc:
             got = f"{type(exc).__name__}: {exc}"
         if got == "OK":
-            logger.warning("PS controller: the nanny %s replaced the silent worker %s", nanny, addr)
+            logger.warning(
+                "PS controller: the nanny %s killed the silent worker %s and starts a new one",
+                nanny,
+                addr,
+            )
         else:
             logger.warning(
                 "PS controller: the nanny %s of the silent worker %s did not replace it (%s); "
-                "the worker closes when it wakes",
+                "the worker, unknown to the scheduler, shuts down when it wakes",
                 nanny,
                 addr,
                 got,
