@@ -39,21 +39,39 @@ def own_s3():
     state["server"].stop()
 
 
-def test_writeback_survives_s3_outage(ps_client, own_s3):
+# write-backs retried quickly, so an outage shows in a few seconds
+FAST_RETRIES = {
+    "adam.ps.writeback-interval": 0.1,
+    "adam.ps.retry-base": 0.1,
+    "adam.ps.retry-max": 0.5,
+}
+
+
+def checkpointed_then_outage(client, own_s3, url: str) -> ParameterServer:
+    """A server on ``url`` with one push of ones in its checkpoint (epoch 1), then S3 stopped."""
+    s = ParameterServer.create(
+        client, size=N, shard_bytes=65536, checkpoint=url, storage_options=own_s3["options"]
+    )
+    s.push(np.ones(N, np.float32))
+    s.flush(epoch=1)
+    own_s3["server"].stop()  # S3 goes away
+    return s
+
+
+def s3_back(own_s3) -> None:
+    """S3 returns on the same port (moto keeps its buckets in-process)."""
     from moto.server import ThreadedMotoServer
 
+    srv = ThreadedMotoServer(ip_address="127.0.0.1", port=own_s3["port"], verbose=False)
+    srv.start()
+    own_s3["server"] = srv
+
+
+def test_writeback_survives_s3_outage(ps_client, own_s3):
     url = "s3://adam-ps-outage/ckpt"
-    opts = own_s3["options"]
-    with dask.config.set(
-        {"adam.ps.writeback-interval": 0.1, "adam.ps.retry-base": 0.1, "adam.ps.retry-max": 0.5}
-    ):
-        s = ParameterServer.create(
-            ps_client, size=N, shard_bytes=65536, checkpoint=url, storage_options=opts
-        )
+    with dask.config.set(FAST_RETRIES):
+        s = checkpointed_then_outage(ps_client, own_s3, url)
     try:
-        s.push(np.ones(N, np.float32))
-        s.flush(epoch=1)
-        own_s3["server"].stop()  # S3 goes away
         s.push(np.full(N, 2, np.float32))
         deadline = time.time() + 60
         while time.time() < deadline:
@@ -63,11 +81,9 @@ def test_writeback_survives_s3_outage(ps_client, own_s3):
             time.sleep(0.2)
         assert st["writeback_errors"] >= 2  # retried and reported
         assert st["writeback_lag_versions"] == 1  # kept, not dropped
-        srv = ThreadedMotoServer(ip_address="127.0.0.1", port=own_s3["port"], verbose=False)
-        srv.start()  # S3 is back (moto keeps its buckets in-process)
-        own_s3["server"] = srv
+        s3_back(own_s3)
         s.flush(epoch=2)
-        manifest, values = read_checkpoint(url, opts)
+        manifest, values = read_checkpoint(url, own_s3["options"])
         np.testing.assert_array_equal(values, np.full(N, 3, np.float32))
         assert manifest["epoch"] == 2 and manifest["versions"] == [2] * 4
         assert s.stats()["writeback_lag_versions"] == 0
@@ -79,37 +95,20 @@ def test_pushes_go_on_through_an_s3_outage_and_land_once(ps_client, own_s3):
     """The replaying pusher keeps each push until the checkpoint holds it; while S3 is down
     nothing becomes durable, so past its byte budget it lets go of the pushes every copy holds
     (push() does not wait for storage), and they land when S3 is back."""
-    from moto.server import ThreadedMotoServer
-
     url = "s3://adam-ps-outage/ckpt2"
-    opts = own_s3["options"]
     one = 4 * N  # bytes of one push's parts
-    with dask.config.set(
-        {
-            "adam.ps.writeback-interval": 0.1,
-            "adam.ps.retry-base": 0.1,
-            "adam.ps.retry-max": 0.5,
-            "adam.ps.replay-bytes": 3 * one,
-            "adam.ps.failover-timeout": 10,
-        }
-    ):
-        s = ParameterServer.create(
-            ps_client, size=N, shard_bytes=65536, checkpoint=url, storage_options=opts
-        )
+    budget = {"adam.ps.replay-bytes": 3 * one, "adam.ps.failover-timeout": 10}
+    with dask.config.set({**FAST_RETRIES, **budget}):
+        s = checkpointed_then_outage(ps_client, own_s3, url)
         try:
-            s.push(np.ones(N, np.float32))
-            s.flush(epoch=1)
-            own_s3["server"].stop()  # S3 goes away
             for _ in range(12):  # 4x the budget; each would wait out failover-timeout if held
                 s.push(np.ones(N, np.float32))
             st = s.stats()
             assert st["writeback_errors"] >= 1 and st["writeback_lag_versions"] >= 1
             assert 0 < st["held_bytes"] <= 3 * one + one
-            srv = ThreadedMotoServer(ip_address="127.0.0.1", port=own_s3["port"], verbose=False)
-            srv.start()
-            own_s3["server"] = srv
+            s3_back(own_s3)
             s.flush(epoch=2)
-            _, values = read_checkpoint(url, opts)
+            _, values = read_checkpoint(url, own_s3["options"])
             np.testing.assert_array_equal(values, np.full(N, 13, np.float32))
             np.testing.assert_array_equal(s.pull(), np.full(N, 13, np.float32))
         finally:
