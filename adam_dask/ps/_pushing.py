@@ -1,8 +1,9 @@
 """Pushes from a parameter-server handle, and with ``ack="replay"`` their replay: each push a
 primary acknowledged is kept (a :class:`~adam_dask.ps._replay.ReplayLog`) until that primary
 reports it durable (every copy holds it, and the checkpoint when there is one), and sent again,
-with its push id, to a new primary after a fail-over or a restore from the checkpoint. A background task keeps settling while pushes are held, so they are
-replayed even when the pusher pushes nothing more.
+with its push id, to a new primary after a fail-over or a restore from the checkpoint. A
+background task keeps settling while pushes are held, so they are replayed even when the pusher
+pushes nothing more.
 """
 
 from __future__ import annotations
@@ -204,13 +205,19 @@ class Pushing(Transport):
         """Over the byte budget: let go of the pushes every copy holds that wait for the
         checkpoint alone (its write-back is behind: a storage outage, or a slow store)."""
         gone = self._log.shed(below)
-        if gone:
+        if not gone:
+            return
+        self._shed_count = getattr(self, "_shed_count", 0) + gone
+        now = time.monotonic()
+        if now - getattr(self, "_shed_logged", -60.0) >= 60.0:  # once a minute in an outage
+            self._shed_logged = now
             logger.warning(
                 "server %s: the checkpoint is behind; %d push(es) every copy holds are no longer "
                 "kept against the loss of all copies (adam.ps.replay-bytes)",
                 self.server_id,
-                gone,
+                self._shed_count,
             )
+            self._shed_count = 0
 
     async def _replay_moved(self, rpc: Any, sched: Any) -> int:
         """Send the held pushes of shards whose primary changed to the new primary (same push

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import dask
 import pytest
 
 import adam_dask
@@ -29,6 +30,14 @@ def cluster():
         ps_nodes=5, data_nodes=1, trainers=2, trainer_threads=1, memory_limit="2 GiB"
     ) as client:
         yield client
+
+
+@pytest.fixture
+def silent_host():
+    """The frozen worker is a host gone silent, not a hung process its nanny replaces
+    (``adam.ps.replace-retired`` off): it must still be there to be asked once it wakes."""
+    with dask.config.set({"adam.ps.replace-retired": False}):
+        yield
 
 
 def trainer(store, client, **kwargs):
@@ -58,6 +67,7 @@ def wait_for_pushes(t, box, n, timeout=300):
 
 
 @pytest.mark.timeout(900)  # a cluster of 8 workers training on 2 shared cores
+@pytest.mark.usefixtures("silent_host")
 def test_training_through_a_frozen_primary(store, cluster):
     t = trainer(store, cluster)
     th, box = fit_in_background(t, epochs=2)
