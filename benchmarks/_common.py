@@ -71,6 +71,13 @@ def record(name: str, result: dict, *, save: bool = True) -> dict:
     return line
 
 
+def wait_for_training(client, stop) -> None:
+    """Block until the replicas' first progress report reaches the scheduler (or ``stop``, a
+    threading.Event, is set): faults sent from then on land mid-training."""
+    while not stop.is_set() and not client.get_events("adam-progress"):
+        stop.wait(0.2)
+
+
 def mnist_folder() -> str:
     """The folder of the four official MNIST files ($ADAM_DASK_MNIST, shared/, or the mirror)."""
     return mnist_location()

@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 
-from _common import mnist_store, mnist_subset_store, record
+from _common import mnist_store, mnist_subset_store, record, wait_for_training
 
 KINDS = (
     "kill-ps",
@@ -68,8 +68,7 @@ class Injector(threading.Thread):
         self.t0 = time.monotonic()
 
     def run(self) -> None:
-        while not self.done.is_set() and not self.client.get_events("adam-progress"):
-            self.done.wait(0.2)
+        wait_for_training(self.client, self.done)
         while not self.done.wait(self.args.every * self.rng.uniform(0.5, 1.5)):
             kind = self.rng.choice(self.kinds)
             try:

@@ -125,10 +125,11 @@ def _freeze_when_training(
     client, addrs: list[str], after: float, pids: dict[str, int], stop: threading.Event
 ) -> None:
     """SIGSTOP ``addrs`` ``after`` seconds after the first replica reported progress."""
+    from _common import wait_for_training
+
     from adam_dask.testing import freeze
 
-    while not stop.is_set() and not client.get_events("adam-progress"):
-        stop.wait(0.2)
+    wait_for_training(client, stop)
     if not stop.wait(after):
         pids.update(freeze(client, addrs))
 

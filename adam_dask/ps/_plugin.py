@@ -310,22 +310,20 @@ class ShardPlacement(SchedulerPlugin):
                 self.scheduler.rpc(nanny).kill(timeout=0.5, reason="adam-ps-heartbeat-missed"),
                 self._timeout,
             )
-            got = "OK"
         except Exception as exc:
-            got = f"{type(exc).__name__}: {exc}"
-        if got == "OK":
+            logger.warning(
+                "PS controller: the nanny %s of the silent worker %s did not replace it (%s: "
+                "%s); the worker, unknown to the scheduler, shuts down when it wakes",
+                nanny,
+                addr,
+                type(exc).__name__,
+                exc,
+            )
+        else:
             logger.warning(
                 "PS controller: the nanny %s killed the silent worker %s and starts a new one",
                 nanny,
                 addr,
-            )
-        else:
-            logger.warning(
-                "PS controller: the nanny %s of the silent worker %s did not replace it (%s); "
-                "the worker, unknown to the scheduler, shuts down when it wakes",
-                nanny,
-                addr,
-                got,
             )
 
     async def _write_manifest(self, server_id: str, a: WriteManifest) -> None:

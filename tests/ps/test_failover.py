@@ -58,8 +58,7 @@ def test_kill_primary_holder_while_pushing(fo_client):
         pushers = [PushLoad(s, 1), PushLoad(s, 2)]
         for p in pushers:
             p.start()
-        while sum(p.count for p in pushers) < 10:
-            time.sleep(0.02)
+        push_on(pushers, 10)
         heals_before = len(s.routing_info()["heal_times"])
         kill_workers(fo_client, [victim])
         info = wait_healed(s, {victim})
@@ -112,8 +111,7 @@ def test_kill_every_holder_while_pushing_loses_no_acknowledged_push(fo_client, t
         pushers = [PushLoad(s, 3), PushLoad(s, 4)]
         for p in pushers:
             p.start()
-        while sum(p.count for p in pushers) < 20:
-            time.sleep(0.02)
+        push_on(pushers, 20)
         victims = sorted({a for h in s.placement().values() for a in h})
         kill_workers(fo_client, victims)
         wait_healed(s, set(victims))

@@ -51,7 +51,7 @@ def test_frozen_primary_fenced_replaced_and_refused_after_waking(client):
         old_key, old_gen = before["nodes"][victim], before["gens"][0]
         for p in pushers:
             p.start()
-        wait_for(lambda: sum(p.count for p in pushers) >= 10, "pushes before the freeze")
+        push_on(pushers, 10)  # before the freeze
         with dask.config.set({"adam.ps.replace-retired": False}):  # a host that went silent
             frozen = freeze(client, [victim])  # whole: nothing there replaces the worker
             info = wait_for(
@@ -60,8 +60,7 @@ def test_frozen_primary_fenced_replaced_and_refused_after_waking(client):
                 ),
                 "a new primary for shard 0",
             )
-            n = sum(p.count for p in pushers)
-            wait_for(lambda: sum(p.count for p in pushers) >= n + 10, "pushes after the fail-over")
+            push_on(pushers, 10)  # after the fail-over
             thaw(frozen)
             frozen = {}
         assert info["gens"][0] > old_gen and victim not in info["nodes"], info
