@@ -37,6 +37,7 @@ class Transport:
     _closed: bool
     _log: ReplayLog
     _settler: asyncio.Task | None
+    _channels: Any
 
     def _init_transport(self) -> None:
         self._routing: list[list[str]] = []
@@ -48,6 +49,7 @@ class Transport:
         self._healthy = False
         self._log = ReplayLog()
         self._settler = None
+        self._channels = None
 
     # -- execution context -----------------------------------------------------------------------
 

@@ -86,6 +86,7 @@ class Push:
     stamps: dict[int, int] | None
     ack: str
     mark: Mark | None = None
+    scanned: bool = False  # the pusher checked the values (NaN/Inf): only lengths are checked
 
 
 @dataclass(frozen=True, slots=True)

@@ -173,7 +173,7 @@ class NodeState(Commands):
                 for sid, d in p.deltas.items():
                     sid = int(sid)
                     if self.accepts(sid, p.stamps):
-                        checked[sid] = self.shards[sid].check(d)
+                        checked[sid] = self.shards[sid].check(d, scan=not p.scanned)
                     else:
                         res["moved"].append(sid)
             except UpdateRejected as exc:
@@ -190,6 +190,7 @@ class NodeState(Commands):
                 [d for _, d, _, _ in items],
                 [pid for _, _, pid, _ in items],
                 [m for _, _, _, m in items],
+                checked=True,
             )
             n = len(items) - (st.pushes_fenced - fenced)
             self.pushes += n
@@ -225,6 +226,22 @@ class NodeState(Commands):
                 },
             )
         ]
+
+    def read_into(
+        self, sids: list[int], stamps: dict[int, int] | None, dest: Any
+    ) -> tuple[list[int], list[int]]:
+        """Copy the values of the primaries among ``sids`` into ``dest(start, stop, i)`` (the
+        place for ``sids[i]``, a float32 view): the data plane's pull, one copy, between two
+        batches of pushes. Returns (the sids copied, the sids moved)."""
+        ok, moved = [], []
+        for i, s in enumerate(sids):
+            if self.accepts(s, stamps):
+                st = self.shards[s]
+                np.copyto(dest(st.start, st.stop, i), st.values)
+                ok.append(s)
+            else:
+                moved.append(s)
+        return ok, moved
 
     def _on_Marks(self, ev: Marks) -> list:
         ok = [s for s in ev.sids if self.accepts(s, None)]

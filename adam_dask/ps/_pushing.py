@@ -45,14 +45,24 @@ class Pushing(Transport):
         delta: np.ndarray,
         ack: str | None,
         mark: Mark | None = None,
+        push_id: int | None = None,
+        sids: Iterable[int] | None = None,
+        nonzero: np.ndarray | None = None,
     ) -> None:
-        push_id = self._rng.getrandbits(62)
+        """Push ``delta`` to the primaries of ``sids`` (all shards by default) with actor calls;
+        ``push_id``: the id the data plane already used for this push (the shards it could not
+        deliver come here); ``nonzero``: which shards hold a non-zero value (scanned once by
+        the caller)."""
+        push_id = self._rng.getrandbits(62) if push_id is None else push_id
         ack = ack or self.ack
 
         # A shard whose part of the delta is all zeros (the weights of dense layers whose update
         # goes as activations and errors, push_outer) gets None: the push is recorded (its id,
         # its mark, a version) without sending or adding zeros.
-        zero = {s for s, (a, b) in enumerate(self.shards) if not delta[a:b].any()}
+        if nonzero is None:
+            zero = {s for s, (a, b) in enumerate(self.shards) if not delta[a:b].any()}
+        else:
+            zero = {s for s in range(len(self.shards)) if not nonzero[s]}
 
         def part(s: int) -> np.ndarray | None:
             return None if s in zero else delta[self.shards[s][0] : self.shards[s][1]]
@@ -64,7 +74,7 @@ class Pushing(Transport):
             p = part(sid)
             return (None, 0) if p is None else (p.copy(), p.nbytes)
 
-        sids = range(len(self.shards))
+        sids = range(len(self.shards)) if sids is None else sorted(sids)
         await self._send_push(rpc, sched, sids, "push", args, push_id, ack, payload, mark)
 
     async def _push_outer(
@@ -186,10 +196,14 @@ class Pushing(Transport):
         await self._each_primary(rpc, sched, sids, method, args, on_reply=on_reply)
         if keep:
             await self._replay_moved(rpc, sched)
-            if self._log and (self._settler is None or self._settler.done()):
-                self._settler = asyncio.ensure_future(self._settle_in_background(rpc, sched))
-                _settlers.add(self._settler)
-                self._settler.add_done_callback(_settlers.discard)
+            await self._keep_settling(rpc, sched)
+
+    async def _keep_settling(self, rpc: Any, sched: Any) -> None:
+        """Start the background settler unless it runs (pushes are held)."""
+        if self._log and (self._settler is None or self._settler.done()):
+            self._settler = asyncio.ensure_future(self._settle_in_background(rpc, sched))
+            _settlers.add(self._settler)
+            self._settler.add_done_callback(_settlers.discard)
 
     def _confirm(self, addr: str, reply: dict, key: str = "confirmed") -> None:
         """Drop the held pushes ``reply`` says are durable, and mark replicated those it says

@@ -26,6 +26,7 @@ by the one before.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -55,38 +56,56 @@ class HeldPush:
     nbytes: int
     mark: Any = None  # the push's data position (a Mark), replayed with it
     replicated: bool = False  # every copy holds it: it waits for the checkpoint alone
+    lease: Any = None  # the data plane's segment ``payload`` is a view of (released on drop)
+
+    def drop(self) -> int:
+        """Let go of the payload; returns its bytes."""
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+        return self.nbytes
 
 
 class ReplayLog:
-    """Acknowledged pushes not yet durable, by shard, oldest first."""
+    """Acknowledged pushes not yet durable, by shard, oldest first. Thread-safe: the data
+    plane adds from the pushing thread, the settler confirms on the event loop."""
 
     def __init__(self) -> None:
         self._held: dict[int, OrderedDict[int, HeldPush]] = {}
         self.nbytes = 0
         self.replayed = 0
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
-        return sum(len(h) for h in self._held.values())
+        with self._lock:
+            return sum(len(h) for h in self._held.values())
 
     def __bool__(self) -> bool:
-        return any(self._held.values())
+        with self._lock:
+            return any(self._held.values())
 
     def shards(self) -> list[int]:
         """The shards with held pushes."""
-        return sorted(s for s, h in self._held.items() if h)
+        with self._lock:
+            return sorted(s for s, h in self._held.items() if h)
 
     def add(self, sid: int, held: HeldPush) -> None:
         """Keep ``held`` (a push acknowledged for shard ``sid``)."""
-        per = self._held.setdefault(sid, OrderedDict())
-        old = per.pop(held.push_id, None)
-        if old is not None:
-            self.nbytes -= old.nbytes
-        per[held.push_id] = held
-        self.nbytes += held.nbytes
+        with self._lock:
+            per = self._held.setdefault(sid, OrderedDict())
+            old = per.pop(held.push_id, None)
+            if old is not None:
+                self.nbytes -= old.drop()
+            per[held.push_id] = held
+            self.nbytes += held.nbytes
 
     def acknowledged(self, sid: int, push_id: int, primary: str, gen: int, version: int) -> None:
         """A held push was (re)acknowledged by ``primary`` in generation ``gen`` at ``version``
         (after a replay)."""
+        with self._lock:
+            self._acknowledged(sid, push_id, primary, gen, version)
+
+    def _acknowledged(self, sid: int, push_id: int, primary: str, gen: int, version: int) -> None:
         per = self._held.get(sid)
         held = per.get(push_id) if per is not None else None
         if held is not None:
@@ -96,7 +115,8 @@ class ReplayLog:
     @property
     def unreplicated(self) -> int:
         """How many held pushes some copy may still lack."""
-        return sum(not h.replicated for per in self._held.values() for h in per.values())
+        with self._lock:
+            return sum(not h.replicated for per in self._held.values() for h in per.values())
 
     def confirm(
         self, sid: int, primary: str, gen: int, version: int, durable: int | None = None
@@ -106,6 +126,10 @@ class ReplayLog:
         server without a checkpoint or a flush, which waits for both). Drop the pushes it
         acknowledged at or below ``durable``, mark those at or below ``version`` replicated.
         Returns how many were dropped."""
+        with self._lock:
+            return self._confirm(sid, primary, gen, version, durable)
+
+    def _confirm(self, sid: int, primary: str, gen: int, version: int, durable: int | None) -> int:
         per = self._held.get(sid)
         if not per:
             return 0
@@ -119,24 +143,32 @@ class ReplayLog:
             elif h.version <= version:
                 h.replicated = True
         for p in drop:
-            self.nbytes -= per.pop(p).nbytes
+            self.nbytes -= per.pop(p).drop()
         return len(drop)
 
     def shed(self, below: int) -> int:
         """Let go of replicated pushes, each shard's oldest first, until the held ones take at
         most ``below`` bytes (or none replicated is left). Returns how many went."""
+        with self._lock:
+            return self._shed(below)
+
+    def _shed(self, below: int) -> int:
         gone = 0
         for per in self._held.values():
             for p in [p for p, h in per.items() if h.replicated]:
                 if self.nbytes <= below:
                     return gone
-                self.nbytes -= per.pop(p).nbytes
+                self.nbytes -= per.pop(p).drop()
                 gone += 1
         return gone
 
     def moved(self, primaries: dict[int, tuple[str, int]]) -> dict[int, list[HeldPush]]:
         """{sid: held pushes} acknowledged by another primary than the shard's now
         (``primaries``: {sid: (address, generation)}); these must be sent to the new one."""
+        with self._lock:
+            return self._moved(primaries)
+
+    def _moved(self, primaries: dict[int, tuple[str, int]]) -> dict[int, list[HeldPush]]:
         out: dict[int, list[HeldPush]] = {}
         for sid, per in self._held.items():
             now = primaries.get(sid)
@@ -149,8 +181,13 @@ class ReplayLog:
 
     def held(self, sid: int) -> list[HeldPush]:
         """The pushes held for ``sid``, oldest first."""
-        return list(self._held.get(sid, {}).values())
+        with self._lock:
+            return list(self._held.get(sid, {}).values())
 
     def clear(self) -> None:
-        self._held.clear()
-        self.nbytes = 0
+        with self._lock:
+            for per in self._held.values():
+                for h in per.values():
+                    h.drop()
+            self._held.clear()
+            self.nbytes = 0

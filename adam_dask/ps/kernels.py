@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["apply_all", "apply_rate_kernel", "first_nonfinite", "warm_up"]
+__all__ = ["apply_all", "apply_rate_kernel", "first_nonfinite", "scan_delta", "warm_up"]
 
 
 # -- kernels -------------------------------------------------------------------------------------
@@ -41,6 +41,36 @@ def _first_nonfinite(x):
         v = x[i]
         if v != v or v == np.inf or v == -np.inf:
             return i
+    return -1
+
+
+@njit(nogil=True, cache=True, fastmath={"reassoc", "nsz", "arcp", "contract"})
+def _probe_and_magnitude(x, lo, hi):
+    """(``sum(x * 0)``, ``sum(|x|)``) over ``x[lo:hi]``: NaN in the first exactly when the slice
+    holds a NaN or an Inf; the second is 0 exactly when the slice is all zeros."""
+    acc = np.float32(0.0)
+    mag = np.float32(0.0)
+    zero = np.float32(0.0)
+    for i in range(lo, hi):
+        v = x[i]
+        acc += v * zero
+        mag += abs(v)
+    return acc, mag
+
+
+@njit(nogil=True, cache=True)
+def _scan(x, bounds, nonzero):
+    """One pass over ``x``: for each shard ``bounds[s] = (start, stop)`` set ``nonzero[s]``;
+    returns the first index holding NaN/Inf, or -1."""
+    for s in range(bounds.shape[0]):
+        lo, hi = bounds[s, 0], bounds[s, 1]
+        acc, mag = _probe_and_magnitude(x, lo, hi)
+        if acc != acc:
+            for i in range(lo, hi):
+                v = x[i]
+                if v != v or v == np.inf or v == -np.inf:
+                    return i
+        nonzero[s] = mag > 0
     return -1
 
 
@@ -117,6 +147,13 @@ def first_nonfinite(x: np.ndarray) -> int:
     return int(_first_nonfinite(np.ascontiguousarray(x, dtype=np.float32).reshape(-1)))
 
 
+def scan_delta(x: np.ndarray, bounds: np.ndarray) -> tuple[int, np.ndarray]:
+    """The pusher's one check of a flat float32 delta: (the first index holding NaN/Inf or -1,
+    which shards of ``bounds`` (S, 2) hold a non-zero value), in one pass over the values."""
+    nonzero = np.zeros(bounds.shape[0], np.bool_)
+    return int(_scan(x, bounds, nonzero)), nonzero
+
+
 def apply_rate_kernel(values: np.ndarray, delta: np.ndarray) -> None:
     """``values += delta`` with the shard's kernel (exposed for the benchmark)."""
     _add(values, delta)
@@ -128,5 +165,6 @@ def warm_up() -> None:
     event loop would silence its heartbeats for seconds."""
     x = np.zeros(8, np.float32)
     _first_nonfinite(x)
+    scan_delta(x, np.array([[0, 8]], np.int64))
     apply_all(x, [x.copy() for _ in range(15)])
     _add_at(x, 0, x[:2].copy())

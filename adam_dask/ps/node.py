@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -53,6 +54,7 @@ from ._messages import (
     WriteFailed,
 )
 from ._node_state import NodeState
+from ._plane_server import PlaneServer, plane_server
 from ._rpc import call_actor
 from .state import Mark, Snapshot
 
@@ -61,6 +63,16 @@ logger = logging.getLogger(__name__)
 __all__ = ["PSNode"]
 
 _tasks: set[asyncio.Task] = set()  # background tasks of the nodes, kept alive until done
+
+
+class _Answer:
+    """The answer to one data-plane push (its request id in the state machine)."""
+
+    __slots__ = ("done", "value")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.value: Any = None
 
 
 def _spawn(coro: Any) -> asyncio.Task:
@@ -101,6 +113,11 @@ class PSNode:
         self._last_write = time.time()
         self._write_retry_at = 0.0
         self._write_failures = 0
+        self._plane: PlaneServer | None = None
+        # the state is the event loop's and the data plane's threads': one at a time
+        self._lock = threading.RLock()
+        self._pending_lock = threading.Lock()
+        self._pending: list[tuple[Push, _Answer]] = []
 
     def __repr__(self) -> str:
         return f"PSNode({self.server_id}, {self.state!r})"
@@ -121,6 +138,8 @@ class PSNode:
             from .checkpoint import BlockStore
 
             self._store = BlockStore(ckpt, self.cfg.get("storage_options"))
+        self._plane = plane_server(self._worker)
+        self._plane.register(self.server_id, self)
         self._timers = [
             _spawn(self._every(self.cfg["forward_interval"], self._forward_tick)),
             _spawn(self._every(self.cfg["heartbeat_interval"], self._heartbeat)),
@@ -153,7 +172,10 @@ class PSNode:
                 raise TypeError(f"unknown node action {a!r}")
 
     def _handle(self, event: Any) -> None:
-        self._do(self._start().handle(event))
+        state = self._start()
+        with self._lock:
+            actions = state.handle(event)
+        self._do(actions)
 
     async def _ask(self, make: Any) -> Any:
         """Feed the event ``make(req)`` and wait for its reply."""
@@ -161,7 +183,9 @@ class PSNode:
         req = next(self._reqs)
         fut = asyncio.get_running_loop().create_future()
         self._futures[req] = fut
-        self._do(state.handle(make(req)))
+        with self._lock:
+            actions = state.handle(make(req))
+        self._do(actions)
         try:
             return await fut
         finally:
@@ -195,7 +219,7 @@ class PSNode:
                     server_id=self.server_id,
                     addr=self._worker.address,
                     key=self.key,
-                    positions={s: list(p) for s, p in self.state.heartbeat().items()},
+                    positions={s: list(p) for s, p in self._locked(self.state.heartbeat).items()},
                 ),
                 self.cfg["call_timeout"],
             )
@@ -318,7 +342,9 @@ class PSNode:
     async def load(self, values: dict, versions: dict, marks: dict | None = None) -> None:
         """Initial values of held shards at ``versions`` (a new or restored server), with the
         data positions (``marks`` {sid: [Mark]}) they hold."""
-        self._start().load({int(s): v for s, v in values.items()}, versions, marks)
+        state = self._start()
+        with self._lock:
+            state.load({int(s): v for s, v in values.items()}, versions, marks)
 
     async def fence(self, gens: dict) -> dict:
         return await self._ask(lambda r: Fence(r, {int(s): int(g) for s, g in gens.items()}))
@@ -356,6 +382,8 @@ class PSNode:
     async def close(self) -> None:
         """Stop the timers and forwards (called before the actor is released)."""
         self._closed = True
+        if self._plane is not None:
+            self._plane.unregister(self.server_id, self)
         for t in [*self._timers, *self._forwards.values()]:
             t.cancel()
 
@@ -368,20 +396,22 @@ class PSNode:
         ack: str | None = None,
         stamps: dict | None = None,
         mark: Mark | None = None,
+        scanned: bool = False,
     ) -> dict:
         """Add {sid: delta} to the primaries held here. Returns ``{"per_shard": {sid:
         version}, "moved": [sid, ...], "confirmed": {sid: version every copy holds}, "durable":
         {sid: version the checkpoint holds too}}``;
         ``moved`` lists the shards this node may not take (the caller refreshes its routing
         and retries them). Raises :class:`UpdateRejected` (nothing applied) for a bad delta.
-        ``mark``: what the push covers of the pusher's data (:class:`Mark`), recorded with it."""
+        ``mark``: what the push covers of the pusher's data (:class:`Mark`), recorded with it.
+        ``scanned``: the pusher checked the values for NaN/Inf (the data plane)."""
         self._start()
         fut = asyncio.get_running_loop().create_future()
         req = next(self._reqs)
         self._futures[req] = fut
         st = None if stamps is None else {int(s): int(g) for s, g in stamps.items()}
         ds = {int(s): d for s, d in deltas.items()}
-        self._queue.append(Push(req, ds, push_id, st, ack or self.cfg["ack"], mark))
+        self._queue.append(Push(req, ds, push_id, st, ack or self.cfg["ack"], mark, scanned))
         if not self._drain_scheduled:
             self._drain_scheduled = True
             asyncio.get_running_loop().call_soon(self._drain)
@@ -438,6 +468,62 @@ class PSNode:
         st = None if stamps is None else {int(s): int(g) for s, g in stamps.items()}
         return await self._ask(lambda r: Pull(r, sids, st))
 
+    # -- the data plane (called from its connection threads, not the event loop) ---------------
+
+    def plane_push(
+        self,
+        deltas: dict,
+        push_id: int,
+        ack: str,
+        stamps: dict,
+        mark: Mark | None,
+    ) -> dict:
+        """A data-plane push (values scanned by the pusher), applied in the calling thread.
+
+        Flat combining: the push joins the pending ones; the thread that holds the state's lock
+        applies every pending push as one batch (:class:`Pushes`, as the event loop batches
+        actor calls) and hands each its answer, so a lone push costs no hop to the event loop
+        and many at once are applied together. Other actions (forwards) go to the loop."""
+        state = self._start()
+        slot = _Answer()
+        with self._pending_lock:
+            self._pending.append((Push(slot, deltas, push_id, stamps, ack, mark, True), slot))
+        with self._lock:
+            if not slot.done:
+                with self._pending_lock:
+                    batch, self._pending = self._pending, []
+                actions = state.handle(Pushes(tuple(p for p, _ in batch)))
+                rest = []
+                for a in actions:
+                    if isinstance(a, Reply) and isinstance(a.req, _Answer):
+                        a.req.value, a.req.done = a.value, True
+                    else:
+                        rest.append(a)
+                for _, waiting in batch:
+                    if not waiting.done:  # pragma: no cover - every push is answered at once
+                        waiting.value = RuntimeError("a data-plane push was not answered")
+                        waiting.done = True
+                if rest:
+                    self._worker.loop.asyncio_loop.call_soon_threadsafe(self._do, rest)
+        if isinstance(slot.value, BaseException):
+            raise slot.value
+        return slot.value
+
+    def plane_read(self, sids: list[int], stamps: dict | None, dest: Any) -> tuple:
+        """A data-plane pull (:meth:`NodeState.read_into`), between two batches of pushes."""
+        state = self._start()
+        with self._lock:
+            return state.read_into(sids, stamps, dest)
+
+    def _locked(self, fn: Any, *args: Any) -> Any:
+        with self._lock:
+            return fn(*args)
+
+    async def plane(self) -> dict:
+        """Where pushers reach this node's data plane (:mod:`adam_dask.ps._plane_server`)."""
+        self._start()
+        return {"server_id": self.server_id, **self._plane.endpoint()}
+
     async def pull_versions(self, sids: Iterable[int]) -> dict:
         """``{"per_shard": {sid: version}, "moved": [...]}`` for the primaries among ``sids``."""
         return await self._ask(lambda r: Versions(r, tuple(int(s) for s in sids), True))
@@ -479,7 +565,7 @@ class PSNode:
     async def stats(self) -> dict:
         """Counters and lags of this node (see ParameterServer.stats)."""
         state = self._start()
-        out = state.stats()
+        out = self._locked(state.stats)
         out["address"] = self._worker.address
         out["uptime"] = time.time() - self._started
         lag = out["writeback_lag_versions"]

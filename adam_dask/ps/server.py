@@ -48,9 +48,10 @@ from ..errors import ConfigError, UpdateRejected
 from ..model.layout import ParameterLayout
 from ..storage import normalize_url
 from ._build import build_server, resolve_copies, shard_of
+from ._plane import PlaneCalls
 from ._pushing import Pushing
 from .checkpoint import read_checkpoint, read_marks
-from .kernels import first_nonfinite
+from .kernels import first_nonfinite, scan_delta
 from .state import Mark, OuterPart, outer_part
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["ParameterServer"]
 
 
-class ParameterServer(Pushing):
+class ParameterServer(PlaneCalls, Pushing):
     """A handle on a parameter server; make one with :meth:`create`, :meth:`restore` or
     :meth:`attach`."""
 
@@ -94,6 +95,7 @@ class ParameterServer(Pushing):
         self._closed = False
         self._last_stats: tuple[float, int] | None = None
         self._init_transport()
+        self._bounds = np.array(self.shards, dtype=np.int64).reshape(-1, 2)
 
     @property
     def replicas(self) -> int:
@@ -110,7 +112,7 @@ class ParameterServer(Pushing):
 
     def __getstate__(self) -> dict:
         d = dict(self.__dict__)
-        for k in ("_client", "_rng", "_last_stats", "_log", "_settler"):
+        for k in ("_client", "_rng", "_last_stats", "_log", "_settler", "_channels"):
             d[k] = None
         d["layout"] = self.layout.to_dict() if self.layout is not None else None
         return d
@@ -286,7 +288,14 @@ class ParameterServer(Pushing):
         run, _, sched = self._context()
         return run(sched.adam_ps_routing, server_id=self.server_id)
 
-    def push(self, delta: np.ndarray, *, ack: str | None = None, mark: Mark | None = None) -> None:
+    def push(
+        self,
+        delta: np.ndarray,
+        *,
+        ack: str | None = None,
+        mark: Mark | None = None,
+        donate: bool = False,
+    ) -> None:
         """Add a flat float32 ``delta`` (length ``size``) to the parameters.
 
         ``mark`` (:class:`~adam_dask.ps.state.Mark`): what the push covers of the pusher's
@@ -294,17 +303,23 @@ class ParameterServer(Pushing):
         skips a push whose ``(seq, part)`` is at or below the one it recorded for the pusher;
         :meth:`marks` reads them.
 
+        ``donate``: the caller will not write to ``delta`` again, so the handle may keep it
+        (instead of a copy) until the push is durable; a :meth:`buffer` is shared with nodes on
+        this machine without copying the values at all.
+
         Raises :class:`UpdateRejected` (nothing applied) when it holds NaN/Inf or has the wrong
         length, :class:`ShardUnavailable` when a shard has no copy left or fail-over takes
         longer than ``adam.ps.failover-timeout``.
         """
-        delta = np.ascontiguousarray(delta, dtype=np.float32).reshape(-1)
+        if not (isinstance(delta, np.ndarray) and delta.dtype == np.float32 and delta.ndim == 1):
+            delta = np.ascontiguousarray(delta, dtype=np.float32).reshape(-1)
+        delta = np.ascontiguousarray(delta)  # the same array when it is (a buffer() is)
         if delta.shape[0] != self.size:
             raise UpdateRejected(
                 f"a delta of {delta.shape[0]} values for a server of {self.size}",
                 "push one value per parameter",
             )
-        bad = first_nonfinite(delta)
+        bad, nonzero = scan_delta(delta, self._bounds)  # the one check of the values
         if bad >= 0:
             sid = shard_of(self.shards, bad)
             raise UpdateRejected(
@@ -312,7 +327,16 @@ class ParameterServer(Pushing):
                 "check the gradients for overflow",
                 shard=sid,
             )
-        self._run(self._push, delta, ack, mark)
+        ack = ack or self.ack
+        push_id = self._rng.getrandbits(62)
+        rest: list[int] | None = None
+        if ack != "all":  # "all" waits for the forwards: the Dask path's patience
+            rest = self._plane_push(delta, ack, mark, donate, push_id, nonzero)
+            if not rest:
+                if self._log and (self._settler is None or self._settler.done()):
+                    self._run(self._keep_settling)
+                return
+        self._run(self._push, delta, ack, mark, push_id, rest, nonzero)
 
     def push_outer(
         self,
@@ -382,7 +406,9 @@ class ParameterServer(Pushing):
         for s in sids:
             if not 0 <= s < len(self.shards):
                 raise ConfigError(f"no shard {s}: the server has {len(self.shards)}")
-        self._run(self._pull, list(sids), out)
+        rest = self._plane_pull(list(sids), out)
+        if rest:
+            self._run(self._pull, rest, out)
         return out
 
     def marks(self, epoch: int) -> dict[int, dict[int, tuple[Mark, ...]]]:
@@ -482,6 +508,8 @@ class ParameterServer(Pushing):
         run, _, sched = self._context()
         run(sched.adam_ps_close, server_id=self.server_id)
         self._closed = True
+        if self._channels is not None:
+            self._channels.close()
         logger.info("closed %r", self)
 
     def __enter__(self) -> ParameterServer:

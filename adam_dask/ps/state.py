@@ -226,9 +226,10 @@ class ShardState:
 
     # -- checks ----------------------------------------------------------------------------------
 
-    def check(self, delta: np.ndarray | None) -> np.ndarray | None:
+    def check(self, delta: np.ndarray | None, scan: bool = True) -> np.ndarray | None:
         """``delta`` as a 1-D float32 array of the shard's length; :class:`UpdateRejected` if it
-        has the wrong length or holds NaN/Inf. ``None`` is a delta of zeros (nothing to add)."""
+        has the wrong length or (``scan``) holds NaN/Inf. ``None`` is a delta of zeros (nothing
+        to add). ``scan=False``: the pusher scanned the values already (the data plane)."""
         if delta is None:
             return None
         d = np.asarray(delta)
@@ -241,7 +242,7 @@ class ShardState:
                 "push a delta of the server's size",
                 shard=self.shard,
             )
-        bad = first_nonfinite(d)
+        bad = first_nonfinite(d) if scan else -1
         if bad >= 0:
             raise UpdateRejected(
                 f"non-finite update to shard {self.shard} at flat index {self.start + bad} "
@@ -293,8 +294,10 @@ class ShardState:
         deltas: Sequence[np.ndarray | None],
         push_ids: Sequence[int | None] | None = None,
         marks: Sequence[Mark | None] | None = None,
+        checked: bool = False,
     ) -> list[int]:
         """Check every delta, then add them all (blocked); returns each push's version.
+        ``checked``: the caller checked them (:meth:`check`) already.
 
         A batch with any bad delta is refused as a whole (:class:`UpdateRejected`), the shard
         unchanged. Pushes whose id was applied before are skipped and get the version at which
@@ -303,11 +306,11 @@ class ShardState:
         """
         push_ids = list(push_ids) if push_ids is not None else [None] * len(deltas)
         marks = list(marks) if marks is not None else [None] * len(deltas)
-        checked = [self.check(d) for d in deltas]
+        checked_ = list(deltas) if checked else [self.check(d) for d in deltas]
         todo: list[np.ndarray] = []
         versions: list[int] = []
         v = self.version
-        for d, pid, mark in zip(checked, push_ids, marks):
+        for d, pid, mark in zip(checked_, push_ids, marks):
             if pid is not None and pid in self._ids:
                 versions.append(self._ids[pid])
                 continue

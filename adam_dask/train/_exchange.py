@@ -71,13 +71,17 @@ class Exchange:
         self.images_pushed = 0
         self.items: dict[Any, int] = {}
         self.ps_seconds = 0.0
+        # the data plane: deltas taken into the server's buffers (pushed without a copy),
+        # weights pulled into one reused array
+        self._buffers = callable(getattr(server, "buffer", None)) and not replica.offload
+        self._weights: np.ndarray | None = None
 
     def step(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def finish(self) -> None:
         """Push what is left after training ended; raise the first error of the exchange."""
-        self._push(self.replica.take())
+        self._push_taken(self._take())
 
     def close(self) -> None:
         """Release what the exchange holds after a failed training (never raises)."""
@@ -85,10 +89,26 @@ class Exchange:
     def push_segment(self, segment: Segment) -> None:
         """Push everything trained since the last push as the re-trained ``segment`` (under its
         number; the training threads are idle), then pull and install fresh weights."""
-        self._push(self.replica.take(), segment)
+        self._push_taken(self._take(), segment)
         self.replica.install(self._pull())
 
     # -- the parameter-server calls -----------------------------------------------------------------
+
+    def _take(self, in_transit: bool = False) -> Update:
+        """The replica's update, written into a buffer of the server's when it has them."""
+        out = self.server.buffer() if self._buffers else None
+        return self.replica.take(in_transit, out=out)
+
+    def _release(self, update: Update) -> None:
+        """The exchange is done with ``update``'s delta (the server may reuse its buffer)."""
+        if self._buffers:
+            self.server.release(update.delta)
+
+    def _push_taken(self, update: Update, segment: Segment | None = None) -> None:
+        try:
+            self._push(update, segment)
+        finally:
+            self._release(update)
 
     def _push(self, update: Update, segment: Segment | None = None) -> None:
         if update.empty:
@@ -100,11 +120,15 @@ class Exchange:
         if self.marker is not None:
             marks = self.marker.marks(update.items, 1 + len(prefixes), segment)
         try:  # the server checks every value (NaN/Inf refused, nothing applied)
-            delta = update.delta * scale if scale != 1.0 else update.delta
-            if marks[0] is None:
-                self.server.push(delta)
-            else:
-                self.server.push(delta, mark=marks[0])
+            delta = update.delta
+            if scale != 1.0 and update.ticket is None:
+                delta *= np.float32(scale)  # the exchange's own array: scaled in place
+            elif scale != 1.0:  # the replica adds the unscaled update until it lands
+                delta = delta * np.float32(scale)
+            kw: dict[str, Any] = {} if marks[0] is None else {"mark": marks[0]}
+            if self._buffers:
+                kw["donate"] = True  # the exchange writes it no more: held, not copied
+            self.server.push(delta, **kw)
             for i, prefix in enumerate(prefixes):  # the PS computes these updates
                 acts, errs = update.terms[prefix]
                 extra = {} if marks[i + 1] is None else {"mark": marks[i + 1]}
@@ -125,7 +149,12 @@ class Exchange:
 
     def _pull(self) -> np.ndarray:
         t = time.perf_counter()
-        weights = self.server.pull()
+        if self._buffers:  # one array, reused: install copies it into the replica's weights
+            if self._weights is None:
+                self._weights = np.empty(self.replica.net.flat.shape[0], np.float32)
+            weights = self.server.pull(out=self._weights)
+        else:
+            weights = self.server.pull()
         self.ps_seconds += time.perf_counter() - t
         self.pulls += 1
         return weights
@@ -152,7 +181,7 @@ class AsyncExchange(Exchange):
         if self._error is not None:
             raise self._error
         # in transit: weights pulled before the server holds it must not set the replica back
-        self._queue.put(self.replica.take(in_transit=True))
+        self._queue.put(self._take(in_transit=True))
 
     def _run(self) -> None:
         while True:
@@ -164,6 +193,7 @@ class AsyncExchange(Exchange):
             try:
                 self._push(update)
                 self.replica.landed(update)
+                self._release(update)
                 self.replica.install(self._pull())
             except BaseException as exc:  # raised in the training thread at the next step
                 self._error = exc
@@ -215,7 +245,7 @@ class SyncExchange(Exchange):
         self._wait = wait
 
     def step(self) -> None:
-        self._push(self.replica.take())
+        self._push_taken(self._take())
         answer = self._wait()
         if not answer.get("ok"):
             raise barrier_timeout(answer, self.label)

@@ -157,11 +157,13 @@ class Updates:
             for slot in slots:
                 slot.gate.set()
 
-    def take(self, in_transit: bool = False) -> Update:
+    def take(self, in_transit: bool = False, out: np.ndarray | None = None) -> Update:
         """Every update applied since the last take, and reset (whole mini-batches only).
 
         ``in_transit``: the update is on its way to the server; every :meth:`install` adds it
-        on top of the weights it writes until :meth:`landed` (the server holds it)."""
+        on top of the weights it writes until :meth:`landed` (the server holds it). ``out``: a
+        flat float32 array to write the delta into (the server's buffer: the sum of the threads'
+        accumulators is written once, where the push reads it)."""
         retired: list[np.ndarray] = []
         items: dict[Any, int] = {}
         terms: list[dict[str, tuple[np.ndarray, np.ndarray]]] = []
@@ -176,9 +178,13 @@ class Updates:
                         items[k] = items.get(k, 0) + n
                     terms.extend(slot.terms)
                     slot._reset()
-            delta = retired[0].copy()
-            for buf in retired[1:]:
-                delta += buf
+            delta = np.empty(self.size, np.float32) if out is None else out
+            if len(retired) == 1:
+                np.copyto(delta, retired[0])
+            else:  # the sum written once
+                np.add(retired[0], retired[1], out=delta)
+                for buf in retired[2:]:
+                    delta += buf
             for buf in retired:
                 buf[...] = 0.0  # the next swap hands it out as an active accumulator
             ticket = None

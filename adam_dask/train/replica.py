@@ -236,12 +236,12 @@ class HogwildReplica:
 
     # -- parameter-server sync ------------------------------------------------------------------
 
-    def take(self, in_transit: bool = False) -> Update:
+    def take(self, in_transit: bool = False, out: np.ndarray | None = None) -> Update:
         """The updates applied since the last take (whole mini-batches, each exactly once), with
         the images and stream items they cover; the offloaded dense weights travel as terms.
         Safe while the threads train. ``in_transit``: :meth:`install` keeps it on top of the
-        weights it writes until :meth:`landed`."""
-        return self._updates.take(in_transit)
+        weights it writes until :meth:`landed`. ``out``: where to write the delta."""
+        return self._updates.take(in_transit, out)
 
     def landed(self, update: Update) -> None:
         """The server holds ``update`` (taken in transit), or it was dropped."""

@@ -1,0 +1,234 @@
+"""The node's side of the data plane: pushes and pulls straight from a socket to the shards.
+
+One :class:`PlaneServer` per PS worker process serves every :class:`~adam_dask.ps.node.PSNode`
+of the process (one per server id). It listens on
+
+* a Unix socket in the abstract namespace (same machine, same network namespace): the pusher
+  hands over ``memfd`` buffers once (``SCM_RIGHTS``) and each push or pull then names a buffer
+  and an offset, so the values never cross a socket (the paper's 3.2.3: a pointer handed over
+  locally, a copy remotely). The segments have no name in any file system: the kernel frees
+  them when the last process mapping them exits, SIGKILL included, so nothing leaks;
+* TCP on the worker's host (``tcp://`` clusters only; a TLS cluster keeps its bytes on the
+  Dask comm, which encrypts them): the values follow the header and are read straight into a
+  buffer of the connection.
+
+A connection is served by one thread: it reads a push (the bytes land once, in the shared
+segment or in the connection's buffer) and hands it to the node's protocol state
+(:class:`~adam_dask.ps._node_state.NodeState`, unchanged: fenced, deduplicated, applied) in
+this thread, under the state's lock, batched with the pushes other connections brought
+meanwhile (:meth:`~adam_dask.ps.node.PSNode.plane_push`); then it sends the node's answer. The
+pusher checked the values (NaN/Inf) before sending; the node checks their lengths. A pull
+copies the primaries' values under the same lock, between two batches of pushes, into the
+pusher's segment (or the connection's buffer, then the socket): never a torn value.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import socket
+import threading
+from typing import Any
+
+import numpy as np
+
+from ..errors import AdamError
+from ._wire import recv_exact_into, recv_msg, send_msg
+from .state import Mark
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PlaneServer", "plane_server"]
+
+_lock = threading.Lock()
+_server: PlaneServer | None = None
+
+
+def plane_server(worker: Any) -> PlaneServer:
+    """The process's data-plane server (started on first use)."""
+    global _server
+    with _lock:
+        if _server is None:
+            _server = PlaneServer(worker)
+        return _server
+
+
+def error_reply(exc: BaseException) -> dict:
+    """An exception as a reply header (the pusher raises it again)."""
+    if isinstance(exc, AdamError):
+        shard = getattr(exc, "shard", None)
+        return {
+            "error": type(exc).__name__,
+            "message": exc.message,
+            "hint": exc.hint,
+            "shard": shard,
+        }
+    return {"error": type(exc).__name__, "message": str(exc), "hint": None, "shard": None}
+
+
+class PlaneServer:
+    """Listeners and connection threads of one PS worker process."""
+
+    def __init__(self, worker: Any):
+        from distributed.comm.addressing import get_address_host, parse_address
+
+        self.nodes: dict[str, Any] = {}  # server id -> PSNode
+        self.closed = False
+        self.unix_name = f"adam-ps-{os.getpid()}-{secrets.token_hex(6)}"
+        self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._unix.bind("\0" + self.unix_name)
+        self._unix.listen(64)
+        self.tcp: tuple[str, int] | None = None
+        self._tcp: socket.socket | None = None
+        if parse_address(worker.address)[0] == "tcp":
+            host = get_address_host(worker.address)
+            fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self._tcp = socket.socket(fam, socket.SOCK_STREAM)
+            self._tcp.bind((host, 0))
+            self._tcp.listen(64)
+            self.tcp = (host, self._tcp.getsockname()[1])
+        for sock, unix in ((self._unix, True), (self._tcp, False)):
+            if sock is not None:
+                threading.Thread(
+                    target=self._accept, args=(sock, unix), name="adam-plane-accept", daemon=True
+                ).start()
+        logger.debug("data plane of %s: unix %s, tcp %s", worker.address, self.unix_name, self.tcp)
+
+    def endpoint(self) -> dict:
+        return {"unix": self.unix_name, "tcp": list(self.tcp) if self.tcp else None}
+
+    def register(self, server_id: str, node: Any) -> None:
+        self.nodes[server_id] = node
+
+    def unregister(self, server_id: str, node: Any) -> None:
+        if self.nodes.get(server_id) is node:
+            del self.nodes[server_id]
+
+    def _accept(self, sock: socket.socket, unix: bool) -> None:
+        while not self.closed:
+            try:
+                conn, _ = sock.accept()
+            except OSError:  # pragma: no cover - the listener was closed
+                return
+            if not unix:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(
+                target=_Connection(self, conn, unix).run, name="adam-plane-conn", daemon=True
+            ).start()
+
+
+class _Connection:
+    """One pusher's connection: its shared segments (Unix) or receive buffer (TCP)."""
+
+    def __init__(self, server: PlaneServer, sock: socket.socket, unix: bool):
+        self.server = server
+        self.sock = sock
+        self.unix = unix
+        self.segments: dict[int, np.ndarray] = {}  # buffer id -> float32 view of the mapping
+        self.buf = np.empty(0, np.float32)
+
+    def run(self) -> None:
+        try:
+            while True:
+                h = recv_msg(self.sock)
+                op = h["op"]
+                if op == "segment":
+                    self._segment(h)
+                elif op == "forget":
+                    self.segments.pop(int(h["id"]), None)
+                elif op == "push":
+                    send_msg(self.sock, self._push(h))
+                elif op == "pull":
+                    self._pull(h)
+                else:
+                    raise ConnectionError(f"unknown data-plane op {op!r}")
+        except (ConnectionError, OSError, ValueError) as exc:
+            logger.debug("data-plane connection closed: %r", exc)
+        finally:
+            self.segments.clear()  # unmapped when the last view goes
+            self.sock.close()
+
+    def _segment(self, h: dict) -> None:
+        _, fds, _, _ = socket.recv_fds(self.sock, 1, 1)
+        if len(fds) != 1:
+            raise ConnectionError("a segment message without its file descriptor")
+        try:
+            mm = mmap.mmap(fds[0], int(h["nbytes"]))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self.segments[int(h["id"])] = np.frombuffer(mm, np.float32)
+
+    def _buffer(self, n: int) -> np.ndarray:
+        if self.buf.shape[0] < n:
+            self.buf = np.empty(n, np.float32)
+        return self.buf[:n]
+
+    def _node(self, h: dict) -> Any:
+        return self.server.nodes.get(h["server"])
+
+    def _push(self, h: dict) -> dict:
+        parts = h["parts"]  # [[sid, start, floats or -1 (zeros)], ...]
+        deltas: dict[int, np.ndarray | None] = {}
+        if self.unix:
+            seg = self.segments[int(h["segment"])]
+            base = int(h["offset"])
+            for sid, start, n in parts:
+                lo = int(start) - base
+                deltas[int(sid)] = None if n < 0 else seg[lo : lo + int(n)]
+        else:
+            total = sum(int(n) for _, _, n in parts if n > 0)
+            buf = self._buffer(total)
+            recv_exact_into(self.sock, buf)
+            o = 0
+            for sid, _, n in parts:
+                if n < 0:
+                    deltas[int(sid)] = None
+                else:
+                    deltas[int(sid)] = buf[o : o + int(n)]
+                    o += int(n)
+        node = self._node(h)
+        if node is None:
+            return {"per_shard": {}, "moved": [int(p[0]) for p in parts], "gens": {}}
+        mark = None if h.get("mark") is None else Mark.from_json(h["mark"])
+        stamps = {int(s): int(g) for s, g in h["stamps"].items()}
+        try:
+            return node.plane_push(deltas, int(h["push_id"]), h["ack"], stamps, mark)
+        except Exception as exc:
+            return error_reply(exc)
+
+    def _pull(self, h: dict) -> None:
+        sids = [int(s) for s in h["sids"]]
+        stamps = {int(s): int(g) for s, g in h["stamps"].items()}
+        node = self._node(h)
+        if node is None:
+            send_msg(self.sock, {"per_shard": [], "moved": sids})
+            return
+        if self.unix:
+            seg = self.segments[int(h["segment"])]
+
+            def dest(start: int, stop: int, order: int) -> np.ndarray:
+                return seg[start:stop]
+
+        else:
+            sizes = [int(n) for n in h["sizes"]]
+            buf = self._buffer(sum(sizes))
+            offs = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+
+            def dest(start: int, stop: int, order: int) -> np.ndarray:
+                if stop - start != sizes[order]:
+                    raise ConnectionError(f"a pull of {sizes[order]} floats for {stop - start}")
+                return buf[offs[order] : offs[order] + sizes[order]]
+
+        try:
+            ok, moved = node.plane_read(sids, stamps, dest)
+        except Exception as exc:
+            send_msg(self.sock, error_reply(exc))
+            return
+        if self.unix:
+            send_msg(self.sock, {"per_shard": ok, "moved": moved})
+        else:
+            views = [dest(0, sizes[sids.index(s)], sids.index(s)) for s in ok]
+            send_msg(self.sock, {"per_shard": ok, "moved": moved}, *views)

@@ -1,0 +1,58 @@
+"""The data plane's framing: one message is a 4-byte little-endian length, a msgpack header, then
+the raw bytes its header announces (over TCP) or nothing (shared memory: the header names a
+buffer both sides map).
+
+Socket helpers that move bytes without copying them in user space: ``send_msg`` writes the
+header and each payload straight from its buffer; ``recv_exact_into`` reads into a buffer the
+caller owns. Blocking sockets only (the data plane runs in plain threads); a closed peer raises
+:class:`ConnectionError`.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any
+
+import msgpack
+import numpy as np
+
+__all__ = ["recv_exact_into", "recv_msg", "send_msg"]
+
+_LEN = struct.Struct("<I")
+MAX_HEADER = 16 << 20  # a header longer than this is a protocol error, not an allocation
+
+
+def send_msg(sock: socket.socket, header: dict, *payloads: Any) -> None:
+    """Send ``header`` and then each payload (arrays or bytes-like) as they are."""
+    head = msgpack.packb(header, use_bin_type=True)
+    sock.sendall(_LEN.pack(len(head)) + head)
+    for p in payloads:
+        view = memoryview(p).cast("B") if isinstance(p, np.ndarray) else memoryview(p)
+        if view.nbytes:
+            sock.sendall(view)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_exact_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_exact_into(sock: socket.socket, view: Any) -> None:
+    """Fill ``view`` (a writable buffer: a bytearray, a float32 array slice) from ``sock``."""
+    mv = memoryview(view).cast("B") if isinstance(view, np.ndarray) else memoryview(view)
+    got, n = 0, mv.nbytes
+    while got < n:
+        k = sock.recv_into(mv[got:], n - got)
+        if k == 0:
+            raise ConnectionError("the data-plane peer closed the connection")
+        got += k
+
+
+def recv_msg(sock: socket.socket) -> dict:
+    """The next header from ``sock``."""
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    if n > MAX_HEADER:
+        raise ConnectionError(f"a data-plane header of {n} bytes: not a peer of ours")
+    return msgpack.unpackb(_recv_exact(sock, n), raw=False, strict_map_key=False)
