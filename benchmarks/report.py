@@ -1,18 +1,26 @@
-"""Write the README's table of measured figures from the stored benchmark lines.
+"""Write the README's measured figures from the stored benchmark lines.
 
 Each benchmark appends one JSON line per run to ``benchmarks/results/NAME.jsonl`` (see
-``_common.record``). This script takes the newest line of each file and rewrites the block
-between ``<!-- figures:start -->`` and ``<!-- figures:end -->`` in README.md, so no figure in the
-README is typed by hand. ``--check`` exits 1 when the README is not up to date.
+``_common.record``). This script rewrites the README's generated blocks from those lines, so no
+figure in the README is typed by hand; ``--check`` exits 1 when the README is not up to date.
 
-Table 1 gets a block of its own (``<!-- table1:start -->`` ... ``<!-- table1:end -->``): one run
-of each mode is noise (two runs of one recipe differ by ~0.07 points), so the block shows, for
-the recipe of the newest table1 line, the newest async/sync pair of every seed and their mean.
-When that recipe uses a regulariser the paper does not name (dropout, label smoothing), the
-block shows the newest recipe without any first, so Table 1 is always reported without them.
+* ``<!-- figures:start -->`` ... ``<!-- figures:end -->``: a table of headline figures, one row
+  per claim (:data:`CLAIMS`), each from the newest line of its benchmark: ours beside the peer
+  measured in the same run, named, and their ratio in words ("0.84x the time PyTorch takes"),
+  with the line's date, commit, CPU count and load. Benchmarks without a line have no row. Under
+  the plots, a collapsible list per benchmark of every stored line's figures, oldest first, so
+  the newest is never shown without the others.
+* ``<!-- table1:start -->`` ... ``<!-- table1:end -->``: Table 1. One run of each mode is noise
+  (two runs of one recipe differ by ~0.07 points), so the block shows, for the recipe of the
+  newest table1 line, the newest async/sync pair of every seed and their mean. When that recipe
+  uses a regulariser the paper does not name (dropout, label smoothing), the block shows the
+  newest recipe without any first, so Table 1 is always reported without them.
+* ``<!-- sizing:start -->`` ... ``<!-- sizing:end -->``: what the stored time_to_accuracy runs
+  on fewer than 4 CPUs say about one replica vs two (the embedded cluster's sizing).
 
-Without ``--check`` it also redraws ``docs/table1-curves.png`` (``plot_table1.py``) when
-matplotlib is installed.
+Without ``--check`` it also redraws, when matplotlib is installed and their lines are stored,
+``docs/table1-curves.png`` (``plot_table1.py``), ``docs/time-to-accuracy.png``
+(``plot_time_to_accuracy.py``) and ``docs/capacity.png`` (``plot_capacity.py``).
 
 Usage: ``python benchmarks/report.py [--check]``
 """
@@ -22,13 +30,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 START, END = "<!-- figures:start -->", "<!-- figures:end -->"
 T1_START, T1_END = "<!-- table1:start -->", "<!-- table1:end -->"
+SIZING_START, SIZING_END = "<!-- sizing:start -->", "<!-- sizing:end -->"
+TTA_PNG_LINK, CAPACITY_PNG_LINK = "docs/time-to-accuracy.png", "docs/capacity.png"
 # what makes two table1 lines the same experiment (the seed aside)
 RECIPE = (
     "epochs",
@@ -50,16 +63,10 @@ RECIPE = (
 RECIPE_DEFAULTS = {"label_smoothing": 0.0, "batch_norm": False}
 # recipe keys that are regularisers the paper does not name (0 or absent: off)
 REGULARISERS = ("dropout", "label_smoothing", "batch_norm")
-STAMP = ("benchmark", "date", "commit", "cpus", "notes", "load")
 
 
 def read_lines(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-
-
-def newest(path: Path) -> dict | None:
-    lines = read_lines(path)
-    return lines[-1] if lines else None
 
 
 def _fmt(v: object) -> str:
@@ -72,28 +79,767 @@ def _fmt(v: object) -> str:
     return str(v)
 
 
-def figures(line: dict) -> str:
-    """The line's measured fields (scalars and small dicts), in the order it wrote them."""
-    shown = [
-        f"{k} {_fmt(v)}"
-        for k, v in line.items()
-        if k not in STAMP and not (isinstance(v, list) and len(v) > 12)
-    ]
-    return "; ".join(shown)
+# --- the headline table: one row per claim, ours beside the peer measured in the same run ---
 
 
-def table() -> str:
+@dataclass(frozen=True)
+class Figure:
+    """What one stored line says about one claim."""
+
+    what: str  # the claim, for a person (may name the line's settings)
+    ours: str  # our figure
+    peer: str  # the peer, named, and its figure
+    words: str  # how the two compare, for a person ("0.84x the time PyTorch takes")
+    brief: str  # the same, short, for the list of every run
+
+
+@dataclass(frozen=True)
+class Claim:
+    bench: str  # benchmarks/results/BENCH.jsonl
+    name: str  # short, for the column of the list of every run
+    figure: Callable[[dict], Figure | None]  # None: the line does not measure this
+
+
+def _num(v: float) -> str:
+    """A measured figure with as many digits as a person needs: 12,661 / 922 / 34.7 / 2.29 /
+    0.013."""
+    a = abs(v)
+    if float(v).is_integer() and a < 1000:
+        return str(int(v))
+    if a >= 1000:
+        return f"{v:,.0f}"
+    if a >= 100:
+        return f"{v:.0f}"
+    if a >= 10:
+        return f"{v:.1f}"
+    if a >= 1:
+        return f"{v:.2f}"
+    return f"{v:.2g}"
+
+
+def _x(r: float) -> str:
+    """A ratio: ``0.84x``, ``2.32x``, ``0.084x``."""
+    return f"{r:.2f}x" if r >= 0.1 else f"{r:.2g}x"
+
+
+def _pc(v: float) -> str:
+    return f"{100 * v:.2f}%"
+
+
+def _ratio(line: dict, key: str | None, ours: float, peer: float) -> float | None:
+    """The line's own ratio (``key``, computed before rounding) when it has one, else
+    ours / peer."""
+    if key and isinstance(line.get(key), int | float):
+        return float(line[key])
+    return ours / peer if peer else None
+
+
+def time_words(r: float, peer: str) -> str:
+    """``0.84x the time PyTorch takes``: for figures where less is better."""
+    return f"{_x(r)} the time {peer} takes"
+
+
+def rate_words(r: float, peer: str, unit: str) -> str:
+    """``2.32x the images/s of PyTorch``: for figures where more is better."""
+    return f"{_x(r)} the {unit} of {peer}"
+
+
+def _goal(line: dict, key: str, bound: str) -> str:
+    goal = (line.get("goals") or {}).get(key)
+    return f" (goal: {bound} {_x(goal)})" if isinstance(goal, int | float) else ""
+
+
+def _get(line: dict, *path: str) -> Any:
+    for k in path:
+        if not isinstance(line, dict):
+            return None
+        line = line.get(k)
+    return line
+
+
+def _is_num(*vs: object) -> bool:
+    return all(isinstance(v, int | float) and not isinstance(v, bool) for v in vs)
+
+
+def _versus(
+    line: dict,
+    what: str,
+    ours: float | None,
+    peer: float | None,
+    *,
+    unit: str,
+    peer_name: str,
+    less_is_better: bool,
+    ratio_key: str | None = None,
+    goal_key: str | None = None,
+    ours_note: str = "",
+    peer_note: str = "",
+    peer_label: str | None = None,
+) -> Figure | None:
+    """The common claim: our figure beside the peer's, in ``unit`` (``"s"``, ``"MB/s"``...)."""
+    if not _is_num(ours):
+        return None
+    assert ours is not None
+    label = peer_label or peer_name
+    ours_text = f"{_num(ours)} {unit}{ours_note}"
+    if not _is_num(peer) or not peer:
+        return Figure(
+            what, ours_text, f"{peer_name}: not run", "no peer in this run", f"{_num(ours)} {unit}"
+        )
+    assert peer is not None
+    r = _ratio(line, ratio_key, ours, peer)
+    assert r is not None
+    if less_is_better:
+        words = time_words(r, peer_name) + (_goal(line, goal_key, "at most") if goal_key else "")
+    else:
+        words = rate_words(r, peer_name, unit) + (
+            _goal(line, goal_key, "at least") if goal_key else ""
+        )
+    return Figure(
+        what,
+        ours_text,
+        f"{label}: {_num(peer)} {unit}{peer_note}",
+        words,
+        f"{_num(ours)} {unit} vs {_num(peer)} {unit} ({_x(r)})",
+    )
+
+
+def _target(line: dict) -> str:
+    return f"{100 * line.get('target', 0.99):g}%"
+
+
+def _tta_torch(ln: dict) -> Figure | None:
+    return _versus(
+        ln,
+        f"Time to {_target(ln)} MNIST test accuracy: `adam-dask train`, embedded cluster",
+        ln.get("ours_seconds_to_target"),
+        ln.get("torch_seconds_to_target"),
+        unit="s",
+        peer_name="PyTorch",
+        peer_label=f"PyTorch, same network, {ln.get('torch_threads', '?')} threads",
+        less_is_better=True,
+        ratio_key="ours_over_torch",
+        goal_key="ours_over_torch",
+        ours_note=f" ({ln.get('ours_epochs', '?')} epochs)",
+        peer_note=f" ({ln.get('torch_epochs', '?')} epochs)",
+    )
+
+
+def _tta_engine(ln: dict) -> Figure | None:
+    return _versus(
+        ln,
+        f"Time to {_target(ln)}: the whole system vs its engine alone (one process, no cluster)",
+        ln.get("ours_seconds_to_target"),
+        ln.get("engine_seconds_to_target"),
+        unit="s",
+        peer_name="the engine alone",
+        less_is_better=True,
+        ratio_key="ours_over_engine",
+        goal_key="ours_over_engine",
+        ours_note=f" ({ln.get('ours_epochs', '?')} epochs)",
+        peer_note=f" ({ln.get('engine_epochs', '?')} epochs)",
+    )
+
+
+def _tta_rate(ln: dict) -> Figure | None:
+    return _versus(
+        ln,
+        "Training images/s: the whole system vs its engine alone (same run, same threads)",
+        ln.get("ours_images_per_second"),
+        ln.get("engine_images_per_second"),
+        unit="images/s",
+        peer_name="the engine alone",
+        less_is_better=False,
+    )
+
+
+def _engine(ln: dict) -> Figure | None:
+    return _versus(
+        ln,
+        f"Engine training images/s: one replica, {ln.get('threads', '?')} Hogwild threads",
+        ln.get("images_per_s"),
+        ln.get("torch_images_per_s"),
+        unit="images/s",
+        peer_name="PyTorch",
+        peer_label="PyTorch, same network",
+        less_is_better=False,
+        ratio_key="ratio",
+    )
+
+
+def _socket_mb(ln: dict, kind: str) -> float | None:
+    """A raw socket's MB/s for ``kind`` (push or pull), however the ps line stores it."""
+    v = ln.get(f"socket_{kind}_mb_per_s", ln.get("socket_mb_per_s"))
+    if isinstance(v, dict):
+        v = v.get(kind)
+    return v if _is_num(v) else None
+
+
+def _ps_transfer(kind: str) -> Callable[[dict], Figure | None]:
+    def figure(ln: dict) -> Figure | None:
+        fig = _versus(
+            ln,
+            f"PS {kind}: {_num(ln.get('payload_mb', 0))} MB in {_num(ln.get('shard_mb', 0))} "
+            f'MB shards x {ln.get("copies", "?")} copies, `ack="{ln.get("ack", "?")}"`',
+            ln.get(f"{kind}_mb_per_s"),
+            ln.get(f"raw_{kind}_mb_per_s"),
+            unit="MB/s",
+            peer_name="a raw actor round trip",
+            less_is_better=False,
+            ratio_key=f"{kind}_vs_raw",
+            goal_key=f"{kind}_vs_raw",
+        )
+        vs_socket = ln.get(f"{kind}_vs_socket")
+        if fig is None or not _is_num(vs_socket):
+            return fig
+        socket = _socket_mb(ln, kind)
+        peer = fig.peer + ("; a raw socket" + (f": {_num(socket)} MB/s" if socket else ""))
+        words = f"{fig.words}; {rate_words(vs_socket, 'a raw socket', 'MB/s')}"
+        return Figure(fig.what, fig.ours, peer, words, f"{fig.brief}, {_x(vs_socket)} socket")
+
+    return figure
+
+
+def _failover(signal: str, how: str) -> Callable[[dict], Figure | None]:
+    def figure(ln: dict) -> Figure | None:
+        served, healed = ln.get(f"{signal}_served_seconds"), ln.get(f"{signal}_healed_seconds")
+        goal = (ln.get("goals") or {}).get("served_seconds")
+        if not _is_num(served):
+            return None
+        lost = ln.get(f"{signal}_lost_max_abs")
+        ours = f"pushes served again after {_num(served)} s" + (
+            f", every shard back at full copies after {_num(healed)} s" if _is_num(healed) else ""
+        )
+        if _is_num(lost):
+            ours += (
+                "; no acknowledged update lost or applied twice"
+                if lost == 0
+                else f"; parameters off by up to {lost}"
+            )
+        what = f"Fail-over: {how} while pushes run"
+        if not _is_num(goal):
+            return Figure(what, ours, "no peer", "no goal in this run", f"{_num(served)} s")
+        return Figure(
+            what,
+            ours,
+            f"the benchmark's goal: {_num(goal)} s",
+            f"{_x(served / goal)} the {_num(goal)} s goal",
+            f"{_num(served)} s",
+        )
+
+    return figure
+
+
+def _ps_cost(ln: dict) -> Figure | None:
+    return _versus(
+        ln,
+        f'The safe default\'s cost: training images/s with `ack="{ln.get("ack", "?")}"`',
+        ln.get("train_images_per_s"),
+        ln.get("primary_train_images_per_s"),
+        unit="images/s",
+        peer_name='`ack="primary"`',
+        peer_label='`ack="primary"` (acknowledged once the primary has it)',
+        less_is_better=False,
+    )
+
+
+def _at(curve: list, replicas: object) -> dict:
+    return next(
+        (p for p in curve or [] if isinstance(p, dict) and p.get("replicas") == replicas), {}
+    )
+
+
+def _served(point: dict) -> str:
+    p99 = _p99_key(point)
+    parts = [f"{_num(point['mb_per_s'])} MB/s" if _is_num(point.get("mb_per_s")) else ""]
+    parts.append(f"p99 push {_num(point[p99])} ms" if p99 and _is_num(point.get(p99)) else "")
+    shown = ", ".join(p for p in parts if p)
+    return f" ({shown})" if shown else ""
+
+
+def _capacity(ln: dict) -> Figure | None:
+    ours, sink = ln.get("replicas_served"), ln.get("sink_replicas_served")
+    if not _is_num(ours):
+        return None
+    period = ln.get("push_period_ms")
+    what = (
+        "PS capacity: emulated replicas one PS group serves with p99 push at most "
+        f"{_num(ln.get('p99_bound_ms', 0))} ms"
+        + (
+            f", each pushing {_num(ln['delta_bytes'] / 2**20)} MB every {_num(period)} ms"
+            if _is_num(ln.get("delta_bytes"), period)
+            else ""
+        )
+    )
+    ours_text = f"{ours} replicas{_served(_at(ln.get('curve'), ours))}"
+    peer = "a socket sink (the machine's limit)"
+    if not _is_num(sink) or not sink:
+        return Figure(what, ours_text, f"{peer}: not run", "no peer in this run", f"{ours}")
+    r = _ratio(ln, "served_vs_sink", ours, sink)
+    assert r is not None
+    return Figure(
+        what,
+        ours_text,
+        f"{peer}: {sink} replicas{_served(_at(ln.get('sink_curve'), sink))}",
+        f"{_x(r)} the replicas the socket sink serves",
+        f"{ours} vs {sink} ({_x(r)})",
+    )
+
+
+def _chaos(ln: dict) -> Figure | None:
+    if "completed" not in ln:
+        return None
+    acc, clean = ln.get("test_accuracy") or [], ln.get("clean_test_accuracy") or []
+    what = (
+        f"Training through {ln.get('fault_count', '?')} faults from outside (SIGKILL, SIGSTOP "
+        f"of every role and of every copy of a shard), {ln.get('epochs', '?')} epochs"
+    )
+    peer = "the same run undisturbed: " + (
+        f"{_pc(clean[-1])} in {_num(ln['clean_seconds'])} s" if clean else "did not finish"
+    )
+    if not ln["completed"]:
+        error = str(ln.get("error") or "?").split(":")[0]
+        return Figure(
+            what,
+            f"did not finish ({error}) after {ln.get('epochs_done', 0)} epochs",
+            peer,
+            "did not finish",
+            f"ended ({error})",
+        )
+    once = ln.get("every_image_applied_once")
+    ours = (
+        f"finished; every image applied once: {'yes' if once else 'no'}; "
+        f"{_pc(acc[-1]) if acc else '?'} in {_num(ln['seconds'])} s"
+    )
+    words, brief = "finished", "finished"
+    if acc and clean:
+        words = f"{100 * (acc[-1] - clean[-1]):+.2f} points of accuracy"
+        brief = f"finished, {_pc(acc[-1])} vs {_pc(clean[-1])}"
+        if _is_num(ln.get("clean_seconds")) and ln["clean_seconds"]:
+            words += ", " + time_words(ln["seconds"] / ln["clean_seconds"], "the undisturbed run")
+    brief += "" if once else ", not every image once"
+    return Figure(what, ours, peer, words, brief)
+
+
+def _after_first(ln: dict, quorum: str) -> float | None:
+    """The mean epoch seconds of the quorum's run without its first epoch (``detail``)."""
+    secs = _get(ln, "detail", quorum, "epoch_seconds")
+    return _mean(secs[1:]) if isinstance(secs, list) and len(secs) > 1 else None
+
+
+def _quorum(ln: dict) -> Figure | None:
+    q, full = ln.get("epoch_seconds_quorum_0_75"), ln.get("epoch_seconds_quorum_1_0")
+    fig = _versus(
+        ln,
+        f"Epoch quorum 0.75 vs 1.0: {ln.get('replicas', '?')} replicas, one slowed by "
+        f"{ln.get('slow_replica_delay_per_batch', '?')} s per batch",
+        q,
+        full,
+        unit="s",
+        peer_name="quorum 1.0",
+        less_is_better=True,
+    )
+    a, b = ln.get("accuracy_quorum_0_75"), ln.get("accuracy_quorum_1_0")
+    if fig is None or not _is_num(a, b):
+        return fig
+    words = f"{fig.words}, {100 * (a - b):+.2f} points of accuracy"
+    # the first epoch of a run can hold a warm-up the later ones do not: say what the later
+    # epochs alone give, when the line has them
+    q_later, full_later = _after_first(ln, "0.75"), _after_first(ln, "1.0")
+    if q_later is not None and full_later:
+        words += (
+            f"; {_x(q_later / full_later)} without each run's first epoch "
+            f"({_num(q_later)} s vs {_num(full_later)} s)"
+        )
+    return Figure(
+        fig.what,
+        f"{fig.ours} per epoch, {_pc(a)}",
+        f"{fig.peer} per epoch, {_pc(b)}",
+        words,
+        fig.brief,
+    )
+
+
+def _table1(ln: dict) -> Figure | None:
+    if "async" not in ln:
+        return None
+    link = "[Table 1, seed by seed](#table-1-seed-by-seed)"
+    return Figure(
+        "The paper's Table 1: asynchronous vs synchronous accuracy",
+        f"see {link}",
+        "the paper's figures and our synchronous runs",
+        f"see {link}",
+        ", ".join(
+            f"{mode} {_pc(ln[f'{mode}_accuracy'])}"
+            for mode in ("async", "sync")
+            if _is_num(ln.get(f"{mode}_accuracy"))
+        ),
+    )
+
+
+def _ingest(ln: dict) -> Figure | None:
+    return _versus(
+        ln,
+        "Ingest MNIST IDX into Zarr, images/s",
+        ln.get("ingest_images_per_s"),
+        ln.get("read_idx_images_per_s"),
+        unit="images/s",
+        peer_name="decompressing and parsing the IDX files alone",
+        less_is_better=False,
+        ratio_key="ratio_ingest_to_read",
+    )
+
+
+def _serving(ln: dict) -> Figure | None:
+    return _versus(
+        ln,
+        f"Augmented images/s served by {ln.get('data_nodes', '?')} DATA worker(s)",
+        ln.get("augmented_images_per_s"),
+        ln.get("torch_loader_images_per_s"),
+        unit="images/s",
+        peer_name="a PyTorch DataLoader",
+        less_is_better=False,
+        ratio_key="speedup_vs_torch",
+    )
+
+
+def _mean(v: object) -> float | None:
+    if isinstance(v, list):
+        v = [x for x in v if _is_num(x)]
+        return sum(v) / len(v) if v else None
+    return float(v) if isinstance(v, int | float) else None
+
+
+def _serving_faults(ln: dict) -> Figure | None:
+    scenario = ln.get("scenario", "?")
+    fig = _versus(
+        ln,
+        f"Epoch seconds with a DATA worker frozen (SIGSTOP), `{scenario}`",
+        _mean(ln.get("epoch_seconds")),
+        _mean(ln.get("baseline_epoch_seconds")),
+        unit="s",
+        peer_name="the undisturbed epoch",
+        less_is_better=True,
+    )
+    if fig is None:
+        return None
+    return Figure(fig.what, fig.ours, fig.peer, fig.words, f"{scenario}: {fig.brief}")
+
+
+def _pipelines(ln: dict) -> Figure | None:
+    return _versus(
+        ln,
+        f"Reprocess pipeline: {ln.get('images', '?')} raw images in S3 to Zarr in S3, "
+        f"{ln.get('augmented_epochs', 0)} pre-augmented epoch(s)",
+        ln.get("reprocess_seconds"),
+        ln.get("ingest_only_seconds"),
+        unit="s",
+        peer_name="ingest alone",
+        less_is_better=True,
+        ratio_key="reprocess_over_ingest_only",
+    )
+
+
+def _resume(ln: dict) -> Figure | None:
+    first = ln.get("first_push_seconds")
+    if not _is_num(first):
+        return None
+    lost, again = ln.get("images_lost_at_crash"), ln.get("images_retrained")
+    n, applied = ln.get("n_train"), ln.get("images_applied")
+    return Figure(
+        f"Resume mid-epoch after the whole cluster is SIGKILLed ({n} training images)",
+        f"first push {_num(first)} s after the resume call; {lost} images lost, {again} "
+        f"re-trained; {applied} of {n} applied",
+        f"none: what the checkpoint held, {ln.get('images_in_checkpoint', '?')} of {n} images",
+        "every image applied once" if applied == n else f"{applied} of {n} images applied",
+        f"{_num(first)} s, lost {lost}",
+    )
+
+
+def _large_model(ln: dict) -> Figure | None:
+    ps = ln.get("ps") or {}
+    fig = _versus(
+        ps,
+        f"{ln.get('model', '?')}-parameter dense net: PS push ({_num(ps.get('payload_mb', 0))} MB)",
+        ps.get("push_mb_per_s"),
+        ps.get("raw_push_mb_per_s"),
+        unit="MB/s",
+        peer_name="a raw actor transfer",
+        less_is_better=False,
+        ratio_key="push_vs_raw",
+    )
+    if fig is None:
+        return None
+    sent = ln.get("offload_sent_bytes_ratio")
+    words = fig.words + (
+        f"; the dense offload sends {_x(sent)} the bytes per image" if _is_num(sent) else ""
+    )
+    return Figure(fig.what, fig.ours, fig.peer, words, f"{ln.get('model')}: {fig.brief}")
+
+
+CLAIMS: tuple[Claim, ...] = (
+    Claim("time_to_accuracy", "vs PyTorch", _tta_torch),
+    Claim("time_to_accuracy", "vs the engine alone", _tta_engine),
+    Claim("time_to_accuracy", "images/s vs the engine alone", _tta_rate),
+    Claim("engine", "images/s vs PyTorch", _engine),
+    Claim("ps", "push MB/s", _ps_transfer("push")),
+    Claim("ps", "pull MB/s", _ps_transfer("pull")),
+    Claim("capacity", "replicas served", _capacity),
+    Claim("ps", "SIGKILL fail-over", _failover("sigkill", "a primary's PS worker SIGKILLed")),
+    Claim("ps", "SIGSTOP fail-over", _failover("sigstop", "a primary's PS worker SIGSTOPped")),
+    Claim("ps", "images/s vs ack=primary", _ps_cost),
+    Claim("chaos", "through faults", _chaos),
+    Claim("quorum", "quorum 0.75 vs 1.0", _quorum),
+    Claim("table1", "Table 1", _table1),
+    Claim("ingest", "ingest", _ingest),
+    Claim("serving", "serving", _serving),
+    Claim("serving_faults", "frozen DATA worker", _serving_faults),
+    Claim("pipelines", "reprocess vs ingest", _pipelines),
+    Claim("resume", "resume", _resume),
+    Claim("large_model", "push MB/s", _large_model),
+)
+
+
+def load_results(folder: Path = RESULTS) -> dict[str, list[dict]]:
+    """Every stored line, by benchmark (the file's stem), oldest first."""
+    return {p.stem: read_lines(p) for p in sorted(folder.glob("*.jsonl"))}
+
+
+def _load(line: dict) -> str:
+    v = line.get("load_average", line.get("load"))
+    if isinstance(v, list):
+        v = max((x for x in v if _is_num(x)), default=None)
+    return f", load {v:.1f}" if _is_num(v) else ""
+
+
+def run_stamp(line: dict) -> str:
+    """``2026-11-23, f7ac4bf, 2 CPUs, load 4.2``: when, at which commit, on what machine (the
+    highest load average the line recorded, when it did)."""
+    return (
+        f"{str(line.get('date', '?'))[:10]}, {line.get('commit', '?')}, "
+        f"{line.get('cpus', '?')} CPUs{_load(line)}"
+    )
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def headline(results: dict[str, list[dict]]) -> str:
+    """The table of headline figures: one row per claim its benchmark's newest line measures
+    (a benchmark without a line has no row), then which benchmarks have none and which stored
+    files the table does not summarise."""
     rows = [
-        "| benchmark | newest run (date, commit, CPUs) | figures |",
-        "| --- | --- | --- |",
+        "| claim | ours | peer | in words | newest run (date, commit, CPUs) | stored runs |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
-    for path in sorted(RESULTS.glob("*.jsonl")):
-        line = newest(path)
-        if line is None:
+    shown = shown_benchmarks(results)
+    for claim in CLAIMS:
+        lines = results.get(claim.bench) or []
+        if not lines:
             continue
-        when = f"{line.get('date', '?')[:10]}, {line.get('commit', '?')}, {line.get('cpus', '?')}"
-        rows.append(f"| `{path.stem}` | {when} | {figures(line)} |")
-    return "\n".join(rows)
+        fig = claim.figure(lines[-1])
+        if fig is None:
+            continue
+        rows.append(
+            "| "
+            + " | ".join(
+                _cell(c)
+                for c in (
+                    fig.what,
+                    fig.ours,
+                    fig.peer,
+                    fig.words,
+                    run_stamp(lines[-1]),
+                    f"{len(lines)} in `{claim.bench}`",
+                )
+            )
+            + " |"
+        )
+    out = ["\n".join(rows)]
+    missing = sorted({c.bench for c in CLAIMS} - set(shown))
+    if missing:
+        out.append(
+            "No stored line measures these yet: " + ", ".join(f"`{b}`" for b in missing) + "."
+        )
+    others = sorted(set(results) - {c.bench for c in CLAIMS})
+    if others:
+        out.append(
+            "Stored but not summarised here (see `benchmarks/results/`): "
+            + ", ".join(f"`{b}` ({len(results[b])} lines)" for b in others)
+            + "."
+        )
+    return "\n\n".join(out)
+
+
+def shown_benchmarks(results: dict[str, list[dict]]) -> list[str]:
+    """The benchmarks with a row in the headline table, in the table's order."""
+    out: list[str] = []
+    for claim in CLAIMS:
+        lines = results.get(claim.bench) or []
+        if lines and claim.bench not in out and claim.figure(lines[-1]) is not None:
+            out.append(claim.bench)
+    return out
+
+
+def every_run(bench: str, lines: list[dict]) -> str:
+    """A collapsible list of every stored line of ``bench``: its stamp and what it says about
+    each of the benchmark's claims."""
+    claims = [c for c in CLAIMS if c.bench == bench]
+    rows = [
+        "| run (date, commit, CPUs) | " + " | ".join(c.name for c in claims) + " |",
+        "| --- |" + " --- |" * len(claims),
+    ]
+    for ln in lines:
+        figs = [c.figure(ln) for c in claims]
+        rows.append(
+            f"| {_cell(run_stamp(ln))} | "
+            + " | ".join(_cell(f.brief) if f and f.brief else "—" for f in figs)
+            + " |"
+        )
+    n = len(lines)
+    return "\n".join(
+        [
+            f"<details><summary><code>{bench}</code>: all {n} stored run{'s' * (n != 1)}</summary>",
+            "",
+            *rows,
+            "",
+            "</details>",
+        ]
+    )
+
+
+# --- the plots' data (drawn by plot_time_to_accuracy.py and plot_capacity.py) ---
+
+TTA_RUNS = (
+    ("ours", "ours: adam-dask train, embedded cluster"),
+    ("engine", "the engine alone"),
+    ("torch", "PyTorch"),
+)
+
+
+def tta_curves(line: dict) -> dict[str, list[float]]:
+    """label -> test accuracy after each epoch, for each run the time_to_accuracy line holds a
+    curve of (ours, the engine alone, PyTorch), the label saying its seconds to the target."""
+    out = {}
+    for key, name in TTA_RUNS:
+        curve = line.get(f"{key}_curve")
+        if not curve:
+            continue
+        secs = line.get(f"{key}_seconds_to_target")
+        reached = f"{_target(line)} in {_num(secs)} s" if _is_num(secs) else "target not reached"
+        out[f"{name} ({reached})"] = list(curve)
+    return out
+
+
+def _p99_key(point: dict) -> str | None:
+    """The point's p99 push latency key (``push_ms_p99``; any ``p99`` key with ``push``)."""
+    if "push_ms_p99" in point:
+        return "push_ms_p99"
+    return next((k for k in point if "p99" in k and "push" in k), None)
+
+
+def capacity_curves(line: dict) -> dict[str, dict[str, list]]:
+    """``{"ours": ..., "socket sink": ...}`` from a capacity line's ``curve`` and
+    ``sink_curve``, each ``{"replicas": [...], "p99_ms": [...], "mb_per_s": [...],
+    "within": [...]}`` (``within``: the count met the line's bound); empty without a curve."""
+    out = {}
+    for name, key in (("ours", "curve"), ("socket sink", "sink_curve")):
+        points = [p for p in line.get(key) or [] if isinstance(p, dict) and "replicas" in p]
+        if not points:
+            continue
+        p99 = _p99_key(points[0])
+        out[name] = {
+            "replicas": [p["replicas"] for p in points],
+            "p99_ms": [p.get(p99) if p99 else None for p in points],
+            "mb_per_s": [p.get("mb_per_s") for p in points],
+            "within": [bool(p.get("within", True)) for p in points],
+        }
+    return out if "ours" in out else {}
+
+
+# --- the README: the figures block, the sizing sentence, Table 1 ---
+
+
+def sizing_sentence(lines: list[dict]) -> str:
+    """What the stored time_to_accuracy runs say about replicas on small machines: epochs to
+    the target and median images/s by replica count, on each CPU count below 4."""
+    groups: dict[tuple, dict[int, list[dict]]] = {}
+    for ln in lines:
+        if not _is_num(ln.get("ours_epochs"), ln.get("ours_replicas"), ln.get("cpus")):
+            continue
+        if ln["cpus"] >= 4:
+            continue
+        key = (ln["cpus"], ln.get("target", 0.99))
+        groups.setdefault(key, {}).setdefault(ln["ours_replicas"], []).append(ln)
+    if not groups:
+        return "No stored `time_to_accuracy` run on fewer than 4 CPUs yet."
+    out = []
+    for (cpus, target), by_replicas in sorted(groups.items()):
+        parts = []
+        for replicas, runs in sorted(by_replicas.items()):
+            epochs = ", ".join(str(r["ours_epochs"]) for r in runs)
+            rates = sorted(
+                r["ours_images_per_second"]
+                for r in runs
+                if _is_num(r.get("ours_images_per_second"))
+            )
+            median = (
+                rates[len(rates) // 2]
+                if len(rates) % 2
+                else sum(rates[len(rates) // 2 - 1 : len(rates) // 2 + 1]) / 2
+            )
+            parts.append(
+                f"{epochs} epochs with {replicas} replica{'s' * (replicas != 1)}"
+                + (f" (median {_num(median)} images/s)" if rates else "")
+            )
+        out.append(
+            f"On {cpus} CPUs the stored `time_to_accuracy` runs reached {100 * target:g}% in "
+            + " and in ".join(parts)
+            + "."
+        )
+    return " ".join(out)
+
+
+def figures_block(results: dict[str, list[dict]]) -> str:
+    """The README's Measured block: the headline table, the plots whose data is stored, and
+    every stored run of each benchmark in the table."""
+    parts = [
+        "One row per claim, from the newest stored line of its benchmark, beside the peer "
+        "measured in the same run; *stored runs* counts the benchmark's lines, every one "
+        "of them listed below the plots. Wall-clock figures come from a shared machine: each row "
+        "gives the CPU count and the highest load average its line recorded.",
+        headline(results),
+    ]
+    tta = results.get("time_to_accuracy") or []
+    if tta and tta_curves(tta[-1]):
+        ln = tta[-1]
+        parts.append(
+            f"![Test accuracy per epoch: ours, the engine alone, PyTorch]({TTA_PNG_LINK})\n\n"
+            f"Test accuracy after each epoch in the newest `time_to_accuracy` run "
+            f"({run_stamp(ln)}), plotted per epoch: the line stores no time per epoch (the "
+            f"seconds to {_target(ln)} are in the legend and the table). "
+            "`python benchmarks/plot_time_to_accuracy.py` draws it."
+        )
+    cap = results.get("capacity") or []
+    if cap and capacity_curves(cap[-1]):
+        ln = cap[-1]
+        parts.append(
+            f"![Parameter-server capacity: p99 push latency and MB/s by replicas]"
+            f"({CAPACITY_PNG_LINK})\n\n"
+            f"The newest `capacity` run ({run_stamp(ln)}): p99 push latency and the MB of deltas "
+            "taken in per second as emulated replicas are added, ours against the socket sink; "
+            "hollow markers are counts past the bound. `python benchmarks/plot_capacity.py` "
+            "draws it."
+        )
+    shown = shown_benchmarks(results)
+    if shown:
+        parts.append(
+            "Every stored run, oldest first (each cell: ours vs the peer and their ratio; — "
+            "where the line does not measure it):"
+        )
+        parts.extend(every_run(b, results[b]) for b in shown)
+    return "\n\n".join(parts)
 
 
 def _recipe(line: dict) -> str:
@@ -218,11 +964,42 @@ def _replace(readme: str, start: str, end: str, body: str) -> str:
     return f"{head}{start}\n{body}\n{end}{tail}"
 
 
-def render(readme: str) -> str:
-    out = _replace(readme, START, END, table())
-    t1 = RESULTS / "table1.jsonl"
-    body = table1_block(read_lines(t1) if t1.exists() else [])
-    return _replace(out, T1_START, T1_END, body)
+def render(readme: str, results: dict[str, list[dict]] | None = None) -> str:
+    """``readme`` with its generated blocks (figures, Table 1, the sizing sentence) rewritten
+    from ``results`` (default: the stored lines)."""
+    results = load_results() if results is None else results
+    out = _replace(readme, START, END, figures_block(results))
+    out = _replace(out, T1_START, T1_END, table1_block(results.get("table1") or []))
+    return _replace(
+        out, SIZING_START, SIZING_END, sizing_sentence(results.get("time_to_accuracy") or [])
+    )
+
+
+def draw(results: dict[str, list[dict]]) -> list[Path]:
+    """Redraw the plots whose data is stored (Table 1's curves, time to accuracy, capacity);
+    none without matplotlib. Returns the files written."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return []
+    import plot_capacity
+    import plot_table1
+    import plot_time_to_accuracy
+
+    written = []
+    t1 = results.get("table1") or []
+    if _pairs(t1):
+        plot_table1.plot(t1, plot_table1.OUT)
+        written.append(plot_table1.OUT)
+    tta = results.get("time_to_accuracy") or []
+    if tta and tta_curves(tta[-1]):
+        plot_time_to_accuracy.plot(tta[-1], plot_time_to_accuracy.OUT)
+        written.append(plot_time_to_accuracy.OUT)
+    cap = results.get("capacity") or []
+    if cap and capacity_curves(cap[-1]):
+        plot_capacity.plot(cap[-1], plot_capacity.OUT)
+        written.append(plot_capacity.OUT)
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,7 +1007,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 if README.md is out of date")
     args = p.parse_args(argv)
     text = README.read_text()
-    new = render(text)
+    results = load_results()
+    new = render(text, results)
     if args.check:
         if new != text:
             print(
@@ -240,14 +1018,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     README.write_text(new)
-    try:  # the Table 1 curves, drawn from the same lines, when matplotlib is installed
-        import plot_table1
-    except ImportError:
-        return 0
-    t1 = RESULTS / "table1.jsonl"
-    lines = read_lines(t1) if t1.exists() else []
-    if _pairs(lines):
-        plot_table1.plot(lines, plot_table1.OUT)
+    for path in draw(results):
+        print(path.relative_to(ROOT))
     return 0
 
 

@@ -21,6 +21,7 @@ def _bench(name: str):
         spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
         assert spec is not None and spec.loader is not None
         mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod  # as an import does (dataclasses look their module up)
         spec.loader.exec_module(mod)
     finally:
         sys.path.remove(path)
@@ -109,3 +110,192 @@ def test_the_readme_shows_what_the_stored_lines_say():
     report = _report()
     readme = (ROOT / "README.md").read_text()
     assert report.render(readme) == readme, "run python benchmarks/report.py"
+
+
+# --- the headline table, from small synthetic lines ---
+
+
+def _stamp(commit, **kw):
+    return {"date": "2026-11-25T00:00:00Z", "commit": commit, "cpus": 2, **kw}
+
+
+def _tta(commit, ours, torch=None, engine=None, **kw):
+    line = _stamp(commit, target=0.99, ours_seconds_to_target=ours, ours_epochs=3, **kw)
+    if torch is not None:
+        line.update(torch_seconds_to_target=torch, torch_epochs=4, torch_threads=2)
+    if engine is not None:
+        line.update(engine_seconds_to_target=engine, engine_epochs=4)
+    return line
+
+
+def _capacity_line(ours=4, sink=8):
+    def point(r, p99, within):
+        return {"replicas": r, "mb_per_s": 30.0 * r, "push_ms_p99": p99, "within": within}
+
+    return _stamp(
+        "cap",
+        replicas_served=ours,
+        sink_replicas_served=sink,
+        p99_bound_ms=100,
+        curve=[point(1, 5.0, True), point(4, 60.0, True), point(8, 400.0, False)],
+        sink_curve=[point(1, 1.0, True), point(8, 20.0, True), point(16, 300.0, False)],
+    )
+
+
+def _rows(text, claim):
+    return [r for r in text.splitlines() if r.startswith(f"| {claim}")]
+
+
+def test_each_claim_is_ours_beside_its_named_peer_in_words():
+    report = _report()
+    results = {
+        "time_to_accuracy": [_tta("t1", 34.69, torch=41.24, engine=23.28, ours_over_torch=0.841)],
+        "engine": [_stamp("e1", threads=2, images_per_s=12660.9, torch_images_per_s=5453.5)],
+        "ps": [
+            _stamp(
+                "p1",
+                push_mb_per_s=300.0,
+                raw_push_mb_per_s=600.0,
+                pull_mb_per_s=500.0,
+                raw_pull_mb_per_s=1000.0,
+                push_vs_raw=0.5,
+                goals={"push_vs_raw": 0.8},
+            )
+        ],
+    }
+    text = report.headline(results)
+    (tta,) = _rows(text, "Time to 99% MNIST")
+    # the line's own ratio (from unrounded seconds) is the one shown
+    assert "34.7 s (3 epochs) | PyTorch, same network, 2 threads: 41.2 s (4 epochs) |" in tta
+    assert "| 0.84x the time PyTorch takes |" in tta
+    assert "2026-11-25, t1, 2 CPUs" in tta
+    (engine,) = _rows(text, "Engine training images/s")
+    assert (
+        "| 12,661 images/s | PyTorch, same network: 5,454 images/s | 2.32x the images/s of PyTorch |"
+        in engine
+    )
+    (push,) = _rows(text, "PS push")
+    assert "0.50x the MB/s of a raw actor round trip (goal: at least 0.80x)" in push
+    (pull,) = _rows(text, "PS pull")  # no ratio key: ours / peer
+    assert "0.50x the MB/s of a raw actor round trip |" in pull
+    # the engine-alone row comes from the same line; without the engine run it says so
+    assert "1.49x the time the engine alone takes" in text
+    text = report.headline({"time_to_accuracy": [_tta("t2", 23.0)]})
+    assert "| 23 s (3 epochs) | PyTorch: not run | no peer in this run |" in text
+
+
+def test_a_benchmark_without_a_line_has_no_row():
+    report = _report()
+    results = {"engine": [_stamp("e1", images_per_s=2.0, torch_images_per_s=1.0)]}
+    text = report.headline(results)
+    assert "capacity" not in "".join(_rows(text, ""))
+    assert "No stored line measures these yet:" in text and "`capacity`" in text
+    text = report.headline({**results, "capacity": [_capacity_line()]})
+    (row,) = _rows(text, "PS capacity")
+    assert "| 4 replicas (120 MB/s, p99 push 60 ms) |" in row
+    assert "a socket sink (the machine's limit): 8 replicas (240 MB/s, p99 push 20 ms)" in row
+    assert "0.50x the replicas the socket sink serves" in row
+    assert "`capacity`" not in text.partition("No stored line")[2].partition("\n")[0]
+    # a stored file no claim reads is named, not dropped silently
+    assert "`table1_torch` (1 lines)" in report.headline({"table1_torch": [_stamp("x")]})
+
+
+def test_every_stored_run_is_listed_not_only_the_newest():
+    report = _report()
+    lines = [
+        _tta("old", 900.0),  # no peer: still listed
+        _tta("mid", 30.0, torch=20.0),  # slower than PyTorch: still listed
+        _tta("new", 34.69, torch=41.24),
+    ]
+    block = report.every_run("time_to_accuracy", lines)
+    rows = [r for r in block.splitlines() if r.startswith("| 2026")]
+    assert [r.split(", ")[1] for r in rows] == ["old", "mid", "new"]
+    assert "| 900 s | 900 s | — |" in rows[0]
+    assert "30 s vs 20 s (1.50x)" in rows[1]
+    assert "all 3 stored runs" in block and block.startswith("<details>")
+    assert "| 3 in `time_to_accuracy` |" in report.headline(
+        {"time_to_accuracy": lines}
+    )  # the runs column
+
+
+def test_socket_peer_is_shown_when_the_ps_line_has_it():
+    report = _report()
+    line = _stamp("p", push_mb_per_s=300.0, raw_push_mb_per_s=600.0)
+    assert "socket" not in report.headline({"ps": [line]})
+    line.update(push_vs_socket=0.25, socket_mb_per_s={"push": 1200.0})
+    (push,) = _rows(report.headline({"ps": [line]}), "PS push")
+    assert "a raw socket: 1,200 MB/s" in push and "0.25x the MB/s of a raw socket" in push
+
+
+def test_chaos_and_quorum_say_what_happened():
+    report = _report()
+    ended = _stamp("c1", completed=False, error="ShardUnavailable: no primary", fault_count=3)
+    ended.update(epochs_done=0, clean_test_accuracy=[0.99], clean_seconds=10.0)
+    done = _stamp("c2", completed=True, error=None, fault_count=21, seconds=300.0)
+    done.update(test_accuracy=[0.98, 0.993], clean_test_accuracy=[0.9921], clean_seconds=200.0)
+    done["every_image_applied_once"] = True
+    text = report.headline({"chaos": [ended, done]})
+    assert "+0.09 points of accuracy, 1.50x the time the undisturbed run takes" in text
+    assert "| ended (ShardUnavailable) |" in report.every_run("chaos", [ended, done])
+    q = _stamp("q", replicas=4, slow_replica_delay_per_batch=0.02)
+    q.update(epoch_seconds_quorum_1_0=20.0, epoch_seconds_quorum_0_75=8.0)
+    q.update(accuracy_quorum_1_0=0.98, accuracy_quorum_0_75=0.975)
+    q["detail"] = {
+        "1.0": {"epoch_seconds": [40.0, 10.0, 10.0]},
+        "0.75": {"epoch_seconds": [9, 7, 7]},
+    }
+    (row,) = _rows(report.headline({"quorum": [q]}), "Epoch quorum")
+    assert "0.40x the time quorum 1.0 takes, -0.50 points of accuracy" in row
+    assert "0.70x without each run's first epoch (7 s vs 10 s)" in row
+
+
+def test_the_sizing_sentence_counts_every_small_machine_run():
+    report = _report()
+    lines = [
+        _tta(c, 20.0, ours_replicas=r, ours_images_per_second=ips) | {"ours_epochs": e}
+        for c, r, e, ips in (("a", 1, 2, 5000.0), ("b", 2, 4, 6000.0), ("c", 1, 3, 5200.0))
+    ]
+    lines.append(_tta("big", 9.0, ours_replicas=4) | {"cpus": 8})  # 4 CPUs or more: left out
+    text = report.sizing_sentence(lines)
+    assert text == (
+        "On 2 CPUs the stored `time_to_accuracy` runs reached 99% in 2, 3 epochs with 1 replica "
+        "(median 5,100 images/s) and in 4 epochs with 2 replicas (median 6,000 images/s)."
+    )
+    assert "No stored" in report.sizing_sentence([])
+
+
+def test_render_links_a_plot_only_when_its_data_is_stored():
+    report = _report()
+    readme = "\n".join(
+        [
+            "a <!-- sizing:start -->\n<!-- sizing:end -->",
+            "<!-- figures:start -->\nold dump\n<!-- figures:end -->",
+            "<!-- table1:start -->\n<!-- table1:end --> z",
+        ]
+    )
+    tta = _tta("t", 30.0, torch=40.0) | {"ours_curve": [0.98, 0.991], "torch_curve": [0.99]}
+    out = report.render(readme, {"time_to_accuracy": [tta]})
+    assert "old dump" not in out and "docs/time-to-accuracy.png" in out
+    assert "docs/capacity.png" not in out
+    out = report.render(readme, {"time_to_accuracy": [tta], "capacity": [_capacity_line()]})
+    assert "docs/capacity.png" in out
+    assert report.render(out, {"time_to_accuracy": [tta], "capacity": [_capacity_line()]}) == out
+
+
+def test_the_plots_draw_from_synthetic_lines(tmp_path):
+    cap = _bench("plot_capacity")
+    labels = cap.plot(_capacity_line(), tmp_path / "cap.png")
+    assert (tmp_path / "cap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert labels == ["ours (serves 4)", "socket sink (serves 8)", "bound 100 ms"]
+    with pytest.raises(SystemExit, match="no capacity line"):
+        cap.plot({}, tmp_path / "none.png")
+    tta = _bench("plot_time_to_accuracy")
+    line = _tta("t", 30.0, torch=40.0) | {"ours_curve": [0.98, 0.991], "torch_curve": [0.97, 0.99]}
+    labels = tta.plot(line, tmp_path / "tta.png")
+    assert labels == [
+        "ours: adam-dask train, embedded cluster (99% in 30 s)",
+        "PyTorch (99% in 40 s)",
+        "target 99%",
+    ]
+    with pytest.raises(SystemExit, match="no time_to_accuracy line"):
+        tta.plot({}, tmp_path / "none.png")
