@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -54,13 +55,13 @@ class Segment:
     or plain memory. ``refs``: the caller's and the held pushes'; ``poisoned``: a node may
     still read it, so it is never written again."""
 
-    __slots__ = ("array", "fd", "id", "pool", "poisoned", "refs")
+    __slots__ = ("array", "fd", "id", "poisoned", "pool", "refs")
 
     def __init__(self, pool: Pool, sid: int, floats: int):
         self.pool, self.id, self.refs, self.poisoned = pool, sid, 0, False
         self.fd: int | None = None
         if hasattr(os, "memfd_create"):
-            self.fd = os.memfd_create(f"adam-ps-{sid}", os.MFD_CLOEXEC)
+            self.fd = os.memfd_create(f"adam-ps-{os.getpid()}-{sid}", os.MFD_CLOEXEC)
             os.ftruncate(self.fd, max(floats * 4, 1))
             self.array = np.frombuffer(mmap.mmap(self.fd, max(floats * 4, 1)), np.float32)
             self.array = self.array[:floats]
@@ -127,6 +128,8 @@ class Channel:
     def share(self, seg: Segment) -> None:
         if seg.id in self.shared:
             return
+        if seg.fd is None:  # pragma: no cover - no memfd: the node is reached over TCP
+            raise ConnectionError("this segment cannot be shared")
         send_msg(self.sock, {"op": "segment", "id": seg.id, "nbytes": seg.array.nbytes})
         socket.send_fds(self.sock, [b"s"], [seg.fd])
         self.shared.add(seg.id)
@@ -150,6 +153,7 @@ class Channels:
         self._down: dict[tuple[str, str], float] = {}
         self._endpoints: dict[tuple[str, str], dict] = {}
         self.lock = threading.Lock()  # one call of this handle at a time
+        self.counts = {"pushes": 0, "pulls": 0, "to_dask": 0, "failed_calls": 0}
 
     def get(self, addr: str, key: str, endpoint: Callable[[], dict]) -> Channel | None:
         k = (addr, key)
@@ -189,6 +193,7 @@ class Channels:
 
     def fail(self, addr: str, key: str, ch: Channel, *segs: Segment | None) -> None:
         """``ch`` failed mid-call: close it; the segments it used are never written again."""
+        self.counts["failed_calls"] += 1
         ch.close()
         self._open.pop((addr, key), None)
         for seg in (*segs, ch.pull_seg):
@@ -297,6 +302,8 @@ class PlaneCalls:
         if plane is None or prim is None:
             return list(range(len(self.shards)))
         keep = ack == "replay"
+        if keep and self._log.nbytes > int(config.get("ps.replay-bytes")):
+            return list(range(len(self.shards)))  # the Dask path sheds, or waits for room
         with plane.lock:
             seg = plane.pool.of(delta)
             own = seg is None
@@ -305,7 +312,10 @@ class PlaneCalls:
                 np.copyto(seg.array, delta)
             assert seg is not None
             try:
-                return self._send_parts(plane, seg, prim, ack, mark, push_id, nonzero, keep)
+                rest = self._send_parts(plane, seg, prim, ack, mark, push_id, nonzero, keep)
+                plane.counts["pushes"] += 1
+                plane.counts["to_dask"] += bool(rest)
+                return rest
             finally:
                 if own:
                     seg.release()
@@ -329,7 +339,7 @@ class PlaneCalls:
         values = seg.array
         for addr, sids in groups.items():
             key = self._nodes.get(addr, "")
-            ch = plane.get(addr, key, lambda a=addr, k=key: self._endpoint(a, k))
+            ch = plane.get(addr, key, partial(self._endpoint, addr, key))
             if ch is None:
                 rest += sids
                 continue
@@ -370,9 +380,9 @@ class PlaneCalls:
                 rest += sids
                 continue
             if "error" in reply:
-                exc = rebuilt_error(reply)
-                if isinstance(exc, UpdateRejected):
-                    error = exc
+                refused = rebuilt_error(reply)
+                if isinstance(refused, UpdateRejected):
+                    error = refused
                 else:
                     rest += sids
                 continue
@@ -416,11 +426,11 @@ class PlaneCalls:
             sent = []
             for addr, group in groups.items():
                 key = self._nodes.get(addr, "")
-                ch = plane.get(addr, key, lambda a=addr, k=key: self._endpoint(a, k))
+                ch = plane.get(addr, key, partial(self._endpoint, addr, key))
                 if ch is None:
                     rest += group
                     continue
-                header = {
+                header: dict[str, Any] = {
                     "op": "pull",
                     "server": self.server_id,
                     "sids": group,
@@ -458,4 +468,6 @@ class PlaneCalls:
                     rest += group
                     continue
                 rest += [int(s) for s in reply["moved"]]
+            plane.counts["pulls"] += 1
+            plane.counts["to_dask"] += bool(rest)
         return sorted(rest)

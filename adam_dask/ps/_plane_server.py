@@ -24,6 +24,7 @@ pusher's segment (or the connection's buffer, then the socket): never a torn val
 
 from __future__ import annotations
 
+import gc
 import logging
 import mmap
 import os
@@ -147,8 +148,10 @@ class _Connection:
         except (ConnectionError, OSError, ValueError) as exc:
             logger.debug("data-plane connection closed: %r", exc)
         finally:
-            self.segments.clear()  # unmapped when the last view goes
             self.sock.close()
+            if self.segments:  # unmapped when the last view goes (a view caught in a
+                self.segments.clear()  # reference cycle would keep the pusher's memory)
+                gc.collect()
 
     def _segment(self, h: dict) -> None:
         _, fds, _, _ = socket.recv_fds(self.sock, 1, 1)

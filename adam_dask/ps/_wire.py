@@ -28,9 +28,16 @@ def send_msg(sock: socket.socket, header: dict, *payloads: Any) -> None:
     head = msgpack.packb(header, use_bin_type=True)
     sock.sendall(_LEN.pack(len(head)) + head)
     for p in payloads:
-        view = memoryview(p).cast("B") if isinstance(p, np.ndarray) else memoryview(p)
+        view = _bytes_view(p)
         if view.nbytes:
             sock.sendall(view)
+
+
+def _bytes_view(buf: Any) -> memoryview:
+    """A flat byte view of an array or a bytes-like object (no copy)."""
+    if isinstance(buf, np.ndarray):
+        return buf.data.cast("B")
+    return memoryview(buf)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -41,7 +48,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 def recv_exact_into(sock: socket.socket, view: Any) -> None:
     """Fill ``view`` (a writable buffer: a bytearray, a float32 array slice) from ``sock``."""
-    mv = memoryview(view).cast("B") if isinstance(view, np.ndarray) else memoryview(view)
+    mv = _bytes_view(view)
     got, n = 0, mv.nbytes
     while got < n:
         k = sock.recv_into(mv[got:], n - got)

@@ -522,6 +522,7 @@ class PSNode:
     async def plane(self) -> dict:
         """Where pushers reach this node's data plane (:mod:`adam_dask.ps._plane_server`)."""
         self._start()
+        assert self._plane is not None
         return {"server_id": self.server_id, **self._plane.endpoint()}
 
     async def pull_versions(self, sids: Iterable[int]) -> dict:

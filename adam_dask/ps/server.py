@@ -463,7 +463,9 @@ class ParameterServer(PlaneCalls, Pushing):
         write-back the heartbeats had reported), ``updates_lost_at_least``, ``declared_dead``,
         ``refused_stale`` (calls refused for a stale generation), ``replayed`` /
         ``held_pushes`` / ``held_bytes`` (this handle's pushes sent again to a new primary, and
-        those it keeps until they are durable: ``ack="replay"``), ``nodes``."""
+        those it keeps until they are durable: ``ack="replay"``), ``data_plane`` (this handle's
+        calls over the data plane: ``pushes``, ``pulls``, ``to_dask`` (those that left some
+        shards to the Dask path: moved, failed over), ``failed_calls``), ``nodes``."""
         nodes, routing = self._run(self._stats)
         now = time.monotonic()
         ok = [n for n in nodes.values() if isinstance(n, dict)]
@@ -498,6 +500,7 @@ class ParameterServer(PlaneCalls, Pushing):
             "replayed": self._log.replayed,
             "held_pushes": len(self._log),
             "held_bytes": self._log.nbytes,
+            "data_plane": dict(self._channels.counts) if self._channels is not None else None,
             "nodes": nodes,
         }
 

@@ -104,6 +104,10 @@ def test_pushes_go_on_through_an_s3_outage_and_land_once(ps_client, own_s3):
             for _ in range(12):  # 4x the budget; each would wait out failover-timeout if held
                 s.push(np.ones(N, np.float32))
             st = s.stats()
+            deadline = time.monotonic() + 30  # the pushes may all be in before a write-back ran
+            while st["writeback_errors"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.2)
+                st = s.stats()
             assert st["writeback_errors"] >= 1 and st["writeback_lag_versions"] >= 1
             assert 0 < st["held_bytes"] <= 3 * one + one
             s3_back(own_s3)

@@ -65,6 +65,7 @@ def test_kill_primary_holder_while_pushing(fo_client):
         push_on(pushers, 10)  # pushes go on after the heal
         stop_and_check_sum(s, pushers)
         check_placement(s)
+        assert s.stats()["data_plane"]["pushes"] > 10  # the SIGKILL met the data plane
         heal = info["heal_times"][heals_before:]
         assert heal
         logger.warning(

@@ -1,0 +1,134 @@
+"""The data plane (adam_dask/ps/_plane.py, _plane_server.py): pushes and pulls from the calling
+thread to the PS nodes' sockets, values in shared memory on the same machine or after the
+header over TCP, with the Dask actor path behind it. Real clusters, real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import dask
+import numpy as np
+import pytest
+
+from adam_dask.ps import ParameterServer
+from adam_dask.testing import PushLoad, push_on, stop_and_check_sum
+
+SHARD = 1 << 16
+N = 3 * (SHARD // 4) + 101  # 4 shards, the last one short
+
+
+@pytest.mark.parametrize("mode", ["auto", "tcp", "dask"])
+def test_every_mode_sums_exactly_and_the_plane_carries_the_calls(ps_client, mode):
+    with dask.config.set({"adam.ps.data-plane": mode}):
+        s = ParameterServer.create(ps_client, size=N, shard_bytes=SHARD)
+        try:
+            pushers = [PushLoad(s, 1), PushLoad(s, 2)]
+            for p in pushers:
+                p.start()
+            push_on(pushers, 40)
+            stop_and_check_sum(s, pushers)
+            zeros = np.zeros(N, np.float32)
+            zeros[5] = 1.0  # shards of zeros are recorded, not sent
+            before = s.pull()
+            s.push(zeros)
+            np.testing.assert_array_equal(s.pull() - before, zeros)
+            plane = s.stats()["data_plane"]
+        finally:
+            s.close()
+    if mode == "dask":
+        assert plane is None
+    else:
+        assert plane["pushes"] >= 40 and plane["pulls"] >= 2, plane
+        assert plane["to_dask"] == 0 and plane["failed_calls"] == 0, plane
+
+
+def test_a_donated_buffer_is_held_not_copied_and_reused_once_durable(ps_client):
+    s = ParameterServer.create(ps_client, size=N, shard_bytes=SHARD)
+    try:
+        seen = set()
+        for _ in range(20):
+            buf = s.buffer()
+            seen.add(id(buf))
+            buf[:] = 0.5
+            s.push(buf, donate=True)
+            s.release(buf)
+            s.settle()  # every copy holds it: the buffer is free again
+        assert len(seen) <= 3, len(seen)  # handed out again, not a new one per push
+        s.flush()
+        np.testing.assert_array_equal(s.pull(), np.full(N, 10.0, np.float32))
+        bad = s.buffer()
+        bad[:] = 1.0
+        bad[N - 3] = np.nan
+        with pytest.raises(Exception, match="non-finite"):
+            s.push(bad, donate=True)
+        np.testing.assert_array_equal(s.pull(), np.full(N, 10.0, np.float32))
+    finally:
+        s.close()
+
+
+PUSHER = textwrap.dedent(
+    """
+    import sys, numpy as np
+    from distributed import Client
+    from adam_dask.ps import ParameterServer
+    client = Client(sys.argv[1])
+    s = ParameterServer.attach(client, sys.argv[2])
+    buf = s.buffer()
+    n = 0
+    while True:
+        buf[:] = 1.0  # every push adds exactly 1 to every value: a torn one would not
+        s.push(buf, donate=True)
+        n += 1
+        if n == 20:
+            print("pushing", flush=True)
+    """
+)
+
+
+def _memfd_maps(pid: int, creator: int) -> int:
+    """How many segments made by the process ``creator`` the process ``pid`` maps."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return sum(f"memfd:adam-ps-{creator}-" in line for line in f)
+    except FileNotFoundError:
+        return 0
+
+
+def test_sigkill_of_the_pusher_mid_push_leaves_no_torn_value_and_no_segment(ps_client):
+    s = ParameterServer.create(ps_client, size=N, shard_bytes=SHARD, name="plane-kill")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PUSHER, ps_client.scheduler.address, s.server_id],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "pushing"
+        pids = ps_client.run(os.getpid)
+        ps_pids = [pids[a] for a in s.routing_info()["nodes"]]
+        deadline = time.monotonic() + 30
+        while not any(_memfd_maps(p, proc.pid) for p in ps_pids):  # the nodes map its segments
+            assert time.monotonic() < deadline, "no node mapped a segment of the pusher"
+            time.sleep(0.05)
+        time.sleep(0.5)  # in the middle of pushing
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        s.flush()
+        values = s.pull()
+        for a, b in s.shards:  # each push added 1 to all of a shard or to none of it
+            part = values[a:b]
+            assert part[0] >= 20 and np.all(part == part[0]), (a, b, np.unique(part)[:5])
+        deadline = time.monotonic() + 30  # the nodes let go of the dead pusher's segments
+        while any(_memfd_maps(p, proc.pid) for p in ps_pids):
+            assert time.monotonic() < deadline, {p: _memfd_maps(p, proc.pid) for p in ps_pids}
+            time.sleep(0.1)
+        s.push(np.ones(N, np.float32))  # and serve on
+        np.testing.assert_array_equal(s.pull(), values + 1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        s.close()
