@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 MB = 4  # the model: 4 MB of float32
 N = MB * (1 << 18)
 SHARD_BYTES = 1 << 20
+PACE = 0.01  # seconds between two data-plane calls of bench_plane
 COPIES = 3
 PS_NODES = 4
 
@@ -321,6 +322,156 @@ def bench_cluster(acks: list[str], seconds: float, timeout: float, memory_limit:
     return out
 
 
+# -- the data plane against a plain socket ----------------------------------------------------------
+
+
+def _start_socket_sink(dask_worker=None):
+    """A plain TCP peer in this PS worker's process: reads a length-prefixed payload into a
+    buffer and answers one byte (a push), or answers a one-byte request with ``n`` bytes (a
+    pull). Returns (host, port)."""
+    import socket
+    import threading
+
+    host = dask_worker.address.split("://")[1].rsplit(":", 1)[0]
+    srv = socket.socket()
+    srv.bind((host, 0))
+    srv.listen()
+
+    def serve(conn):
+        buf = bytearray(64 << 20)
+        mv = memoryview(buf)
+        while True:
+            head = conn.recv(9, socket.MSG_WAITALL)
+            if len(head) < 9:
+                return
+            n = int.from_bytes(head[1:], "little")
+            if head[:1] == b"p":  # push: n bytes in, one byte out
+                got = 0
+                while got < n:
+                    got += conn.recv_into(mv[got:n])
+                conn.sendall(b"k")
+            else:  # pull: n bytes out
+                conn.sendall(mv[:n])
+
+    def accept():
+        while True:
+            conn, _ = srv.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return host, srv.getsockname()[1]
+
+
+def _plane_task(server, sink: tuple, seconds: float) -> dict:
+    """In a TRAIN worker (where replicas push): MB/s of the plain socket and of ``server``'s
+    push (a buffer handed over, as the exchange pushes; a caller's array) and pull."""
+    import socket
+
+    import dask
+
+    n = server.size
+    mb = n * 4 / 1e6
+    sock = socket.create_connection(tuple(sink))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    payload = np.full(n, 1e-3, np.float32)
+    view = memoryview(payload).cast("B")
+    head = n * 4
+
+    def sock_push():
+        sock.sendall(b"p" + head.to_bytes(8, "little"))
+        sock.sendall(view)
+        sock.recv(1)
+
+    into = np.empty(n, np.float32)
+    into_view = memoryview(into).cast("B")
+
+    def sock_pull():
+        sock.sendall(b"g" + head.to_bytes(8, "little"))
+        got = 0
+        while got < head:
+            got += sock.recv_into(into_view[got:])
+
+    def paced(fn) -> tuple[float, float]:
+        """(median, p99) seconds of ``fn`` called every ``PACE`` s for ``seconds``: a replica's
+        cadence (a push every ~40 ms) rather than back to back, where ``ack="replay"`` holds
+        more than ``adam.ps.replay-bytes`` and push() waits for the forwards (the protocol's
+        limit, not the transport's)."""
+        for _ in range(3):
+            fn()
+        times = []
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+            time.sleep(PACE)
+        return float(np.median(times)), float(np.percentile(times, 99))
+
+    out: dict = {"mb": mb, "pace_seconds": PACE}
+    for name, fn in (("socket_push", sock_push), ("socket_pull", sock_pull)):
+        med, p99 = paced(fn)
+        out[f"{name}_ms"], out[f"{name}_p99_ms"] = med * 1e3, p99 * 1e3
+        out[f"{name}_mb_per_s"] = mb / med
+    for mode in ("auto", "tcp", "dask"):
+        with dask.config.set({"adam.ps.data-plane": mode}):
+            buf = server.buffer()
+            buf[:] = 1e-3
+            got: dict = {}
+            calls = (
+                ("push_donated", lambda b=buf: server.push(b, donate=True)),
+                ("push", lambda: server.push(payload)),
+                ("pull", lambda: server.pull(out=into)),
+            )
+            for name, fn in calls:
+                med, p99 = paced(fn)
+                got[f"{name}_ms"], got[f"{name}_p99_ms"] = med * 1e3, p99 * 1e3
+                got[f"{name}_mb_per_s"] = mb / med
+            out[mode] = got
+            server.release(buf)
+            server.settle()
+    out["data_plane"] = server.stats()["data_plane"]
+    sock.close()
+    return out
+
+
+def bench_plane(seconds: float) -> dict:
+    """Push/pull of the MNIST net's delta (1.2 MB, 2 shards) and of 4 MB (4 shards) from a task
+    on a TRAIN worker, each mode of ``adam.ps.data-plane``, against a plain TCP socket moving
+    the same bytes between that process and a PS worker's."""
+    import adam_dask
+    from adam_dask.cluster import PS, TRAIN, workers_with_role
+    from adam_dask.model import Network
+    from adam_dask.ps import ParameterServer
+
+    net = Network.from_spec(adam_dask.config.get("model.spec"), input_shape=(1, 28, 28))
+    out: dict = {}
+    with adam_dask.cluster.local(ps_nodes=3, data_nodes=0, trainers=1) as client:
+        ps = workers_with_role(client, PS)
+        train = workers_with_role(client, TRAIN)
+        sink = client.run(_start_socket_sink, workers=[ps[0]])[ps[0]]
+        for name, size in (("mnist", net.flat.size), ("4mb", N)):
+            server = ParameterServer.create(client, size=int(size), shard_bytes=SHARD_BYTES)
+            try:
+                fut = client.submit(_plane_task, server, sink, seconds, workers=train, pure=False)
+                got = fut.result()
+            finally:
+                server.close()
+            out[name] = got
+    m = out["mnist"]
+    out["push_vs_socket"] = m["auto"]["push_donated_mb_per_s"] / m["socket_push_mb_per_s"]
+    out["pull_vs_socket"] = m["auto"]["pull_mb_per_s"] / m["socket_pull_mb_per_s"]
+    out["socket_mb_per_s"] = m["socket_push_mb_per_s"]
+    out["tcp_push_vs_socket"] = m["tcp"]["push_donated_mb_per_s"] / m["socket_push_mb_per_s"]
+    out["tcp_pull_vs_socket"] = m["tcp"]["pull_mb_per_s"] / m["socket_pull_mb_per_s"]
+    out["dask_push_vs_socket"] = m["dask"]["push_mb_per_s"] / m["socket_push_mb_per_s"]
+    out["dask_pull_vs_socket"] = m["dask"]["pull_mb_per_s"] / m["socket_pull_mb_per_s"]
+    f = out["4mb"]
+    out["push_4mb_vs_socket"] = f["auto"]["push_donated_mb_per_s"] / f["socket_push_mb_per_s"]
+    out["pull_4mb_vs_socket"] = f["auto"]["pull_mb_per_s"] / f["socket_pull_mb_per_s"]
+    return {"plane": out, **{k: v for k, v in out.items() if "_vs_" in k or k.endswith("_s")}}
+
+
 # -- training throughput, default ack against ack="primary" ----------------------------------------
 
 
@@ -401,6 +552,11 @@ def main() -> None:
     )
     p.add_argument("--memory-limit", default="1 GiB", help="per worker of the PS cluster")
     p.add_argument("--no-save", action="store_true", help="print the line, do not append it")
+    p.add_argument(
+        "--plane-only",
+        action="store_true",
+        help="the apply kernel and the data plane against a socket only (no faults, no training)",
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.ERROR)
 
@@ -409,13 +565,17 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     res: dict = {"ack": default_ack, "seconds": args.seconds}
     res.update(bench_apply(args.seconds))
-    res.update(bench_cluster(acks, args.seconds, args.timeout, args.memory_limit))
-    if args.train_rounds > 0:
+    res.update(bench_plane(args.seconds))
+    if not args.plane_only:
+        res.update(bench_cluster(acks, args.seconds, args.timeout, args.memory_limit))
+    if args.train_rounds > 0 and not args.plane_only:
         res.update(bench_train(acks, args.train_rounds, args.train_images))
     res["goals"] = {
         "apply_vs_numpy": 0.8,
         "push_vs_raw": 0.8,
         "pull_vs_raw": 0.8,
+        "push_vs_socket": 0.8,
+        "pull_vs_socket": 0.8,
         "served_seconds": 5.0,
         "healed_seconds": 5.0,
         "lost_max_abs": 0.0,
