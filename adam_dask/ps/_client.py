@@ -38,6 +38,7 @@ class Transport:
     _log: ReplayLog
     _settler: asyncio.Task | None
     _channels: Any
+    _plane_answered: float
 
     def _init_transport(self) -> None:
         self._routing: list[list[str]] = []
@@ -50,6 +51,7 @@ class Transport:
         self._log = ReplayLog()
         self._settler = None
         self._channels = None
+        self._plane_answered = -1e9  # monotonic time of the last data-plane push answered
 
     # -- execution context -----------------------------------------------------------------------
 

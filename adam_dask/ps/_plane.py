@@ -230,6 +230,7 @@ class PlaneCalls:
     _nodes: dict[str, str]
     _log: Any
     _channels: Channels | None
+    _plane_answered: float
 
     if TYPE_CHECKING:  # Transport's, after this class in the handle's bases
 
@@ -407,6 +408,7 @@ class PlaneCalls:
                     )
                     self._log.add(sid, held)
             self._confirm(addr, reply)
+            self._plane_answered = time.monotonic()
         if error is not None:
             raise error
         return sorted(rest)

@@ -322,6 +322,8 @@ class Pushing(Transport):
         interval = float(config.get("ps.forward-interval"))
         while self._log and not self._closed:
             await asyncio.sleep(interval)
+            if time.monotonic() - self._plane_answered < interval:
+                continue  # pushes flow: their answers confirm the held ones (no calls needed)
             try:
                 await self._settle(rpc, sched)
             except KeyError as exc:

@@ -123,6 +123,7 @@ class ParameterServer(PlaneCalls, Pushing):
         from ._replay import ReplayLog
 
         self._log = ReplayLog()
+        self._plane_answered = -1e9  # another process's clock
         if isinstance(self.layout, dict):
             self.layout = ParameterLayout.from_dict(self.layout)
 

@@ -14,9 +14,10 @@ accumulator that receives the same update as ``flat`` (the fused step's ``acc``,
 dense-layer terms of the offload. :meth:`Updates.take` swaps each slot's active buffer with its
 zeroed spare under the slot's lock, so the cut between two takes falls on a mini-batch boundary
 of every thread: the taken :class:`Update` holds whole mini-batches, each exactly once.
-:meth:`Updates.install` holds every slot's lock at once (each thread finishes its current
-mini-batch first) and writes ``pulled + the updates not yet taken``: nothing lands during the
-write, so nothing is lost or counted twice. An update taken *in transit*
+:meth:`Updates.install` sums ``pulled + the updates in transit`` while the threads train on,
+then holds every slot's lock at once (each thread finishes its current mini-batch first) for
+one pass writing ``that + the updates not yet taken``: nothing lands during the write, so
+nothing is lost or counted twice. An update taken *in transit*
 (``take(in_transit=True)``: on its way to the server, which may not hold it yet when the next
 weights are pulled) is added on top of every install too, until :meth:`Updates.landed` says the
 server holds it: weights pulled while a queued update waits must not set the replica back by
@@ -113,6 +114,7 @@ class Updates:
         self._control = threading.Lock()  # one taker or installer at a time
         self._in_transit: dict[int, np.ndarray] = {}  # ticket -> the update's whole local sum
         self._tickets = 0
+        self._base: np.ndarray | None = None  # install's scratch: pulled + in transit
 
     @contextmanager
     def hold(self, t: int) -> Iterator[Slot]:
@@ -218,19 +220,27 @@ class Updates:
         """Write ``weights`` into ``flat`` plus the updates in transit and not yet taken
         (``keep_pending``), or discard those (``keep_pending=False``); no thread steps
         meanwhile."""
-        with self._control, self._locked(self._slots):
-            np.copyto(flat, weights)
-            if keep_pending:
+        with self._control:  # the threads train on while the base is summed
+            if keep_pending and self._in_transit:
+                base = self._base if self._base is not None else np.empty(self.size, np.float32)
+                self._base = base
+                np.copyto(base, weights)
                 for delta in self._in_transit.values():
-                    flat += delta
+                    base += delta
             else:
-                self._in_transit.clear()
-            for slot in self._slots:
-                if keep_pending:
+                base = weights
+                if not keep_pending:
+                    self._in_transit.clear()
+            with self._locked(self._slots):  # stopped for one pass: base + the accumulators
+                if not keep_pending:
+                    np.copyto(flat, base)
+                    for slot in self._slots:
+                        slot.acc[...] = 0.0
+                        slot._reset()
+                    return
+                np.add(base, self._slots[0].acc, out=flat)
+                for slot in self._slots[1:]:
                     flat += slot.acc
-                else:
-                    slot.acc[...] = 0.0
-                    slot._reset()
 
 
 def _concat_terms(
