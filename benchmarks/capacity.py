@@ -12,14 +12,16 @@ until a count is past the bound, for each of two targets:
 
 * ours: ONE parameter-server group on the embedded cluster (3 PS workers, one loopback host
   each, ``adam.ps.copies`` copies of each ``adam.ps.shard-bytes`` shard, the default
-  ``adam.ps.ack``), reached only through the public ``ParameterServer.push(delta)`` and
-  ``pull(out=buf)``, so whatever data plane sits behind them is measured;
+  ``adam.ps.ack``), reached only through the public API as a replica's exchange uses it
+  (``ParameterServer.buffer()``, ``push_pull(buf, out, donate=True)``: the push and the pull
+  in one round trip, so ours' push latency holds the pull too, ``release(buf)``), so whatever
+  data plane sits behind them is measured;
 * the sink (the machine's limit): a thread-per-connection TCP server started in the first PS
   worker's process that only receives the delta's bytes (``recv_into`` one preallocated buffer
   per connection) and answers one byte; a "push" is the ``sendall`` of the delta, the "pull" the
   wait for that byte.
 
-The replicas are threads in the 2 TRAIN workers' processes (a seceded Dask task per worker per
+The replicas are threads in the 4 TRAIN workers' processes (a seceded Dask task per worker per
 step), each with its own connection: for ours its own copy of the server handle (unpickled from
 the handle's pickle, so no handle state is shared between threads), for the sink its own socket.
 Thread ``g`` of ``R`` pushes on a fixed schedule ``start + (g / R + i) * period`` (the replicas
@@ -50,7 +52,7 @@ Keys:
   - ``ps_cpu_s_per_mb``: CPU seconds (user + system, psutil) of the 3 PS worker processes in
     the window per MB pushed (for ours it pays for the pulls and the replication too; for the
     sink only the first PS process works); ``ps_cores`` / ``pusher_cores`` / ``client_cores``:
-    CPU seconds per second of the PS processes, of the 2 TRAIN processes and of this process
+    CPU seconds per second of the PS processes, of the 4 TRAIN processes and of this process
     (which hosts the scheduler) in the window: where the machine's cores went;
     ``ps_cores_each``: the PS processes one by one (ps-0, ps-1, ps-2: a shard's primary works
     more than its backups, so they differ); ``machine_cores_busy``: the whole machine's busy
@@ -103,7 +105,7 @@ MAX_BEHIND_S = 1.0
 MAX_OTHER = 0.25  # cores of other work in a step past the bound that make it run again
 RETRIES = 2
 PS_NODES = 3
-TRAINERS = 2
+TRAINERS = 4  # pusher processes: each replica is a process of its own, not a thread
 START_SLACK = 1.5  # seconds from submitting a step to its first push: tasks start, threads connect
 ENGINE = Path(__file__).resolve().parent / "results" / "engine.jsonl"
 
@@ -117,12 +119,21 @@ class PsEndpoint:
     def __init__(self, server: Any):
         self.server = pickle.loads(pickle.dumps(server))
         self.buf = np.empty(self.server.size, np.float32)
+        self.filled: set[int] = set()
 
     def push(self, delta: np.ndarray) -> None:
-        self.server.push(delta)
+        # as a replica's exchange pushes: the update taken into a buffer of the server's,
+        # handed over (donate) and released; the take's own write of it is the replica's
+        # training cost, so a buffer is filled once, not at every push
+        buf = self.server.buffer()
+        if id(buf) not in self.filled:
+            np.copyto(buf, delta)
+            self.filled.add(id(buf))
+        self.server.push_pull(buf, self.buf, donate=True)  # push, then pull: one round trip
+        self.server.release(buf)
 
     def pull(self) -> None:
-        self.server.pull(out=self.buf)
+        """Done with the push (``push_pull``): the push's latency holds both."""
 
     def close(self) -> None:
         # held pushes (ack="replay") made durable before the next step, outside the window

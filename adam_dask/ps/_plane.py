@@ -295,16 +295,19 @@ class PlaneCalls:
         donate: bool,
         push_id: int,
         nonzero: np.ndarray,
-    ) -> list[int]:
-        """Send ``delta`` to the primaries over the data plane; returns the shards left for the
-        Dask path (moved, or their node did not answer)."""
+        pull: np.ndarray | None = None,
+    ) -> tuple[list[int], set[int]]:
+        """Send ``delta`` to the primaries over the data plane (and, with ``pull``, read the
+        values of the shards back into it in the same round trip); returns the shards left for
+        the Dask path (moved, or their node did not answer) and the shards pulled."""
         plane = self._plane()
         prim = self._routed() if plane is not None else None
+        everything: tuple[list[int], set[int]] = (list(range(len(self.shards))), set())
         if plane is None or prim is None:
-            return list(range(len(self.shards)))
+            return everything
         keep = ack == "replay"
         if keep and self._log.nbytes > int(config.get("ps.replay-bytes")):
-            return list(range(len(self.shards)))  # the Dask path sheds, or waits for room
+            return everything  # the Dask path sheds, or waits for room
         with plane.lock:
             seg = plane.pool.of(delta)
             own = seg is None
@@ -313,10 +316,12 @@ class PlaneCalls:
                 np.copyto(seg.array, delta)
             assert seg is not None
             try:
-                rest = self._send_parts(plane, seg, prim, ack, mark, push_id, nonzero, keep)
+                rest, pulled = self._send_parts(
+                    plane, seg, prim, ack, mark, push_id, nonzero, keep, pull
+                )
                 plane.counts["pushes"] += 1
                 plane.counts["to_dask"] += bool(rest)
-                return rest
+                return rest, pulled
             finally:
                 if own:
                     seg.release()
@@ -331,8 +336,10 @@ class PlaneCalls:
         push_id: int,
         nonzero: np.ndarray,
         keep: bool,
-    ) -> list[int]:
+        pull: np.ndarray | None,
+    ) -> tuple[list[int], set[int]]:
         groups: dict[str, list[int]] = {}
+        pulled: set[int] = set()
         for sid, (addr, _) in prim.items():
             groups.setdefault(addr, []).append(sid)
         rest: list[int] = []
@@ -357,7 +364,16 @@ class PlaneCalls:
                 "mark": None if mark is None else mark.to_json(),
                 "parts": parts,
             }
+            if pull is not None:
+                header["pull"], header["pull_sids"] = True, sids
             try:
+                if pull is not None and ch.unix:
+                    if ch.pull_seg is None:
+                        ch.pull_seg = plane.pool.take()
+                    ch.share(ch.pull_seg)
+                    header["pull_segment"] = ch.pull_seg.id
+                elif pull is not None:
+                    header["sizes"] = [self.shards[s][1] - self.shards[s][0] for s in sids]
                 if ch.unix:
                     ch.share(seg)
                     header["segment"], header["offset"] = seg.id, 0
@@ -375,6 +391,14 @@ class PlaneCalls:
         for addr, key, ch, sids in sent:
             try:
                 reply = recv_msg(ch.sock)
+                for s in reply.get("pulled", ()):
+                    a, b = self.shards[int(s)]
+                    if ch.unix:
+                        assert ch.pull_seg is not None
+                        np.copyto(pull[a:b], ch.pull_seg.array[a:b])  # type: ignore[index]
+                    else:
+                        recv_exact_into(ch.sock, pull[a:b])  # type: ignore[index]
+                    pulled.add(int(s))
             except (OSError, ValueError) as exc:
                 logger.debug("no data-plane answer from %s (%r): the Dask path", addr, exc)
                 plane.fail(addr, key, ch, seg)
@@ -411,7 +435,7 @@ class PlaneCalls:
             self._plane_answered = time.monotonic()
         if error is not None:
             raise error
-        return sorted(rest)
+        return sorted(rest), pulled
 
     def _plane_pull(self, sids: list[int], out: np.ndarray) -> list[int]:
         """Fill ``out`` with the shards ``sids`` over the data plane; returns those left for

@@ -129,6 +129,7 @@ class _Connection:
         self.unix = unix
         self.segments: dict[int, np.ndarray] = {}  # buffer id -> float32 view of the mapping
         self.buf = np.empty(0, np.float32)
+        self.pull_buf = np.empty(0, np.float32)
 
     def run(self) -> None:
         try:
@@ -140,7 +141,10 @@ class _Connection:
                 elif op == "forget":
                     self.segments.pop(int(h["id"]), None)
                 elif op == "push":
-                    send_msg(self.sock, self._push(h))
+                    if h.get("pull"):
+                        self._push_pull(h)
+                    else:
+                        send_msg(self.sock, self._push(h))
                 elif op == "pull":
                     self._pull(h)
                 else:
@@ -164,7 +168,12 @@ class _Connection:
                 os.close(fd)
         self.segments[int(h["id"])] = np.frombuffer(mm, np.float32)
 
-    def _buffer(self, n: int) -> np.ndarray:
+    def _buffer(self, n: int, pull: bool = False) -> np.ndarray:
+        """The connection's receive buffer (or its send buffer, ``pull``), at least ``n``."""
+        if pull:
+            if self.pull_buf.shape[0] < n:
+                self.pull_buf = np.empty(n, np.float32)
+            return self.pull_buf[:n]
         if self.buf.shape[0] < n:
             self.buf = np.empty(n, np.float32)
         return self.buf[:n]
@@ -209,29 +218,56 @@ class _Connection:
         if node is None:
             send_msg(self.sock, {"per_shard": [], "moved": sids})
             return
-        if self.unix:
-            seg = self.segments[int(h["segment"])]
-
-            def dest(start: int, stop: int, order: int) -> np.ndarray:
-                return seg[start:stop]
-
-        else:
-            sizes = [int(n) for n in h["sizes"]]
-            buf = self._buffer(sum(sizes))
-            offs = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-
-            def dest(start: int, stop: int, order: int) -> np.ndarray:
-                if stop - start != sizes[order]:
-                    raise ConnectionError(f"a pull of {sizes[order]} floats for {stop - start}")
-                return buf[offs[order] : offs[order] + sizes[order]]
-
         try:
-            ok, moved = node.plane_read(sids, stamps, dest)
+            ok, moved, views = self._read(h, node, sids, stamps)
         except Exception as exc:
             send_msg(self.sock, error_reply(exc))
             return
+        send_msg(self.sock, {"per_shard": ok, "moved": moved}, *views)
+
+    def _push_pull(self, h: dict) -> None:
+        """A push, then the values of the shards it was applied to, in one round trip (what a
+        replica does every k images)."""
+        reply = self._push(h)
+        views: list = []
+        node = self._node(h)
+        if "error" not in reply and node is not None and reply["per_shard"]:
+            sids = sorted(int(s) for s in reply["per_shard"])
+            stamps = {int(s): int(g) for s, g in h["stamps"].items()}
+            try:
+                ok, _, views = self._read(h, node, sids, stamps, order=h["pull_sids"])
+                reply["pulled"] = ok
+            except Exception as exc:  # the push stands; the pusher pulls the Dask way
+                logger.debug("data-plane pull after a push failed: %r", exc)
+                reply["pulled"], views = [], []
+        send_msg(self.sock, reply, *views)
+
+    def _read(
+        self, h: dict, node: Any, sids: list[int], stamps: dict, order: list | None = None
+    ) -> tuple[list[int], list[int], list]:
+        """Copy the values of ``sids`` (primaries here) where the pusher reads them: its pull
+        segment (Unix), or this connection's buffer, returned as views to send (TCP, in the
+        order of ``order``, default ``sids``, with the sizes ``h["sizes"]``)."""
+        order = [int(s) for s in (order if order is not None else sids)]
         if self.unix:
-            send_msg(self.sock, {"per_shard": ok, "moved": moved})
-        else:
-            views = [dest(0, sizes[sids.index(s)], sids.index(s)) for s in ok]
-            send_msg(self.sock, {"per_shard": ok, "moved": moved}, *views)
+            seg = self.segments[int(h["pull_segment" if "pull_segment" in h else "segment"])]
+
+            def dest(start: int, stop: int, i: int) -> np.ndarray:
+                return seg[start:stop]
+
+            ok, moved = node.plane_read(sids, stamps, dest)
+            return ok, moved, []
+        sizes = [int(n) for n in h["sizes"]]
+        offs = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+        buf = self._buffer(int(offs[-1]), pull=True)
+        at = {s: i for i, s in enumerate(order)}
+
+        def dest_tcp(start: int, stop: int, i: int) -> np.ndarray:
+            j = at[sids[i]]
+            if stop - start != sizes[j]:
+                raise ConnectionError(f"a pull of {sizes[j]} floats for {stop - start}")
+            return buf[offs[j] : offs[j] + sizes[j]]
+
+        ok, moved = node.plane_read(sids, stamps, dest_tcp)
+        views = [buf[offs[at[s]] : offs[at[s]] + sizes[at[s]]] for s in ok]
+        return ok, moved, views

@@ -312,15 +312,59 @@ class ParameterServer(PlaneCalls, Pushing):
         length, :class:`ShardUnavailable` when a shard has no copy left or fail-over takes
         longer than ``adam.ps.failover-timeout``.
         """
+        delta, nonzero = self._checked(delta)
+        ack = ack or self.ack
+        push_id = self._rng.getrandbits(62)
+        rest: list[int] | None = None
+        if ack != "all":  # "all" waits for the forwards: the Dask path's patience
+            rest, _ = self._plane_push(delta, ack, mark, donate, push_id, nonzero)
+            if not rest:
+                self._settling()
+                return
+        self._run(self._push, delta, ack, mark, push_id, rest, nonzero)
+
+    def push_pull(
+        self,
+        delta: np.ndarray,
+        out: np.ndarray | None = None,
+        *,
+        ack: str | None = None,
+        mark: Mark | None = None,
+        donate: bool = False,
+    ) -> np.ndarray:
+        """:meth:`push`, then :meth:`pull` into ``out`` (a flat float32 buffer, a new one if
+        omitted) and return it: what a replica does every *k* images, in one round trip per
+        primary on the data plane (the values read after the push was applied)."""
+        out = self._out(out)
+        delta, nonzero = self._checked(delta)
+        ack = ack or self.ack
+        push_id = self._rng.getrandbits(62)
+        pulled: set[int] = set()
+        rest: list[int] | None = None
+        if ack != "all":
+            rest, pulled = self._plane_push(delta, ack, mark, donate, push_id, nonzero, out)
+            if not rest:
+                self._settling()
+        if rest is None or rest:
+            self._run(self._push, delta, ack, mark, push_id, rest, nonzero)
+        missing = [s for s in range(len(self.shards)) if s not in pulled]
+        if missing:
+            self.pull(missing, out=out)
+        return out
+
+    def _checked(self, delta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``delta`` as a flat float32 array (the same array when it is one: a
+        :meth:`buffer`) and which shards hold a non-zero value; :class:`UpdateRejected` when
+        its length is wrong or it holds NaN/Inf: the one check of the values."""
         if not (isinstance(delta, np.ndarray) and delta.dtype == np.float32 and delta.ndim == 1):
             delta = np.ascontiguousarray(delta, dtype=np.float32).reshape(-1)
-        delta = np.ascontiguousarray(delta)  # the same array when it is (a buffer() is)
+        delta = np.ascontiguousarray(delta)
         if delta.shape[0] != self.size:
             raise UpdateRejected(
                 f"a delta of {delta.shape[0]} values for a server of {self.size}",
                 "push one value per parameter",
             )
-        bad, nonzero = scan_delta(delta, self._bounds)  # the one check of the values
+        bad, nonzero = scan_delta(delta, self._bounds)
         if bad >= 0:
             sid = shard_of(self.shards, bad)
             raise UpdateRejected(
@@ -328,16 +372,20 @@ class ParameterServer(PlaneCalls, Pushing):
                 "check the gradients for overflow",
                 shard=sid,
             )
-        ack = ack or self.ack
-        push_id = self._rng.getrandbits(62)
-        rest: list[int] | None = None
-        if ack != "all":  # "all" waits for the forwards: the Dask path's patience
-            rest = self._plane_push(delta, ack, mark, donate, push_id, nonzero)
-            if not rest:
-                if self._log and (self._settler is None or self._settler.done()):
-                    self._run(self._keep_settling)
-                return
-        self._run(self._push, delta, ack, mark, push_id, rest, nonzero)
+        return delta, nonzero
+
+    def _settling(self) -> None:
+        """Pushes are held: make sure the background settler runs (it replays them after a
+        fail-over even when no more pushes come)."""
+        if self._log and (self._settler is None or self._settler.done()):
+            self._run(self._keep_settling)
+
+    def _out(self, out: np.ndarray | None) -> np.ndarray:
+        if out is None:
+            return np.zeros(self.size, dtype=np.float32)
+        if out.dtype != np.float32 or out.shape != (self.size,):
+            raise ConfigError(f"out must be a flat float32 array of {self.size} values")
+        return out
 
     def push_outer(
         self,
@@ -399,10 +447,7 @@ class ParameterServer(PlaneCalls, Pushing):
         With ``shards``, only those shards are fetched and written into ``out`` (a flat float32
         buffer, zeros if omitted); the rest of ``out`` is left as it is.
         """
-        if out is None:
-            out = np.zeros(self.size, dtype=np.float32)
-        elif out.dtype != np.float32 or out.shape != (self.size,):
-            raise ConfigError(f"out must be a flat float32 array of {self.size} values")
+        out = self._out(out)
         sids = range(len(self.shards)) if shards is None else sorted({int(s) for s in shards})
         for s in sids:
             if not 0 <= s < len(self.shards):

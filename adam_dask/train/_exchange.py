@@ -110,9 +110,14 @@ class Exchange:
         finally:
             self._release(update)
 
-    def _push(self, update: Update, segment: Segment | None = None) -> None:
+    def _push(
+        self, update: Update, segment: Segment | None = None, pull: bool = False
+    ) -> np.ndarray | None:
+        """Push ``update``; with ``pull``, return the weights read back in the same round
+        trip when the server can (``push_pull``), else None (the caller pulls)."""
         if update.empty:
-            return
+            return None
+        weights = None
         t = time.perf_counter()
         scale = self.scale
         prefixes = sorted(update.terms)
@@ -128,7 +133,11 @@ class Exchange:
             kw: dict[str, Any] = {} if marks[0] is None else {"mark": marks[0]}
             if self._buffers:
                 kw["donate"] = True  # the exchange writes it no more: held, not copied
-            self.server.push(delta, **kw)
+            if pull and self._buffers and not prefixes:
+                weights = self.server.push_pull(delta, self._weights_out(), **kw)
+                self.pulls += 1
+            else:
+                self.server.push(delta, **kw)
             for i, prefix in enumerate(prefixes):  # the PS computes these updates
                 acts, errs = update.terms[prefix]
                 extra = {} if marks[i + 1] is None else {"mark": marks[i + 1]}
@@ -146,13 +155,18 @@ class Exchange:
         self.images_pushed += update.images
         for k, n in update.items.items():
             self.items[k] = self.items.get(k, 0) + n
+        return weights
+
+    def _weights_out(self) -> np.ndarray:
+        """The one array pulled weights land in (install copies them into the replica's)."""
+        if self._weights is None:
+            self._weights = np.empty(self.replica.net.flat.shape[0], np.float32)
+        return self._weights
 
     def _pull(self) -> np.ndarray:
         t = time.perf_counter()
-        if self._buffers:  # one array, reused: install copies it into the replica's weights
-            if self._weights is None:
-                self._weights = np.empty(self.replica.net.flat.shape[0], np.float32)
-            weights = self.server.pull(out=self._weights)
+        if self._buffers:
+            weights = self.server.pull(out=self._weights_out())
         else:
             weights = self.server.pull()
         self.ps_seconds += time.perf_counter() - t
@@ -191,10 +205,10 @@ class AsyncExchange(Exchange):
             if self._error is not None:
                 continue
             try:
-                self._push(update)
+                weights = self._push(update, pull=True)  # one round trip on the data plane
                 self.replica.landed(update)
                 self._release(update)
-                self.replica.install(self._pull())
+                self.replica.install(weights if weights is not None else self._pull())
             except BaseException as exc:  # raised in the training thread at the next step
                 self._error = exc
                 self.replica.stop()

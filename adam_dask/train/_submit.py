@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .. import config
 from ..cluster import PS, TRAIN, workers_with_role
 from ._epoch import quorum_size
 from .task import BarrierRef, ReplicaJob, SyncBarrier, run_replica
@@ -85,12 +86,39 @@ def run_replicas(
                 logger.info("epoch %d: %d of %d replicas done; stopping the rest", epoch, needed, R)
                 stop.set()
     except BaseException:
-        stop.set()
+        # an error, or the user's interrupt: the replicas are seceded tasks that cancelling a
+        # future does not stop, so they are told to stop and awaited (as the scheduler sees
+        # them) before the stop is lifted; a new fit must not run beside them
+        running = _stop_and_wait(futures, stop, float(config.get("train.stop-timeout")))
         for f in futures:
             f.cancel()
+        if running:
+            logger.warning(
+                "epoch %d: replica task(s) %s did not end within adam.train.stop-timeout after "
+                "the stop; their stop stays set",
+                epoch,
+                ", ".join(running),
+            )
+        else:
+            stop.clear()
         raise
-    finally:
+    else:
         stop.clear()
+    finally:
         if barrier_future is not None:
             barrier_future.release()
     return EpochRun(results, time.perf_counter() - t0, quorum_seconds)
+
+
+def _stop_and_wait(futures: Sequence[Any], stop: Any, timeout: float) -> list[str]:
+    """Set ``stop`` and wait until every replica task of ``futures`` ended (finished, erred or
+    lost, by its future's state on the scheduler); returns the keys still running after
+    ``timeout`` seconds."""
+    from distributed import wait
+
+    stop.set()
+    try:
+        wait(list(futures), timeout=timeout)
+    except TimeoutError:
+        pass
+    return [f.key for f in futures if not f.done()]

@@ -37,6 +37,11 @@ def test_every_mode_sums_exactly_and_the_plane_carries_the_calls(ps_client, mode
             before = s.pull()
             s.push(zeros)
             np.testing.assert_array_equal(s.pull() - before, zeros)
+            # a replica's round trip: the values read back hold the push
+            out = np.full(N, -7.0, np.float32)
+            got = s.push_pull(zeros * 2, out)
+            assert got is out
+            np.testing.assert_array_equal(out - before, zeros * 3)
             plane = s.stats()["data_plane"]
         finally:
             s.close()
