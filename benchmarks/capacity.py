@@ -129,8 +129,10 @@ class PsEndpoint:
         if id(buf) not in self.filled:
             np.copyto(buf, delta)
             self.filled.add(id(buf))
-        self.server.push_pull(buf, self.buf, donate=True)  # push, then pull: one round trip
+        out = self.server.buffer()  # where the node writes the pulled weights
+        self.server.push_pull(buf, out, donate=True)  # push, then pull: one round trip
         self.server.release(buf)
+        self.server.release(out)  # (the exchange installs it first)
 
     def pull(self) -> None:
         """Done with the push (``push_pull``): the push's latency holds both."""

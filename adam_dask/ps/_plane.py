@@ -340,6 +340,7 @@ class PlaneCalls:
     ) -> tuple[list[int], set[int]]:
         groups: dict[str, list[int]] = {}
         pulled: set[int] = set()
+        targets: dict[str, Segment] = {}  # where each node writes the pulled values
         for sid, (addr, _) in prim.items():
             groups.setdefault(addr, []).append(sid)
         rest: list[int] = []
@@ -368,10 +369,8 @@ class PlaneCalls:
                 header["pull"], header["pull_sids"] = True, sids
             try:
                 if pull is not None and ch.unix:
-                    if ch.pull_seg is None:
-                        ch.pull_seg = plane.pool.take()
-                    ch.share(ch.pull_seg)
-                    header["pull_segment"] = ch.pull_seg.id
+                    targets[addr] = self._pull_target(plane, ch, pull)
+                    header["pull_segment"] = targets[addr].id
                 elif pull is not None:
                     header["sizes"] = [self.shards[s][1] - self.shards[s][0] for s in sids]
                 if ch.unix:
@@ -392,16 +391,12 @@ class PlaneCalls:
             try:
                 reply = recv_msg(ch.sock)
                 for s in reply.get("pulled", ()):
-                    a, b = self.shards[int(s)]
-                    if ch.unix:
-                        assert ch.pull_seg is not None
-                        np.copyto(pull[a:b], ch.pull_seg.array[a:b])  # type: ignore[index]
-                    else:
-                        recv_exact_into(ch.sock, pull[a:b])  # type: ignore[index]
+                    assert pull is not None
+                    self._pulled(ch, int(s), pull, targets.get(addr))
                     pulled.add(int(s))
             except (OSError, ValueError) as exc:
                 logger.debug("no data-plane answer from %s (%r): the Dask path", addr, exc)
-                plane.fail(addr, key, ch, seg)
+                plane.fail(addr, key, ch, seg, plane.pool.of(pull) if pull is not None else None)
                 rest += sids
                 continue
             if "error" in reply:
@@ -437,6 +432,26 @@ class PlaneCalls:
             raise error
         return sorted(rest), pulled
 
+    def _pull_target(self, plane: Channels, ch: Channel, out: np.ndarray) -> Segment:
+        """The segment a node on this machine writes pulled values into: ``out`` itself when
+        it is a :meth:`buffer` (no copy on this side), else the channel's own."""
+        seg = plane.pool.of(out)
+        if seg is None or seg.poisoned:
+            if ch.pull_seg is None:
+                ch.pull_seg = plane.pool.take()
+            seg = ch.pull_seg
+        ch.share(seg)
+        return seg
+
+    def _pulled(self, ch: Channel, sid: int, out: np.ndarray, target: Segment | None) -> None:
+        """Shard ``sid``'s pulled values into ``out`` (read from the socket, or copied from
+        the ``target`` segment the node wrote them to unless that is ``out`` itself)."""
+        a, b = self.shards[sid]
+        if not ch.unix:
+            recv_exact_into(ch.sock, out[a:b])
+        elif target is not None and target.array is not out:
+            np.copyto(out[a:b], target.array[a:b])
+
     def _plane_pull(self, sids: list[int], out: np.ndarray) -> list[int]:
         """Fill ``out`` with the shards ``sids`` over the data plane; returns those left for
         the Dask path."""
@@ -448,6 +463,7 @@ class PlaneCalls:
         for s in sids:
             groups.setdefault(prim[s][0], []).append(s)
         rest: list[int] = []
+        targets: dict[str, Segment] = {}
         with plane.lock:
             sent = []
             for addr, group in groups.items():
@@ -464,10 +480,8 @@ class PlaneCalls:
                 }
                 try:
                     if ch.unix:
-                        if ch.pull_seg is None:
-                            ch.pull_seg = plane.pool.take()
-                        ch.share(ch.pull_seg)
-                        header["segment"] = ch.pull_seg.id
+                        targets[addr] = self._pull_target(plane, ch, out)
+                        header["segment"] = targets[addr].id
                     else:
                         header["sizes"] = [self.shards[s][1] - self.shards[s][0] for s in group]
                     send_msg(ch.sock, header)
@@ -482,15 +496,10 @@ class PlaneCalls:
                     if "error" in reply:
                         raise rebuilt_error(reply)
                     for s in reply["per_shard"]:
-                        a, b = self.shards[int(s)]
-                        if ch.unix:
-                            assert ch.pull_seg is not None
-                            np.copyto(out[a:b], ch.pull_seg.array[a:b])
-                        else:
-                            recv_exact_into(ch.sock, out[a:b])
-                except (OSError, ValueError, ConnectionError) as exc:
+                        self._pulled(ch, int(s), out, targets.get(addr))
+                except Exception as exc:
                     logger.debug("data-plane pull from %s failed (%r)", addr, exc)
-                    plane.fail(addr, key, ch)
+                    plane.fail(addr, key, ch, plane.pool.of(out))
                     rest += group
                     continue
                 rest += [int(s) for s in reply["moved"]]

@@ -74,7 +74,6 @@ class Exchange:
         # the data plane: deltas taken into the server's buffers (pushed without a copy),
         # weights pulled into one reused array
         self._buffers = callable(getattr(server, "buffer", None)) and not replica.offload
-        self._weights: np.ndarray | None = None
 
     def step(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -90,7 +89,9 @@ class Exchange:
         """Push everything trained since the last push as the re-trained ``segment`` (under its
         number; the training threads are idle), then pull and install fresh weights."""
         self._push_taken(self._take(), segment)
-        self.replica.install(self._pull())
+        weights = self._pull()
+        self.replica.install(weights)
+        self._done_with(weights)
 
     # -- the parameter-server calls -----------------------------------------------------------------
 
@@ -158,14 +159,18 @@ class Exchange:
         return weights
 
     def _weights_out(self) -> np.ndarray:
-        """The one array pulled weights land in (install copies them into the replica's)."""
-        if self._weights is None:
-            self._weights = np.empty(self.replica.net.flat.shape[0], np.float32)
-        return self._weights
+        """Where pulled weights land (install copies them into the replica's): a buffer of
+        the server's, which a node on this machine writes into directly; give it back with
+        :meth:`_done_with`."""
+        return self.server.buffer()
+
+    def _done_with(self, weights: np.ndarray) -> None:
+        if self._buffers:
+            self.server.release(weights)
 
     def _pull(self) -> np.ndarray:
         t = time.perf_counter()
-        if self._buffers:
+        if self._buffers:  # installed, then released (_done_with)
             weights = self.server.pull(out=self._weights_out())
         else:
             weights = self.server.pull()
@@ -208,7 +213,10 @@ class AsyncExchange(Exchange):
                 weights = self._push(update, pull=True)  # one round trip on the data plane
                 self.replica.landed(update)
                 self._release(update)
-                self.replica.install(weights if weights is not None else self._pull())
+                if weights is None:
+                    weights = self._pull()
+                self.replica.install(weights)
+                self._done_with(weights)
             except BaseException as exc:  # raised in the training thread at the next step
                 self._error = exc
                 self.replica.stop()
@@ -263,7 +271,9 @@ class SyncExchange(Exchange):
         answer = self._wait()
         if not answer.get("ok"):
             raise barrier_timeout(answer, self.label)
-        self.replica.install(self._pull())
+        weights = self._pull()
+        self.replica.install(weights)
+        self._done_with(weights)
 
 
 def barrier_timeout(answer: dict, label: str) -> ClusterError:
