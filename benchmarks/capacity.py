@@ -130,6 +130,7 @@ class PsEndpoint:
             np.copyto(buf, delta)
             self.filled.add(id(buf))
         out = self.server.buffer()  # where the node writes the pulled weights
+        self.filled.discard(id(out))  # it will hold weights, not the delta
         self.server.push_pull(buf, out, donate=True)  # push, then pull: one round trip
         self.server.release(buf)
         self.server.release(out)  # (the exchange installs it first)
