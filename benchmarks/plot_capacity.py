@@ -72,10 +72,7 @@ def plot(line: dict, out: Path) -> list[str]:
         fontsize=10,
     )
     labels = [ln.get_label() for ln in lat.get_lines() if not ln.get_label().startswith("_")]
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    report.save_figure(fig, out)
     return labels
 
 

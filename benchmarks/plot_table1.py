@@ -60,10 +60,7 @@ def plot(lines: list[dict], out: Path) -> list[str]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     labels = [ln.get_label() for ln in ax.get_lines()]
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    report.save_figure(fig, out)
     return labels
 
 

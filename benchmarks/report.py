@@ -65,6 +65,16 @@ RECIPE_DEFAULTS = {"label_smoothing": 0.0, "batch_norm": False}
 REGULARISERS = ("dropout", "label_smoothing", "batch_norm")
 
 
+def save_figure(fig, out: Path) -> None:
+    """Lay out ``fig``, write it to ``out`` (its folder made) and close it: every plot's end."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
 def read_lines(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 

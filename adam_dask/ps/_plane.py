@@ -266,6 +266,11 @@ class PlaneCalls:
         if seg is not None:
             seg.release()
 
+    def _channel(self, plane: Channels, addr: str) -> tuple[str, Channel | None]:
+        """(the node's actor key, its channel or None: the Dask path then)."""
+        key = self._nodes.get(addr, "")
+        return key, plane.get(addr, key, partial(self._endpoint, addr, key))
+
     def _endpoint(self, addr: str, key: str) -> dict:
         from ._rpc import call_actor
 
@@ -347,8 +352,7 @@ class PlaneCalls:
         sent: list[tuple[str, str, Channel, list[int]]] = []
         values = seg.array
         for addr, sids in groups.items():
-            key = self._nodes.get(addr, "")
-            ch = plane.get(addr, key, partial(self._endpoint, addr, key))
+            key, ch = self._channel(plane, addr)
             if ch is None:
                 rest += sids
                 continue
@@ -467,8 +471,7 @@ class PlaneCalls:
         with plane.lock:
             sent = []
             for addr, group in groups.items():
-                key = self._nodes.get(addr, "")
-                ch = plane.get(addr, key, partial(self._endpoint, addr, key))
+                key, ch = self._channel(plane, addr)
                 if ch is None:
                     rest += group
                     continue
