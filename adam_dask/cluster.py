@@ -172,6 +172,9 @@ def local_spec(
                 "memory_limit": memory_limit,
                 "name": name,
                 "dashboard": False,
+                # the user's SIGINT (kernel stop, Ctrl-C) reaches the whole process group:
+                # it is meant for the training call, not the workers (_worker_preload)
+                "preload": ["adam_dask._worker_preload"],
                 **tls,
             },
         }

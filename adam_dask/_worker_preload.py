@@ -1,0 +1,19 @@
+"""A Dask worker preload of the embedded cluster: the worker process ignores SIGINT.
+
+The embedded cluster's workers are children of the process that started it (a notebook's
+kernel, ``adam-dask train`` in a terminal), in its process group. A Jupyter kernel's stop button
+and a terminal's Ctrl-C send SIGINT to the whole group: the user means the training call, which
+stops its replicas and returns; a worker killed by it would lose its shards and print a
+traceback. The workers end when their cluster closes them.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+__all__ = ["dask_setup"]
+
+
+def dask_setup(worker: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
