@@ -277,14 +277,6 @@ def _engine(ln: dict) -> Figure | None:
     )
 
 
-def _socket_mb(ln: dict, kind: str) -> float | None:
-    """A raw socket's MB/s for ``kind`` (push or pull), however the ps line stores it."""
-    v = ln.get(f"socket_{kind}_mb_per_s", ln.get("socket_mb_per_s"))
-    if isinstance(v, dict):
-        v = v.get(kind)
-    return v if _is_num(v) else None
-
-
 def _ps_transfer(kind: str) -> Callable[[dict], Figure | None]:
     def figure(ln: dict) -> Figure | None:
         fig = _versus(
@@ -299,13 +291,39 @@ def _ps_transfer(kind: str) -> Callable[[dict], Figure | None]:
             ratio_key=f"{kind}_vs_raw",
             goal_key=f"{kind}_vs_raw",
         )
-        vs_socket = ln.get(f"{kind}_vs_socket")
-        if fig is None or not _is_num(vs_socket):
-            return fig
-        socket = _socket_mb(ln, kind)
-        peer = fig.peer + ("; a raw socket" + (f": {_num(socket)} MB/s" if socket else ""))
-        words = f"{fig.words}; {rate_words(vs_socket, 'a raw socket', 'MB/s')}"
-        return Figure(fig.what, fig.ours, peer, words, f"{fig.brief}, {_x(vs_socket)} socket")
+        return fig
+
+    return figure
+
+
+def _plane(kind: str) -> Callable[[dict], Figure | None]:
+    """The data plane against a plain TCP socket between the same two processes (the
+    ``plane`` part of a ps line): the MNIST net's delta, and 4 MB."""
+
+    def figure(ln: dict) -> Figure | None:
+        plane = ln.get("plane") or {}
+        m = plane.get("mnist") or {}
+        r, r4 = ln.get(f"{kind}_vs_socket"), ln.get(f"{kind}_4mb_vs_socket")
+        key = "push_donated_mb_per_s" if kind == "push" else "pull_mb_per_s"
+        ours, peer = (m.get("auto") or {}).get(key), m.get(f"socket_{kind}_mb_per_s")
+        if not (_is_num(r) and _is_num(ours) and _is_num(peer)):
+            return None
+        what = (
+            f"Data plane {kind}: the MNIST net's {_num(m.get('mb', 0))} MB (and 4 MB) from a "
+            "TRAIN worker task to the PS nodes, at a replica's cadence"
+        )
+        words = rate_words(r, "a plain TCP socket", "MB/s") + _goal(
+            ln, f"{kind}_vs_socket", "at least"
+        )
+        if _is_num(r4):
+            words += f"; 4 MB: {_x(r4)}"
+        return Figure(
+            what,
+            f"{_num(ours)} MB/s",
+            f"a plain TCP socket between the same two processes: {_num(peer)} MB/s",
+            words,
+            f"{_x(r)} socket" + (f", 4 MB {_x(r4)}" if _is_num(r4) else ""),
+        )
 
     return figure
 
@@ -594,6 +612,8 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("engine", "images/s vs PyTorch", _engine),
     Claim("ps", "push MB/s", _ps_transfer("push")),
     Claim("ps", "pull MB/s", _ps_transfer("pull")),
+    Claim("ps", "data-plane push vs a socket", _plane("push")),
+    Claim("ps", "data-plane pull vs a socket", _plane("pull")),
     Claim("capacity", "replicas served", _capacity),
     Claim("ps", "SIGKILL fail-over", _failover("sigkill", "a primary's PS worker SIGKILLed")),
     Claim("ps", "SIGSTOP fail-over", _failover("sigstop", "a primary's PS worker SIGSTOPped")),

@@ -218,13 +218,19 @@ def test_every_stored_run_is_listed_not_only_the_newest():
     )  # the runs column
 
 
-def test_socket_peer_is_shown_when_the_ps_line_has_it():
+def test_the_data_plane_rows_compare_with_a_socket_when_the_ps_line_measures_it():
     report = _report()
     line = _stamp("p", push_mb_per_s=300.0, raw_push_mb_per_s=600.0)
-    assert "socket" not in report.headline({"ps": [line]})
-    line.update(push_vs_socket=0.25, socket_mb_per_s={"push": 1200.0})
-    (push,) = _rows(report.headline({"ps": [line]}), "PS push")
-    assert "a raw socket: 1,200 MB/s" in push and "0.25x the MB/s of a raw socket" in push
+    assert "Data plane" not in report.headline({"ps": [line]})
+    mnist = {"mb": 1.19, "socket_push_mb_per_s": 2000.0, "auto": {"push_donated_mb_per_s": 1500.0}}
+    line.update(push_vs_socket=0.75, push_4mb_vs_socket=1.2, plane={"mnist": mnist})
+    line["goals"] = {"push_vs_socket": 0.8}
+    (push,) = _rows(report.headline({"ps": [line]}), "Data plane push")
+    assert (
+        "1,500 MB/s" in push and "a plain TCP socket between the same two processes: 2,000" in push
+    )
+    assert "0.75x the MB/s of a plain TCP socket (goal: at least 0.80x); 4 MB: 1.20x" in push
+    assert "0.75x socket, 4 MB 1.20x" in report.every_run("ps", [line])
 
 
 def test_chaos_and_quorum_say_what_happened():
