@@ -127,7 +127,50 @@ def read_manifest(url: str, storage_options: dict | None = None) -> dict:
             f"{mpath} has format version {m['format_version']}, newer than {FORMAT_VERSION}",
             "upgrade adam_dask",
         )
+    if int(m.get("format_version", 1)) >= 2:
+        problem = manifest_problem(m)
+        if problem:
+            raise CheckpointError(
+                f"{mpath} is not a sound checkpoint manifest: {problem}",
+                "restore from a checkpoint this parameter server wrote",
+            )
     return m
+
+
+# A manifest is read from storage that may not be ours to trust: everything it names is
+# checked before a byte is allocated for it or a path is opened.
+_MAX_BYTES_FRACTION = 0.5  # of this machine's available memory, for the flat values
+_CODECS = {"bytes", "blosc", "zstd", "gzip", "crc32c", "transpose"}  # zarr v3, none executes code
+
+
+def manifest_problem(m: dict) -> str | None:
+    """What is wrong with a (format 2) manifest's layout, or None: sizes, shards, blocks,
+    versions consistent, the values small enough to hold, block paths inside the checkpoint."""
+    try:
+        size = int(m["size"])
+        shards = [(int(a), int(b)) for a, b in m["shards"]]
+        blocks, versions = list(m["blocks"]), [int(v) for v in m["versions"]]
+        shard_floats = int(m["shard_bytes"]) // 4
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"a missing or malformed field ({exc!r})"
+    if size <= 0 or not shards or shards[0][0] != 0 or shards[-1][1] != size:
+        return f"shards {shards[:1]}...{shards[-1:]} do not cover size {size}"
+    if any(b <= a or b - a > shard_floats for a, b in shards):
+        return f"a shard is empty or larger than shard_bytes {m['shard_bytes']}"
+    if any(b0 != a1 for (_, b0), (a1, _) in zip(shards, shards[1:])):
+        return "the shards are not contiguous"
+    if not len(blocks) == len(shards) == len(versions):
+        return f"{len(shards)} shards, {len(blocks)} blocks, {len(versions)} versions"
+    for path in blocks:
+        parts = str(path).split("/")
+        if not isinstance(path, str) or parts[0] != BLOCKS or ".." in parts or "" in parts:
+            return f"block path {path!r} is not inside the checkpoint"
+    import psutil
+
+    limit = psutil.virtual_memory().available * _MAX_BYTES_FRACTION
+    if size * 4 > limit:
+        return f"{size} parameters ({size * 4 / 1e9:.1f} GB) would not fit in memory here"
+    return None
 
 
 class BlockStore:
@@ -176,6 +219,14 @@ class BlockStore:
         import zarr
 
         arr = zarr.open_array(store=self._zarr(), path=path, mode="r")
+        listed = getattr(arr.metadata, "codecs", None)  # zarr v3 (ours); v2 is not
+        codecs = {type(c).__name__.removesuffix("Codec").lower() for c in listed or ()}
+        if listed is None or arr.dtype != np.float32 or arr.ndim != 1 or not codecs <= _CODECS:
+            raise CheckpointError(
+                f"block {path} is not a float32 vector stored with known codecs "
+                f"({arr.dtype}, {arr.ndim} dims, codecs {sorted(codecs)})",
+                "restore from a checkpoint this parameter server wrote",
+            )
         attrs = dict(arr.attrs)
         ids = attrs.get("ids", "")
         if not isinstance(ids, str):
