@@ -176,20 +176,28 @@ class Channels:
     def _connect(self, ep: dict) -> Channel:
         if ep.get("server_id") != self.server_id:
             raise ConnectionError("the node serves another server")
+        ch = None
         if self.mode == "auto" and ep.get("unix"):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.settimeout(self.timeout)
             try:
                 s.connect("\0" + ep["unix"])
-                return Channel(s, True, self.server_id)
+                ch = Channel(s, True, self.server_id)
             except OSError:  # another machine or network namespace
                 s.close()
-        if not ep.get("tcp"):
-            raise ConnectionError("the node has no TCP data plane (a TLS cluster)")
-        host, port = ep["tcp"]
-        s = socket.create_connection((host, int(port)), timeout=self.timeout)
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return Channel(s, False, self.server_id)
+        if ch is None:
+            if not ep.get("tcp"):
+                raise ConnectionError("the node has no TCP data plane (a TLS cluster)")
+            host, port = ep["tcp"]
+            s = socket.create_connection((host, int(port)), timeout=self.timeout)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            ch = Channel(s, False, self.server_id)
+        try:
+            send_msg(ch.sock, {"op": "hello", "token": ep.get("token", "")})
+        except OSError:
+            ch.close()
+            raise
+        return ch
 
     def fail(self, addr: str, key: str, ch: Channel, *segs: Segment | None) -> None:
         """``ch`` failed mid-call: close it; the segments it used are never written again."""

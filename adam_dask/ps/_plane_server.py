@@ -78,6 +78,9 @@ class PlaneServer:
         self.nodes: dict[str, Any] = {}  # server id -> PSNode
         self.closed = False
         self.unix_name = f"adam-ps-{os.getpid()}-{secrets.token_hex(6)}"
+        # a connection's first message must carry it: the token reaches a pusher only through
+        # the node's actor (Dask's comm, TLS on a TLS cluster), so the plane asks no less
+        self.token = secrets.token_hex(16)
         self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._unix.bind("\0" + self.unix_name)
         self._unix.listen(64)
@@ -98,7 +101,11 @@ class PlaneServer:
         logger.debug("data plane of %s: unix %s, tcp %s", worker.address, self.unix_name, self.tcp)
 
     def endpoint(self) -> dict:
-        return {"unix": self.unix_name, "tcp": list(self.tcp) if self.tcp else None}
+        return {
+            "unix": self.unix_name,
+            "tcp": list(self.tcp) if self.tcp else None,
+            "token": self.token,
+        }
 
     def register(self, server_id: str, node: Any) -> None:
         self.nodes[server_id] = node
@@ -133,6 +140,11 @@ class _Connection:
 
     def run(self) -> None:
         try:
+            hello = recv_msg(self.sock)
+            if hello.get("op") != "hello" or not secrets.compare_digest(
+                str(hello.get("token", "")), self.server.token
+            ):
+                raise ConnectionError("a data-plane connection without this node's token")
             while True:
                 h = recv_msg(self.sock)
                 op = h["op"]
@@ -151,6 +163,8 @@ class _Connection:
                     raise ConnectionError(f"unknown data-plane op {op!r}")
         except (ConnectionError, OSError, ValueError) as exc:
             logger.debug("data-plane connection closed: %r", exc)
+        except Exception as exc:  # a peer that broke the protocol: close, serve the others
+            logger.warning("data-plane connection closed on a malformed message: %r", exc)
         finally:
             self.sock.close()
             if self.segments:  # unmapped when the last view goes (a view caught in a

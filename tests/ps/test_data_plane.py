@@ -137,3 +137,40 @@ def test_sigkill_of_the_pusher_mid_push_leaves_no_torn_value_and_no_segment(ps_c
         if proc.poll() is None:
             proc.kill()
         s.close()
+
+
+def test_a_connection_without_the_nodes_token_is_closed_and_changes_nothing(ps_client):
+    import socket
+
+    from adam_dask.ps._rpc import call_actor
+    from adam_dask.ps._wire import send_msg
+
+    s = ParameterServer.create(ps_client, size=N, shard_bytes=SHARD)
+    try:
+        s.push(np.ones(N, np.float32))
+        before = s.pull()
+        addr, key = next(iter(s.routing_info()["nodes"].items()))
+        ep = ps_client.sync(call_actor, ps_client.rpc, addr, key, "plane", timeout=30)
+        assert ep["token"] and ep["unix"]
+        for token in ("", "0" * 32):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(10)
+            sock.connect("\0" + ep["unix"])
+            send_msg(sock, {"op": "hello", "token": token})
+            parts = [[sid, a, b - a] for sid, (a, b) in enumerate(s.shards)]
+            header = {"op": "push", "server": s.server_id, "push_id": 7, "ack": "primary"}
+            header.update(stamps={}, mark=None, parts=parts)
+            try:
+                send_msg(sock, header)
+            except OSError:
+                pass  # closed already
+            try:  # closed, never answered
+                assert sock.recv(1) == b""
+            except ConnectionResetError:
+                pass  # closed with our push unread
+            sock.close()
+        np.testing.assert_array_equal(s.pull(), before)
+        s.push(np.ones(N, np.float32))  # the pushers that hold the token are served
+        np.testing.assert_array_equal(s.pull(), before + 1)
+    finally:
+        s.close()
