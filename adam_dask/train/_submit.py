@@ -90,8 +90,11 @@ def run_replicas(
         # future does not stop, so they are told to stop and awaited (as the scheduler sees
         # them) before the stop is lifted; a new fit must not run beside them
         running = _stop_and_wait(futures, stop, float(config.get("train.stop-timeout")))
-        for f in futures:
-            f.cancel()
+        for f in futures:  # forgotten, so a new fit runs the same keys again
+            if f.done():
+                f.release()
+            else:
+                f.cancel()
         if running:
             logger.warning(
                 "epoch %d: replica task(s) %s did not end within adam.train.stop-timeout after "
