@@ -13,7 +13,7 @@ until a count is past the bound, for each of two targets:
 * ours: ONE parameter-server group on the embedded cluster (3 PS workers, one loopback host
   each, ``adam.ps.copies`` copies of each ``adam.ps.shard-bytes`` shard, the default
   ``adam.ps.ack``), reached only through the public API as a replica's exchange uses it
-  (``ParameterServer.buffer()``, ``push_pull(buf, out, donate=True)``: the push and the pull
+  (``ParameterServer.buffer()``, ``push_pull(buf, out)``: the push and the pull
   in one round trip, so ours' push latency holds the pull too, ``release(buf)``), so whatever
   data plane sits behind them is measured;
 * the sink (the machine's limit): a thread-per-connection TCP server started in the first PS
@@ -123,7 +123,7 @@ class PsEndpoint:
 
     def push(self, delta: np.ndarray) -> None:
         # as a replica's exchange pushes: the update taken into a buffer of the server's,
-        # handed over (donate) and released; the take's own write of it is the replica's
+        # handed over by reference and released; the take's own write of it is the replica's
         # training cost, so a buffer is filled once, not at every push
         buf = self.server.buffer()
         if id(buf) not in self.filled:
@@ -131,7 +131,7 @@ class PsEndpoint:
             self.filled.add(id(buf))
         out = self.server.buffer()  # where the node writes the pulled weights
         self.filled.discard(id(out))  # it will hold weights, not the delta
-        self.server.push_pull(buf, out, donate=True)  # push, then pull: one round trip
+        self.server.push_pull(buf, out)  # push, then pull: one round trip
         self.server.release(buf)
         self.server.release(out)  # (the exchange installs it first)
 

@@ -419,7 +419,7 @@ def _plane_task(server, sink: tuple, seconds: float) -> dict:
             buf[:] = 1e-3
             got: dict = {}
             calls = (
-                ("push_donated", lambda b=buf: server.push(b, donate=True)),
+                ("push_donated", lambda b=buf: server.push(b)),
                 ("push", lambda: server.push(payload)),
                 ("pull", lambda: server.pull(out=into)),
             )

@@ -4,7 +4,7 @@ a socket, with no hop to an event loop and no Dask actor call.
 The path of one push from a replica (``AsyncExchange``): the training thread takes its update
 into a :class:`Segment` of the handle's pool (``Updates.take(out=)``: the sum of the threads'
 accumulators is written once, there) and queues it; the communicator thread calls
-``ParameterServer.push(delta, donate=True)``, which scans it once (NaN/Inf and which shards are
+``ParameterServer.push_pull(delta, out)``, which scans it once (NaN/Inf and which shards are
 all zeros, :func:`~adam_dask.ps.kernels.scan_delta`) and sends each primary its shards' part:
 
 * same machine (a Unix socket in the same network namespace): the segment (a ``memfd``) was
@@ -260,7 +260,7 @@ class PlaneCalls:
 
     def buffer(self) -> np.ndarray:
         """A float32 array of the server's size from the handle's pool, for a delta to push
-        with ``push(delta, donate=True)``; give it back with :meth:`release` (the server keeps
+        with :meth:`push` by reference; give it back with :meth:`release` (the server keeps
         it as long as it needs it, then reuses it)."""
         plane = self._plane()
         if plane is None:
@@ -305,7 +305,6 @@ class PlaneCalls:
         delta: np.ndarray,
         ack: str,
         mark: Any,
-        donate: bool,
         push_id: int,
         nonzero: np.ndarray,
         pull: np.ndarray | None = None,

@@ -76,7 +76,6 @@ class PlaneServer:
         from distributed.comm.addressing import get_address_host, parse_address
 
         self.nodes: dict[str, Any] = {}  # server id -> PSNode
-        self.closed = False
         self.unix_name = f"adam-ps-{os.getpid()}-{secrets.token_hex(6)}"
         # a connection's first message must carry it: the token reaches a pusher only through
         # the node's actor (Dask's comm, TLS on a TLS cluster), so the plane asks no less
@@ -115,7 +114,7 @@ class PlaneServer:
             del self.nodes[server_id]
 
     def _accept(self, sock: socket.socket, unix: bool) -> None:
-        while not self.closed:
+        while True:  # as long as the process: the workers' nodes come and go
             try:
                 conn, _ = sock.accept()
             except OSError:  # pragma: no cover - the listener was closed
@@ -150,8 +149,6 @@ class _Connection:
                 op = h["op"]
                 if op == "segment":
                     self._segment(h)
-                elif op == "forget":
-                    self.segments.pop(int(h["id"]), None)
                 elif op == "push":
                     if h.get("pull"):
                         self._push_pull(h)

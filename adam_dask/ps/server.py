@@ -289,14 +289,7 @@ class ParameterServer(PlaneCalls, Pushing):
         run, _, sched = self._context()
         return run(sched.adam_ps_routing, server_id=self.server_id)
 
-    def push(
-        self,
-        delta: np.ndarray,
-        *,
-        ack: str | None = None,
-        mark: Mark | None = None,
-        donate: bool = False,
-    ) -> None:
+    def push(self, delta: np.ndarray, *, ack: str | None = None, mark: Mark | None = None) -> None:
         """Add a flat float32 ``delta`` (length ``size``) to the parameters.
 
         ``mark`` (:class:`~adam_dask.ps.state.Mark`): what the push covers of the pusher's
@@ -304,24 +297,15 @@ class ParameterServer(PlaneCalls, Pushing):
         skips a push whose ``(seq, part)`` is at or below the one it recorded for the pusher;
         :meth:`marks` reads them.
 
-        ``donate``: the caller will not write to ``delta`` again, so the handle may keep it
-        (instead of a copy) until the push is durable; a :meth:`buffer` is shared with nodes on
-        this machine without copying the values at all.
+        A :meth:`buffer` is handed over as it is: shared with nodes on this machine without
+        copying the values, and kept by reference until the push is durable (write to it no
+        more; :meth:`release` it). Any other array is copied once.
 
         Raises :class:`UpdateRejected` (nothing applied) when it holds NaN/Inf or has the wrong
         length, :class:`ShardUnavailable` when a shard has no copy left or fail-over takes
         longer than ``adam.ps.failover-timeout``.
         """
-        delta, nonzero = self._checked(delta)
-        ack = ack or self.ack
-        push_id = self._rng.getrandbits(62)
-        rest: list[int] | None = None
-        if ack != "all":  # "all" waits for the forwards: the Dask path's patience
-            rest, _ = self._plane_push(delta, ack, mark, donate, push_id, nonzero)
-            if not rest:
-                self._settling()
-                return
-        self._run(self._push, delta, ack, mark, push_id, rest, nonzero)
+        self._push_now(delta, ack, mark, None)
 
     def push_pull(
         self,
@@ -330,27 +314,35 @@ class ParameterServer(PlaneCalls, Pushing):
         *,
         ack: str | None = None,
         mark: Mark | None = None,
-        donate: bool = False,
     ) -> np.ndarray:
         """:meth:`push`, then :meth:`pull` into ``out`` (a flat float32 buffer, a new one if
         omitted) and return it: what a replica does every *k* images, in one round trip per
         primary on the data plane (the values read after the push was applied)."""
         out = self._out(out)
-        delta, nonzero = self._checked(delta)
-        ack = ack or self.ack
-        push_id = self._rng.getrandbits(62)
-        pulled: set[int] = set()
-        rest: list[int] | None = None
-        if ack != "all":
-            rest, pulled = self._plane_push(delta, ack, mark, donate, push_id, nonzero, out)
-            if not rest:
-                self._settling()
-        if rest is None or rest:
-            self._run(self._push, delta, ack, mark, push_id, rest, nonzero)
+        pulled = self._push_now(delta, ack, mark, out)
         missing = [s for s in range(len(self.shards)) if s not in pulled]
         if missing:
             self.pull(missing, out=out)
         return out
+
+    def _push_now(
+        self, delta: np.ndarray, ack: str | None, mark: Mark | None, pull: np.ndarray | None
+    ) -> set[int]:
+        """Check ``delta`` once, send it over the data plane (reading the shards back into
+        ``pull`` on the way), the rest the Dask way with the same push id; returns the shards
+        pulled."""
+        delta, nonzero = self._checked(delta)
+        ack = ack or self.ack
+        push_id = self._rng.getrandbits(62)
+        rest: list[int] | None = None  # None: every shard
+        pulled: set[int] = set()
+        if ack != "all":  # "all" waits for the forwards: the Dask path's patience
+            rest, pulled = self._plane_push(delta, ack, mark, push_id, nonzero, pull)
+            if not rest:
+                self._settling()
+                return pulled
+        self._run(self._push, delta, ack, mark, push_id, rest, nonzero)
+        return pulled
 
     def _checked(self, delta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``delta`` as a flat float32 array (the same array when it is one: a

@@ -71,8 +71,8 @@ class Exchange:
         self.images_pushed = 0
         self.items: dict[Any, int] = {}
         self.ps_seconds = 0.0
-        # the data plane: deltas taken into the server's buffers (pushed without a copy),
-        # weights pulled into one reused array
+        # the data plane: deltas taken into the server's buffers and weights pulled into them
+        # (neither copied on this side)
         self._buffers = callable(getattr(server, "buffer", None)) and not replica.offload
 
     def step(self) -> None:  # pragma: no cover - abstract
@@ -91,7 +91,7 @@ class Exchange:
         self._push_taken(self._take(), segment)
         weights = self._pull()
         self.replica.install(weights)
-        self._done_with(weights)
+        self._give_back(weights)
 
     # -- the parameter-server calls -----------------------------------------------------------------
 
@@ -100,16 +100,17 @@ class Exchange:
         out = self.server.buffer() if self._buffers else None
         return self.replica.take(in_transit, out=out)
 
-    def _release(self, update: Update) -> None:
-        """The exchange is done with ``update``'s delta (the server may reuse its buffer)."""
+    def _give_back(self, array: np.ndarray) -> None:
+        """The exchange is done with ``array``, a delta or pulled weights: the server may reuse
+        its buffer."""
         if self._buffers:
-            self.server.release(update.delta)
+            self.server.release(array)
 
     def _push_taken(self, update: Update, segment: Segment | None = None) -> None:
         try:
             self._push(update, segment)
         finally:
-            self._release(update)
+            self._give_back(update.delta)
 
     def _push(
         self, update: Update, segment: Segment | None = None, pull: bool = False
@@ -132,8 +133,6 @@ class Exchange:
             elif scale != 1.0:  # the replica adds the unscaled update until it lands
                 delta = delta * np.float32(scale)
             kw: dict[str, Any] = {} if marks[0] is None else {"mark": marks[0]}
-            if self._buffers:
-                kw["donate"] = True  # the exchange writes it no more: held, not copied
             if pull and self._buffers and not prefixes:
                 weights = self.server.push_pull(delta, self._weights_out(), **kw)
                 self.pulls += 1
@@ -161,16 +160,12 @@ class Exchange:
     def _weights_out(self) -> np.ndarray:
         """Where pulled weights land (install copies them into the replica's): a buffer of
         the server's, which a node on this machine writes into directly; give it back with
-        :meth:`_done_with`."""
+        :meth:`_give_back`."""
         return self.server.buffer()
-
-    def _done_with(self, weights: np.ndarray) -> None:
-        if self._buffers:
-            self.server.release(weights)
 
     def _pull(self) -> np.ndarray:
         t = time.perf_counter()
-        if self._buffers:  # installed, then released (_done_with)
+        if self._buffers:  # installed, then given back
             weights = self.server.pull(out=self._weights_out())
         else:
             weights = self.server.pull()
@@ -212,11 +207,11 @@ class AsyncExchange(Exchange):
             try:
                 weights = self._push(update, pull=True)  # one round trip on the data plane
                 self.replica.landed(update)
-                self._release(update)
+                self._give_back(update.delta)
                 if weights is None:
                     weights = self._pull()
                 self.replica.install(weights)
-                self._done_with(weights)
+                self._give_back(weights)
             except BaseException as exc:  # raised in the training thread at the next step
                 self._error = exc
                 self.replica.stop()
@@ -273,7 +268,7 @@ class SyncExchange(Exchange):
             raise barrier_timeout(answer, self.label)
         weights = self._pull()
         self.replica.install(weights)
-        self._done_with(weights)
+        self._give_back(weights)
 
 
 def barrier_timeout(answer: dict, label: str) -> ClusterError:

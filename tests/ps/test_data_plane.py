@@ -52,7 +52,7 @@ def test_every_mode_sums_exactly_and_the_plane_carries_the_calls(ps_client, mode
         assert plane["to_dask"] == 0 and plane["failed_calls"] == 0, plane
 
 
-def test_a_donated_buffer_is_held_not_copied_and_reused_once_durable(ps_client):
+def test_a_buffer_is_held_not_copied_and_reused_once_durable(ps_client):
     s = ParameterServer.create(ps_client, size=N, shard_bytes=SHARD)
     try:
         seen = set()
@@ -60,7 +60,7 @@ def test_a_donated_buffer_is_held_not_copied_and_reused_once_durable(ps_client):
             buf = s.buffer()
             seen.add(id(buf))
             buf[:] = 0.5
-            s.push(buf, donate=True)
+            s.push(buf)
             s.release(buf)
             s.settle()  # every copy holds it: the buffer is free again
         assert len(seen) <= 3, len(seen)  # handed out again, not a new one per push
@@ -70,7 +70,7 @@ def test_a_donated_buffer_is_held_not_copied_and_reused_once_durable(ps_client):
         bad[:] = 1.0
         bad[N - 3] = np.nan
         with pytest.raises(Exception, match="non-finite"):
-            s.push(bad, donate=True)
+            s.push(bad)
         np.testing.assert_array_equal(s.pull(), np.full(N, 10.0, np.float32))
     finally:
         s.close()
@@ -87,7 +87,7 @@ PUSHER = textwrap.dedent(
     n = 0
     while True:
         buf[:] = 1.0  # every push adds exactly 1 to every value: a torn one would not
-        s.push(buf, donate=True)
+        s.push(buf)
         n += 1
         if n == 20:
             print("pushing", flush=True)
