@@ -225,9 +225,7 @@ class Trainer:
                 "the cluster has no PS workers",
                 "start workers with --resources PS=1 or use assign_roles",
             )
-        self._replicas_now = replica_count(
-            self._fixed_replicas, len(workers_with_role(self.client, TRAIN))
-        )
+        self._replicas_now = replica_count(self._fixed_replicas, len(self._train_workers()))
         if self.server is None:
             from ..ps.server import ParameterServer
 
@@ -413,7 +411,15 @@ class Trainer:
         if recorded is not None:
             logger.info("epoch %d resumes with its %d replicas", epoch, recorded)
             return recorded
-        return replica_count(self._fixed_replicas, len(workers_with_role(self.client, TRAIN)))
+        return replica_count(self._fixed_replicas, len(self._train_workers()))
+
+    def _train_workers(self) -> list[str]:
+        """The TRAIN workers, waiting up to ``adam.cluster.start-timeout`` while there are none:
+        a TRAIN worker killed at an epoch's start is being replaced by its nanny (seconds)."""
+        deadline = time.monotonic() + float(config.get("cluster.start-timeout"))
+        while not (found := workers_with_role(self.client, TRAIN)) and time.monotonic() < deadline:
+            time.sleep(0.25)
+        return found
 
     def _ps_stats(self) -> dict:
         try:
