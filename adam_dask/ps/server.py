@@ -458,12 +458,29 @@ class ParameterServer(PlaneCalls, Pushing):
         """{shard: version} at the primaries."""
         return self._run(self._versions)
 
-    def settle(self, timeout: float | None = None) -> None:
+    def settle(self, timeout: float | None = None, *, checkpoint: bool = True) -> None:
         """Block until every push made through this handle is held by every copy of its shard
-        (with ``ack="replay"``, a pusher that ends, e.g. a training task, calls this so that
-        nothing it was told is applied depends on it any more)."""
+        and, with ``checkpoint`` (and a checkpoint), by the checkpoint too. With
+        ``ack="replay"`` a pusher that ends calls this so that nothing it was told is applied
+        depends on it any more: a replica task does at its end with ``checkpoint=False`` (the
+        copies hold what it pushed before its result counts; the checkpoint catches up on its
+        own, however long storage is away)."""
         timeout = float(config.get("ps.failover-timeout", timeout))
-        self._run(lambda rpc, sched: asyncio.wait_for(self._settle(rpc, sched), timeout))
+        copies_only = not checkpoint
+        self._run(
+            lambda rpc, sched: asyncio.wait_for(
+                self._settle(rpc, sched, copies_only=copies_only), timeout
+            )
+        )
+
+    def held(self) -> dict:
+        """``{"pushes", "bytes", "unreplicated"}``: what this handle holds for replay now
+        (``ack="replay"``; ``unreplicated``: pushes some copy still lacks)."""
+        return {
+            "pushes": len(self._log),
+            "bytes": int(self._log.nbytes),
+            "unreplicated": int(self._log.unreplicated),
+        }
 
     def flush(
         self, epoch: Any = None, *, meta: dict | None = None, timeout: float | None = None
