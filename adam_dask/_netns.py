@@ -44,6 +44,38 @@ def netns_problem() -> str | None:
     return None
 
 
+def remove_stale() -> list[str]:
+    """Remove the namespaces and links of namespace clusters whose process is gone (killed
+    before it could clean up); returns the namespaces removed."""
+    import re
+
+    removed = []
+    names = _run("ip", "netns", "list", check=False).stdout.split()
+    tags = {m.group(1) for n in names if (m := re.fullmatch(r"a(\d{5})-.*", n))}
+    dead = {t for t in tags if not _alive_tag(int(t))}
+    for n in names:
+        m = re.fullmatch(r"a(\d{5})-.*", n)
+        if m and m.group(1) in dead:
+            for pid in _run("ip", "netns", "pids", n, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _run("ip", "netns", "del", n, check=False)
+            removed.append(n)
+    links = _run("ip", "-o", "link", "show", check=False).stdout.splitlines()
+    for line in links:
+        m = re.match(r"\d+: (a(\d{5})[a-z]+\d*)[@:]", line)
+        if m and m.group(2) in dead:
+            _run("ip", "link", "del", m.group(1), check=False)
+    return removed
+
+
+def _alive_tag(tag: int) -> bool:
+    """Whether a process whose id ends in ``tag`` (pid % 100000) runs."""
+    return any(int(p) % 100000 == tag for p in os.listdir("/proc") if p.isdigit())
+
+
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(argv, capture_output=True, text=True)
     if check and proc.returncode != 0:
@@ -64,6 +96,7 @@ class Host:
     veth: str
     role: str | None = None
     proc: subprocess.Popen | None = None
+    storage_veth: str | None = None
     cut_from: set[str] = field(default_factory=set)
 
 
@@ -92,18 +125,28 @@ class NetnsCluster:
         memory_limit: str = "1.5GiB",
         worker_env: dict[str, str] | None = None,
         start_timeout: float = 60.0,
+        storage: str | None = None,
     ):
         problem = netns_problem()
         if problem is not None:
             raise ClusterError(problem)
         tag = os.getpid() % 100000
         self.tag = f"a{tag:05d}"  # short: interface names hold 15 characters
-        octet2, octet3 = 100 + (tag // 250) % 100, tag % 250
+        octet2, octet3 = 100 + (tag // 250) % 50, tag % 250
         self._subnet = f"10.{octet2}.{octet3}"
+        self._storage_subnet = f"10.{octet2 + 50}.{octet3}"
         self.bridge = f"{self.tag}br"
         self.bridge_ip = f"{self._subnet}.254"
+        if storage not in (None, "shared", "isolated"):
+            raise ValueError(f"storage={storage!r}: None, 'shared' or 'isolated'")
+        # an S3 server (moto) on a host of its own: "shared", on the one network every update
+        # crosses; "isolated", on a storage network of its own that only the PS hosts join,
+        # through a second link each (the paper's separate NIC for persistence, 3.3.4)
+        self.storage = storage
+        self.storage_bridge = f"{self.tag}sb"
+        self.s3_endpoint: str | None = None
         self.hosts: dict[str, Host] = {}
-        self._spec = [("scheduler", None, 0)]
+        self._spec: list[tuple[str, str | None, int]] = [("scheduler", None, 0)]
         self._spec += [(f"ps-{i}", "PS", 1) for i in range(ps_nodes)]
         self._spec += [(f"data-{i}", "DATA", 1) for i in range(data_nodes)]
         self._spec += [(f"train-{i}", "TRAIN", max(1, trainer_threads)) for i in range(trainers)]
@@ -127,6 +170,7 @@ class NetnsCluster:
         return f"tcp://{self.hosts['scheduler'].ip}:{SCHEDULER_PORT}"
 
     def start(self) -> None:
+        remove_stale()
         self._started = True
         try:
             _run("ip", "link", "add", self.bridge, "type", "bridge")
@@ -134,6 +178,8 @@ class NetnsCluster:
             _run("ip", "link", "set", self.bridge, "up")
             for i, (name, role, _) in enumerate(self._spec):
                 self._add_host(name, role, i + 1)
+            if self.storage is not None:
+                self._add_storage()
             self._start_processes()
         except BaseException:
             self.close()
@@ -150,6 +196,50 @@ class NetnsCluster:
         _run("ip", "link", "set", veth, "up")
         _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
         _run("ip", "-n", ns, "link", "set", "eth0", "up")
+
+    def _add_storage(self) -> None:
+        """The S3 host, and in "isolated" mode its network: a bridge, a second link (``eth1``)
+        into each PS host, and the bridge's address for this process."""
+        if self.storage == "shared":
+            self._add_host("s3", None, 200)
+            ip = self.hosts["s3"].ip
+        else:
+            sb, sub = self.storage_bridge, self._storage_subnet
+            _run("ip", "link", "add", sb, "type", "bridge")
+            _run("ip", "addr", "add", f"{sub}.254/24", "dev", sb)
+            _run("ip", "link", "set", sb, "up")
+            ns, veth, ip = f"{self.tag}-s3", f"{self.tag}s0", f"{sub}.200"
+            self.hosts["s3"] = Host("s3", ns, ip, veth)
+            _run("ip", "netns", "add", ns)
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _run("ip", "link", "set", veth, "master", sb)
+            _run("ip", "link", "set", veth, "up")
+            _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            for i, (name, role, _) in enumerate(self._spec):
+                if role != "PS" and name != "scheduler":  # the controller writes the manifest
+                    continue
+                host = self.hosts[name]
+                host.storage_veth = f"{self.tag}s{i + 1}"
+                _run(
+                    "ip", "link", "add", host.storage_veth, "type", "veth",
+                    "peer", "name", "eth1", "netns", host.ns,
+                )  # fmt: skip
+                _run("ip", "link", "set", host.storage_veth, "master", sb)
+                _run("ip", "link", "set", host.storage_veth, "up")
+                _run("ip", "-n", host.ns, "addr", "add", f"{sub}.{i + 1}/24", "dev", "eth1")
+                _run("ip", "-n", host.ns, "link", "set", "eth1", "up")
+        s3 = self.hosts["s3"]
+        s3.proc = self._spawn(s3, [sys.executable, "-m", "moto.server", "-H", ip, "-p", "5000"])
+        self._wait_port(ip, 5000, s3)
+        self.s3_endpoint = f"http://{ip}:5000"
+
+    def storage_options(self) -> dict:
+        """fsspec options for the S3 host (moto accepts any key)."""
+        if self.s3_endpoint is None:
+            raise ClusterError("this cluster has no storage host", "pass storage='shared'")
+        return {"key": "testing", "secret": "testing", "endpoint_url": self.s3_endpoint}
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -253,8 +343,12 @@ class NetnsCluster:
                     pass
             _run("ip", "netns", "del", host.ns, check=False)
             _run("ip", "link", "del", host.veth, check=False)
+            if host.storage_veth is not None:
+                _run("ip", "link", "del", host.storage_veth, check=False)
         if self._started:
             _run("ip", "link", "del", self.bridge, check=False)
+            if self.storage == "isolated":
+                _run("ip", "link", "del", self.storage_bridge, check=False)
         self.hosts.clear()
 
     # -- who is where ------------------------------------------------------------------------------
@@ -304,43 +398,30 @@ class NetnsCluster:
     def heal(self) -> None:
         """Every partition, cut link, rate and loss gone."""
         for host in self.hosts.values():
+            in_ns = ["ip", "netns", "exec", host.ns]
             _run("ip", "link", "set", host.veth, "up", check=False)
-            _run(
-                "ip",
-                "netns",
-                "exec",
-                host.ns,
-                "nft",
-                "delete",
-                "table",
-                "inet",
-                "adam",
-                check=False,
-            )
-            _run("tc", "qdisc", "del", "dev", host.veth, "root", check=False)
-            _run(
-                "ip",
-                "netns",
-                "exec",
-                host.ns,
-                "tc",
-                "qdisc",
-                "del",
-                "dev",
-                "eth0",
-                "root",
-                check=False,
-            )
+            _run(*in_ns, "nft", "delete", "table", "inet", "adam", check=False)
+            for outer, link in ((host.veth, "eth0"), (host.storage_veth, "eth1")):
+                if outer is None:
+                    continue
+                _run("tc", "qdisc", "del", "dev", outer, "root", check=False)
+                _run(*in_ns, "tc", "qdisc", "del", "dev", link, "root", check=False)
             host.cut_from.clear()
 
-    def shape(self, name: str, *, rate: str | None = None, loss: float = 0.0) -> None:
+    def shape(
+        self, name: str, *, rate: str | None = None, loss: float = 0.0, link: str = "eth0"
+    ) -> None:
         """Make host ``name``'s link slow (``rate``, e.g. ``"10mbit"``, both ways) and/or lossy
-        (``loss``: the share of packets dropped, each way)."""
+        (``loss``: the share of packets dropped, each way, on every link of the host).
+        ``link="eth1"``: a PS host's link to the storage network."""
         host = self.hosts[name]
+        outer = host.veth if link == "eth0" else host.storage_veth
+        if outer is None:
+            raise ClusterError(f"{name} has no {link}")
         if rate is not None:
             for argv in (
-                ["tc", "qdisc", "replace", "dev", host.veth, "root"],
-                ["ip", "netns", "exec", host.ns, "tc", "qdisc", "replace", "dev", "eth0", "root"],
+                ["tc", "qdisc", "replace", "dev", outer, "root"],
+                ["ip", "netns", "exec", host.ns, "tc", "qdisc", "replace", "dev", link, "root"],
             ):
                 _run(*argv, "tbf", "rate", rate, "burst", "64kb", "latency", "400ms")
         if loss > 0:
