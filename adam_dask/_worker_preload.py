@@ -1,10 +1,15 @@
-"""A Dask worker preload of the embedded cluster: the worker process ignores SIGINT.
+"""A Dask worker preload of the embedded cluster: the worker process ignores SIGINT, and its
+log records are redacted (:mod:`adam_dask._secrets`) from its start.
 
 The embedded cluster's workers are children of the process that started it (a notebook's
 kernel, ``adam-dask train`` in a terminal), in its process group. A Jupyter kernel's stop button
 and a terminal's Ctrl-C send SIGINT to the whole group: the user means the training call, which
 stops its replicas and returns; a worker killed by it would lose its shards and print a
 traceback. The workers end when their cluster closes them.
+
+Redacting from the start covers the AWS variables the worker inherited before any task runs;
+the credentials of storage options join when the worker first opens storage
+(:func:`adam_dask.storage.options_for`).
 """
 
 from __future__ import annotations
@@ -12,8 +17,11 @@ from __future__ import annotations
 import signal
 from typing import Any
 
+from ._secrets import install
+
 __all__ = ["dask_setup"]
 
 
 def dask_setup(worker: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    install()
