@@ -9,7 +9,9 @@ traceback. The workers end when their cluster closes them.
 
 Redacting from the start covers the AWS variables the worker inherited before any task runs;
 the credentials of storage options join when the worker first opens storage
-(:func:`adam_dask.storage.options_for`).
+(:func:`adam_dask.storage.options_for`). The workers of other clusters (``--scheduler``, a
+gateway) have no preload: :class:`RedactLogs`, a worker plugin, does the same there (a parameter
+server registers it when made).
 """
 
 from __future__ import annotations
@@ -17,11 +19,24 @@ from __future__ import annotations
 import signal
 from typing import Any
 
+from distributed.diagnostics.plugin import WorkerPlugin
+
 from ._secrets import install
 
-__all__ = ["dask_setup"]
+__all__ = ["RedactLogs", "dask_setup"]
 
 
 def dask_setup(worker: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     install()
+
+
+class RedactLogs(WorkerPlugin):
+    """Redact every log record of each worker (:func:`adam_dask._secrets.install`). It sends
+    no secret: each worker knows those of its own environment and of the storage it opens."""
+
+    name = "adam-redact-logs"
+    idempotent = True
+
+    def setup(self, worker: Any) -> None:
+        install()

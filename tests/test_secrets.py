@@ -116,3 +116,39 @@ def test_every_record_of_the_process_is_redacted_whatever_its_handler():
     assert "denied for ***" in text and "Traceback" in text and "https://***@h/x" in text
     # what is not a credential stays; a bare "key" in text is Dask's task key
     assert "'endpoint_url': 'http://h', 'key': 'k1'" in text
+
+
+def test_errors_show_urls_without_credentials(tmp_path):
+    from adam_dask.data.datasets import open_split
+    from adam_dask.errors import AdamError
+    from adam_dask.ps.checkpoint import read_manifest
+
+    with pytest.raises((AdamError, OSError)) as e:
+        open_split(f"http://bob:{S}@127.0.0.1:9/d.zarr?token={S}", "train")
+    assert S not in str(e.value) and "http://***@127.0.0.1:9/d.zarr" in str(e.value)
+    with pytest.raises(AdamError) as e:
+        read_manifest(f"http://bob:{S}@127.0.0.1:9/ckpt")
+    assert S not in str(e.value) and "***@127.0.0.1:9" in str(e.value)
+
+
+def _log_on_worker(text: str) -> str:
+    """What a handler of this worker process shows for a warning saying ``text``."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    log = logging.getLogger("adam_dask.tests.secrets.worker")
+    log.addHandler(handler)
+    try:
+        log.warning("%s", text)
+    finally:
+        log.removeHandler(handler)
+    return stream.getvalue()
+
+
+def test_workers_of_any_cluster_redact_their_logs(local_client):
+    """A plain LocalCluster has no preload of ours: the worker plugin a parameter server
+    registers makes its workers redact, with the AWS variables they inherited too."""
+    from adam_dask._worker_preload import RedactLogs
+
+    local_client.register_plugin(RedactLogs())
+    shown = local_client.run(_log_on_worker, f"task args {{'secret': '{S}', 'anon': False}}")
+    assert shown and all(S not in t and "'secret': '***'" in t for t in shown.values()), shown
