@@ -18,7 +18,8 @@ Three forms, for three uses:
   of the package goes through) and of the AWS variables of its environment.
 
 :func:`install` makes every log record of the process pass through the process's redactor (a
-record factory: the handlers Dask, botocore or a notebook add later are covered too). The
+record factory: the handlers Dask, botocore or a notebook add later are covered too), and what
+Python prints itself (a thread's uncaught exception, a warning) when nobody changed how. The
 package installs it in every process of a cluster: the CLI and any client that opens storage
 (:func:`remember`), the embedded cluster's workers at start (``adam_dask._worker_preload``),
 the scheduler with the PS controller and the dashboard plugins, and any worker of another
@@ -42,8 +43,10 @@ import json
 import logging
 import os
 import re
+import sys
 import threading
 import traceback
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -322,7 +325,44 @@ def install() -> None:
             return record
 
         logging.setLogRecordFactory(redacted_record)
+        # what Python prints itself, outside logging, when nobody changed how it prints
+        if threading.excepthook is threading.__excepthook__:
+            threading.excepthook = _print_thread_failure
+        if warnings.showwarning is getattr(warnings, "_showwarning_orig", None):
+            warnings.showwarning = _print_warning
         _installed = True
+
+
+def _write_stderr(text: str) -> None:
+    if sys.stderr is not None:
+        try:
+            sys.stderr.write(_PROCESS(text))
+            sys.stderr.flush()
+        except (OSError, ValueError):  # a closed stream: nothing to print on
+            pass
+
+
+def _print_thread_failure(args: Any) -> None:
+    """``threading.excepthook``'s default print, redacted."""
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else threading.get_ident()
+    failure = traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)
+    _write_stderr(f"Exception in thread {name}:\n{''.join(failure)}")
+
+
+def _print_warning(
+    message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None
+) -> None:
+    """``warnings.showwarning``'s default print, redacted."""
+    text = warnings.formatwarning(message, category, filename, lineno, line)
+    if file is None:
+        _write_stderr(text)
+        return
+    try:
+        file.write(_PROCESS(text))
+    except OSError:
+        pass
 
 
 def scrub(obj: Any, redactor: Redactor | None = None) -> Any:

@@ -152,3 +152,40 @@ def test_workers_of_any_cluster_redact_their_logs(local_client):
     local_client.register_plugin(RedactLogs())
     shown = local_client.run(_log_on_worker, f"task args {{'secret': '{S}', 'anon': False}}")
     assert shown and all(S not in t and "'secret': '***'" in t for t in shown.values()), shown
+
+
+FAILING_THREAD_AND_WARNING = """
+import threading, warnings, sys
+from adam_dask import _secrets
+_secrets.remember({"secret": sys.argv[1] + "-thread"})
+def fail():
+    raise RuntimeError(f"cannot read https://u:{sys.argv[1]}-pw@h/x with {sys.argv[1]}-thread")
+t = threading.Thread(target=fail, name="reader")
+t.start()
+t.join()
+warnings.warn(f"slow answer from https://u:{sys.argv[1]}-pw@h/x", UserWarning)
+"""
+
+
+def test_what_python_prints_itself_shows_no_secret():
+    """A thread's uncaught exception and a warning, printed by Python, not by logging (in a
+    process of its own: pytest replaces both printers while a test runs)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", FAILING_THREAD_AND_WARNING, S],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr
+    assert "Exception in thread reader" in err and "RuntimeError" in err, err
+    assert "UserWarning: slow answer from https://***@h/x" in err, err
+    assert S not in err, err
