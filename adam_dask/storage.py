@@ -18,7 +18,7 @@ from typing import Any
 import fsspec
 from fsspec.core import url_to_fs
 
-from ._secrets import process_redactor, redact_url, remember
+from ._secrets import redact_url, remember
 from .errors import StorageError
 
 __all__ = [
@@ -86,8 +86,7 @@ def filesystem(
         return url_to_fs(url, **options_for(url, storage_options))
     except (ImportError, ValueError) as exc:
         raise StorageError(
-            f"cannot open {redact_url(url)}: {process_redactor()(str(exc))}",
-            "check the URL scheme and install its fsspec backend",
+            f"cannot open {url}: {exc}", "check the URL scheme and install its fsspec backend"
         ) from exc
 
 
@@ -110,6 +109,6 @@ def describe_storage_error(url: str, exc: BaseException) -> StorageError:
     """One clear :class:`StorageError` for a failure that reached storage at ``url``."""
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return StorageError(
-        f"storage at {redact_url(url)} failed: {process_redactor()(text)}",
+        f"storage at {url} failed: {text}",
         "check the endpoint, the credentials and the network, then try again",
     )

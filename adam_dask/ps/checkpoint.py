@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .._secrets import process_redactor, redact_url, redact_urls
+from .._secrets import redact_urls
 from ..errors import CheckpointError
 from ..storage import filesystem, join_url, normalize_url, zarr_store
 from .state import Mark, Snapshot
@@ -93,19 +93,10 @@ def write_json(fs: Any, path: str, obj: dict) -> None:
         fs.pipe_file(path, data)
 
 
-def _shown(url: str) -> str:
-    """``url`` as a message shows it: normalized, without credentials."""
-    return redact_url(normalize_url(url))
-
-
-def _said(exc: BaseException) -> str:
-    """What ``exc`` says, without the credentials this process knows."""
-    return process_redactor()(str(exc))
-
-
 def put_manifest(url: str, storage_options: dict | None, doc: dict) -> None:
     """Write ``doc`` as the manifest (the controller's one write; raises on storage errors).
-    URLs in it (the training data's, in ``meta``) are stored without their credentials."""
+    URLs in it (the training data's, in ``meta``) are stored without their credentials; the
+    messages of errors (:class:`CheckpointError`) never show credentials either."""
     fs, path = filesystem(url, storage_options)
     write_json(fs, join_url(path, MANIFEST), {**redact_urls(doc), "time": time.time()})
 
@@ -119,33 +110,31 @@ def read_manifest(url: str, storage_options: dict | None = None) -> dict:
         raw = fs.cat_file(mpath)
     except FileNotFoundError:
         raise CheckpointError(
-            f"no complete checkpoint at {_shown(url)} ({MANIFEST} is missing)",
+            f"no complete checkpoint at {normalize_url(url)} ({MANIFEST} is missing)",
             "check the URL, or flush the server first",
         ) from None
     except Exception as exc:
         raise CheckpointError(
-            f"cannot read {redact_url(mpath)}: {_said(exc)}",
-            "check the storage endpoint and credentials",
+            f"cannot read {mpath}: {exc}", "check the storage endpoint and credentials"
         ) from exc
     try:
         m = json.loads(raw)
     except ValueError as exc:
-        raise CheckpointError(f"{redact_url(mpath)} is not valid JSON: {_said(exc)}") from exc
+        raise CheckpointError(f"{mpath} is not valid JSON: {exc}") from exc
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CheckpointError(
-            f"{redact_url(mpath)} is not an adam_dask parameter-server manifest",
-            f"expected format {FORMAT!r}",
+            f"{mpath} is not an adam_dask parameter-server manifest", f"expected format {FORMAT!r}"
         )
     if int(m.get("format_version", 0)) > FORMAT_VERSION:
         raise CheckpointError(
-            f"{redact_url(mpath)} has format version {m['format_version']}, newer than {FORMAT_VERSION}",
+            f"{mpath} has format version {m['format_version']}, newer than {FORMAT_VERSION}",
             "upgrade adam_dask",
         )
     if int(m.get("format_version", 1)) >= 2:
         problem = manifest_problem(m)
         if problem:
             raise CheckpointError(
-                f"{redact_url(mpath)} is not a sound checkpoint manifest: {problem}",
+                f"{mpath} is not a sound checkpoint manifest: {problem}",
                 "restore from a checkpoint this parameter server wrote",
             )
     return m
@@ -333,7 +322,7 @@ def init_checkpoint(
         raise
     except Exception as exc:
         raise CheckpointError(
-            f"cannot create the checkpoint at {_shown(url)}: {_said(exc)}",
+            f"cannot create the checkpoint at {normalize_url(url)}: {exc}",
             "check the URL, the credentials and free space",
         ) from exc
     manifest = {
@@ -355,7 +344,7 @@ def init_checkpoint(
         put_manifest(url, storage_options, manifest)
     except Exception as exc:
         raise CheckpointError(
-            f"cannot write the manifest of {_shown(url)}: {_said(exc)}",
+            f"cannot write the manifest of {normalize_url(url)}: {exc}",
             "check the storage and try again",
         ) from exc
     return manifest
@@ -372,7 +361,7 @@ def read_checkpoint(url: str, storage_options: dict | None = None) -> tuple[dict
         except FileNotFoundError:
             if attempt == 2:
                 raise CheckpointError(
-                    f"the checkpoint at {_shown(url)} changed under three reads",
+                    f"the checkpoint at {normalize_url(url)} changed under three reads",
                     "retry when the parameter server writes less often",
                 ) from None
     raise AssertionError("unreachable")  # pragma: no cover
@@ -401,13 +390,13 @@ def _read_checkpoint(url: str, storage_options: dict | None) -> tuple[dict, np.n
         raise
     except Exception as exc:
         raise CheckpointError(
-            f"the checkpoint at {_shown(url)} has a manifest but its "
-            f"data cannot be read: {_said(exc)}",
+            f"the checkpoint at {normalize_url(url)} has a manifest but its "
+            f"data cannot be read: {exc}",
             "the checkpoint is damaged",
         ) from exc
     if values.shape != (int(m["size"]),):
         raise CheckpointError(
-            f"the checkpoint at {_shown(url)} holds {values.shape[0]} "
+            f"the checkpoint at {normalize_url(url)} holds {values.shape[0]} "
             f"values, its manifest says {m['size']}",
             "the checkpoint is damaged",
         )
