@@ -59,8 +59,10 @@ __all__ = [
     "process_redactor",
     "redact_options",
     "redact_url",
+    "redact_urls",
     "remember",
     "scrub",
+    "secret_values",
 ]
 
 logger = logging.getLogger(__name__)
