@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from .. import config
+from .._secrets import redact_urls
 from ..errors import ConfigError, UpdateRejected
 from ..model.layout import ParameterLayout
 from ..storage import normalize_url
@@ -112,8 +113,12 @@ class ParameterServer(PlaneCalls, Pushing):
 
     def __getstate__(self) -> dict:
         d = dict(self.__dict__)
+        # a copy in a task pushes and pulls: the storage options stay with the creator, and
+        # URLs in meta (the training data's) travel without their credentials
         for k in ("_client", "_rng", "_last_stats", "_log", "_settler", "_channels"):
             d[k] = None
+        d["storage_options"] = None
+        d["meta"] = redact_urls(self.meta)
         d["layout"] = self.layout.to_dict() if self.layout is not None else None
         return d
 
@@ -265,7 +270,7 @@ class ParameterServer(PlaneCalls, Pushing):
             copies=info["copies"],
             ack=info["ack"],
             checkpoint=info["checkpoint"],
-            storage_options=info["storage_options"],
+            storage_options=None,  # the controller sends them to no one
             layout=layout,
             meta=info["meta"],
             client=client,
