@@ -38,7 +38,8 @@ def netns_problem() -> str | None:
     """Why a namespace cluster can not start here (one line), or None."""
     if os.geteuid() != 0:
         return "a network-namespace cluster needs root (ip netns add); run the tests as root"
-    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("nft", "nftables")):
+    tools = (("ip", "iproute2"), ("tc", "iproute2"), ("nft", "nftables"), ("iptables", "iptables"))
+    for tool, package in tools:
         if shutil.which(tool) is None:
             return f"a network-namespace cluster needs {tool!r}: apt-get install -y {package} (tools/test installs it)"
     return None
@@ -97,6 +98,7 @@ class Host:
     role: str | None = None
     proc: subprocess.Popen | None = None
     storage_veth: str | None = None
+    delayer: subprocess.Popen | None = None
     cut_from: set[str] = field(default_factory=set)
 
 
@@ -327,6 +329,8 @@ class NetnsCluster:
                 logger.debug("closing a client failed", exc_info=True)
         self._clients.clear()
         for host in self.hosts.values():
+            if host.delayer is not None:
+                host.delayer.kill()
             if host.proc is not None and host.proc.poll() is None:
                 try:
                     os.killpg(host.proc.pid, signal.SIGKILL)
@@ -401,6 +405,7 @@ class NetnsCluster:
             in_ns = ["ip", "netns", "exec", host.ns]
             _run("ip", "link", "set", host.veth, "up", check=False)
             _run(*in_ns, "nft", "delete", "table", "inet", "adam", check=False)
+            self._stop_delayer(host)
             for outer, link in ((host.veth, "eth0"), (host.storage_veth, "eth1")):
                 if outer is None:
                     continue
@@ -409,12 +414,23 @@ class NetnsCluster:
             host.cut_from.clear()
 
     def shape(
-        self, name: str, *, rate: str | None = None, loss: float = 0.0, link: str = "eth0"
+        self,
+        name: str,
+        *,
+        rate: str | None = None,
+        loss: float = 0.0,
+        delay: float = 0.0,
+        jitter: float = 0.0,
+        link: str = "eth0",
     ) -> None:
-        """Make host ``name``'s link slow (``rate``, e.g. ``"10mbit"``, both ways) and/or lossy
-        (``loss``: the share of packets dropped, each way, on every link of the host).
+        """Make host ``name``'s link slow (``rate``, e.g. ``"10mbit"``, both ways), lossy
+        (``loss``: the share of packets dropped, each way, on every link of the host) and/or
+        long (``delay`` seconds, plus up to ``jitter``, on every packet the host sends: this
+        kernel has no netem, so :mod:`adam_dask._netdelay` holds them in user space).
         ``link="eth1"``: a PS host's link to the storage network."""
         host = self.hosts[name]
+        if delay > 0 and host.delayer is None:
+            self._start_delayer(host, delay, jitter)
         outer = host.veth if link == "eth0" else host.storage_veth
         if outer is None:
             raise ClusterError(f"{name} has no {link}")
@@ -428,6 +444,37 @@ class NetnsCluster:
             per_mille = max(1, round(loss * 1000))
             self._nft(name, f"add rule inet adam cut numgen random mod 1000 < {per_mille} drop")
             self._nft(name, f"add rule inet adam out numgen random mod 1000 < {per_mille} drop")
+
+    def _start_delayer(self, host: Host, delay: float, jitter: float) -> None:
+        queue = 1 + list(self.hosts).index(host.name)
+        host.delayer = subprocess.Popen(
+            ["ip", "netns", "exec", host.ns, sys.executable, "-m", "adam_dask._netdelay"]
+            + ["--queue", str(queue), "--delay", str(delay), "--jitter", str(jitter)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        assert host.delayer.stdout is not None
+        if host.delayer.stdout.readline().strip() != "ready":
+            err = host.delayer.stderr.read() if host.delayer.stderr else ""
+            host.delayer = None
+            raise ClusterError(f"the link delay of {host.name} did not start: {err[-500:]}")
+        _run(
+            "ip", "netns", "exec", host.ns, "iptables", "-A", "OUTPUT", "-j", "NFQUEUE",
+            "--queue-num", str(queue), "--queue-bypass",
+        )  # fmt: skip
+
+    def _stop_delayer(self, host: Host) -> None:
+        if host.delayer is None:
+            return
+        _run("ip", "netns", "exec", host.ns, "iptables", "-F", "OUTPUT", check=False)
+        host.delayer.terminate()
+        try:
+            host.delayer.wait(5)
+        except subprocess.TimeoutExpired:
+            host.delayer.kill()
+        host.delayer = None
 
     def _nft(self, name: str, rule: str) -> None:
         ns = self.hosts[name].ns

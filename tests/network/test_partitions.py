@@ -120,10 +120,10 @@ def test_a_primary_cut_from_the_pushers_only(net, server):
 
 
 def test_a_slow_lossy_link_to_one_ps_node(net, server):
-    """One PS node behind a 20 Mbit/s link dropping 1% of packets each way: pushes slow down
-    but every acknowledged one lands exactly once."""
+    """One PS node behind a link that delays every packet it sends by 100 ms and drops 1% of
+    packets each way: pushes slow down but every acknowledged one lands exactly once."""
     victim = net.host_of(server.placement()[0][0])
-    net.shape(victim, rate="20mbit", loss=0.01)
+    net.shape(victim, delay=0.1, loss=0.01)
     pushers = [PushLoad(server, 4)]
     pushers[0].start()
     push_on(pushers, 5, timeout=180)
