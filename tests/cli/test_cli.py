@@ -347,7 +347,7 @@ def test_ctrl_c_to_the_process_group_stops_every_process_without_a_traceback(
         pytest.fail("processes of the interrupted run's group are still alive")
     status, ev, err = cli(capsys, "evaluate", str(ckpt), "--data", store)
     assert status == 0, err
-    assert ev["epoch"] >= 1
+    assert ev["epoch"] >= epochs_done - 1  # the last epoch finished before the interrupt
 
 
 # -- credentials --------------------------------------------------------------------------------------
