@@ -13,6 +13,18 @@ a fault about every ``--every`` seconds (uniformly 0.5x to 1.5x), one at a time,
 * ``kill-shard``: SIGKILL every holder of one shard at once (all of its copies gone: the
   controller rebuilds it from the checkpoint).
 
+With ``--netns`` the cluster runs in Linux network namespaces (``adam_dask.testing.NetnsCluster``,
+root needed; 3 PS, 1 DATA, 1 TRAIN worker with 2 threads) and these network faults join, each
+lasting ``--freeze`` seconds:
+
+* ``cut-ps``, ``cut-data``, ``cut-train``, ``cut-scheduler``: that host's link down;
+* ``partition-ps``: a PS primary cut from the scheduler (the controller) only, still reachable
+  by the trainers (the deposed-primary case);
+* ``flap-ps``: a PS host's link down 1 s, up 1 s;
+* ``slow-ps``: a PS host's packets delayed 100 ms, 1% lost each way;
+* ``overlap``: two at once, a shard's every copy killed (a restore under way) while another PS
+  host is frozen.
+
 The victim is drawn among the role's workers at that moment. The first fault waits for the
 replicas' first progress report; none is sent after ``fit`` returns.
 
@@ -51,15 +63,26 @@ KINDS = (
     "kill-shard",
 )
 
+NET_KINDS = (
+    "cut-ps",
+    "cut-data",
+    "cut-train",
+    "cut-scheduler",
+    "partition-ps",
+    "flap-ps",
+    "slow-ps",
+    "overlap",
+)
+
 logger = logging.getLogger("chaos")
 
 
 class Injector(threading.Thread):
     """Sends the faults, one at a time, until :attr:`done` is set; :attr:`log` lists them."""
 
-    def __init__(self, client, trainer, args: argparse.Namespace):
+    def __init__(self, client, trainer, args: argparse.Namespace, net=None):
         super().__init__(daemon=True, name="chaos-injector")
-        self.client, self.trainer, self.args = client, trainer, args
+        self.client, self.trainer, self.args, self.net = client, trainer, args, net
         self.rng = random.Random(args.seed)
         self.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
         self.done = threading.Event()
@@ -89,6 +112,8 @@ class Injector(threading.Thread):
         from adam_dask.cluster import DATA, PS, TRAIN, workers_with_role
         from adam_dask.testing import freeze, hard_kill, thaw
 
+        if kind in NET_KINDS:
+            return self.send_net(kind)
         action, role = kind.split("-")
         if role == "shard":
             placement = self.trainer.server.placement()
@@ -109,16 +134,79 @@ class Injector(threading.Thread):
                 thaw(pids)
         return victims
 
+    def send_net(self, kind: str) -> list[str]:
+        """A network fault on the namespace cluster; returns its victims (host names)."""
+        from adam_dask.cluster import DATA, PS, TRAIN, workers_with_role
+        from adam_dask.testing import freeze, hard_kill, thaw
+
+        net, hold = self.net, self.args.freeze
+        if net is None:
+            raise RuntimeError(f"{kind} needs --netns")
+        if kind == "cut-scheduler":
+            host = "scheduler"
+        elif kind == "partition-ps":
+            host = net.host_of(self.trainer.server.placement()[self.rng.choice([0, 1])][0])
+        else:
+            role = kind.split("-")[1]
+            workers = workers_with_role(self.client, {"ps": PS, "data": DATA, "train": TRAIN}[role])
+            if not workers:
+                return []
+            host = net.host_of(self.rng.choice(workers))
+        if kind == "overlap":  # a restore under way while another PS host is frozen
+            placement = self.trainer.server.placement()
+            shard = self.rng.choice(sorted(placement))
+            victims = list(placement[shard])
+            hard_kill(self.client, victims, wait=False)
+            others = [w for w in workers_with_role(self.client, PS) if w not in victims]
+            frozen = freeze(self.client, others[:1]) if others else {}
+            try:
+                self.done.wait(hold)
+            finally:
+                thaw(frozen)
+            return [net.host_of(v) for v in victims] + [net.host_of(w) for w in frozen]
+        try:
+            if kind.startswith("cut-"):
+                net.cut(host)
+                self.done.wait(hold)
+            elif kind == "partition-ps":
+                net.partition(host, "scheduler")
+                self.done.wait(hold)
+            elif kind == "flap-ps":
+                end = time.monotonic() + hold
+                while time.monotonic() < end and not self.done.is_set():
+                    net.cut(host)
+                    self.done.wait(1.0)
+                    net.reconnect(host)
+                    self.done.wait(1.0)
+            elif kind == "slow-ps":
+                net.shape(host, delay=0.1, loss=0.01)
+                self.done.wait(hold)
+        finally:
+            net.heal()
+        return [host]
+
 
 def run(url: str, args: argparse.Namespace, faults: bool) -> dict:
+    import contextlib
+
     import adam_dask
 
-    with tempfile.TemporaryDirectory(prefix="adam-chaos-") as tmp:
-        with adam_dask.cluster.local() as client:
+    with tempfile.TemporaryDirectory(prefix="adam-chaos-") as tmp, contextlib.ExitStack() as stack:
+        net = None
+        if args.netns:
+            from adam_dask.testing import NetnsCluster
+
+            net = stack.enter_context(
+                NetnsCluster(ps_nodes=3, data_nodes=1, trainers=1, trainer_threads=2)
+            )
+            cm = contextlib.nullcontext(net.client())
+        else:
+            cm = adam_dask.cluster.local()
+        with cm as client:
             trainer = adam_dask.Trainer(
                 url, client=client, checkpoint=f"{tmp}/ckpt", progress=False, seed=args.seed
             )
-            injector = Injector(client, trainer, args) if faults else None
+            injector = Injector(client, trainer, args, net) if faults else None
             t0 = time.perf_counter()
             history, error = None, None
             try:
@@ -165,12 +253,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=float, default=20.0, help="mean seconds between faults")
     p.add_argument("--freeze", type=float, default=15.0, help="seconds a frozen worker stays so")
     p.add_argument("--seed", type=int, default=0, help="the training seed and the faults' draws")
-    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--kinds", default=None, help="default: every kind (with --netns, network too)")
+    p.add_argument("--netns", action="store_true", help="a cluster of network namespaces (root)")
     p.add_argument("--n-train", type=int, default=None, help="a subset of MNIST's training set")
     args = p.parse_args(argv)
-    unknown = set(k.strip() for k in args.kinds.split(",")) - set(KINDS)
+    known = KINDS + NET_KINDS if args.netns else KINDS
+    if args.kinds is None:
+        args.kinds = ",".join(known)
+    unknown = set(k.strip() for k in args.kinds.split(",")) - set(known)
     if unknown:
-        p.error(f"unknown fault kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
+        p.error(f"unknown fault kinds {sorted(unknown)}; choose from {', '.join(known)}")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     url = mnist_subset_store(args.n_train) if args.n_train else mnist_store()
     clean = run(url, args, faults=False)
@@ -183,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             "every_seconds": args.every,
             "freeze_seconds": args.freeze,
             "kinds": args.kinds.split(","),
+            "netns": bool(args.netns),
             "n_train": args.n_train or 60000,
             **hit,
             "fault_count": len(hit["faults"]),

@@ -24,6 +24,12 @@ one JSON line appended to benchmarks/results/large_model.jsonl (``_common.record
   offloaded weights (they travel as terms) plus the terms, which is what the paper's protocol
   sends.
 
+With ``--netns RATE`` (root) the cluster is a cluster of network namespaces
+(``adam_dask.testing.NetnsCluster``) whose every link is limited to RATE (``tc`` token bucket, e.g.
+``1gbit``, the paper's scale): bandwidth is then what binds, and each run's line gets
+``link_bytes`` (bytes each host's link carried during the run, both ways, from the kernel's
+counters: the data plane's bytes included) and ``link_bytes_per_image`` for the TRAIN hosts.
+
 ``ack`` is the PS's acknowledgement mode of the run (``--ack``, default config
 ``adam.ps.ack``). ``load`` is os.getloadavg() before and after: the machine is shared, so the rates and ratios
 need a quiet machine to mean much; the byte counts do not depend on load.
@@ -237,12 +243,15 @@ def train_once(client, store: str, spec: str, args, offload: bool) -> dict:
         progress=False,
         offload_dense=offload,
     )
+    net = getattr(args, "_net", None)
     try:
-        before = bytes_written(client, trainers)
+        before = bytes_written(client, trainers) if net is None else 0
+        links_before = link_bytes(net) if net is not None else {}
         t0 = time.perf_counter()
         hist = trainer.fit(epochs=1)
         wall = time.perf_counter() - t0
-        sent = bytes_written(client, trainers) - before
+        sent = bytes_written(client, trainers) - before if net is None else 0
+        links_after = link_bytes(net) if net is not None else {}
     finally:
         trainer.close()
     rec = hist.records[-1]
@@ -258,6 +267,23 @@ def train_once(client, store: str, spec: str, args, offload: bool) -> dict:
         "sent_bytes_per_image": sent / max(images, 1),
     }
     out.update(payload_bytes(spec, args.push_every, layers))
+    if net is not None:
+        moved = {h: links_after[h] - links_before[h] for h in links_after}
+        out["link_bytes"] = moved
+        train_hosts = [h for h in moved if h.startswith("train-")]
+        out["link_bytes_per_image"] = sum(moved[h] for h in train_hosts) / max(images, 1)
+        out.pop("sent_bytes_per_image")
+    return out
+
+
+def link_bytes(net) -> dict[str, int]:
+    """{host: bytes its link carried so far, both ways} (the root side's kernel counters)."""
+    out = {}
+    for name, host in net.hosts.items():
+        total = 0
+        for d in ("rx_bytes", "tx_bytes"):
+            total += int(Path(f"/sys/class/net/{host.veth}/statistics/{d}").read_text())
+        out[name] = total
     return out
 
 
@@ -284,7 +310,24 @@ def run_model(name: str, args, store: str) -> dict:
     }
     line["engine"] = engine_rates(spec, args.batch_size, args.steps)
     size = line["engine"]["parameters"]
-    with adam_dask.cluster.local(ps_nodes=3, data_nodes=1, trainers=2, trainer_threads=1) as client:
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        if args.netns:
+            from adam_dask.testing import NetnsCluster
+
+            net = stack.enter_context(
+                NetnsCluster(ps_nodes=3, data_nodes=1, trainers=2, memory_limit="4GiB")
+            )
+            for h in net.hosts:
+                net.shape(h, rate=args.netns)
+            args._net = net
+            line["link_rate"] = args.netns
+            client = net.client()
+        else:
+            client = stack.enter_context(
+                adam_dask.cluster.local(ps_nodes=3, data_nodes=1, trainers=2, trainer_threads=1)
+            )
         if not args.no_ps:
             line["ps"] = attempt(ps_rates, client, size, args.repeats)
         if not args.no_train:
@@ -292,9 +335,9 @@ def run_model(name: str, args, store: str) -> dict:
             line["train_offload"] = attempt(train_once, client, store, spec, args, offload=True)
             a, b = line["train"], line["train_offload"]
             if "error" not in a and "error" not in b:
-                line["offload_sent_bytes_ratio"] = (
-                    b["sent_bytes_per_image"] / a["sent_bytes_per_image"]
-                )
+                key = "link_bytes_per_image" if args.netns else "sent_bytes_per_image"
+                line["offload_sent_bytes_ratio"] = b[key] / a[key]
+                line["offload_epoch_seconds_ratio"] = b["wall_seconds"] / a["wall_seconds"]
                 line["offload_ideal_bytes_ratio"] = (
                     b["ideal_bytes_per_image"] / a["ideal_bytes_per_image"]
                 )
@@ -316,6 +359,9 @@ def main(argv=None) -> None:
         "--ack",
         default=None,
         help="the PS's ack mode for this run (default: config adam.ps.ack): replay, all, primary",
+    )
+    ap.add_argument(
+        "--netns", default=None, metavar="RATE", help="namespace cluster, links at RATE"
     )
     ap.add_argument("--no-ps", action="store_true", help="skip the push/pull figures")
     ap.add_argument("--no-train", action="store_true", help="skip the training runs")
