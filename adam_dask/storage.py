@@ -23,6 +23,7 @@ __all__ = [
     "normalize_url",
     "options_for",
     "protocol",
+    "redact_url",
     "zarr_store",
 ]
 
@@ -49,6 +50,21 @@ def join_url(base: str, *names: str) -> str:
     if "://" in base or base.startswith("/"):
         return "/".join([base.rstrip("/"), *(n.strip("/") for n in names)])
     return os.path.join(base, *names)
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit to show: without a password or token in its user part or its query.
+
+    >>> redact_url("s3://key:secret@bucket/run?X-Amz-Signature=abc")
+    's3://bucket/run'
+    """
+    url = os.fspath(url)
+    if "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    head, sep, tail = rest.partition("/")
+    head = head.rsplit("@", 1)[-1]
+    return f"{scheme}://{head}{sep}{tail}".split("?", 1)[0]
 
 
 def protocol(url: str) -> str:
