@@ -569,13 +569,14 @@ class PSNode:
             missing = self._locked(state.abandon_flush, reqs[0]) if state and reqs else None
             if missing == "checkpoint":
                 error = state.last_writeback_error if state else None
+                last = f"last error: {' '.join(str(error).split())}" if error else "no answer"
                 raise StorageError(
                     f"the checkpoint did not take the write-back of {self._worker.address} in "
-                    f"{limit:g}s (last error: {' '.join(str(error).split())})"
+                    f"{limit:.3g}s ({last})"
                 ) from None
             raise ShardUnavailable(
                 f"flush on {self._worker.address}: the copies did not confirm every push in "
-                f"{limit:g}s",
+                f"{limit:.3g}s",
                 "check the PS workers",
             ) from None
 
