@@ -176,10 +176,10 @@ def test_a_flush_held_up_by_storage_names_storage_and_the_copies_do_not_wait(
 ):
     url = f"s3://{BUCKET}/ps"
     n = 3 * 4096
+    opts = moto_process["options"]
     s = ParameterServer.create(
-        short_cluster, size=n, shard_bytes=16384, checkpoint=url,
-        storage_options=moto_process["options"],
-    )  # fmt: skip
+        short_cluster, size=n, shard_bytes=16384, checkpoint=url, storage_options=opts
+    )
     try:
         s.push(np.ones(n, np.float32))
         s.flush(epoch=0)
