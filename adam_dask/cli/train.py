@@ -175,7 +175,10 @@ def _check_before_start(args: argparse.Namespace) -> None:
     from ..ps.checkpoint import read_manifest
 
     if args.resume and not args.checkpoint:
-        raise ConfigError("--resume needs --checkpoint URL", "give the checkpoint to continue")
+        raise ConfigError(
+            "--resume needs --checkpoint URL",
+            "give the checkpoint to continue (a run's folder, printed when it started)",
+        )
     if args.no_checkpoint and (args.checkpoint or args.overwrite):
         raise ConfigError(
             "--no-checkpoint contradicts --checkpoint and --overwrite", "drop one of them"

@@ -22,6 +22,7 @@ __all__ = [
     "HISTORY",
     "EpochCommits",
     "Resumed",
+    "far_hosts",
     "history_url",
     "load_average",
     "refuse_existing",
@@ -75,6 +76,24 @@ def run_folder(checkpoint: str | bool | None, run_id: str) -> str | None:
             "give a URL, None for the run folder (adam.train.runs-dir) or False for none",
         )
     return checkpoint
+
+
+def far_hosts(url: str, workers: list[str]) -> list[str]:
+    """The hosts among ``workers`` (addresses) that are not this machine when ``url`` is a
+    local path: they would write their parts of the checkpoint to their own disks."""
+    import socket
+
+    from distributed.comm import get_address_host
+
+    if "://" in url:
+        return []
+    here = {"localhost", "::1", socket.gethostname()}
+    try:
+        here.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:  # pragma: no cover - no name service
+        pass
+    hosts = {get_address_host(a) for a in workers}
+    return sorted(h for h in hosts if h not in here and not h.startswith("127."))
 
 
 def refuse_existing(url: str, storage_options: dict | None) -> None:

@@ -28,7 +28,14 @@ from .. import config
 from ..cluster import PS, TRAIN, workers_with_role
 from ..errors import ClusterError, ConfigError
 from ._average import TailAverage
-from ._checkpoint import EpochCommits, load_average, refuse_existing, resumed_state, run_folder
+from ._checkpoint import (
+    EpochCommits,
+    far_hosts,
+    load_average,
+    refuse_existing,
+    resumed_state,
+    run_folder,
+)
 from ._epoch import async_rate_factor, epoch_record, replica_count, share_sizes
 from ._position import applied_images, recorded_replicas
 from ._settings import RunSettings, network_for, resolve_augment
@@ -246,6 +253,15 @@ class Trainer:
         if self.checkpoint and self._commits is None:
             self._commits = EpochCommits(self.server, self.checkpoint, self.storage_options)
             logger.info("checkpoint: %s", self._shown_checkpoint())
+            far = far_hosts(self.checkpoint, workers_with_role(self.client, PS))
+            if far:
+                logger.warning(
+                    "the checkpoint %s is a local path but PS workers run on %s: each writes "
+                    "to its own disk; give a URL they all reach (checkpoint=, "
+                    "adam.train.runs-dir: s3://...)",
+                    self.checkpoint,
+                    ", ".join(far),
+                )
         if self.dataservice is None:
             from ..data.serving import DataService
 

@@ -26,7 +26,7 @@ from adam_dask.errors import ConfigError, StorageError
 from adam_dask.ps import ParameterServer
 from adam_dask.ps.checkpoint import read_checkpoint, read_manifest
 from adam_dask.testing import fit_in_background, hard_kill, synthetic_store
-from adam_dask.train._checkpoint import HISTORY, history_url, run_folder
+from adam_dask.train._checkpoint import HISTORY, far_hosts, history_url, run_folder
 from adam_dask.train.metrics import History
 from adam_dask.train.trainer import Trainer
 
@@ -69,6 +69,10 @@ def test_run_folder_resolution(runs_dir):
         assert run_folder(None, "x").startswith(os.path.abspath("rel/runs") + "/")
     with pytest.raises(ConfigError, match="checkpoint=True"):
         run_folder(True, "x")
+    # a local folder is fit for PS workers on this machine only
+    workers = ["tcp://127.0.0.2:4000", "tcp://192.0.2.7:4000"]
+    assert far_hosts(a, workers) == ["192.0.2.7"]
+    assert far_hosts("s3://bucket/run", workers) == []
 
 
 # -- a default run through the loss of every copy of a shard ----------------------------------------
