@@ -343,8 +343,8 @@ class EpochCommits:
                 save_average(self.url, job.average, self.storage_options)
             except Exception as exc:  # the mean stays in memory: only a resume would miss it
                 logger.warning(
-                    "could not store the weight average in %s (%s); a run resumed from there "
-                    "averages anew",
+                    "could not store the weight average in %s (%s); training goes on, and a "
+                    "run resumed from there averages anew",
                     self._shown(),
                     exc,
                 )

@@ -548,7 +548,7 @@ class Trainer:
             if self._commits.pending and self._commits.error is None:
                 self._commits.wait(float(config.get("ps.flush-timeout")))
             if self._commits.pending:
-                logger.warning("%s", self._commits.failure("the last epoch trained"))
+                logger.warning("%s", self._commits.failure("the last epoch trained").message)
             self._commits.close()
             self._commits = None
         for obj in (self.dataservice, self.server):
