@@ -2,10 +2,14 @@
 
 Every error says what was wrong and what to do, in one line, so the CLI can print
 ``error: <message>`` and exit non-zero without a traceback. Typed attributes carry the details
-for programs that catch them.
+for programs that catch them. The message never shows a credential: URLs in it lose their user
+information and signed query values, and the secrets the process knows are blanked
+(:mod:`adam_dask._secrets`).
 """
 
 from __future__ import annotations
+
+from ._secrets import process_redactor
 
 
 class AdamError(Exception):
@@ -20,9 +24,10 @@ class AdamError(Exception):
     """
 
     def __init__(self, message: str, hint: str | None = None):
-        self.message = message
-        self.hint = hint
-        super().__init__(message if not hint else f"{message}; {hint}")
+        redact = process_redactor()
+        self.message = redact(message)
+        self.hint = redact(hint) if hint else hint
+        super().__init__(self.message if not self.hint else f"{self.message}; {self.hint}")
 
 
 class ConfigError(AdamError, ValueError):

@@ -13,10 +13,10 @@ traceback, and exits with a status a scheduler of jobs can act on:
 143   terminated (SIGTERM, e.g. Kubernetes stopping the pod); cleaned up like an interrupt
 ====  =====================================================================================
 
-Credentials never reach the output: :class:`Redactor` replaces the secret values of storage
-options, of the AWS environment variables, and passwords written into URLs
-(``scheme://user:password@host``) with ``***`` in the result line, the error line and every
-log record.
+Credentials never reach the output: :class:`Redactor` (:mod:`adam_dask._secrets`) replaces the
+secret values of storage options, of the AWS environment variables, and passwords written into
+URLs (``scheme://user:password@host``) with ``***`` in the result line, the error line and every
+log record of the process.
 
 >>> r = Redactor([{"key": "AKIAEXAMPLE", "secret": "wJalrXUtnFEMI"}], environ={})
 >>> r("signed with wJalrXUtnFEMI for https://bob:hunter22@example.org/x")
@@ -30,14 +30,13 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import sys
 import threading
-import traceback
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from typing import Any, NoReturn
 
+from ._secrets import Redactor, install, process_redactor
 from .errors import AdamError
 
 logger = logging.getLogger(__name__)
@@ -67,78 +66,6 @@ EXIT_FAILED = 1
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
-
-# option names whose values are credentials (s3fs, gcsfs, adlfs, botocore spellings)
-_SECRET_NAME = re.compile(r"key|secret|token|password|passwd|credential|session|sas", re.I)
-_SECRET_ENV = (
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_SECURITY_TOKEN",
-    "DASK_GATEWAY__AUTH__KWARGS",
-)
-_URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s\"']+@")
-_SHORTEST_SECRET = 4  # shorter values would blank out ordinary words
-
-
-class Redactor:
-    """Replaces credentials in text with ``***``.
-
-    Parameters
-    ----------
-    options : iterable of dict
-        Storage options (nested dicts too, e.g. ``client_kwargs``); the string values of keys
-        that name a credential (key, secret, token, password, ...) are secrets.
-    environ : mapping, optional
-        Where the AWS variables are read (default ``os.environ``).
-    """
-
-    def __init__(
-        self,
-        options: Iterable[Mapping[str, Any] | None] = (),
-        environ: Mapping[str, str] | None = None,
-    ):
-        env = os.environ if environ is None else environ
-        self._secrets: set[str] = set()
-        for opts in options:
-            self._collect(opts or {})
-        for name in _SECRET_ENV:
-            if env.get(name):
-                self.add(env[name])
-                try:  # dask-gateway's auth kwargs are a JSON object
-                    value = json.loads(env[name])
-                except ValueError:
-                    continue
-                if isinstance(value, dict):
-                    self._collect(value)
-
-    def _collect(self, opts: Mapping[str, Any]) -> None:
-        for k, v in opts.items():
-            if isinstance(v, Mapping):
-                self._collect(v)
-            elif isinstance(v, str) and _SECRET_NAME.search(str(k)):
-                self.add(v)
-
-    def add(self, secret: str) -> None:
-        """Treat ``secret`` as a credential from now on."""
-        if len(secret) >= _SHORTEST_SECRET:
-            self._secrets.add(secret)
-
-    def __call__(self, text: str) -> str:
-        text = _URL_USERINFO.sub(r"\g<scheme>***@", text)
-        for s in sorted(self._secrets, key=len, reverse=True):
-            text = text.replace(s, "***")
-        return text
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        """A :mod:`logging` filter (add it to a handler) that redacts the record in place."""
-        record.msg = self(record.getMessage())
-        record.args = ()
-        if record.exc_info:
-            record.exc_text = self("".join(traceback.format_exception(*record.exc_info)))
-            record.exc_info = None
-        return True
-
 
 # -- command lines ---------------------------------------------------------------------------
 
@@ -245,11 +172,14 @@ def setup_logging(verbose: int, redactor: Redactor) -> None:
     ``critical`` (their task-failure records print task arguments, storage options included)
     unless ``DASK_DISTRIBUTED__LOGGING__DISTRIBUTED`` says otherwise."""
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    for secret in redactor.secrets:  # every record of the process, whatever its handler
+        process_redactor().add(secret)
+    install()
 
     def clean(record: logging.LogRecord) -> bool:
         redactor.filter(record)
         if not verbose:  # one line per record; -v shows the tracebacks
-            record.exc_text = record.stack_info = None
+            record.exc_info = record.exc_text = record.stack_info = None
         return True
 
     root = logging.getLogger()

@@ -3,6 +3,10 @@
 Storage options come from the caller (``--storage-options JSON`` on the CLI); the standard AWS
 variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ...) are read by
 botocore itself. ``AWS_ENDPOINT_URL`` is also passed to s3fs explicitly, for older botocore.
+
+Every filesystem and store of the package is opened through :func:`options_for`, which tells the
+process's redactor the credentials it is given (:mod:`adam_dask._secrets`): no log line of the
+process shows them, and errors show URLs without their credentials (:func:`redact_url`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 import fsspec
 from fsspec.core import url_to_fs
 
+from ._secrets import redact_url, remember
 from .errors import StorageError
 
 __all__ = [
@@ -52,28 +57,15 @@ def join_url(base: str, *names: str) -> str:
     return os.path.join(base, *names)
 
 
-def redact_url(url: str) -> str:
-    """``url`` fit to show: without a password or token in its user part or its query.
-
-    >>> redact_url("s3://key:secret@bucket/run?X-Amz-Signature=abc")
-    's3://bucket/run'
-    """
-    url = os.fspath(url)
-    if "://" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    head, sep, tail = rest.partition("/")
-    head = head.rsplit("@", 1)[-1]
-    return f"{scheme}://{head}{sep}{tail}".split("?", 1)[0]
-
-
 def protocol(url: str) -> str:
     url = normalize_url(url)
     return url.split("://", 1)[0] if "://" in url else "file"
 
 
 def options_for(url: str, storage_options: dict | None = None) -> dict[str, Any]:
-    """Storage options for ``url``: the caller's, plus ``AWS_ENDPOINT_URL`` for ``s3://``."""
+    """Storage options for ``url``: the caller's, plus ``AWS_ENDPOINT_URL`` for ``s3://``.
+    Their credentials are secrets of this process from now on (its logs never show them)."""
+    remember(storage_options)
     opts = dict(storage_options or {})
     if (
         protocol(url) in ("s3", "s3a")

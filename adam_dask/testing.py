@@ -38,13 +38,17 @@ from typing import Any
 
 import numpy as np
 
+from ._netns import NetnsCluster, netns_problem
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "NetnsCluster",
     "PushLoad",
     "fit_in_background",
     "freeze",
     "hard_kill",
+    "netns_problem",
     "push_on",
     "stop_and_check_sum",
     "synthetic_digits",

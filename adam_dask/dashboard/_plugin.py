@@ -10,6 +10,11 @@ answers), the replicas' progress and the controller's fail-over events from the 
 event log, and each run's per-epoch history from its checkpoint (read in a thread, cached for
 ``refresh`` seconds). :func:`~adam_dask.dashboard._status.build_status` turns them into the
 status dict.
+
+Nothing the page shows holds a credential: the routing carries no storage options (the
+history is read with the ones the controller keeps, taken from the plugin in this process), URLs
+are shown without user information or signed query values, and every string of the status is
+passed through the scheduler's redactor (:mod:`adam_dask._secrets`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 
 from .. import config
+from .._secrets import install, scrub
+from ..ps._policy import PLUGIN_NAME as PS_PLUGIN_NAME
 from ._html import render_page
 from ._status import PROGRESS_TOPIC, PS_TOPIC, RateMeter, build_status
 
@@ -106,6 +113,7 @@ class AdamDashboard(SchedulerPlugin):
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
+        install()  # the scheduler's log records are redacted
         scheduler.handlers[STATUS_HANDLER] = self.collect
         app = getattr(scheduler, "http_application", None)
         if app is None:  # pragma: no cover - every distributed Scheduler has one
@@ -123,7 +131,8 @@ class AdamDashboard(SchedulerPlugin):
     # -- gathering -------------------------------------------------------------------------------
 
     async def collect(self) -> dict:
-        """The status dict (see :func:`~adam_dask.dashboard._status.build_status`)."""
+        """The status dict (see :func:`~adam_dask.dashboard._status.build_status`), every
+        string redacted."""
         s = self.scheduler
         workers = {
             a: {"name": ws.name, "host": ws.host, "resources": dict(ws.resources)}
@@ -150,7 +159,7 @@ class AdamDashboard(SchedulerPlugin):
             if isinstance(pushes, (int, float)):
                 rates[sid][addr] = self._meter.add((sid, addr), now, pushes)
         self._meter.forget((sid, addr) for sid, addr, _ in calls)
-        return build_status(
+        status = build_status(
             now=time.time(),
             workers=workers,
             servers=servers,
@@ -161,6 +170,7 @@ class AdamDashboard(SchedulerPlugin):
             histories=await self._run_histories(servers),
             max_events=self.events,
         )
+        return scrub(status)
 
     async def _servers(self) -> dict[str, dict]:
         """{server id: routing} from the PS controller's scheduler handlers (none when no
@@ -195,12 +205,13 @@ class AdamDashboard(SchedulerPlugin):
     async def _run_histories(self, servers: dict[str, dict]) -> dict[str, list[dict] | None]:
         """{run id: per-epoch records} read from the runs' checkpoints (``history.jsonl``)."""
         out: dict[str, list[dict] | None] = {}
-        for r in servers.values():
+        placement = self.scheduler.plugins.get(PS_PLUGIN_NAME)
+        for sid, r in servers.items():
             info = r.get("info") or {}
             run = (info.get("meta") or {}).get("run")
-            url = info.get("checkpoint")
+            url, options = placement.storage(sid) if placement is not None else (None, None)
             if run and url:
-                out[run] = await self._history(url, info.get("storage_options"))
+                out[run] = await self._history(url, options)
         return out
 
     async def _history(self, checkpoint: str, storage_options: dict | None) -> list[dict] | None:

@@ -18,6 +18,8 @@ from collections import deque
 from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
+from .._secrets import redact_url
+
 __all__ = [
     "PROGRESS_TOPIC",
     "PS_TOPIC",
@@ -152,7 +154,8 @@ def _server(
         "pending": list(routing.get("pending") or []),
         "lost": list(routing.get("lost") or []),
         "heal_times": [t for t in map(_num, routing.get("heal_times") or []) if t is not None],
-        "checkpoint": info.get("checkpoint"),  # the URL only: storage options hold secrets
+        # the URL only, without credentials (the routing carries no storage options)
+        "checkpoint": redact_url(info["checkpoint"]) if info.get("checkpoint") else None,
         "run": meta.get("run"),
         "placement": {str(s): h for s, h in enumerate(holders)},
         "nodes": rows,

@@ -43,7 +43,11 @@ class Entry:
 
 def shard_ranges(size: int, shard_bytes: int) -> list[tuple[int, int]]:
     """Split ``size`` float32 values into contiguous ``(start, stop)`` ranges of at most
-    ``shard_bytes`` bytes each; the ranges cover ``[0, size)`` exactly, in order."""
+    ``shard_bytes`` bytes each; the ranges cover ``[0, size)`` exactly, in order.
+
+    The fewest ranges that fit, as even as they can be (lengths differ by at most one): a push
+    reaches every primary at once, so the largest shard sets how long its apply takes (the
+    MNIST net's 1.19 MB in 1 MB shards was 1 MB + 0.14 MB; it is 2 x 0.6 MB)."""
     size, shard_bytes = int(size), int(shard_bytes)
     if size <= 0:
         raise ConfigError(
@@ -56,7 +60,12 @@ def shard_ranges(size: int, shard_bytes: int) -> list[tuple[int, int]]:
             f"shard_bytes={shard_bytes} holds no float32 value",
             f"use at least {FLOAT_BYTES} bytes per shard",
         )
-    return [(start, min(start + per, size)) for start in range(0, size, per)]
+    n = -(-size // per)
+    base, extra = divmod(size, n)
+    bounds = [0]
+    for i in range(n):
+        bounds.append(bounds[-1] + base + (i < extra))
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 class ParameterLayout:

@@ -14,6 +14,7 @@ import dask.config
 import numpy as np
 
 from .. import config
+from .._worker_preload import RedactLogs
 from ..errors import ConfigError, UpdateRejected
 from ..model.layout import ParameterLayout, shard_ranges
 from ._plugin import ShardPlacement
@@ -136,6 +137,7 @@ def build_server(
         "layout": layout_doc,
     }
     client.register_plugin(ShardPlacement(), name=PLUGIN_NAME)
+    client.register_plugin(RedactLogs())  # the workers of any cluster redact their logs
     routing = client.sync(
         client.scheduler.adam_ps_create,
         server_id=server_id,

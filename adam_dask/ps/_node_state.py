@@ -97,6 +97,7 @@ class NodeState(Commands):
         self._cache: dict[int, tuple[Position, np.ndarray]] = {}
         self.pushes = 0
         self.floats_applied = 0
+        self.floats_written = 0  # shard values written back to the checkpoint (primaries)
         self.refused_stale = 0
         self.forward_errors = 0
         self.writeback_errors = 0
@@ -379,6 +380,7 @@ class NodeState(Commands):
         for sid, version in ev.accepted.items():
             if sid in self.primaries:
                 self.written[sid] = max(self.written.get(sid, -1), int(version))
+                self.floats_written += self.shards[sid].stop - self.shards[sid].start
         for sid, gen in ev.refused.items():
             if gen == NOT_MEMBER:
                 self._retire("the controller refused a write-back")
@@ -516,6 +518,7 @@ class NodeState(Commands):
             "pushes": self.pushes,
             "pushes_fenced": sum(st.pushes_fenced for st in self.shards.values()),
             "floats_applied": self.floats_applied,
+            "floats_written": self.floats_written,
             "replication_lag": int(lag),
             "writeback_lag_versions": int(max(wb, 0)),
             "writeback_errors": self.writeback_errors,

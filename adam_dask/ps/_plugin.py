@@ -28,6 +28,7 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from .. import config
+from .._secrets import install, process_redactor, redact_urls, remember
 from ._controller import ServerState
 from ._messages import (
     Beat,
@@ -104,6 +105,7 @@ class ShardPlacement(SchedulerPlugin):
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         self._client_lock = asyncio.Lock()
+        install()  # the scheduler's log records are redacted
         scheduler.handlers.update(
             {
                 "adam_ps_create": self.create_server,
@@ -337,9 +339,8 @@ class ShardPlacement(SchedulerPlugin):
                 put_manifest, info["checkpoint"], info["storage_options"], a.doc
             )
         except Exception as exc:
-            self._feed(
-                server_id, ManifestFailed(a.seq, f"{type(exc).__name__}: {exc}", time.monotonic())
-            )
+            why = process_redactor()(f"{type(exc).__name__}: {exc}")
+            self._feed(server_id, ManifestFailed(a.seq, why, time.monotonic()))
             return
         self._feed(server_id, ManifestDone(a.seq))
 
@@ -394,6 +395,7 @@ class ShardPlacement(SchedulerPlugin):
         for w in caught:
             logger.warning("server %s: %s", server_id, w.message)
         shards = [tuple(s) for s in shards]
+        remember((info or {}).get("storage_options"))
         self.info[server_id] = {**(info or {}), "node_config": dict(node_config)}
         self._creating.add(server_id)
         addrs = sorted({a for h in plan.values() for a in h})
@@ -452,12 +454,24 @@ class ShardPlacement(SchedulerPlugin):
         return self.routing(server_id)
 
     def routing(self, server_id: str) -> dict:
-        """The routing of a server (see ``ParameterServer.routing_info``), and ``info``."""
+        """The routing of a server (see ``ParameterServer.routing_info``), and ``info``: every
+        pusher asks for it, so it carries no storage options (the nodes got theirs once, when
+        made) and URLs without credentials."""
         state = self.servers.get(server_id)
         if state is None:
             raise KeyError(f"no parameter server {server_id!r} on this scheduler")
-        info = {k: v for k, v in self.info[server_id].items() if k != "node_config"}
-        return {**state.routing_info(), "info": info}
+        info = {
+            k: v
+            for k, v in self.info[server_id].items()
+            if k not in ("node_config", "storage_options")
+        }
+        return {**state.routing_info(), "info": redact_urls(info)}
+
+    def storage(self, server_id: str) -> tuple[str | None, dict | None]:
+        """``(checkpoint URL, storage options)`` of a server, for the scheduler's own readers
+        (the dashboard reads the run's history with them); never sent to anyone."""
+        info = self.info.get(server_id) or {}
+        return info.get("checkpoint"), info.get("storage_options")
 
     def list_servers(self) -> list[str]:
         return sorted(self.servers)

@@ -273,8 +273,11 @@ class Pushing(Transport):
         )
         await self._each_primary(rpc, sched, [sid], h.method, args, on_reply=on_reply)
 
-    async def _settle(self, rpc: Any, sched: Any, below: int = 0) -> None:
-        """Until the held pushes take at most ``below`` bytes: replay moved ones, ask the
+    async def _settle(
+        self, rpc: Any, sched: Any, below: int = 0, *, copies_only: bool = False
+    ) -> None:
+        """Until the held pushes take at most ``below`` bytes (``copies_only``: until every
+        copy holds each one, the checkpoint may lag): replay moved ones, ask the
         primaries what every copy and the checkpoint hold. :class:`ShardUnavailable` after the
         fail-over timeout without progress while some copy still lacks a push (the held bytes
         going down restarts it: copies that confirm slowly, a large model's pushes on a busy
@@ -286,6 +289,8 @@ class Pushing(Transport):
         interval = float(config.get("ps.forward-interval"))
         held = self._log.nbytes
         while self._log and self._log.nbytes > below:
+            if copies_only and not self._log.unreplicated:
+                return
             if self._log.nbytes < held:
                 held = self._log.nbytes
                 deadline = time.monotonic() + timeout
@@ -304,6 +309,8 @@ class Pushing(Transport):
             if below > 0:  # room for a push: those waiting for the checkpoint alone go first
                 self._shed(below)
             if not self._log or self._log.nbytes <= below:
+                return
+            if copies_only and not self._log.unreplicated:
                 return
             if time.monotonic() > deadline:
                 if not self._log.unreplicated:

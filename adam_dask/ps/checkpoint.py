@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from .._secrets import redact_urls
 from ..errors import CheckpointError
 from ..storage import filesystem, join_url, normalize_url, zarr_store
 from .state import Mark, Snapshot
@@ -93,9 +94,11 @@ def write_json(fs: Any, path: str, obj: dict) -> None:
 
 
 def put_manifest(url: str, storage_options: dict | None, doc: dict) -> None:
-    """Write ``doc`` as the manifest (the controller's one write; raises on storage errors)."""
+    """Write ``doc`` as the manifest (the controller's one write; raises on storage errors).
+    URLs in it (the training data's, in ``meta``) are stored without their credentials; the
+    messages of errors (:class:`CheckpointError`) never show credentials either."""
     fs, path = filesystem(url, storage_options)
-    write_json(fs, join_url(path, MANIFEST), {**doc, "time": time.time()})
+    write_json(fs, join_url(path, MANIFEST), {**redact_urls(doc), "time": time.time()})
 
 
 def read_manifest(url: str, storage_options: dict | None = None) -> dict:

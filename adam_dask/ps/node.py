@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .._secrets import process_redactor
 from ..errors import ShardUnavailable, StorageError
 from ._messages import (
     AddBackups,
@@ -288,7 +289,7 @@ class PSNode:
                 self.cfg["retry_base"] * 2 ** (self._write_failures - 1), self.cfg["retry_max"]
             )
             self._write_retry_at = time.monotonic() + delay
-            error = f"{type(exc).__name__}: {exc}"
+            error = process_redactor()(f"{type(exc).__name__}: {exc}")  # shown and sent on
             logger.warning(
                 "node %s: checkpoint write-back of %d shard(s) failed (attempt %d, %s); "
                 "retrying in %.1fs, nothing is dropped",

@@ -44,9 +44,10 @@ from typing import Any
 import numpy as np
 
 from .. import config
+from .._secrets import redact_url, redact_urls
 from ..errors import ConfigError, StorageError, UpdateRejected
 from ..model.layout import ParameterLayout
-from ..storage import normalize_url, redact_url
+from ..storage import normalize_url
 from ._build import build_server, resolve_copies, shard_of
 from ._plane import PlaneCalls
 from ._pushing import Pushing
@@ -112,8 +113,12 @@ class ParameterServer(PlaneCalls, Pushing):
 
     def __getstate__(self) -> dict:
         d = dict(self.__dict__)
+        # a copy in a task pushes and pulls: the storage options stay with the creator, and
+        # URLs in meta (the training data's) travel without their credentials
         for k in ("_client", "_rng", "_last_stats", "_log", "_settler", "_channels"):
             d[k] = None
+        d["storage_options"] = None
+        d["meta"] = redact_urls(self.meta)
         d["layout"] = self.layout.to_dict() if self.layout is not None else None
         return d
 
@@ -265,7 +270,7 @@ class ParameterServer(PlaneCalls, Pushing):
             copies=info["copies"],
             ack=info["ack"],
             checkpoint=info["checkpoint"],
-            storage_options=info["storage_options"],
+            storage_options=None,  # the controller sends them to no one
             layout=layout,
             meta=info["meta"],
             client=client,
@@ -458,12 +463,29 @@ class ParameterServer(PlaneCalls, Pushing):
         """{shard: version} at the primaries."""
         return self._run(self._versions)
 
-    def settle(self, timeout: float | None = None) -> None:
+    def settle(self, timeout: float | None = None, *, checkpoint: bool = True) -> None:
         """Block until every push made through this handle is held by every copy of its shard
-        (with ``ack="replay"``, a pusher that ends, e.g. a training task, calls this so that
-        nothing it was told is applied depends on it any more)."""
+        and, with ``checkpoint`` (and a checkpoint), by the checkpoint too. With
+        ``ack="replay"`` a pusher that ends calls this so that nothing it was told is applied
+        depends on it any more: a replica task does at its end with ``checkpoint=False`` (the
+        copies hold what it pushed before its result counts; the checkpoint catches up on its
+        own, however long storage is away)."""
         timeout = float(config.get("ps.failover-timeout", timeout))
-        self._run(lambda rpc, sched: asyncio.wait_for(self._settle(rpc, sched), timeout))
+        copies_only = not checkpoint
+        self._run(
+            lambda rpc, sched: asyncio.wait_for(
+                self._settle(rpc, sched, copies_only=copies_only), timeout
+            )
+        )
+
+    def held(self) -> dict:
+        """``{"pushes", "bytes", "unreplicated"}``: what this handle holds for replay now
+        (``ack="replay"``; ``unreplicated``: pushes some copy still lacks)."""
+        return {
+            "pushes": len(self._log),
+            "bytes": int(self._log.nbytes),
+            "unreplicated": int(self._log.unreplicated),
+        }
 
     def flush(
         self,

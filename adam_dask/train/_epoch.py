@@ -108,6 +108,9 @@ def epoch_record(
         "replica_threads": sorted(r["threads"] for r in results),
         # the rate each replica stepped with last, as it ran (the schedule, scaled for R)
         "replica_lr_end": sorted(r["lr_end"] for r in results),
+        # pushes some copy still lacked when a replica's result came back: 0, as each replica
+        # settles before it returns (images_applied then counts durable pushes only)
+        "unreplicated_at_end": sum(r.get("unreplicated_at_end", 0) for r in results),
         "lr": lr,
         "lr_end": lr_end,
         "mode": mode,

@@ -326,6 +326,10 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | N
 
         stats = rep.train(batches, on_images=on_images, every=s.push_every)
         exchange.finish()
+        # the result counts this replica's pushes as applied: every copy holds them first
+        # (ack="replay" keeps them until then; a primary lost now has them replayed here, not
+        # after the epoch's images_applied and manifest). The checkpoint catches up by itself.
+        server.settle(checkpoint=False)
         done = True
     finally:
         if not done:
@@ -354,4 +358,5 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | N
         "worker": worker.address,
         "threads": rep.threads,
         "lr_end": rep.lr,
+        "unreplicated_at_end": server.held()["unreplicated"],
     }

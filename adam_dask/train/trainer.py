@@ -172,6 +172,8 @@ class Trainer:
         self.validation = Validation(data, self.train_split, storage_options)
         self.net = network_for(model, self.train_split, data, self.settings.seed)
         self.num_classes = self.train_split.num_classes
+        if self.settings.offload_dense and self.settings.mode == "async":
+            self._warn_if_nothing_to_offload()
 
         self._own_client = client is None
         self.client = client
@@ -186,6 +188,18 @@ class Trainer:
         self._lock = threading.Lock()
         self._bar: Progress | None = None
         self._commits: EpochCommits | None = None  # the epochs' ends, written in the background
+
+    def _warn_if_nothing_to_offload(self) -> None:
+        from .replica import profitable_offload
+
+        if not profitable_offload(self.net, self.settings.push_every):
+            logger.warning(
+                "offload_dense: no dense layer of %s qualifies at push_every=%d (a layer "
+                "qualifies when push_every x (inputs + outputs) < inputs x outputs), so every "
+                "layer sends its weight delta; raise the layer widths or lower push_every",
+                self.net.spec,
+                self.settings.push_every,
+            )
 
     # -- settings ---------------------------------------------------------------------------------
 

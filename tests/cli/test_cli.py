@@ -5,6 +5,7 @@ stops cleanly, and credentials never reach the output."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -320,6 +321,64 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_checkpoint(store, tmp_path, capsys):
     assert out == ""
     assert_one_error(proc.returncode, err, "interrupted", code=130)
     assert "dashboard: http://127.0.0.1:" in err  # the embedded cluster's link
+    status, ev, err = cli(capsys, "evaluate", str(ckpt), "--data", store)
+    assert status == 0, err
+    assert ev["epoch"] >= 1
+
+
+def _sigint_default() -> None:
+    """In the child: SIGINT at its default, as a terminal's foreground job has it (a
+    background job of a non-interactive shell, as pytest may run, inherits it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_ctrl_c_to_the_process_group_stops_every_process_without_a_traceback(
+    store, tmp_path, capsys
+):
+    """Ctrl-C in a terminal signals the whole foreground process group: the CLI and every
+    nanny and worker of the embedded cluster. Mid-training: exit 130 within seconds, the one
+    error line and no traceback from any process, no process of the group left behind, and the
+    checkpoint evaluates."""
+    ckpt = tmp_path / "ck"
+    metrics = tmp_path / "m.jsonl"
+    argv = [*_script(), "train", "--data", store, "--epochs", "50", "--model", SPEC]
+    argv += ["--checkpoint", str(ckpt), "--metrics-out", str(metrics), "--no-progress"]
+    argv += ["--ps-nodes", "3", "--data-nodes", "1", "--trainers", "1"]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a shell gives a job
+        preexec_fn=_sigint_default,
+    )
+    pgid = os.getpgid(proc.pid)
+    deadline = time.time() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.1)
+    time.sleep(0.5)  # into the next epoch: replicas training, pushing, the data server serving
+    assert proc.poll() is None, "the run ended before the interrupt"
+    os.killpg(pgid, signal.SIGINT)
+    t0 = time.time()
+    out, err = proc.communicate(timeout=60)
+    stopped_in = time.time() - t0
+    assert out == ""
+    assert_one_error(proc.returncode, err, "interrupted", code=130)
+    assert "KeyboardInterrupt" not in err, err
+    assert stopped_in < 30, stopped_in
+    epochs_done = metrics.read_text().count("\n")
+    assert 1 <= epochs_done < 50
+    # every process of the group (nannies, workers) is gone, not orphaned
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("processes of the interrupted run's group are still alive")
     status, ev, err = cli(capsys, "evaluate", str(ckpt), "--data", store)
     assert status == 0, err
     assert ev["epoch"] >= 1

@@ -27,7 +27,10 @@ def chromium(tmp_path_factory):
     a fresh headless Chromium profile; returns its stdout (the DOM with ``dump_dom``)."""
     exe = shutil.which("chromium")
     if exe is None:
-        pytest.fail("the dashboard tests need Debian's chromium: apt-get install -y chromium")
+        pytest.fail(
+            "the dashboard tests need Debian's chromium: run the suite with `bash tools/test` "
+            "(it installs it), or apt-get install -y chromium"
+        )
 
     def run(url: str, *, screenshot=None, dump_dom: bool = False, size=(1400, 1000)) -> str:
         profile = tmp_path_factory.mktemp("chromium-profile")

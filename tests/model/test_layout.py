@@ -23,6 +23,10 @@ def test_shards_cover_the_buffer_exactly(size, shard_bytes):
         assert b == c
     for a, b in shards:
         assert 0 < b - a <= shard_bytes // 4
+    # the fewest shards that fit, as even as they can be
+    assert len(shards) == -(-size // (shard_bytes // 4))
+    lengths = [b - a for a, b in shards]
+    assert max(lengths) - min(lengths) <= 1
     covered = np.zeros(size, np.int64)
     for a, b in shards:
         covered[a:b] += 1
@@ -33,6 +37,7 @@ def test_paper_network_shards_of_one_megabyte():
     net = Network.from_spec()
     shards = net.layout.shards(1 << 20)
     assert len(shards) == 2 and shards[-1][1] == net.flat.size
+    assert abs((shards[0][1] - shards[0][0]) - (shards[1][1] - shards[1][0])) <= 1
     assert sum(b - a for a, b in shards) == net.flat.size
 
 

@@ -19,7 +19,7 @@ from adam_dask.ps import ParameterServer
 from adam_dask.testing import PushLoad, push_on, stop_and_check_sum
 
 SHARD = 1 << 16
-N = 3 * (SHARD // 4) + 101  # 4 shards, the last one short
+N = 3 * (SHARD // 4) + 101  # 4 shards
 
 
 @pytest.mark.parametrize("mode", ["auto", "tcp", "dask"])

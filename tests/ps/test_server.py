@@ -20,7 +20,7 @@ from adam_dask.model.layout import ParameterLayout
 from adam_dask.ps import ParameterServer
 
 SHARD = 1 << 16  # 16 Ki floats per shard keeps the tests quick
-N = 5 * (SHARD // 4) + 123  # 6 shards, the last one short
+N = 5 * (SHARD // 4) + 123  # 6 shards
 
 
 def host(addr: str) -> str:
@@ -43,10 +43,10 @@ def test_pushes_sum_exactly(make_server, tmp_path):
     s = make_server(size=N, shard_bytes=SHARD, checkpoint=str(tmp_path / "ck"))
     rng = np.random.default_rng(0)
     total = np.zeros(N, np.float32)
-    per = SHARD // 4
     for i in range(8):
         d = rng.integers(-4, 5, N).astype(np.float32)  # small integers: float sums are exact
-        d[per * (i % 6) : per * (i % 6 + 1)] = 0  # one shard's part all zeros: sent as None
+        a, b = s.shards[i % 6]
+        d[a:b] = 0  # one shard's part all zeros: sent as None
         s.push(d)
         total += d
     versions = s.flush()
@@ -68,9 +68,10 @@ def test_init_pull_some_shards_and_layout_meta(make_server):
     np.testing.assert_array_equal(s.pull(), init)
     out = np.full(lay.size, -1, np.float32)
     s.pull(shards=[1, 3], out=out)
-    np.testing.assert_array_equal(out[1024:2048], init[1024:2048])
-    np.testing.assert_array_equal(out[3072:4096], init[3072:4096])
-    assert (out[:1024] == -1).all() and (out[2048:3072] == -1).all()
+    (a0, b0), (a1, b1), (a2, b2), (a3, b3) = s.shards[:4]
+    np.testing.assert_array_equal(out[a1:b1], init[a1:b1])
+    np.testing.assert_array_equal(out[a3:b3], init[a3:b3])
+    assert (out[a0:b0] == -1).all() and (out[a2:b2] == -1).all()
 
 
 def test_push_outer_equals_explicit_delta(make_server):
@@ -95,11 +96,11 @@ def test_nan_push_refused_shard_unchanged(make_server):
     s.push(np.ones(N, np.float32))
     before = s.pull()
     d = np.ones(N, np.float32)
-    d[SHARD // 4 * 2 + 5] = np.nan
+    d[s.shards[2][0] + 5] = np.nan
     with pytest.raises(UpdateRejected) as e:
         s.push(d)
     assert e.value.shard == 2
-    d[SHARD // 4 * 2 + 5] = np.inf
+    d[s.shards[2][0] + 5] = np.inf
     with pytest.raises(UpdateRejected):
         s.push(d)
     np.testing.assert_array_equal(s.pull(), before)
@@ -110,7 +111,7 @@ def test_nan_push_refused_shard_unchanged(make_server):
     with pytest.raises(UpdateRejected) as e:
         s._run(s._push, bad, None)
     assert e.value.shard == 0
-    per = SHARD // 4
+    per = s.shards[0][1]
     np.testing.assert_array_equal(s.pull()[:per], before[:per])
     assert s.versions()[0] == 1
 

@@ -174,3 +174,32 @@ def test_batch_norm_network_trains_and_evaluates_with_recomputed_statistics(
     printed: list[str] = []
     assert run(["evaluate", ckpt, "--data", store], out=printed.append) == 0
     assert json.loads(printed[-1])["test_accuracy"] == pytest.approx(acc, abs=1e-9)
+
+
+def test_replicas_settle_before_their_results_count(store, adam_cluster):
+    """With slow forwards (backups 2 s behind their primaries), a replica's last pushes are on
+    its primaries only when it stops training; its result comes back once every copy holds them,
+    so the epoch's images_applied and manifest count durable pushes only."""
+    import dask
+
+    with dask.config.set({"adam.ps.forward-interval": 2.0}):
+        t = fit(store, adam_cluster, mode="async", epochs=1)
+    rec = t.history.records[0]
+    assert rec["unreplicated_at_end"] == 0, rec
+    assert rec["images_applied"] == 768, rec
+
+
+def test_offload_dense_says_when_no_layer_qualifies(store, caplog):
+    """--offload-dense on a network whose dense layers are too narrow for it (activations and
+    errors would be more bytes than the weight delta) warns instead of doing nothing silently."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="adam_dask"):
+        t = Trainer(store, model=SPEC, offload_dense=True, momentum=0.0, push_every=64)
+        t.close()
+    assert any("no dense layer" in r.getMessage() for r in caplog.records), caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="adam_dask"):  # a wide layer qualifies: quiet
+        t = Trainer(store, model="fc512,fc10", offload_dense=True, momentum=0.0, push_every=8)
+        t.close()
+    assert not any("no dense layer" in r.getMessage() for r in caplog.records), caplog.text

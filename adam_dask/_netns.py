@@ -1,0 +1,445 @@
+"""Machines that are really apart: a Dask cluster whose scheduler and workers each run in a
+Linux network namespace of their own, joined by veth links to one bridge.
+
+Every "host" has its own network stack and address (``10.X.Y.i``); this process (the client)
+reaches them through the bridge's address. Each link can be cut and healed at any moment, a
+pair of hosts can be partitioned from each other while both keep every other link, and a link can
+be made slow (a rate, ``tc`` token bucket) or lossy (nftables dropping a random share of
+packets). The faults come from outside the processes: the kernel drops or queues their packets.
+
+Needs root (``ip netns``), iproute2's ``ip`` and ``tc`` and, for loss, nftables' ``nft``
+(Debian's ``nftables``; ``tools/test`` installs it). Without them :class:`NetnsCluster` raises
+:class:`~adam_dask.errors.ClusterError` with one line saying what is missing. Links are named
+from this process's id, so runs side by side do not meet.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ClusterError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Host", "NetnsCluster", "netns_problem"]
+
+SCHEDULER_PORT = 8786
+
+
+def netns_problem() -> str | None:
+    """Why a namespace cluster can not start here (one line), or None."""
+    if os.geteuid() != 0:
+        return "a network-namespace cluster needs root (ip netns add); run the tests as root"
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("nft", "nftables")):
+        if shutil.which(tool) is None:
+            return f"a network-namespace cluster needs {tool!r}: apt-get install -y {package} (tools/test installs it)"
+    return None
+
+
+def remove_stale() -> list[str]:
+    """Remove the namespaces and links of namespace clusters whose process is gone (killed
+    before it could clean up); returns the namespaces removed."""
+    import re
+
+    removed = []
+    names = _run("ip", "netns", "list", check=False).stdout.split()
+    tags = {m.group(1) for n in names if (m := re.fullmatch(r"a(\d{5})-.*", n))}
+    dead = {t for t in tags if not _alive_tag(int(t))}
+    for n in names:
+        m = re.fullmatch(r"a(\d{5})-.*", n)
+        if m and m.group(1) in dead:
+            for pid in _run("ip", "netns", "pids", n, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _run("ip", "netns", "del", n, check=False)
+            removed.append(n)
+    links = _run("ip", "-o", "link", "show", check=False).stdout.splitlines()
+    for line in links:
+        m = re.match(r"\d+: (a(\d{5})[a-z]+\d*)[@:]", line)
+        if m and m.group(2) in dead:
+            _run("ip", "link", "del", m.group(1), check=False)
+    return removed
+
+
+def _alive_tag(tag: int) -> bool:
+    """Whether a process whose id ends in ``tag`` (pid % 100000) runs."""
+    return any(int(p) % 100000 == tag for p in os.listdir("/proc") if p.isdigit())
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise ClusterError(
+            f"{' '.join(argv)} failed: {proc.stderr.strip() or proc.returncode}",
+            "check that this runs as root with iproute2 and nftables",
+        )
+    return proc
+
+
+@dataclass
+class Host:
+    """One machine: a namespace, its address, the root-side end of its link, its process."""
+
+    name: str
+    ns: str
+    ip: str
+    veth: str
+    role: str | None = None
+    proc: subprocess.Popen | None = None
+    storage_veth: str | None = None
+    cut_from: set[str] = field(default_factory=set)
+
+
+class NetnsCluster:
+    """A scheduler, ``ps_nodes`` PS, ``data_nodes`` DATA and ``trainers`` TRAIN workers, each in
+    its own network namespace.
+
+    Use as a context manager; :meth:`client` connects from this process::
+
+        with NetnsCluster(ps_nodes=3, data_nodes=1, trainers=1) as net:
+            client = net.client()
+            net.partition("ps-0", "scheduler")   # both sides keep every other link
+            net.heal()
+
+    Host names: ``scheduler``, ``ps-0``..., ``data-0``..., ``train-0``...; ``client`` is this
+    process (the root namespace, behind the bridge).
+    """
+
+    def __init__(
+        self,
+        ps_nodes: int = 3,
+        data_nodes: int = 1,
+        trainers: int = 1,
+        *,
+        trainer_threads: int = 1,
+        memory_limit: str = "1.5GiB",
+        worker_env: dict[str, str] | None = None,
+        start_timeout: float = 60.0,
+        storage: str | None = None,
+    ):
+        problem = netns_problem()
+        if problem is not None:
+            raise ClusterError(problem)
+        tag = os.getpid() % 100000
+        self.tag = f"a{tag:05d}"  # short: interface names hold 15 characters
+        octet2, octet3 = 100 + (tag // 250) % 50, tag % 250
+        self._subnet = f"10.{octet2}.{octet3}"
+        self._storage_subnet = f"10.{octet2 + 50}.{octet3}"
+        self.bridge = f"{self.tag}br"
+        self.bridge_ip = f"{self._subnet}.254"
+        if storage not in (None, "shared", "isolated"):
+            raise ValueError(f"storage={storage!r}: None, 'shared' or 'isolated'")
+        # an S3 server (moto) on a host of its own: "shared", on the one network every update
+        # crosses; "isolated", on a storage network of its own that only the PS hosts join,
+        # through a second link each (the paper's separate NIC for persistence, 3.3.4)
+        self.storage = storage
+        self.storage_bridge = f"{self.tag}sb"
+        self.s3_endpoint: str | None = None
+        self.hosts: dict[str, Host] = {}
+        self._spec: list[tuple[str, str | None, int]] = [("scheduler", None, 0)]
+        self._spec += [(f"ps-{i}", "PS", 1) for i in range(ps_nodes)]
+        self._spec += [(f"data-{i}", "DATA", 1) for i in range(data_nodes)]
+        self._spec += [(f"train-{i}", "TRAIN", max(1, trainer_threads)) for i in range(trainers)]
+        self.memory_limit = memory_limit
+        self.worker_env = dict(worker_env or {})
+        self.start_timeout = float(start_timeout)
+        self._clients: list[Any] = []
+        self._started = False
+
+    # -- lifetime ----------------------------------------------------------------------------------
+
+    def __enter__(self) -> NetnsCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def scheduler_address(self) -> str:
+        return f"tcp://{self.hosts['scheduler'].ip}:{SCHEDULER_PORT}"
+
+    def start(self) -> None:
+        remove_stale()
+        self._started = True
+        try:
+            _run("ip", "link", "add", self.bridge, "type", "bridge")
+            _run("ip", "addr", "add", f"{self.bridge_ip}/24", "dev", self.bridge)
+            _run("ip", "link", "set", self.bridge, "up")
+            for i, (name, role, _) in enumerate(self._spec):
+                self._add_host(name, role, i + 1)
+            if self.storage is not None:
+                self._add_storage()
+            self._start_processes()
+        except BaseException:
+            self.close()
+            raise
+
+    def _add_host(self, name: str, role: str | None, index: int) -> None:
+        ns, veth, ip = f"{self.tag}-{name}", f"{self.tag}v{index}", f"{self._subnet}.{index}"
+        host = Host(name, ns, ip, veth, role)
+        self.hosts[name] = host
+        _run("ip", "netns", "add", ns)
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _run("ip", "link", "set", veth, "master", self.bridge)
+        _run("ip", "link", "set", veth, "up")
+        _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+        _run("ip", "-n", ns, "link", "set", "eth0", "up")
+
+    def _add_storage(self) -> None:
+        """The S3 host, and in "isolated" mode its network: a bridge, a second link (``eth1``)
+        into each PS host, and the bridge's address for this process."""
+        if self.storage == "shared":
+            self._add_host("s3", None, 200)
+            ip = self.hosts["s3"].ip
+        else:
+            sb, sub = self.storage_bridge, self._storage_subnet
+            _run("ip", "link", "add", sb, "type", "bridge")
+            _run("ip", "addr", "add", f"{sub}.254/24", "dev", sb)
+            _run("ip", "link", "set", sb, "up")
+            ns, veth, ip = f"{self.tag}-s3", f"{self.tag}s0", f"{sub}.200"
+            self.hosts["s3"] = Host("s3", ns, ip, veth)
+            _run("ip", "netns", "add", ns)
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _run("ip", "link", "set", veth, "master", sb)
+            _run("ip", "link", "set", veth, "up")
+            _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            for i, (name, role, _) in enumerate(self._spec):
+                if role != "PS" and name != "scheduler":  # the controller writes the manifest
+                    continue
+                host = self.hosts[name]
+                host.storage_veth = f"{self.tag}s{i + 1}"
+                _run(
+                    "ip", "link", "add", host.storage_veth, "type", "veth",
+                    "peer", "name", "eth1", "netns", host.ns,
+                )  # fmt: skip
+                _run("ip", "link", "set", host.storage_veth, "master", sb)
+                _run("ip", "link", "set", host.storage_veth, "up")
+                _run("ip", "-n", host.ns, "addr", "add", f"{sub}.{i + 1}/24", "dev", "eth1")
+                _run("ip", "-n", host.ns, "link", "set", "eth1", "up")
+        s3 = self.hosts["s3"]
+        s3.proc = self._spawn(s3, [sys.executable, "-m", "moto.server", "-H", ip, "-p", "5000"])
+        self._wait_port(ip, 5000, s3)
+        self.s3_endpoint = f"http://{ip}:5000"
+
+    def storage_options(self) -> dict:
+        """fsspec options for the S3 host (moto accepts any key)."""
+        if self.s3_endpoint is None:
+            raise ClusterError("this cluster has no storage host", "pass storage='shared'")
+        return {"key": "testing", "secret": "testing", "endpoint_url": self.s3_endpoint}
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.worker_env)
+        # these processes are machines of their own: the test's SIGINT is not theirs
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def _spawn(self, host: Host, argv: list[str]) -> subprocess.Popen:
+        with open(self._log_path(host), "wb") as log:  # the child keeps its own copy
+            return subprocess.Popen(
+                ["ip", "netns", "exec", host.ns, *argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._env(),
+                start_new_session=True,
+            )
+
+    def _log_path(self, host: Host) -> str:
+        return f"/tmp/{self.tag}-{host.name}.log"
+
+    def log(self, name: str) -> str:
+        """What host ``name``'s process has printed so far."""
+        try:
+            with open(self._log_path(self.hosts[name]), errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+    def _start_processes(self) -> None:
+        py = sys.executable
+        sched = self.hosts["scheduler"]
+        sched.proc = self._spawn(
+            sched,
+            [py, "-m", "distributed.cli.dask_scheduler", "--host", sched.ip]
+            + ["--port", str(SCHEDULER_PORT), "--no-dashboard", "--no-show"],
+        )
+        self._wait_port(sched.ip, SCHEDULER_PORT, sched)
+        for name, role, nthreads in self._spec[1:]:
+            host = self.hosts[name]
+            host.proc = self._spawn(
+                host,
+                [py, "-m", "distributed.cli.dask_worker", self.scheduler_address]
+                + ["--host", host.ip, "--name", name, "--nthreads", str(nthreads)]
+                + ["--resources", f"{role}=1", "--memory-limit", self.memory_limit]
+                + ["--no-dashboard", "--nanny", "--preload", "adam_dask._worker_preload"]
+                + ["--death-timeout", "600"],
+            )
+        client = self.client()
+        try:
+            client.wait_for_workers(len(self._spec) - 1, timeout=self.start_timeout)
+        except Exception as exc:
+            logs = {h: self.log(h)[-400:] for h in self.hosts}
+            raise ClusterError(
+                f"the namespace cluster did not start: {exc}; last output: {logs}"
+            ) from None
+
+    def _wait_port(self, ip: str, port: int, host: Host) -> None:
+        import socket
+
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if host.proc is not None and host.proc.poll() is not None:
+                raise ClusterError(f"{host.name} exited: {self.log(host.name)[-1000:]}")
+            try:
+                socket.create_connection((ip, port), timeout=0.5).close()
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise ClusterError(f"{host.name} did not listen on {ip}:{port} in {self.start_timeout}s")
+
+    def client(self, **kwargs: Any) -> Any:
+        """A new client for this cluster (closed with it)."""
+        from distributed import Client
+
+        c = Client(self.scheduler_address, timeout=self.start_timeout, **kwargs)
+        self._clients.append(c)
+        return c
+
+    def close(self) -> None:
+        for c in self._clients:
+            try:
+                c.close(timeout=5)
+            except Exception:  # pragma: no cover - best effort
+                logger.debug("closing a client failed", exc_info=True)
+        self._clients.clear()
+        for host in self.hosts.values():
+            if host.proc is not None and host.proc.poll() is None:
+                try:
+                    os.killpg(host.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                host.proc.wait(10)
+        for host in self.hosts.values():
+            # a worker killed under its nanny: any process left in the namespace goes too
+            pids = _run("ip", "netns", "pids", host.ns, check=False).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _run("ip", "netns", "del", host.ns, check=False)
+            _run("ip", "link", "del", host.veth, check=False)
+            if host.storage_veth is not None:
+                _run("ip", "link", "del", host.storage_veth, check=False)
+        if self._started:
+            _run("ip", "link", "del", self.bridge, check=False)
+            if self.storage == "isolated":
+                _run("ip", "link", "del", self.storage_bridge, check=False)
+        self.hosts.clear()
+
+    # -- who is where ------------------------------------------------------------------------------
+
+    def address_of(self, name: str) -> str:
+        """The Dask address of the worker on host ``name``."""
+        from distributed import Client
+
+        ip = self.hosts[name].ip
+        c: Client = self._clients[0] if self._clients else self.client()
+        for addr in c.scheduler_info()["workers"]:
+            if addr.split("://")[1].rsplit(":", 1)[0] == ip:
+                return addr
+        raise KeyError(f"no worker on {name} ({ip}) now")
+
+    def host_of(self, address: str) -> str:
+        """The host name of a Dask address (``tcp://10.X.Y.i:port``)."""
+        ip = address.split("://")[-1].rsplit(":", 1)[0]
+        for h in self.hosts.values():
+            if h.ip == ip:
+                return h.name
+        raise KeyError(address)
+
+    def _ip(self, name: str) -> str:
+        return self.bridge_ip if name == "client" else self.hosts[name].ip
+
+    # -- faults --------------------------------------------------------------------------------------
+
+    def cut(self, name: str) -> None:
+        """Cut host ``name``'s link: nothing in or out, for everyone (its cable pulled)."""
+        _run("ip", "link", "set", self.hosts[name].veth, "down")
+
+    def reconnect(self, name: str) -> None:
+        """Plug host ``name``'s link back in."""
+        _run("ip", "link", "set", self.hosts[name].veth, "up")
+
+    def partition(self, a: str, b: str) -> None:
+        """``a`` and ``b`` no longer reach each other (each drops the other's packets both
+        ways); every other link stays. ``client`` names this process."""
+        for x, y in ((a, b), (b, a)):
+            if x == "client":
+                continue
+            self._nft(x, f"add rule inet adam cut ip saddr {self._ip(y)} drop")
+            self._nft(x, f"add rule inet adam out ip daddr {self._ip(y)} drop")
+            self.hosts[x].cut_from.add(y)
+
+    def heal(self) -> None:
+        """Every partition, cut link, rate and loss gone."""
+        for host in self.hosts.values():
+            in_ns = ["ip", "netns", "exec", host.ns]
+            _run("ip", "link", "set", host.veth, "up", check=False)
+            _run(*in_ns, "nft", "delete", "table", "inet", "adam", check=False)
+            for outer, link in ((host.veth, "eth0"), (host.storage_veth, "eth1")):
+                if outer is None:
+                    continue
+                _run("tc", "qdisc", "del", "dev", outer, "root", check=False)
+                _run(*in_ns, "tc", "qdisc", "del", "dev", link, "root", check=False)
+            host.cut_from.clear()
+
+    def shape(
+        self, name: str, *, rate: str | None = None, loss: float = 0.0, link: str = "eth0"
+    ) -> None:
+        """Make host ``name``'s link slow (``rate``, e.g. ``"10mbit"``, both ways) and/or lossy
+        (``loss``: the share of packets dropped, each way, on every link of the host).
+        ``link="eth1"``: a PS host's link to the storage network."""
+        host = self.hosts[name]
+        outer = host.veth if link == "eth0" else host.storage_veth
+        if outer is None:
+            raise ClusterError(f"{name} has no {link}")
+        if rate is not None:
+            for argv in (
+                ["tc", "qdisc", "replace", "dev", outer, "root"],
+                ["ip", "netns", "exec", host.ns, "tc", "qdisc", "replace", "dev", link, "root"],
+            ):
+                _run(*argv, "tbf", "rate", rate, "burst", "64kb", "latency", "400ms")
+        if loss > 0:
+            per_mille = max(1, round(loss * 1000))
+            self._nft(name, f"add rule inet adam cut numgen random mod 1000 < {per_mille} drop")
+            self._nft(name, f"add rule inet adam out numgen random mod 1000 < {per_mille} drop")
+
+    def _nft(self, name: str, rule: str) -> None:
+        ns = self.hosts[name].ns
+        nft = ["ip", "netns", "exec", ns, "nft"]
+        if _run(*nft, "list", "table", "inet", "adam", check=False).returncode != 0:
+            _run(*nft, "add", "table", "inet", "adam")
+            _run(*nft, "add chain inet adam cut { type filter hook input priority 0 ; }")
+            _run(*nft, "add chain inet adam out { type filter hook output priority 0 ; }")
+        _run(*nft, rule)
+
+    def pid_of(self, name: str) -> int:
+        """The process id of the Dask worker (not its nanny) on host ``name``."""
+        c = self._clients[0] if self._clients else self.client()
+        addr = self.address_of(name)
+        return int(c.run(os.getpid, workers=[addr])[addr])
