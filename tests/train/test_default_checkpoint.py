@@ -153,10 +153,10 @@ def moto_process():
         proc.wait(timeout=30)
 
 
-# write-backs retried quickly and flushes that give up after 3 s, so an outage of a few
+# write-backs retried quickly and flushes that give up after 5 s, so an outage of a few
 # seconds outlasts them
 SHORT = {
-    "adam.ps.flush-timeout": 3,
+    "adam.ps.flush-timeout": 5,
     "adam.ps.writeback-interval": 0.2,
     "adam.ps.retry-base": 0.1,
     "adam.ps.retry-max": 0.5,
@@ -186,14 +186,14 @@ def test_a_flush_held_up_by_storage_names_storage_and_the_copies_do_not_wait(
     )
     try:
         s.push(np.ones(n, np.float32))
-        s.flush(epoch=0)
+        s.flush(epoch=0, timeout=60)  # (a loaded machine's first writes may be slow)
         os.kill(moto_process["pid"], signal.SIGSTOP)  # S3 stops answering
         try:
             s.push(np.ones(n, np.float32))
-            s.flush(copies_only=True)  # storage plays no part
+            s.flush(copies_only=True, timeout=60)  # storage plays no part
             assert s.stats()["held_pushes"] > 0  # kept until the checkpoint has them
             with pytest.raises(StorageError) as err:
-                s.flush(epoch=1)
+                s.flush(epoch=1)  # adam.ps.flush-timeout, 5 s
             line = str(err.value)
             assert line.startswith(f"storage {url}: ") and "\n" not in line, line
             assert "could not reach the primary" not in line
