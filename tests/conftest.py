@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -91,3 +93,26 @@ def local_client():
 
 def pytest_configure(config):
     os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(config.rootpath) / ".numba_cache"))
+    # A run without a checkpoint argument writes one to its run folder (adam.train.runs-dir,
+    # runs/ in the current directory): in the tests, under a temporary directory instead, for
+    # this process and for the CLI, notebook and pipeline processes the tests start.
+    import dask
+
+    runs = tempfile.mkdtemp(prefix="adam-test-runs-")
+    config._adam_runs = runs
+    os.environ["DASK_ADAM__TRAIN__RUNS_DIR"] = runs
+    dask.config.set({"adam.train.runs-dir": runs})
+
+
+def pytest_unconfigure(config):
+    runs = getattr(config, "_adam_runs", None)
+    if runs:
+        shutil.rmtree(runs, ignore_errors=True)
+
+
+@pytest.fixture
+def runs_dir() -> Path:
+    """The root of the run folders in this test session (adam.train.runs-dir)."""
+    import dask
+
+    return Path(dask.config.get("adam.train.runs-dir"))

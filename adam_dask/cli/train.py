@@ -12,6 +12,7 @@ from .. import config
 from ..cluster import client_for, dashboard_link
 from ..errors import CheckpointError, ConfigError, DestinationExistsError
 from ..jobs import count, fraction, non_negative_float, positive_float, positive_int
+from ..storage import redact_url
 from ._common import add_cluster, add_storage
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,14 @@ def register(sub) -> None:
         "--checkpoint",
         metavar="URL",
         default=None,
-        help="checkpoint URL (write-back target); with --resume, the one to continue",
+        help="checkpoint URL (write-back target); with --resume, the one to continue "
+        f"(default: a new run folder in {config.get('train.runs-dir')}/, adam.train.runs-dir)",
+    )
+    p.add_argument(
+        "--no-checkpoint",
+        action="store_true",
+        help="write no checkpoint (a run that loses every copy of a shard then ends, and "
+        "cannot be resumed)",
     )
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     p.add_argument(
@@ -167,7 +175,14 @@ def _check_before_start(args: argparse.Namespace) -> None:
     from ..ps.checkpoint import read_manifest
 
     if args.resume and not args.checkpoint:
-        raise ConfigError("--resume needs --checkpoint URL", "give the checkpoint to continue")
+        raise ConfigError(
+            "--resume needs --checkpoint URL",
+            "give the checkpoint to continue (a run's folder, printed when it started)",
+        )
+    if args.no_checkpoint and (args.checkpoint or args.overwrite):
+        raise ConfigError(
+            "--no-checkpoint contradicts --checkpoint and --overwrite", "drop one of them"
+        )
     if args.resume and args.overwrite:
         raise ConfigError(
             "--resume and --overwrite contradict each other",
@@ -229,8 +244,7 @@ def train_result(trainer: Any, first_epoch: int, seconds: float, target: float |
         result["target_accuracy"] = target
         reached = trainer.seconds_to_target if new else None
         result["seconds_to_target"] = round(reached, 3) if reached is not None else None
-    if trainer.checkpoint:
-        result["checkpoint"] = trainer.checkpoint
+    result["checkpoint"] = trainer.checkpoint  # None with --no-checkpoint
     return result
 
 
@@ -280,11 +294,13 @@ def cmd_train(args: argparse.Namespace) -> dict:
                 args.data,
                 model=args.model,
                 client=client,
-                checkpoint=args.checkpoint,
+                checkpoint=False if args.no_checkpoint else args.checkpoint,
                 storage_options=args.storage_options,
                 overwrite=args.overwrite,
                 **kw,
             )
+        if trainer.checkpoint:
+            sys.stderr.write(f"checkpoint: {redact_url(trainer.checkpoint)}\n")
         first = trainer.epoch
         # --epochs is the run's total (Keras's epochs with initial_epoch); None: the plan
         trainer.fit(
@@ -293,7 +309,7 @@ def cmd_train(args: argparse.Namespace) -> dict:
         if trainer.epoch == first:
             logger.warning(
                 "the run at %s had %d epochs already: nothing was left to train",
-                args.checkpoint,
+                redact_url(args.checkpoint),
                 first,
             )
         return train_result(trainer, first, time.perf_counter() - t0, args.target_accuracy)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .. import config
-from ..errors import ConfigError, ShardUnavailable, UpdateRejected
+from ..errors import ConfigError, ShardUnavailable, StorageError, UpdateRejected
 from ._replay import ReplayLog
 from ._rpc import call_actor
 
@@ -185,7 +185,8 @@ class Transport:
             )
             retry = False
             for a, r in zip(addrs, res):
-                if isinstance(r, (UpdateRejected, ConfigError)):
+                # the node's answer, not a lost node: asking again (or elsewhere) cannot help
+                if isinstance(r, (UpdateRejected, ConfigError, StorageError, ShardUnavailable)):
                     raise r
                 if isinstance(r, BaseException):
                     last_exc = r

@@ -99,6 +99,9 @@ class Commands:
     def _backups_of(self, sid: int) -> set[str]:  # pragma: no cover - NodeState's
         raise NotImplementedError
 
+    def confirmed(self, sid: int) -> int:  # pragma: no cover - NodeState's
+        raise NotImplementedError
+
     def accepts(self, sid: int, stamps: dict[int, int] | None) -> bool:  # pragma: no cover
         raise NotImplementedError
 
@@ -259,3 +262,16 @@ class Commands:
         if written:
             out += self._on_WriteDue(WriteDue())
         return out
+
+    def abandon_flush(self, req: Any) -> str | None:
+        """Forget the flush ``req`` (its caller gave up waiting). Returns what it still waited
+        for: ``"copies"`` (a backup lacks a version), ``"checkpoint"`` (the write-back alone),
+        or None (no such flush: it was answered)."""
+        for i, w in enumerate(self.waiters):
+            if w.kind == "flush" and w.req is req:
+                del self.waiters[i]
+                behind = any(
+                    s in self.primaries and self.confirmed(s) < v for s, v in w.need.items()
+                )
+                return "copies" if behind else "checkpoint"
+        return None

@@ -491,8 +491,9 @@ class NodeState(Commands):
                 return None
         if w.kind == "push":
             w.value["confirmed"] = {s: self.confirmed(s) for s in w.value["per_shard"]}
-            w.value["durable"] = {s: self.durable(s) for s in w.value["per_shard"]}
             w.value["gens"] = {s: self.gens[s] for s in w.value["per_shard"]}
+        if w.kind in ("push", "flush"):  # a flush of the copies alone leaves pushes to hold
+            w.value["durable"] = {s: self.durable(s) for s in w.value["per_shard"]}
         if w.kind == "add":
             return {s: v for s, v in w.need.items()}
         return w.value

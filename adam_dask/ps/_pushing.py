@@ -120,7 +120,9 @@ class Pushing(Transport):
             a, b = self.shards[sid]
             out[a:b] = values
 
-    async def _flush(self, rpc: Any, sched: Any, timeout: float) -> dict[int, int]:
+    async def _flush(
+        self, rpc: Any, sched: Any, timeout: float, checkpoint: bool = True
+    ) -> dict[int, int]:
         deadline = time.monotonic() + timeout
         wait_heal = time.monotonic() + min(timeout, float(config.get("ps.failover-timeout")))
         while True:
@@ -150,6 +152,7 @@ class Pushing(Transport):
             call_timeout=remaining + 5,
             on_reply=flushed,
             limit=remaining,
+            checkpoint=checkpoint,
         )
 
     async def _marks(
@@ -208,7 +211,7 @@ class Pushing(Transport):
     def _confirm(self, addr: str, reply: dict, key: str = "confirmed") -> None:
         """Drop the held pushes ``reply`` says are durable, and mark replicated those it says
         every copy holds (``reply[key]``: {sid: version}; ``reply["durable"]``: {sid: version
-        the checkpoint holds too}, absent from a flush's reply, which waits for both);
+        the checkpoint holds too});
         ``reply["gens"]`` names the generation of the answering primary."""
         durable = reply.get("durable")
         for sid, version in (reply.get(key) or {}).items():

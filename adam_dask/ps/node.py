@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .._secrets import process_redactor
-from ..errors import StorageError
+from ..errors import ShardUnavailable, StorageError
 from ._messages import (
     AddBackups,
     Assign,
@@ -548,18 +548,37 @@ class PSNode:
         """A forward from a primary: ``{"held": {sid: (gen, version)}, "refused": {sid: gen}}``."""
         return await self._ask(lambda r: Replicate(r, sender, tuple(snaps)))
 
-    async def flush(self, sids: Iterable[int] | None = None, limit: float | None = None) -> dict:
-        """Wait until every backup (and, with a checkpoint, the manifest) holds the current
-        version of the primaries ``sids`` (all by default). Returns ``{"per_shard": {sid:
-        version}, "moved": [...]}``; raises :class:`StorageError` after ``limit`` seconds."""
+    async def flush(
+        self, sids: Iterable[int] | None = None, limit: float | None = None, checkpoint: bool = True
+    ) -> dict:
+        """Wait until every backup (and, with a checkpoint and ``checkpoint``, the manifest)
+        holds the current version of the primaries ``sids`` (all by default). Returns
+        ``{"per_shard": {sid: version}, "durable": {sid: version the checkpoint holds too},
+        "moved": [...]}``; after ``limit`` seconds raises :class:`StorageError` when the
+        write-back is what is missing, else :class:`ShardUnavailable` (a backup is behind)."""
         sids_t = None if sids is None else tuple(int(s) for s in sids)
+        reqs: list = []
+
+        def flush(req: Any) -> Flush:
+            reqs.append(req)
+            return Flush(req, sids_t, checkpoint)
+
         try:
-            return await asyncio.wait_for(self._ask(lambda r: Flush(r, sids_t, True)), limit)
+            return await asyncio.wait_for(self._ask(flush), limit)
         except TimeoutError:
-            raise StorageError(
-                f"flush on {self._worker.address} did not finish in {limit}s (last write-back "
-                f"error: {self.state.last_writeback_error if self.state else None})",
-                "check the checkpoint storage; the updates are kept and retried",
+            state = self.state
+            missing = self._locked(state.abandon_flush, reqs[0]) if state and reqs else None
+            if missing == "checkpoint":
+                error = state.last_writeback_error if state else None
+                last = f"last error: {' '.join(str(error).split())}" if error else "no answer"
+                raise StorageError(
+                    f"the checkpoint did not take the write-back of {self._worker.address} in "
+                    f"{limit:.3g}s ({last})"
+                ) from None
+            raise ShardUnavailable(
+                f"flush on {self._worker.address}: the copies did not confirm every push in "
+                f"{limit:.3g}s",
+                "check the PS workers",
             ) from None
 
     # -- introspection ---------------------------------------------------------------------------

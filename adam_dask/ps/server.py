@@ -44,8 +44,8 @@ from typing import Any
 import numpy as np
 
 from .. import config
-from .._secrets import redact_urls
-from ..errors import ConfigError, UpdateRejected
+from .._secrets import redact_url, redact_urls
+from ..errors import ConfigError, StorageError, UpdateRejected
 from ..model.layout import ParameterLayout
 from ..storage import normalize_url
 from ._build import build_server, resolve_copies, shard_of
@@ -488,20 +488,63 @@ class ParameterServer(PlaneCalls, Pushing):
         }
 
     def flush(
-        self, epoch: Any = None, *, meta: dict | None = None, timeout: float | None = None
+        self,
+        epoch: Any = None,
+        *,
+        meta: dict | None = None,
+        timeout: float | None = None,
+        copies_only: bool = False,
     ) -> dict[int, int]:
         """Block until every copy and the checkpoint hold every push acknowledged so far; then
         store ``epoch`` and ``meta`` (when given) in the manifest. Returns {shard: version}
-        flushed. Waits for a running fail-over to finish first."""
+        flushed. Waits for a running fail-over to finish first.
+
+        ``copies_only=True`` waits for the copies alone, so storage never holds the caller up
+        (an epoch's end); the write-back goes on, and with ``ack="replay"`` the pushes stay
+        held until the checkpoint has them. Raises :class:`StorageError` naming the checkpoint
+        when storage is what did not hold the pushes within ``timeout`` (config
+        ``adam.ps.flush-timeout``), :class:`ShardUnavailable` when the copies did not."""
         timeout = float(config.get("ps.flush-timeout", timeout))
-        versions = self._run(self._flush, timeout)
-        if self.checkpoint is not None:
-            self._run(self._commit, epoch, meta)
+        durable = self.checkpoint is not None and not copies_only
+        if copies_only and (epoch is not None or meta is not None):
+            raise ConfigError(
+                "flush(copies_only=True) stores no epoch or meta", "flush with the checkpoint"
+            )
+        t0 = time.monotonic()
+        try:
+            versions = self._run(self._flush, timeout, durable)
+            if durable:
+                left = max(timeout - (time.monotonic() - t0), 1.0)
+
+                async def commit(rpc: Any, sched: Any) -> dict:
+                    return await asyncio.wait_for(self._commit(rpc, sched, epoch, meta), left)
+
+                try:
+                    self._run(commit)
+                except TimeoutError:
+                    raise StorageError(
+                        f"the manifest was not written in {timeout:g}s", self._retried
+                    ) from None
+        except StorageError as exc:
+            raise self.storage_error(exc) from exc
         if epoch is not None:
             self.epoch = epoch
         if meta is not None:
             self.meta = meta
         return versions
+
+    _retried = "the updates are kept and written back when it answers"
+
+    def storage_error(self, exc: BaseException) -> StorageError:
+        """One line that names the checkpoint's storage (its URL without secrets) as the cause
+        of ``exc``."""
+        text = " ".join(str(getattr(exc, "message", None) or exc).split())
+        if text.startswith("storage "):
+            return exc if isinstance(exc, StorageError) else StorageError(text)
+        return StorageError(
+            f"storage {redact_url(str(self.checkpoint))}: {text}",
+            f"{self._retried}; check its endpoint, credentials and network",
+        )
 
     def checkpoint_meta(self, epoch: Any = None, meta: dict | None = None) -> None:
         """Store ``epoch`` and/or ``meta`` in the manifest now (no flush)."""

@@ -1,25 +1,33 @@
-"""The Trainer's side of a checkpoint: refuse to overwrite one, its history file, and the state a
-resumed run starts from (weights, epoch, history, plan and settings)."""
+"""The Trainer's side of a checkpoint: where a run writes it (its run folder by default), refuse
+to overwrite one, the epochs' commits (off the training path, through storage outages), its
+history file, and the state a resumed run starts from (weights, epoch, history, plan and
+settings)."""
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..errors import DestinationExistsError
+from .. import config
+from ..errors import ConfigError, DestinationExistsError, StorageError
 from .metrics import History
 
 __all__ = [
     "AVERAGE",
     "HISTORY",
+    "EpochCommits",
     "Resumed",
+    "far_hosts",
     "history_url",
     "load_average",
     "refuse_existing",
     "resumed_state",
+    "run_folder",
     "save_average",
 ]
 
@@ -45,6 +53,47 @@ _RESUMABLE = (
     "offload_dense",
     "average_from",
 )
+
+
+def run_folder(checkpoint: str | bool | None, run_id: str) -> str | None:
+    """The checkpoint URL of a run: ``checkpoint`` when it is one; for None (not given) a new
+    folder ``<adam.train.runs-dir>/<date>-<time>-<run id>`` (absolute when local: every process
+    of the cluster on this machine writes the same place), None when ``runs-dir`` is null; for
+    False, None: no checkpoint."""
+    from ..storage import join_url, normalize_url
+
+    if checkpoint is False:
+        return None
+    if checkpoint is None:
+        root = config.get("train.runs-dir")
+        if root is None or str(root).strip() == "":
+            return None
+        name = f"{time.strftime('%Y%m%d-%H%M%S')}-{run_id[:6]}"
+        return join_url(normalize_url(str(root)), name)
+    if checkpoint is True or not isinstance(checkpoint, str) or not checkpoint.strip():
+        raise ConfigError(
+            f"checkpoint={checkpoint!r}",
+            "give a URL, None for the run folder (adam.train.runs-dir) or False for none",
+        )
+    return checkpoint
+
+
+def far_hosts(url: str, workers: list[str]) -> list[str]:
+    """The hosts among ``workers`` (addresses) that are not this machine when ``url`` is a
+    local path: they would write their parts of the checkpoint to their own disks."""
+    import socket
+
+    from distributed.comm import get_address_host
+
+    if "://" in url:
+        return []
+    here = {"localhost", "::1", socket.gethostname()}
+    try:
+        here.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:  # pragma: no cover - no name service
+        pass
+    hosts = {get_address_host(a) for a in workers}
+    return sorted(h for h in hosts if h not in here and not h.startswith("127."))
 
 
 def refuse_existing(url: str, storage_options: dict | None) -> None:
@@ -158,3 +207,167 @@ def resumed_state(
         epochs=meta.get("epochs"),
         mode=meta.get("mode"),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Commit:
+    """What the checkpoint holds once an epoch's end is committed."""
+
+    epoch: int
+    meta: dict
+    records: list[dict]  # the history up to that epoch
+    average: Any  # a copy of the tail average (TailAverage), or None
+
+
+class EpochCommits:
+    """The checkpoint's part of an epoch's end, in a thread of its own, so storage never holds
+    training up.
+
+    An epoch ends once every copy of every shard holds its pushes
+    (``ParameterServer.flush(copies_only=True)``); here the checkpoint then catches up: a
+    flush that waits for the write-back and stores the epoch and the run's meta in the
+    manifest (so a manifest names an epoch only when its blocks hold all of it), then the
+    history and the weight average beside it. In a storage outage each try ends after
+    ``adam.ps.flush-timeout`` and the next begins at once, a newer epoch's commit taking the
+    place of one still waiting, while training goes on and the pushes wait in the copies (and,
+    within ``adam.ps.replay-bytes``, with their pushers); the outage is reported once, naming
+    storage, and so is its end.
+    """
+
+    def __init__(self, server: Any, url: str, storage_options: dict | None):
+        self.server = server
+        self.url = url
+        self.storage_options = storage_options
+        # the newest epoch the checkpoint holds (a restored server's: its manifest's)
+        self.committed: int | None = server.epoch
+        self.error: BaseException | None = None  # the last failure, while storage fails
+        self._job: _Commit | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, epoch: int, meta: dict, records: list[dict], average: Any) -> None:
+        """Commit the end of ``epoch`` (replacing an older epoch's commit still waiting)."""
+        from ._average import TailAverage
+
+        if average is not None and average.count:
+            average = TailAverage.from_state(*average.state())  # a copy: training goes on
+        else:
+            average = None
+        job = _Commit(int(epoch), dict(meta), [dict(r) for r in records], average)
+        with self._cond:
+            self._job = job
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="adam-checkpoint", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    @property
+    def pending(self) -> bool:
+        """An epoch's commit is still to be written."""
+        with self._cond:
+            return self._job is not None
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until every submitted commit is written."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._job is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def failure(self, what: str) -> StorageError:
+        """The error of a commit not written in time: storage's, named with its URL."""
+        held = "nothing yet" if self.committed is None else f"epoch {self.committed}"
+        cause = self.error if self.error is not None else StorageError("no answer")
+        return StorageError(
+            f"{self._describe(cause)}; the checkpoint holds {held}, not {what}",
+            "the weights are still on the parameter server: Trainer.save() tries again",
+        )
+
+    def _describe(self, exc: BaseException) -> str:
+        """One line: storage and its URL when storage is the cause."""
+        if isinstance(exc, StorageError):
+            return str(self.server.storage_error(exc).message)
+        return " ".join(str(exc).split()) or type(exc).__name__
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._job is None and not self._closed:
+                    self._cond.wait()
+                job = self._job
+                if job is None or (self._closed and self.error is not None):
+                    return  # closed: nothing to write, or storage is out (no endless tries)
+            try:
+                self._write(job)
+            except Exception as exc:
+                if self._closed and isinstance(exc, RuntimeError):
+                    return  # the server was closed under the last try
+                self._failed(job, exc)
+                continue
+            with self._cond:
+                if self._job is job:
+                    self._job = None
+                self.committed = job.epoch
+                back, self.error = self.error is not None, None
+                self._cond.notify_all()
+            if back:
+                logger.warning(
+                    "storage %s answers again: the checkpoint caught up with epoch %d",
+                    self._shown(),
+                    job.epoch,
+                )
+
+    def _write(self, job: _Commit) -> None:
+        from ..storage import options_for
+
+        self.server.flush(epoch=job.epoch, meta=job.meta)
+        url = history_url(self.url)
+        try:
+            History(records=job.records).save(url, options_for(url, self.storage_options))
+        except Exception as exc:
+            raise self.server.storage_error(exc) from exc
+        if job.average is not None:
+            try:
+                save_average(self.url, job.average, self.storage_options)
+            except Exception as exc:  # the mean stays in memory: only a resume would miss it
+                logger.warning(
+                    "could not store the weight average in %s (%s); training goes on, and a "
+                    "run resumed from there averages anew",
+                    self._shown(),
+                    exc,
+                )
+
+    def _failed(self, job: _Commit, exc: BaseException) -> None:
+        first = self.error is None
+        self.error = exc
+        if first:
+            held = "nothing yet" if self.committed is None else f"epoch {self.committed}"
+            logger.warning(
+                "%s; training goes on and the checkpoint (it holds %s) catches up with epoch %d "
+                "when storage answers",
+                self._describe(exc),
+                held,
+                job.epoch,
+            )
+        else:
+            logger.debug("checkpoint commit of epoch %d failed again: %s", job.epoch, exc)
+        with self._cond:  # a short pause: a failing store answers at once
+            if not self._closed:
+                self._cond.wait(float(config.get("ps.retry-max")))
+
+    def _shown(self) -> str:
+        from ..storage import redact_url
+
+        return redact_url(self.url)

@@ -28,7 +28,14 @@ from .. import config
 from ..cluster import PS, TRAIN, workers_with_role
 from ..errors import ClusterError, ConfigError
 from ._average import TailAverage
-from ._checkpoint import history_url, load_average, refuse_existing, resumed_state
+from ._checkpoint import (
+    EpochCommits,
+    far_hosts,
+    load_average,
+    refuse_existing,
+    resumed_state,
+    run_folder,
+)
 from ._epoch import async_rate_factor, epoch_record, replica_count, share_sizes
 from ._position import applied_images, recorded_replicas
 from ._settings import RunSettings, network_for, resolve_augment
@@ -70,10 +77,14 @@ class Trainer:
         asynchronous replicas each steps ``lr_replicas / R`` as far (:meth:`schedule_for`).
     augment : bool or Augment, optional
         Augmentation on the data servers (config ``adam.augment``).
-    checkpoint : str, optional
+    checkpoint : str or False, optional
         URL where the parameter server writes back its shards and manifest (and the history).
-        An existing checkpoint there is refused unless ``overwrite=True``; continue one with
-        :meth:`resume`.
+        ``None`` (the default): a new run folder under ``adam.train.runs-dir`` (``runs/`` in
+        the current directory, as Lightning's ``lightning_logs/``), so a run survives the loss
+        of every copy of a shard and can be resumed; ``False``: no checkpoint. The URL is
+        :attr:`checkpoint`. An existing checkpoint is refused unless ``overwrite=True``;
+        continue one with :meth:`resume`. The epochs' ends are written to it in the
+        background: a storage outage pauses the write-back, never training.
     epoch_quorum : float, optional
         Fraction of replicas whose end ends an epoch (config ``adam.train.epoch-quorum``);
         forced to 1.0 in sync mode.
@@ -113,7 +124,7 @@ class Trainer:
         batch_size: int | None = None,
         threads: int | None = None,
         augment=None,
-        checkpoint: str | None = None,
+        checkpoint: str | bool | None = None,
         epoch_quorum: float | None = None,
         storage_options: dict | None = None,
         metrics_out: str | None = None,
@@ -145,9 +156,10 @@ class Trainer:
             offload_dense=offload_dense,
             average_from=average_from,
         )
-        self.checkpoint = checkpoint
-        if checkpoint and not overwrite:
-            refuse_existing(checkpoint, storage_options)
+        self.run_id = uuid.uuid4().hex[:8]
+        self.checkpoint = run_folder(checkpoint, self.run_id)
+        if checkpoint and self.checkpoint and not overwrite:
+            refuse_existing(self.checkpoint, storage_options)
         self.progress = progress
         self.slow_replicas = dict(slow_replicas or {})
         self.shard_bytes = shard_bytes
@@ -168,7 +180,6 @@ class Trainer:
         self.history = History(metrics_out)
         self.epoch = 0
         self.epochs: int | None = None  # the run's planned total, set by fit (or a checkpoint)
-        self.run_id = uuid.uuid4().hex[:8]
         self.server: Any = None
         self.dataservice: Any = None
         self.seconds_to_target: float | None = None
@@ -176,6 +187,7 @@ class Trainer:
         self.replica_workers: dict[int, str] = {}  # replica -> its worker, this epoch
         self._lock = threading.Lock()
         self._bar: Progress | None = None
+        self._commits: EpochCommits | None = None  # the epochs' ends, written in the background
 
     def _warn_if_nothing_to_offload(self) -> None:
         from .replica import profitable_offload
@@ -252,6 +264,18 @@ class Trainer:
                 storage_options=self.storage_options,
                 meta=self._meta(),
             )
+        if self.checkpoint and self._commits is None:
+            self._commits = EpochCommits(self.server, self.checkpoint, self.storage_options)
+            logger.info("checkpoint: %s", self._shown_checkpoint())
+            far = far_hosts(self.checkpoint, workers_with_role(self.client, PS))
+            if far:
+                logger.warning(
+                    "the checkpoint %s is a local path but PS workers run on %s: each writes "
+                    "to its own disk; give a URL they all reach (checkpoint=, "
+                    "adam.train.runs-dir: s3://...)",
+                    self.checkpoint,
+                    ", ".join(far),
+                )
         if self.dataservice is None:
             from ..data.serving import DataService
 
@@ -317,7 +341,7 @@ class Trainer:
             record = self._run_epoch()
             record["wall_seconds"] = round(time.perf_counter() - t_start, 3)
             self.history.append(record)
-            self._save_history()
+            self._commit(record["epoch"])
             logger.info(
                 "epoch %d: loss %.4f, test accuracy %.4f, %.0f images/s, %d replicas",
                 record["epoch"],
@@ -341,6 +365,7 @@ class Trainer:
                 break
             if max_seconds is not None and time.perf_counter() - t_start >= max_seconds:
                 break
+        self._caught_up(f"epoch {self.epoch - 1}, the last trained")
         return self.history
 
     def _jobs(self, epoch: int, R: int) -> list[ReplicaJob]:
@@ -381,11 +406,12 @@ class Trainer:
             self._bar.close()
             self._bar = None
         flush_t = time.perf_counter()
-        self.server.flush(epoch=epoch, meta=self._meta())
+        # the copies, not the checkpoint: storage never holds training up (_commit writes it)
+        self.server.flush(copies_only=True)
         flush_seconds = time.perf_counter() - flush_t
         images_applied = applied_images(self.server.marks(epoch))
         accuracy = self.evaluate()
-        averaged = self.validation.add_epoch(epoch, self.net, self.checkpoint)
+        averaged = self.validation.add_epoch(epoch, self.net, None)
         schedule = self.schedule_for(R)
         record = epoch_record(
             epoch,
@@ -442,13 +468,24 @@ class Trainer:
             logger.debug("PS statistics unavailable", exc_info=True)
             return {}
 
-    def _save_history(self) -> None:
-        if not self.checkpoint:
-            return
-        from ..storage import options_for
+    def _commit(self, epoch: int) -> None:
+        """Have the checkpoint catch up with the end of ``epoch`` in the background: its
+        manifest, the history, the weight average (:class:`EpochCommits`)."""
+        if self._commits is not None:
+            self._commits.submit(epoch, self._meta(), self.history.records, self.average)
 
-        url = history_url(self.checkpoint)
-        self.history.save(url, options_for(url, self.storage_options))
+    def _caught_up(self, what: str) -> None:
+        """Wait for the checkpoint to hold every epoch committed (``adam.ps.flush-timeout``);
+        :class:`StorageError` naming storage when it does not."""
+        if self._commits is not None and not self._commits.wait(
+            float(config.get("ps.flush-timeout"))
+        ):
+            raise self._commits.failure(what)
+
+    def _shown_checkpoint(self) -> str:
+        from ..storage import redact_url
+
+        return redact_url(str(self.checkpoint))
 
     # -- evaluation ------------------------------------------------------------------------------
 
@@ -463,10 +500,12 @@ class Trainer:
 
     def save(self) -> str:
         """Flush every push to the checkpoint (manifest written last); returns its URL."""
-        if not self.checkpoint or self.server is None:
-            raise ConfigError("this Trainer has no checkpoint URL", "pass checkpoint= to Trainer")
-        self.server.flush(epoch=self.epoch - 1, meta=self._meta())
-        self._save_history()
+        if not self.checkpoint or self.server is None or self._commits is None:
+            raise ConfigError(
+                "this Trainer has no checkpoint", "pass checkpoint=URL (or leave it the default)"
+            )
+        self._commit(self.epoch - 1)
+        self._caught_up(f"epoch {self.epoch - 1}")
         return self.checkpoint
 
     @classmethod
@@ -497,6 +536,7 @@ class Trainer:
                 model=state.net,
                 client=client,
                 storage_options=storage_options,
+                checkpoint=False,  # the one resumed, set below
                 **state.settings,
             )
         except BaseException:
@@ -516,7 +556,15 @@ class Trainer:
         return trainer
 
     def close(self) -> None:
-        """Release the data servers and the parameter server; close an embedded cluster."""
+        """Release the data servers and the parameter server (after the checkpoint caught up
+        with the epochs trained, unless storage is out); close an embedded cluster."""
+        if self._commits is not None:
+            if self._commits.pending and self._commits.error is None:
+                self._commits.wait(float(config.get("ps.flush-timeout")))
+            if self._commits.pending:
+                logger.warning("%s", self._commits.failure("the last epoch trained").message)
+            self._commits.close()
+            self._commits = None
         for obj in (self.dataservice, self.server):
             if obj is not None:
                 try:

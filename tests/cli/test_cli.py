@@ -103,6 +103,10 @@ BAD_INPUT = [
         ["train", "--data", "{store}", "--resume", "--overwrite", "--checkpoint", "{tmp}/c"],
         ["--resume and --overwrite"],
     ),
+    (
+        ["train", "--data", "{store}", "--no-checkpoint", "--checkpoint", "{tmp}/c"],
+        ["--no-checkpoint contradicts --checkpoint"],
+    ),
     (["train", "--data", "{store}", "--tls", "--scheduler", "tcp://h:1"], ["not allowed with"]),
     (["train", "--data", "{store}", "--storage-options", "{'a': 1}"], ["JSON"]),
     # evaluate
@@ -245,6 +249,36 @@ def test_train_resume_counts_total_epochs_and_keeps_the_mode(store, adam_cluster
     assert status == 0, err
     assert ev["epoch"] == 1 and ev["split"] == "test"
     assert abs(ev["test_accuracy"] - second["test_accuracy"]) < 1e-9
+
+
+def test_a_run_checkpoints_to_its_run_folder_unless_told_not_to(
+    store, adam_cluster, runs_dir, capsys
+):
+    """With no --checkpoint the run writes back to a new folder under adam.train.runs-dir,
+    printed when training starts and given in the JSON line, and evaluate reads it;
+    --no-checkpoint writes nothing there."""
+    from adam_dask.ps.checkpoint import read_manifest
+    from adam_dask.train._checkpoint import HISTORY
+
+    common = ["--data", store, "--model", SPEC, "--epochs", "1", "--no-progress"]
+    common += ["--scheduler", adam_cluster.scheduler.address]
+    before = set(runs_dir.iterdir()) if runs_dir.exists() else set()
+    status, result, err = cli(capsys, "train", *common)
+    assert status == 0, err
+    folder = result["checkpoint"]
+    assert folder.startswith(str(runs_dir) + "/"), folder
+    assert f"checkpoint: {folder}" in error_lines(err)  # told before training, on stderr
+    assert set(runs_dir.iterdir()) - before == {runs_dir / folder.rsplit("/", 1)[-1]}
+    assert read_manifest(folder)["epoch"] == 0
+    assert len((runs_dir / folder / HISTORY).read_text().splitlines()) == 1
+    status, ev, err = cli(capsys, "evaluate", folder, "--data", store)
+    assert status == 0 and ev["epoch"] == 0, err
+
+    before = set(runs_dir.iterdir())
+    status, result, err = cli(capsys, "train", *common, "--no-checkpoint")
+    assert status == 0, err
+    assert result["checkpoint"] is None and "checkpoint:" not in err
+    assert set(runs_dir.iterdir()) == before
 
 
 def test_ctrl_c_stops_cleanly_and_keeps_the_checkpoint(store, tmp_path, capsys):

@@ -119,6 +119,24 @@ def test_write_back_refused_as_stale_steps_down_accepted_is_flushed(primary):
     assert 0 not in primary.primaries
 
 
+def test_a_flush_of_the_copies_alone_answers_without_the_checkpoint_and_says_what_is_durable(
+    primary,
+):
+    primary.handle(Pushes((push("x", 1, 1),)))
+    out = primary.handle(Flush("f", None, False))  # an epoch's end: storage plays no part
+    for b in ("b1", "b2"):
+        out += primary.handle(ForwardDone(b, {0: (3, 1)}, {}))
+    r = replies(out)["f"]
+    assert r["per_shard"] == {0: 1} and r["durable"][0] < 1  # the pusher keeps its push
+    stuck = primary.handle(Flush("g", None, True))  # waits for the write-back too
+    assert "g" not in replies(stuck)
+    assert primary.abandon_flush("g") == "checkpoint"  # storage is what is missing
+    assert primary.abandon_flush("g") is None  # forgotten
+    primary.handle(Pushes((push("y", 1, 2),)))
+    primary.handle(Flush("h", None, False))
+    assert primary.abandon_flush("h") == "copies"  # a backup lacks version 2
+
+
 def test_restore_installs_the_block_with_its_push_ids_once():
     ns = NodeState("n", dedup_window=64)
     values = np.full(N, 4, np.float32)
