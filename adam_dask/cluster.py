@@ -400,11 +400,17 @@ def client_for(
 
 
 def workers_with_role(client: Client, role: str) -> list[str]:
-    """Addresses of the workers that have the resource ``role``, sorted."""
+    """Addresses of the running workers that have the resource ``role``, sorted (a worker
+    still starting, e.g. setting up its plugins, takes no task yet: counted, it would have its
+    replica queued behind another's)."""
     # asked of the scheduler directly: Client.scheduler_info() returns a cache that the client's
     # periodic refresh (n_workers=0, no workers) can overwrite just before it is read
     info = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
-    return sorted(a for a, w in info.items() if w.get("resources", {}).get(role))
+    return sorted(
+        a
+        for a, w in info.items()
+        if w.get("resources", {}).get(role) and w.get("status", "running") == "running"
+    )
 
 
 async def _set_role(dask_worker, role: str) -> None:
