@@ -24,6 +24,7 @@ from ._messages import (
     HeartbeatReply,
     ManifestDone,
     ManifestFailed,
+    NodeFailed,
     NodeReady,
     Push,
     Pushes,
@@ -161,15 +162,25 @@ class Traffic:
 
     def scheduler_message(self, kind: str, x: Any) -> None:
         if kind == "create":
+            x, give_up = x
             if x not in self.ctl.workers or x in self.crashed:
-                return
+                return  # the controller hears of the worker's loss, which ends the creation
             old = self.nodes.get(x)
             if old is not None and old.frozen_until is not None:
-                return  # the worker cannot start an actor while frozen
+                # the worker cannot start an actor while frozen: it does when it wakes, unless
+                # the plugin gave up waiting for it first (then the controller hears NodeFailed)
+                if old.frozen_until <= give_up:
+                    self.send("sched", "create", 0, (x, give_up), delay=old.frozen_until - self.now)
+                else:
+                    self.send("sched", "create-failed", 0, x, delay=give_up - self.now)
+                return
             self.nodes[x] = self._make_node(x)  # a new actor (an old one there is no member)
             self.nodes[x].next_beat = self.now
             self.log(f"  node ready {x} ({self.nodes[x].key})")
             self.ctl_handle(NodeReady(x, self.nodes_key(x), self.now))
+        elif kind == "create-failed":
+            self.log(f"  no node on {x}: the worker stayed frozen")
+            self.ctl_handle(NodeFailed(x, "TimeoutError: the actor did not start"))
         elif kind == "removed":
             self.ctl_handle(WorkerRemoved(x, self.now))
         elif kind == "added":

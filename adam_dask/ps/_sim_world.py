@@ -245,7 +245,9 @@ class World(Traffic):
                     if rec.caller == "ctl" and rec.info == a.op:
                         del self.calls[cid]
             elif isinstance(a, CreateNode):
-                self.send("sched", "create", 0, a.addr, delay=self.rng.choice([0.05, 0.3]))
+                give_up = self.now + CALL_TIMEOUT  # the plugin waits this long for the actor
+                delay = self.rng.choice([0.05, 0.3])
+                self.send("sched", "create", 0, (a.addr, give_up), delay=delay)
             elif isinstance(a, Retire):
                 self.retire(a.addr)
             elif isinstance(a, WriteManifest):
