@@ -349,13 +349,6 @@ class ServerState(Repair):
         for sid, (gen, version, path) in ev.blocks.items():
             if ev.addr not in self.nodes:
                 refused[sid] = NOT_MEMBER
-            elif self._current_primary(ev.addr, sid) and gen < self.gens[sid]:
-                # a block the primary wrote before its promotion to the current generation
-                # (it was primary before, its promotion's answer was lost, it was fenced and
-                # promoted again): refused, but with the block's own generation, which does
-                # not depose the writer (a node steps down on a refusal at its generation
-                # or newer, and this one holds gens[sid])
-                refused[sid] = gen
             elif (
                 self.manifest is None
                 or self.routing[sid][:1] != [ev.addr]
@@ -378,11 +371,6 @@ class ServerState(Repair):
                 ev.addr,
             )
         return [Reply(ev.req, {"accepted": accepted, "refused": refused})]
-
-    def _current_primary(self, addr: str, sid: int) -> bool:
-        """Whether ``addr`` is the primary of ``sid`` the routing names, with no repair of the
-        shard under way."""
-        return self.routing[sid][:1] == [addr] and sid not in self.pending()
 
     def _on_Commit(self, ev: Commit) -> list:
         if self.manifest is None:

@@ -113,8 +113,8 @@ class Traffic:
     manifests: list[dict]
     acked: dict[int, set[int]]
     lost_ok: dict[int, set[int]]
-    acked_mask: np.ndarray
-    lost_mask: np.ndarray
+    acked_bits: list[int]
+    lost_bits: list[int]
     changed: bool
     pushes_started: int
     ctl: ServerState
@@ -129,6 +129,9 @@ class Traffic:
         raise NotImplementedError
 
     def _make_node(self, addr: str) -> _Node:
+        raise NotImplementedError
+
+    def send(self, dst: str, kind: str, call: int, x: Any, delay: float | None = None) -> None:
         raise NotImplementedError
 
     def request(
@@ -260,7 +263,7 @@ class Traffic:
         for k in range(self.pushes_started):
             if values[k] == 0 and k not in held:
                 self.lost_ok.setdefault(sid, set()).add(k)
-                self.lost_mask[sid, k] = True
+                self.lost_bits[sid] |= 1 << k
         self.log(
             f"  restore shard {sid} on {node.addr} from {path}; lost {sorted(self.lost_ok.get(sid, ()))}"
         )
@@ -290,6 +293,7 @@ class Traffic:
             if node.doomed_after < 0:
                 self.log(f"  {node.addr} closes")
                 self.crashed.add(node.addr)
+                self.changed = True
 
     # -- pushers ---------------------------------------------------------------------------------
 
@@ -383,7 +387,8 @@ class Traffic:
                 and not p.current["todo"]
             ):
                 self.acked[k] = set(range(self.n_shards))
-                self.acked_mask[:, k] = True
+                for sid in range(self.n_shards):
+                    self.acked_bits[sid] |= 1 << k
                 self.log(f"{p.name} push {k} acknowledged")
                 p.current = None
         if x.get("moved"):
@@ -391,8 +396,11 @@ class Traffic:
 
     def pusher_guard(self) -> None:
         """A pusher gives up calls to nodes the controller dropped (the client polls it)."""
+        nodes = self.ctl.nodes
         for p in self.pushers:
+            if not p.calls:
+                continue
             for cid, (addr, what, info) in list(p.calls.items()):
-                if addr not in self.ctl.nodes:
+                if addr not in nodes:
                     self.calls.pop(cid, None)
                     self.pusher_reply(p, cid, OSError(f"{addr} dropped"))
