@@ -385,8 +385,18 @@ class NodeState(Commands):
         for sid, gen in ev.refused.items():
             if gen == NOT_MEMBER:
                 self._retire("the controller refused a write-back")
-            elif sid in self.primaries and self._deposed_by(gen, sid, wrote.get(sid)):
-                self._step_down(sid, gen, "the controller refused its write-back")
+            elif sid in self.primaries:
+                if self._deposed_by(gen, sid, wrote.get(sid)):
+                    self._step_down(sid, gen, "the controller refused its write-back")
+                else:
+                    logger.info(
+                        "node %s: the controller refused a block of shard %d of generation %s; "
+                        "still its primary at generation %d",
+                        self.addr,
+                        sid,
+                        wrote.get(sid),
+                        self.gens[sid],
+                    )
         return self._settle()
 
     def _deposed_by(self, gen: int, sid: int, wrote: int | None) -> bool:

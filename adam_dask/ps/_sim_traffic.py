@@ -173,6 +173,7 @@ class Traffic:
                 # the worker cannot start an actor while frozen: it does when it wakes, unless
                 # the plugin gave up waiting for it first (then the controller hears NodeFailed)
                 if old.frozen_until <= give_up:
+                    self.log(f"  create on {x} waits: the worker is frozen")
                     self.send("sched", "create", 0, (x, give_up), delay=old.frozen_until - self.now)
                 else:
                     self.send("sched", "create-failed", 0, x, delay=give_up - self.now)

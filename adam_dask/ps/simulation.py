@@ -16,7 +16,17 @@ After every step it checks:
   the shard's restore from the checkpoint accounts for it; with ``ack="replay"`` the pusher
   replays it to the restored shard, so at the end it is there;
 * **the manifest never goes back**: sequence numbers and each shard's ``(generation, version)``
-  only grow, and every block the newest manifest names exists.
+  only grow, and every block the newest manifest names exists;
+* **the protocol heals within a bound**: at most :data:`HEAL_BOUND` (30) simulated seconds after
+  the end of the last fault so far (a crash; the thaw of a freeze; the end of a storage outage),
+  every shard is back at its copies, or restored from the checkpoint and copied again: the
+  controller sees it healthy, and on the nodes the routing's primary is the primary of the
+  shard's generation and forwards to the routing's backups, each alive and holding the shard.
+  Messages are still dropped and duplicated meanwhile. The bound is the sum of what a repair
+  may wait for, with room for retries: noticing the loss (a worker's removal within 1.5 s,
+  heartbeats silent for 2 s, a silent worker retired after 4 s), a replacement worker (within
+  3 s) and its node, then the fence, promote, restore and copy calls, each retried after a
+  failure with a back-off of up to 2 s. ``healed_after`` in the summary is the time it took.
 
 At the end faults stop, the system heals, pushers settle, and it checks that the copies of every
 shard converge and hold every acknowledged push once (with ``ack="all"``, less those lost with
