@@ -21,7 +21,8 @@ After every step it checks:
   the end of the last fault so far (a crash; the thaw of a freeze; the end of a storage outage),
   every shard is back at its copies, or restored from the checkpoint and copied again: the
   controller sees it healthy, and on the nodes the routing's primary is the primary of the
-  shard's generation and forwards to the routing's backups, each alive and holding the shard.
+  shard's generation and forwards to the routing's backups, each alive and holding the shard
+  at least as far as the primary believes it does.
   Messages are still dropped and duplicated meanwhile. The bound is the sum of what a repair
   may wait for, with room for retries: noticing the loss (a worker's removal within 1.5 s,
   heartbeats silent for 2 s, a silent worker retired after 4 s), a replacement worker (within
@@ -149,6 +150,12 @@ class _Sim(World):
                 return False
             if {a for a, _ in ns.primaries[sid]} != set(holders[1:]):
                 return False
+            for b in holders[1:]:  # what the primary believes a backup holds, it holds
+                if (
+                    ns.acked.get(b, {}).get(sid, (-1, -1))
+                    > self.nodes[b].state.shards[sid].position
+                ):
+                    return False
         return True
 
     def check_healing(self, changed: bool) -> None:
