@@ -147,9 +147,13 @@ class ServerState(Repair):
         return self.needs_primary | set(self.rounds) | promoting | self.restoring | self.lost
 
     def healthy(self) -> bool:
-        return not self.pending() and all(
-            len(h) >= self.target and h[0] in self.nodes for h in self.routing.values()
-        )
+        """Every shard has its primary and ``target`` copies, and no repair is under way."""
+        # not self.pending(), without building the set (the simulation asks after every step)
+        if self.needs_primary or self.rounds or self.restoring or self.lost:
+            return False
+        if any(op.kind == "promote" for op in self.ops.values()):
+            return False
+        return all(len(h) >= self.target and h[0] in self.nodes for h in self.routing.values())
 
     def routing_info(self) -> dict:
         """What clients read: see ``ParameterServer.routing_info``."""

@@ -207,17 +207,25 @@ class Commands:
         """Make ``shards`` {sid: peers} the backup lists of those primaries, unless a list of a
         later stamp is in force already (a command that arrives late)."""
         out: list = []
+        replaced: set[str] = set()
         for sid, peers in shards.items():
             if sid not in self.primaries or stamp < self.list_stamps.get(sid, 0):
                 continue
             self.list_stamps[sid] = stamp
             new = [tuple(p) for p in peers]
-            gone = {a for a, _ in self.primaries[sid]} - {a for a, _ in new}
+            before = dict(self.primaries[sid])
+            gone = set(before) - {a for a, _ in new}
+            # another node on a backup's worker (the old one was lost and its worker came back):
+            # what the old one held, and the answer to a forward on its way to it, say nothing
+            # of the new one, which starts empty
+            replaced |= {a for a, k in new if a in before and before[a] != k}
             self.primaries[sid] = new  # type: ignore[assignment]
             for addr in gone:
                 self.acked.get(addr, {}).pop(sid, None)
+        for addr in replaced:
+            self.acked.pop(addr, None)
         wanted = {a for peers in self.primaries.values() for a, _ in peers}
-        for addr in sorted(self.inflight - wanted):
+        for addr in sorted((self.inflight - wanted) | (self.inflight & replaced)):
             self.inflight.discard(addr)
             out.append(Cancel(addr=addr))
         for addr in list(self.acked):

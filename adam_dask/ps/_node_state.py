@@ -92,6 +92,7 @@ class NodeState(Commands):
         self.inflight: set[str] = set()  # backups with a forward on the way
         self.written: dict[int, int] = {}  # primaries: the version the manifest names
         self.writing = False
+        self.writing_gens: dict[int, int] = {}  # the write-back on its way: its blocks' gens
         self.waiters: list[_Waiter] = []
         self.member = True
         self._cache: dict[int, tuple[Position, np.ndarray]] = {}
@@ -371,12 +372,14 @@ class NodeState(Commands):
         if not dirty:
             return []
         self.writing = True
+        self.writing_gens = {s: self.shards[s].gen for s in dirty}
         return [
             WriteBlocks(tuple(self.shards[s].snapshot(-1, self.values_of(s)[1]) for s in dirty))
         ]
 
     def _on_WriteDone(self, ev: WriteDone) -> list:
         self.writing = False
+        wrote, self.writing_gens = self.writing_gens, {}
         for sid, version in ev.accepted.items():
             if sid in self.primaries:
                 self.written[sid] = max(self.written.get(sid, -1), int(version))
@@ -384,9 +387,33 @@ class NodeState(Commands):
         for sid, gen in ev.refused.items():
             if gen == NOT_MEMBER:
                 self._retire("the controller refused a write-back")
-            elif sid in self.primaries and gen >= self.gens[sid]:
-                self._step_down(sid, gen, "the controller refused its write-back")
+            elif sid in self.primaries:
+                if self._deposed_by(gen, sid, wrote.get(sid)):
+                    self._step_down(sid, gen, "the controller refused its write-back")
+                else:
+                    logger.info(
+                        "node %s: the controller refused a block of shard %d of generation %s; "
+                        "still its primary at generation %d",
+                        self.addr,
+                        sid,
+                        wrote.get(sid),
+                        self.gens[sid],
+                    )
         return self._settle()
+
+    def _deposed_by(self, gen: int, sid: int, wrote: int | None) -> bool:
+        """Whether the refusal of a block of primary ``sid`` written at generation ``wrote``,
+        naming generation ``gen``, means another primary: a newer generation than this node
+        knows, or this node's own generation when the block was of it too (the controller
+        does not count this node as that generation's primary). A block of an older
+        generation proves nothing about the newer one: the node may have been fenced and
+        promoted again since it wrote it (its promotion's answer lost), and the generation
+        the refusal names, that of the controller's round then, may be its own now. A node
+        that stepped down on it would be named by the routing as the primary and refuse
+        every push and every new backup for good."""
+        if gen > self.gens[sid]:
+            return True
+        return gen == self.gens[sid] and wrote == gen
 
     def _on_WriteFailed(self, ev: WriteFailed) -> list:
         self.writing = False

@@ -247,6 +247,12 @@ class Repair:
     def _plan(self) -> list:
         """The next calls of the repair, for every shard not waiting for one."""
         out = self._manifest_actions()
+        if (
+            self.heal_started is None
+            and not (self.backups_changed or self.needs_primary or self.rounds or self.restoring)
+            and all(len(h) >= self.target for h in self.routing.values())
+        ):
+            return out  # nothing to repair (each step below would find nothing to do)
         live = self.live()
         load = Counter(a for h in self.routing.values() for a in h)
         out += self._plan_set_backups()

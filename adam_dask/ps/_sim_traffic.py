@@ -24,6 +24,7 @@ from ._messages import (
     HeartbeatReply,
     ManifestDone,
     ManifestFailed,
+    NodeFailed,
     NodeReady,
     Push,
     Pushes,
@@ -112,8 +113,8 @@ class Traffic:
     manifests: list[dict]
     acked: dict[int, set[int]]
     lost_ok: dict[int, set[int]]
-    acked_mask: np.ndarray
-    lost_mask: np.ndarray
+    acked_bits: list[int]
+    lost_bits: list[int]
     changed: bool
     pushes_started: int
     ctl: ServerState
@@ -128,6 +129,9 @@ class Traffic:
         raise NotImplementedError
 
     def _make_node(self, addr: str) -> _Node:
+        raise NotImplementedError
+
+    def send(self, dst: str, kind: str, call: int, x: Any, delay: float | None = None) -> None:
         raise NotImplementedError
 
     def request(
@@ -161,15 +165,26 @@ class Traffic:
 
     def scheduler_message(self, kind: str, x: Any) -> None:
         if kind == "create":
+            x, give_up = x
             if x not in self.ctl.workers or x in self.crashed:
-                return
+                return  # the controller hears of the worker's loss, which ends the creation
             old = self.nodes.get(x)
             if old is not None and old.frozen_until is not None:
-                return  # the worker cannot start an actor while frozen
+                # the worker cannot start an actor while frozen: it does when it wakes, unless
+                # the plugin gave up waiting for it first (then the controller hears NodeFailed)
+                if old.frozen_until <= give_up:
+                    self.log(f"  create on {x} waits: the worker is frozen")
+                    self.send("sched", "create", 0, (x, give_up), delay=old.frozen_until - self.now)
+                else:
+                    self.send("sched", "create-failed", 0, x, delay=give_up - self.now)
+                return
             self.nodes[x] = self._make_node(x)  # a new actor (an old one there is no member)
             self.nodes[x].next_beat = self.now
             self.log(f"  node ready {x} ({self.nodes[x].key})")
             self.ctl_handle(NodeReady(x, self.nodes_key(x), self.now))
+        elif kind == "create-failed":
+            self.log(f"  no node on {x}: the worker stayed frozen")
+            self.ctl_handle(NodeFailed(x, "TimeoutError: the actor did not start"))
         elif kind == "removed":
             self.ctl_handle(WorkerRemoved(x, self.now))
         elif kind == "added":
@@ -249,7 +264,7 @@ class Traffic:
         for k in range(self.pushes_started):
             if values[k] == 0 and k not in held:
                 self.lost_ok.setdefault(sid, set()).add(k)
-                self.lost_mask[sid, k] = True
+                self.lost_bits[sid] |= 1 << k
         self.log(
             f"  restore shard {sid} on {node.addr} from {path}; lost {sorted(self.lost_ok.get(sid, ()))}"
         )
@@ -279,6 +294,7 @@ class Traffic:
             if node.doomed_after < 0:
                 self.log(f"  {node.addr} closes")
                 self.crashed.add(node.addr)
+                self.changed = True
 
     # -- pushers ---------------------------------------------------------------------------------
 
@@ -372,7 +388,8 @@ class Traffic:
                 and not p.current["todo"]
             ):
                 self.acked[k] = set(range(self.n_shards))
-                self.acked_mask[:, k] = True
+                for sid in range(self.n_shards):
+                    self.acked_bits[sid] |= 1 << k
                 self.log(f"{p.name} push {k} acknowledged")
                 p.current = None
         if x.get("moved"):
@@ -380,8 +397,11 @@ class Traffic:
 
     def pusher_guard(self) -> None:
         """A pusher gives up calls to nodes the controller dropped (the client polls it)."""
+        nodes = self.ctl.nodes
         for p in self.pushers:
+            if not p.calls:
+                continue
             for cid, (addr, what, info) in list(p.calls.items()):
-                if addr not in self.ctl.nodes:
+                if addr not in nodes:
                     self.calls.pop(cid, None)
                     self.pusher_reply(p, cid, OSError(f"{addr} dropped"))

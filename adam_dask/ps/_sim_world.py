@@ -74,8 +74,10 @@ class World(Traffic):
         self.p_drop = rng.choice([0.0, 0.02, 0.05]) if faults else 0.0
         self.p_dup = rng.choice([0.0, 0.02, 0.05]) if faults else 0.0
         self.outage_until = -1.0
+        self.faults_end = 0.0  # when the last fault so far ends (a freeze or outage lasts)
         self.msgs: list[tuple[float, int, str, str, int, Any]] = []  # due, seq, dst, kind, call, x
         self.calls: dict[int, _Callrec] = {}
+        self.next_deadline = float("inf")  # no call's deadline comes before (a lower bound)
         self.seqno = 0
         self.worker_no = 0
         self.nodes: dict[str, _Node] = {}
@@ -84,8 +86,8 @@ class World(Traffic):
         self.manifests: list[dict] = []
         self.acked: dict[int, set[int]] = {}  # push -> shards acknowledged
         self.lost_ok: dict[int, set[int]] = {}  # shard -> pushes a restore may have lost
-        self.acked_mask = np.zeros((self.n_shards, self.total_pushes), bool)
-        self.lost_mask = np.zeros((self.n_shards, self.total_pushes), bool)
+        self.acked_bits = [0] * self.n_shards  # per shard, a bit per acknowledged push
+        self.lost_bits = [0] * self.n_shards  # per shard, a bit per push a restore may lose
         self.checked_manifests = 0
         self.dirty: set[str] = set()
         self.changed = True
@@ -189,6 +191,7 @@ class World(Traffic):
         caller_key = self.nodes[caller].key if caller in self.nodes else None
         rec = _Callrec(caller, callee, kind, info, self.now + CALL_TIMEOUT, caller_key, key)
         self.calls[cid] = rec
+        self.next_deadline = min(self.next_deadline, rec.deadline)
         self.send(callee, "request", cid, (kind, event))
         return cid
 
@@ -245,7 +248,9 @@ class World(Traffic):
                     if rec.caller == "ctl" and rec.info == a.op:
                         del self.calls[cid]
             elif isinstance(a, CreateNode):
-                self.send("sched", "create", 0, a.addr, delay=self.rng.choice([0.05, 0.3]))
+                give_up = self.now + CALL_TIMEOUT  # the plugin waits this long for the actor
+                delay = self.rng.choice([0.05, 0.3])
+                self.send("sched", "create", 0, (a.addr, give_up), delay=delay)
             elif isinstance(a, Retire):
                 self.retire(a.addr)
             elif isinstance(a, WriteManifest):
@@ -262,8 +267,14 @@ class World(Traffic):
                 raise TypeError(a)
 
     def ctl_handle(self, event: Any) -> None:
-        self.changed = True
-        self.ctl_actions(self.ctl.handle(event))
+        actions = self.ctl.handle(event)
+        # a tick or a heartbeat that the controller answers with its reply alone changed
+        # nothing the checks read (routing, rounds, calls, generations): the controller acts on
+        # each change it makes, in the same pass (its repair settles every consequence of an
+        # event before it returns; what waits for a back-off acts when the back-off ends)
+        if not isinstance(event, (Tick, Beat)) or any(not isinstance(a, Reply) for a in actions):
+            self.changed = True
+        self.ctl_actions(actions)
 
     def node_handle(self, node: _Node, event: Any) -> None:
         self.dirty.add(node.addr)
@@ -274,6 +285,7 @@ class World(Traffic):
     def crash(self, addr: str) -> None:
         self.changed = True
         self.log(f"FAULT crash {addr}")
+        self.faults_end = max(self.faults_end, self.now)
         self.crashed.add(addr)
         self.send("sched", "removed", 0, addr, delay=self.rng.choice([0.1, 0.5, 1.5]))
         self.send("sched", "added", 0, self._new_worker(), delay=self.rng.choice([1.0, 3.0]))
@@ -303,30 +315,42 @@ class World(Traffic):
                     self.crash(a)
         elif kind == "freeze" and live:
             addr = self.rng.choice(live)
-            self.nodes[addr].frozen_until = self.now + self.rng.choice([0.5, 1.5, 3.0, 6.0])
+            thaw = self.now + self.rng.choice([0.5, 1.5, 3.0, 6.0])
+            self.nodes[addr].frozen_until = thaw
+            self.faults_end = max(self.faults_end, thaw)
             self.log(f"FAULT freeze {addr} until {self.nodes[addr].frozen_until:.2f}")
         elif kind == "outage":
             self.outage_until = self.now + self.rng.choice([1.0, 4.0])
+            self.faults_end = max(self.faults_end, self.outage_until)
             self.log(f"FAULT storage outage until {self.outage_until:.2f}")
 
     # -- the loop --------------------------------------------------------------------------------
 
     def ready(self) -> list[tuple[str, Any]]:
+        """What may happen now: messages due (not to a frozen node), timers of running nodes,
+        the controller's tick, pushers free to act; in this order (the seed's choices index
+        it)."""
+        now, nodes, crashed = self.now, self.nodes, self.crashed
         out: list[tuple[str, Any]] = []
         for m in self.msgs:
-            if m[0] <= self.now and not self._frozen(m[2]):
-                out.append(("msg", m))
-        for node in self.nodes.values():
-            if not self.running(node.addr):
+            if m[0] <= now:
+                node = nodes.get(m[2])
+                if node is None or node.frozen_until is None or m[2] in crashed:
+                    out.append(("msg", m))
+        for node in nodes.values():
+            if node.frozen_until is not None or node.addr in crashed:
                 continue
-            for timer in ("next_forward", "next_write", "next_beat"):
-                if getattr(node, timer) <= self.now:
-                    out.append(("timer", (node, timer)))
-        if self.next_tick <= self.now:
+            if node.next_forward <= now:
+                out.append(("timer", (node, "next_forward")))
+            if node.next_write <= now:
+                out.append(("timer", (node, "next_write")))
+            if node.next_beat <= now:
+                out.append(("timer", (node, "next_beat")))
+        if self.next_tick <= now:
             out.append(("tick", None))
+        more = self.pushes_started < self.total_pushes
         for p in self.pushers:
-            busy = p.current or p.log or self.pushes_started < self.total_pushes
-            if not p.calls and busy and p.next_act <= self.now:
+            if not p.calls and p.next_act <= now and (p.current is not None or more or p.log):
                 out.append(("pusher", p))
         return out
 
@@ -335,28 +359,49 @@ class World(Traffic):
         return node is not None and node.frozen_until is not None and dst not in self.crashed
 
     def advance(self) -> None:
-        times = [m[0] for m in self.msgs if not self._frozen(m[2])]
-        times += [rec.deadline for rec in self.calls.values()]
-        times += [n.frozen_until for n in self.nodes.values() if n.frozen_until is not None]
-        times.append(self.next_tick)
-        times += [p.next_act for p in self.pushers if not p.calls]
-        for node in self.nodes.values():
-            if self.running(node.addr):
-                times += [node.next_forward, node.next_write, node.next_beat]
-        later = [t for t in times if t > self.now]
-        self.now = min(later) if later else self.now + 0.1
+        """Nothing may happen now: on to the next time something may."""
+        now, nodes, crashed = self.now, self.nodes, self.crashed
+        later = float("inf")
+        for m in self.msgs:
+            t = m[0]
+            if now < t < later:
+                node = nodes.get(m[2])
+                if node is None or node.frozen_until is None or m[2] in crashed:
+                    later = t
+        for rec in self.calls.values():
+            if now < rec.deadline < later:
+                later = rec.deadline
+        for node in nodes.values():
+            thaw = node.frozen_until
+            if thaw is not None:
+                if now < thaw < later:
+                    later = thaw
+            elif node.addr not in crashed:
+                for t in (node.next_forward, node.next_write, node.next_beat):
+                    if now < t < later:
+                        later = t
+        if now < self.next_tick < later:
+            later = self.next_tick
+        for p in self.pushers:
+            if not p.calls and now < p.next_act < later:
+                later = p.next_act
+        self.now = later if later != float("inf") else now + 0.1
 
     def step(self) -> None:
+        now = self.now
         for node in self.nodes.values():
-            if node.frozen_until is not None and node.frozen_until <= self.now:
+            if node.frozen_until is not None and node.frozen_until <= now:
                 node.frozen_until = None
                 self.log(f"thaw {node.addr}")
-        for cid, rec in list(self.calls.items()):
-            if rec.deadline <= self.now:
-                self.seqno += 1
-                err = TimeoutError("no answer")
-                self.msgs.append((self.now, self.seqno, rec.caller, "reply", cid, err))
-                rec.deadline = float("inf")
+        if self.next_deadline <= now:
+            self.next_deadline = float("inf")
+            for cid, rec in self.calls.items():
+                if rec.deadline <= now:
+                    self.seqno += 1
+                    err = TimeoutError("no answer")
+                    self.msgs.append((now, self.seqno, rec.caller, "reply", cid, err))
+                    rec.deadline = float("inf")
+                self.next_deadline = min(self.next_deadline, rec.deadline)
         self.pusher_guard()
         if self.fault_budget > 0 and self.rng.random() < 0.01:
             self.fault()

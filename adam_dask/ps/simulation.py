@@ -16,7 +16,18 @@ After every step it checks:
   the shard's restore from the checkpoint accounts for it; with ``ack="replay"`` the pusher
   replays it to the restored shard, so at the end it is there;
 * **the manifest never goes back**: sequence numbers and each shard's ``(generation, version)``
-  only grow, and every block the newest manifest names exists.
+  only grow, and every block the newest manifest names exists;
+* **the protocol heals within a bound**: at most :data:`HEAL_BOUND` (30) simulated seconds after
+  the end of the last fault so far (a crash; the thaw of a freeze; the end of a storage outage),
+  every shard is back at its copies, or restored from the checkpoint and copied again: the
+  controller sees it healthy, and on the nodes the routing's primary is the primary of the
+  shard's generation and forwards to the routing's backups, each alive and holding the shard
+  at least as far as the primary believes it does.
+  Messages are still dropped and duplicated meanwhile. The bound is the sum of what a repair
+  may wait for, with room for retries: noticing the loss (a worker's removal within 1.5 s,
+  heartbeats silent for 2 s, a silent worker retired after 4 s), a replacement worker (within
+  3 s) and its node, then the fence, promote, restore and copy calls, each retried after a
+  failure with a back-off of up to 2 s. ``healed_after`` in the summary is the time it took.
 
 At the end faults stop, the system heals, pushers settle, and it checks that the copies of every
 shard converge and hold every acknowledged push once (with ``ack="all"``, less those lost with
@@ -33,9 +44,16 @@ from typing import NoReturn
 
 import numpy as np
 
+from ._node_state import NodeState
 from ._sim_world import World
+from .state import ShardState
 
 logger = logging.getLogger(__name__)
+
+#: simulated seconds from the end of the last fault to every shard back at its copies
+HEAL_BOUND = 30.0
+#: the steps after which no fault is injected any more (the rest heals and settles)
+FAULT_STEPS = 3000
 
 __all__ = ["SimulationFailure", "simulate"]
 
@@ -44,8 +62,30 @@ class SimulationFailure(AssertionError):
     """An invariant broke; the message names the seed and ends with the trace."""
 
 
+def _ones(values: np.ndarray) -> int:
+    """The indices where ``values`` is 1, as the bits of an int."""
+    return int.from_bytes(np.packbits(values == 1, bitorder="little").tobytes(), "little")
+
+
+def _view(ns: NodeState) -> tuple:
+    """What the checks read of a node: the copies it holds (which state, which position), the
+    shards it is the primary of with their backups, the generations it knows."""
+    return (
+        [(s, st, st.position) for s, st in ns.shards.items()],  # a state compares by identity
+        [(s, [a for a, _ in b]) for s, b in ns.primaries.items()],
+        list(ns.gens.items()),
+    )
+
+
 class _Sim(World):
     """The world, checked."""
+
+    def __init__(self, seed: int, faults: bool, ack: str | None = None):
+        super().__init__(seed, faults, ack)
+        self.healed_since: float | None = 0.0  # since when every shard is back at its copies
+        self._bits: dict[tuple[str, int], tuple[ShardState, tuple[int, int], int]] = {}
+        self._block_bits: dict[str, tuple[np.ndarray, int]] = {}
+        self._views: dict[str, tuple] = {}  # what the checks last read of each node
 
     # -- invariants ------------------------------------------------------------------------------
 
@@ -57,45 +97,119 @@ class _Sim(World):
         )
 
     def holders(self, sid: int) -> set[str]:
-        hs = set(self.ctl.routing.get(sid, ()))
-        rnd = self.ctl.rounds.get(sid)
+        ctl = self.ctl
+        hs = set(ctl.routing.get(sid, ()))
+        rnd = ctl.rounds.get(sid)
         if rnd is not None:
             hs |= rnd.waiting | set(rnd.replies)
-        for op in self.ctl.ops.values():
-            if sid in op.sids and op.kind == "promote":
+        for op in ctl.ops.values():
+            if op.kind == "promote" and sid in op.sids:
                 hs.add(op.addr)
-        return {a for a in hs if self.alive(a)}
+        return {a for a in hs if a in self.nodes and a not in self.crashed}
+
+    def copy_bits(self, addr: str, sid: int, st: ShardState) -> int:
+        """The pushes the copy ``st`` of ``sid`` on ``addr`` holds, a bit each; checks it holds
+        none twice. Cached per position: a copy's values change only with its position (every
+        apply makes a version, an install or a restore sets the position)."""
+        key = (addr, sid)
+        cached = self._bits.get(key)
+        if cached is not None and cached[0] is st and cached[1] == st.position:
+            return cached[2]
+        v = st.values
+        if v.max(initial=0) > 1 or v.min(initial=0) < 0:
+            self.fail(f"{addr} holds a push of shard {sid} twice: {v}")
+        bits = _ones(v)
+        self._bits[key] = (st, st.position, bits)
+        return bits
+
+    def block_bits(self, path: str) -> int:
+        values = self.blocks[path][0]
+        cached = self._block_bits.get(path)
+        if cached is None or cached[0] is not values:
+            cached = (values, _ones(values))
+            self._block_bits[path] = cached
+        return cached[1]
+
+    def healed(self) -> bool:
+        """Every shard back at its copies: the controller sees it healthy, and it is true: the
+        primary the routing names is alive (the incarnation the controller knows), is the
+        primary of the shard at the shard's generation and forwards to the backups the routing
+        names, each alive and holding the shard."""
+        ctl = self.ctl
+        if not ctl.healthy():
+            return False
+        for sid, holders in ctl.routing.items():
+            for a in holders:
+                node = self.nodes.get(a)
+                if node is None or a in self.crashed or node.key != ctl.nodes.get(a):
+                    return False
+                if sid not in node.state.shards:
+                    return False
+            ns = self.nodes[holders[0]].state
+            if ns.gens.get(sid) != ctl.gens[sid] or sid not in ns.primaries:
+                return False
+            if {a for a, _ in ns.primaries[sid]} != set(holders[1:]):
+                return False
+            for b in holders[1:]:  # what the primary believes a backup holds, it holds
+                if (
+                    ns.acked.get(b, {}).get(sid, (-1, -1))
+                    > self.nodes[b].state.shards[sid].position
+                ):
+                    return False
+        return True
+
+    def check_healing(self, changed: bool) -> None:
+        """The healing bound: no longer than HEAL_BOUND after the end of the last fault (so
+        far) without every shard back at its copies."""
+        if changed:
+            if not self.healed():
+                self.healed_since = None
+            elif self.healed_since is None:
+                self.healed_since = self.now
+        if self.healed_since is None and self.now > self.faults_end + HEAL_BOUND:
+            self.fail(
+                f"not healed {HEAL_BOUND:g}s after the last fault (it ended at "
+                f"{self.faults_end:.2f}): {self.status()}"
+            )
 
     def check(self) -> None:
         dirty, self.dirty = self.dirty, set()
+        changed = self.changed
         for addr in dirty:
             if addr in self.crashed:
                 continue
-            for sid, st in self.nodes[addr].state.shards.items():
-                if st.values.max(initial=0) > 1 or st.values.min(initial=0) < 0:
-                    self.fail(f"{addr} holds a push of shard {sid} twice: {st.values}")
+            ns = self.nodes[addr].state
+            for sid, st in ns.shards.items():
+                self.copy_bits(addr, sid, st)
+            view = _view(ns)
+            if self._views.get(addr) != view:
+                self._views[addr] = view
+                changed = True
         self.check_manifest()
-        if not dirty and not self.changed:
+        self.check_healing(changed)
+        if not changed:
             return
         self.changed = False
-        m = self.manifests[-1]
-        n = self.total_pushes
+        blocks = self.manifests[-1]["blocks"]
         for sid in range(self.n_shards):
+            # acknowledged, not gone with every copy (a restore accounts for those), not in
+            # the checkpoint's block: some pusher or some copy must hold it
+            ok = self.acked_bits[sid] & ~self.lost_bits[sid] & ~self.block_bits(blocks[sid])
+            if not ok:
+                continue
             holders = self.holders(sid)
             if not holders:
                 continue  # every copy lost: the restore accounts for what goes
-            ok = self.acked_mask[sid] & ~self.lost_mask[sid]
-            ok &= self.blocks[m["blocks"][sid]][0] != 1
-            if not ok.any():
-                continue
-            for h in self._held(sid):
-                ok[h.push_id] = False
             for a in holders:
                 held = self.nodes[a].state.shards.get(sid)
                 if held is not None:
-                    ok &= held.values[:n] != 1
-            if ok.any():
-                k = int(np.flatnonzero(ok)[0])
+                    ok &= ~self.copy_bits(a, sid, held)
+            if ok:
+                for p in self.pushers:
+                    for h in p.log.held(sid):
+                        ok &= ~(1 << h.push_id)
+            if ok:
+                k = (ok & -ok).bit_length() - 1
                 self.fail(f"acknowledged push {k} of shard {sid} is lost (holders {holders})")
 
     def check_manifest(self) -> None:
@@ -123,7 +237,7 @@ class _Sim(World):
             p.current or p.calls or p.log for p in self.pushers
         ):
             return False
-        if not self.ctl.healthy() or self.ctl.ops:
+        if self.healed_since is None or self.ctl.ops:
             return False
         m = self.manifests[-1]
         for sid, holders in self.ctl.routing.items():
@@ -171,13 +285,15 @@ def simulate(
     *,
     faults: bool = True,
     ack: str | None = None,
-    steps: int = 6000,
+    steps: int = 20000,
     trace: bool = False,
 ) -> dict:
     """Run the simulation of ``seed`` (see the module doc); returns a summary. Raises
     :class:`SimulationFailure` with the seed and the trace when an invariant breaks; with
     ``trace``, prints the trace as it goes (to replay a failing seed). ``ack`` forces the
-    pushers' acknowledgement mode (drawn from the seed by default)."""
+    pushers' acknowledgement mode (drawn from the seed by default). Faults stop after
+    ``FAULT_STEPS`` steps at the latest; ``steps`` caps the run (a system that healed but
+    whose pushers never settle fails then)."""
     quiet = logging.getLogger("adam_dask.ps")
     level = quiet.level
     if not trace:
@@ -190,7 +306,9 @@ def simulate(
             if trace and sim.trace:
                 print("\n".join(sim.trace))
                 sim.trace.clear()
-            if i > steps // 2 and sim.fault_budget > 0:
+            elif len(sim.trace) > 4000:
+                del sim.trace[:-400]  # a failure shows the last 400
+            if i > FAULT_STEPS and sim.fault_budget > 0:
                 sim.fault_budget = 0
             if sim.fault_budget == 0 and sim.settled():
                 break
@@ -206,6 +324,7 @@ def simulate(
             "lost_with_all_copies": sum(len(v) for v in sim.lost_ok.values()),
             "acknowledged_lost": sim.acked_lost,
             "restored": len(sim.ctl.restored),
+            "healed_after": max(0.0, (sim.healed_since or 0.0) - sim.faults_end),
             "seconds": sim.now,
         }
     finally:

@@ -1,7 +1,9 @@
 """The deterministic simulation of the PS protocol (adam_dask.ps.simulation): seeds of
 delayed, reordered, dropped and duplicated messages, killed and frozen nodes, storage outages,
-checked after every step. ``ADAM_SIM_SEEDS=N`` runs N seeds instead of the default; a failing
-seed replays exactly with ``simulate(seed, trace=True)``, which prints its trace."""
+checked after every step, and healed within the bound after the last fault. ``ADAM_SIM_SEEDS=N``
+runs N seeds instead of the default 1000 (benchmarks/simulation.py sweeps 100,000); a failing
+seed replays exactly with ``simulate(seed, trace=True)``, which prints its trace. The schedules
+that once never healed are named tests in test_simulation_seeds.py."""
 
 from __future__ import annotations
 
@@ -9,9 +11,9 @@ import os
 
 import pytest
 
-from adam_dask.ps.simulation import simulate
+from adam_dask.ps.simulation import HEAL_BOUND, SimulationFailure, simulate
 
-SEEDS = int(os.environ.get("ADAM_SIM_SEEDS", "200"))
+SEEDS = int(os.environ.get("ADAM_SIM_SEEDS", "1000"))
 CHUNKS = 10
 
 
@@ -19,6 +21,23 @@ CHUNKS = 10
 def test_protocol_holds_under_faults(chunk):
     runs = [simulate(seed) for seed in range(chunk, SEEDS, CHUNKS)]
     assert all(r["pushes"] > 0 for r in runs)
+    assert all(r["healed_after"] <= HEAL_BOUND for r in runs)
+
+
+def test_the_healing_bound_is_checked(monkeypatch):
+    """With a bound shorter than a repair takes, the seeds whose faults needed one fail on
+    it (else the bound would be checked by nothing)."""
+    from adam_dask.ps import simulation
+
+    monkeypatch.setattr(simulation, "HEAL_BOUND", 0.3)
+    failed = []
+    for seed in range(20):
+        try:
+            simulate(seed)
+        except SimulationFailure as exc:
+            failed.append(str(exc).splitlines()[0])
+    assert failed
+    assert all("not healed 0.3s after the last fault" in f for f in failed)
 
 
 def test_without_faults_nothing_is_lost_or_restored():
@@ -47,8 +66,6 @@ def test_the_simulation_exercises_total_loss_and_restore():
 def test_the_checks_catch_a_lossy_protocol():
     """ack="primary" acknowledges before the backups hold a push: the simulation must find
     acknowledged pushes lost when primaries die (else its checks prove nothing)."""
-    from adam_dask.ps.simulation import SimulationFailure
-
     found = []
     for seed in range(40):
         try:

@@ -1,0 +1,107 @@
+"""Benchmark: the deterministic simulation of the PS protocol (adam_dask.ps.simulation) over
+many seeds: every invariant after every step, and the healing bound (every shard back at its
+copies within HEAL_BOUND simulated seconds of the end of the last fault).
+
+Runs seeds ``--first`` .. ``--first + --seeds - 1`` over ``--processes`` processes (stopping
+early, after a whole number of seeds from the first, when ``--max-seconds`` have passed: a
+shared machine may not give it the time) and prints one JSON line, appended to
+benchmarks/results/simulation.jsonl: the seeds run, the wall seconds,
+the failing seeds (a few shown, with the first one's message), the bound and the worst healing
+time seen (with its seed). A failing seed replays with
+``adam_dask.ps.simulation.simulate(seed, trace=True)``.
+
+    python benchmarks/simulation.py [--seeds 100000] [--first 0] [--processes 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+import time
+
+SHOWN = 10  # failing seeds shown in the line
+
+
+def _run(seed: int) -> tuple[int, str | None, float, int]:
+    """(seed, the failure's first line or None, healed_after, restored shards)."""
+    from adam_dask.ps.simulation import SimulationFailure, simulate
+
+    try:
+        r = simulate(seed)
+    except SimulationFailure as exc:
+        return seed, str(exc).splitlines()[0], 0.0, 0
+    return seed, None, r["healed_after"], r["restored"]
+
+
+def sweep(first: int, seeds: int, processes: int, max_seconds: float) -> dict:
+    from adam_dask.ps.simulation import HEAL_BOUND
+
+    failures: list[tuple[int, str]] = []
+    worst = (0.0, first)
+    healed: list[float] = []
+    restored = 0
+    t0 = time.perf_counter()
+    cpu0 = time.process_time()
+    done = 0
+    with multiprocessing.Pool(processes) as pool:
+        # in order, so the seeds run are first .. first + done - 1 whenever it stops
+        for i, (seed, error, after, rs) in enumerate(
+            pool.imap(_run, range(first, first + seeds), chunksize=100), 1
+        ):
+            done = i
+            if error is not None:
+                failures.append((seed, error))
+            else:
+                healed.append(after)
+                restored += rs
+                worst = max(worst, (after, -seed))
+            if i % 10000 == 0:
+                print(
+                    f"{i} seeds, {time.perf_counter() - t0:.0f} s, {len(failures)} failures",
+                    file=sys.stderr,
+                )
+            if time.perf_counter() - t0 > max_seconds:
+                pool.terminate()
+                break
+    seconds = time.perf_counter() - t0
+    failures.sort()
+    healed.sort()
+    n = len(healed)
+    return {
+        "first_seed": first,
+        "seeds": done,
+        "seeds_asked": seeds,
+        "processes": processes,
+        "seconds": round(seconds, 1),
+        "seeds_per_second": round(done / seconds, 1),
+        "parent_cpu_seconds": round(time.process_time() - cpu0, 1),
+        "failures": [s for s, _ in failures[:SHOWN]],
+        "failure_count": len(failures),
+        "first_failure": failures[0][1] if failures else None,
+        "heal_bound_seconds": HEAL_BOUND,
+        "worst_healing_seconds": round(worst[0], 3),
+        "worst_healing_seed": -worst[1],
+        "healing_p99_seconds": round(healed[int(0.99 * (n - 1))], 3) if n else None,
+        "shards_restored": restored,
+    }
+
+
+def main() -> None:
+    from _common import record
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=100_000)
+    ap.add_argument("--first", type=int, default=0)
+    ap.add_argument("--processes", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--max-seconds", type=float, default=float("inf"))
+    ap.add_argument("--no-save", action="store_true")
+    args = ap.parse_args()
+    line = sweep(args.first, args.seeds, args.processes, args.max_seconds)
+    record("simulation", line, save=not args.no_save)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()

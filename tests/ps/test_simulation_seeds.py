@@ -1,0 +1,198 @@
+"""The schedules of the PS simulation (adam_dask.ps.simulation) that once never healed, one
+test each, and the rule each one broke, as a pure-state test.
+
+Each seed test replays its schedule, checks it still meets the situation that stalled it (else
+it would prove nothing), and that the protocol heals within the simulation's bound and keeps
+every invariant. Seeds 0-9,999 stalled on six of them; once those healed, 10,000-19,999 stalled
+on two more (15909, 19452) of the first kind, and the sweep of 100,000 seeds on two of a third
+kind (42091, 97005).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import numpy as np
+import pytest
+
+from adam_dask.ps._messages import (
+    AddBackups,
+    Assign,
+    Fence,
+    Forward,
+    ForwardDone,
+    ForwardDue,
+    Promote,
+    Push,
+    Pushes,
+    WriteBlocks,
+    WriteDone,
+    WriteDue,
+)
+from adam_dask.ps._node_state import NodeState
+from adam_dask.ps.simulation import HEAL_BOUND, simulate
+
+STILL_PRIMARY = "still its primary"
+
+
+def heals(seed, capsys, caplog):
+    """Run ``seed`` with its trace; return (summary, trace, log text)."""
+    with caplog.at_level(logging.INFO, logger="adam_dask.ps"):
+        r = simulate(seed, trace=True)
+    assert r["healed_after"] <= HEAL_BOUND
+    return r, capsys.readouterr().out, caplog.text
+
+
+# -- a re-promoted primary and the refusal of its old block -----------------------------------
+
+
+def test_a_primary_promoted_again_keeps_its_shard_when_its_older_block_is_refused():
+    """The rule seeds 1211, 7089, 8769, 9284, 15909 and 19452 broke, on one node: primary at
+    generation 2, it writes a block; the controller's answer to its promotion was lost, so the
+    controller fenced it (generation 5) and promoted it again. The refusal of the generation-2
+    block names generation 5, its own now: it stays the primary. A refusal of a block of its
+    current generation, or naming a newer one, still deposes it."""
+    n = 4
+    ns = NodeState("p", dedup_window=16, checkpoint=True)
+    ns.handle(Assign("a", {0: (0, n)}, {0: 2}, {0: []}))
+    ns.handle(Pushes((Push("x", {0: np.ones(n, np.float32)}, 1, {0: 2}, "replay"),)))
+    (old,) = [a for a in ns.handle(WriteDue()) if isinstance(a, WriteBlocks)]
+    assert old.snaps[0].gen == 2
+    ns.handle(Fence("f", {0: 5}))
+    assert 0 not in ns.primaries
+    ns.handle(Promote("p", {0: (5, [])}))
+    ns.handle(WriteDone({}, {0: 5}))  # the old block's refusal arrives now
+    assert 0 in ns.primaries and ns.stepped_down == 1  # only the fence stepped it down
+    (new,) = [a for a in ns.handle(WriteDue()) if isinstance(a, WriteBlocks)]
+    assert new.snaps[0].gen == 5
+    ns.handle(WriteDone({}, {0: 5}))  # its generation-5 block refused: not its primary
+    assert 0 not in ns.primaries
+
+    other = NodeState("q", dedup_window=16, checkpoint=True)
+    other.handle(Assign("a", {0: (0, n)}, {0: 5}, {0: []}))
+    other.handle(Pushes((Push("x", {0: np.ones(n, np.float32)}, 1, {0: 5}, "replay"),)))
+    other.handle(WriteDue())
+    other.handle(WriteDone({}, {0: 7}))  # a newer generation exists
+    assert 0 not in other.primaries
+
+
+LOST_ANSWER = [
+    (
+        1211,
+        "w1, w2 crash; w3's promotion for shard 0 at generation 2 applied, its answer "
+        "lost; fenced and promoted again at generation 5",
+    ),
+    (
+        7089,
+        "three crashes and storage outages; w2's promotion for shard 0 at generation 10 "
+        "lost its answer; promoted again at 13",
+    ),
+    (
+        8769,
+        "w1-w3 crash at once while w4 is frozen; the replacement w5's promotion for "
+        "shard 1 at generation 6 lost its answer; promoted again at 7, then restores",
+    ),
+    (
+        9284,
+        "one shard, w2 crashes and two nodes freeze; w4's promotion at generation 5 lost "
+        "its answer; promoted again at 6",
+    ),
+    (
+        15909,
+        "w4 then w5 frozen and declared dead; w1's promotion for shard 1 at generation "
+        "2 lost its answer; the refusal of its block was made during the round of generation "
+        "4 and reached w1 after its promotion at 4",
+    ),
+    (
+        19452,
+        "crashes and a stall of most nodes; two promotions of w2 for shard 0 lost their "
+        "answers; promoted at generation 6",
+    ),
+]
+
+
+@pytest.mark.parametrize("seed, story", LOST_ANSWER, ids=[f"seed_{s}" for s, _ in LOST_ANSWER])
+def test_seed_heals_after_a_lost_promotion_answer(seed, story, capsys, caplog):
+    """Each schedule (``story``): the refusal of the block the primary wrote before its
+    re-promotion deposed it, and the routing named for good a node that refused every push and
+    every new backup ('did not settle in 6000 steps'). Now it keeps its shard and every shard
+    heals."""
+    _, trace, logs = heals(seed, capsys, caplog)
+    assert "answered: OSError('connection lost')" in trace
+    assert STILL_PRIMARY in logs  # the schedule still meets the old block's refusal
+
+
+# -- a node created on a frozen worker --------------------------------------------------------
+
+
+FROZEN_CREATE = [
+    (
+        9012,
+        "w4 frozen and declared dead, then w1-w3 crash at once; w4 speaks again, "
+        "freezes again while the controller creates the node for the restores on it",
+    ),
+    (
+        9893,
+        "three nodes; w1 frozen, declared dead, speaks again, freezes again as the "
+        "controller creates its new node there, the only host left for third copies",
+    ),
+]
+
+
+@pytest.mark.parametrize("seed, story", FROZEN_CREATE, ids=[f"seed_{s}" for s, _ in FROZEN_CREATE])
+def test_seed_heals_when_a_node_is_created_on_a_frozen_worker(seed, story, capsys, caplog):
+    """Each schedule (``story``): the simulated scheduler dropped the creation of a node on a
+    frozen worker without an answer, and the controller waited for it forever (the plugin
+    gives up after the call timeout and reports NodeFailed; the simulation was wrong, not the
+    controller). Now the actor starts when the worker wakes, as Dask's would, and the shards
+    heal."""
+    _, trace, _ = heals(seed, capsys, caplog)
+    assert "waits: the worker is frozen" in trace
+    assert "node ready" in trace
+
+
+# -- a backup's worker hosts a new node -------------------------------------------------------
+
+
+def test_a_new_node_on_a_backups_worker_is_sent_everything():
+    """The rule seeds 42091 and 97005 broke, on one node: the primary knew what its backup on
+    worker "b" held (node k1). That node was lost and "b" came back with a new, empty node
+    (k2), which the controller added as the backup. The primary took k1's position for k2's
+    and sent it nothing: the new copy stayed empty and the shard never converged."""
+    n = 4
+    ns = NodeState("p", dedup_window=16, checkpoint=True)
+    ns.handle(Assign("a", {0: (0, n)}, {0: 3}, {0: [("b", "k1")]}))
+    ns.handle(Pushes((Push("x", {0: np.ones(n, np.float32)}, 1, {0: 3}, "replay"),)))
+    (fwd,) = [a for a in ns.handle(ForwardDue()) if isinstance(a, Forward)]
+    out = ns.handle(AddBackups("add", {0: [("b", "k2")]}, 5))  # k1's answer still on its way
+    ns.handle(ForwardDone("b", {0: (3, 1)}, {}))  # k1's answer: nothing about k2
+    out += ns.handle(ForwardDue())
+    (again,) = [a for a in out if isinstance(a, Forward)]
+    assert fwd.key == "k1" and again.key == "k2"
+    assert again.snaps[0].full  # everything: k2 holds nothing yet
+
+
+NEW_NODE = [
+    (
+        42091,
+        "w3 crashes; w4 joins and gets the third copies, freezes, is declared dead, speaks "
+        "again and gets a new node, added as the backup of all three shards",
+    ),
+    (
+        97005,
+        "w1-w3 crash at once; the new w7 freezes while it is added as a backup, is declared "
+        "dead and gets a new node, added again",
+    ),
+]
+
+
+@pytest.mark.parametrize("seed, story", NEW_NODE, ids=[f"seed_{s}" for s, _ in NEW_NODE])
+def test_seed_heals_when_a_backups_worker_gets_a_new_node(seed, story, capsys, caplog):
+    """Each schedule (``story``): the primary kept the position the lost node had reported,
+    sent the new one nothing, and the new copy stayed empty while the controller counted it
+    ('did not settle in 20000 steps', found by the 100,000-seed sweep). Now the primary sends
+    the new node everything and the copies converge."""
+    _, trace, _ = heals(seed, capsys, caplog)
+    ready = re.findall(r"node ready (w\d+) ", trace)
+    assert len(ready) > len(set(ready))  # some worker got a second node
