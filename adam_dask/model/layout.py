@@ -1,14 +1,14 @@
 """All parameters of a model in one flat float32 buffer, with named views, split into shards.
 
 The parameter server's unit is a *shard*: a contiguous slice of the flat buffer of at most
-``shard_bytes``. Shards never need to align with layers: the flat buffer is the contract, the
+``shard_bytes``, as even as they can be. Shards never need to align with layers: the flat buffer is the contract, the
 names are views onto it. A checkpoint stores the flat buffer with one Zarr chunk per shard.
 
 >>> lay = ParameterLayout([("0.weight", (10, 1, 5, 5)), ("0.bias", (10,))])
 >>> lay.size
 260
 >>> lay.shards(shard_bytes=400)
-[(0, 100), (100, 200), (200, 260)]
+[(0, 87), (87, 174), (174, 260)]
 """
 
 from __future__ import annotations
