@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,6 +158,9 @@ class NetnsCluster:
         self.start_timeout = float(start_timeout)
         self._clients: list[Any] = []
         self._started = False
+        self._argv: dict[str, list[str]] = {}
+        self._closing = threading.Event()
+        self.restarts: dict[str, int] = {}  # host -> worker processes started again
 
     # -- lifetime ----------------------------------------------------------------------------------
 
@@ -281,15 +285,18 @@ class NetnsCluster:
         )
         self._wait_port(sched.ip, SCHEDULER_PORT, sched)
         for name, role, nthreads in self._spec[1:]:
-            host = self.hosts[name]
-            host.proc = self._spawn(
-                host,
+            self._argv[name] = (
                 [py, "-m", "distributed.cli.dask_worker", self.scheduler_address]
-                + ["--host", host.ip, "--name", name, "--nthreads", str(nthreads)]
+                + ["--host", self.hosts[name].ip, "--name", name, "--nthreads", str(nthreads)]
                 + ["--resources", f"{role}=1", "--memory-limit", self.memory_limit]
                 + ["--no-dashboard", "--nanny", "--preload", "adam_dask._worker_preload"]
-                + ["--death-timeout", "600"],
+                + ["--death-timeout", "600"]
             )
+            self.hosts[name].proc = self._spawn(self.hosts[name], self._argv[name])
+        # the cluster manager's part (Kubernetes restarts a pod that exits): a worker process
+        # that ended (its nanny gave up on a broken link) is started again on its host
+        self._supervisor = threading.Thread(target=self._supervise, daemon=True)
+        self._supervisor.start()
         client = self.client()
         try:
             client.wait_for_workers(len(self._spec) - 1, timeout=self.start_timeout)
@@ -298,6 +305,20 @@ class NetnsCluster:
             raise ClusterError(
                 f"the namespace cluster did not start: {exc}; last output: {logs}"
             ) from None
+
+    def _supervise(self) -> None:
+        while not self._closing.wait(1.0):
+            for name, argv in self._argv.items():
+                host = self.hosts.get(name)
+                if host is None or host.proc is None or host.proc.poll() is None:
+                    continue
+                if self._closing.is_set():
+                    return
+                logger.info(
+                    "%s's worker process ended (%s); starting it again", name, host.proc.returncode
+                )
+                self.restarts[name] = self.restarts.get(name, 0) + 1
+                host.proc = self._spawn(host, argv)
 
     def _wait_port(self, ip: str, port: int, host: Host) -> None:
         import socket
@@ -322,6 +343,7 @@ class NetnsCluster:
         return c
 
     def close(self) -> None:
+        self._closing.set()
         for c in self._clients:
             try:
                 c.close(timeout=5)
