@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import ClusterError
@@ -100,7 +100,6 @@ class Host:
     proc: subprocess.Popen | None = None
     storage_veth: str | None = None
     delayer: subprocess.Popen | None = None
-    cut_from: set[str] = field(default_factory=set)
 
 
 class NetnsCluster:
@@ -419,7 +418,6 @@ class NetnsCluster:
                 continue
             self._nft(x, f"add rule inet adam cut ip saddr {self._ip(y)} drop")
             self._nft(x, f"add rule inet adam out ip daddr {self._ip(y)} drop")
-            self.hosts[x].cut_from.add(y)
 
     def heal(self) -> None:
         """Every partition, cut link, rate and loss gone."""
@@ -433,7 +431,6 @@ class NetnsCluster:
                     continue
                 _run("tc", "qdisc", "del", "dev", outer, "root", check=False)
                 _run(*in_ns, "tc", "qdisc", "del", "dev", link, "root", check=False)
-            host.cut_from.clear()
 
     def shape(
         self,

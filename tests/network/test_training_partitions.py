@@ -32,8 +32,7 @@ def net():
         yield cluster
 
 
-def trainer(store, client, tmp_path, **kw):
-    kw.setdefault("epochs", None)
+def trainer(store, client, tmp_path):
     return Trainer(
         store,
         client=client,
@@ -69,25 +68,18 @@ def run_with_fault(store, net, tmp_path, epochs, fault) -> list[dict]:
         t.close()
 
 
-def test_a_train_worker_isolated_for_20_seconds(store, net, tmp_path):
+@pytest.mark.parametrize(
+    "host, seconds",
+    [("train-0", 20), ("scheduler", 10)],
+    ids=["a_train_worker_cut_for_20_s", "the_scheduler_cut_from_every_worker_for_10_s"],
+)
+def test_training_through_a_cut_link(store, net, tmp_path, host, seconds):
     def fault(n):
-        n.cut("train-0")
-        time.sleep(20)
-        n.reconnect("train-0")
+        n.cut(host)
+        time.sleep(seconds)
+        n.reconnect(host)
 
     t0 = time.monotonic()
     records = run_with_fault(store, net, tmp_path, 2, fault)
     assert [r["images_applied"] for r in records] == [N_TRAIN] * 2, records
-    logger.warning("TRAIN worker isolated 20 s: 2 epochs in %.1fs", time.monotonic() - t0)
-
-
-def test_the_scheduler_cut_from_every_worker_for_10_seconds(store, net, tmp_path):
-    def fault(n):
-        n.cut("scheduler")
-        time.sleep(10)
-        n.reconnect("scheduler")
-
-    t0 = time.monotonic()
-    records = run_with_fault(store, net, tmp_path, 2, fault)
-    assert [r["images_applied"] for r in records] == [N_TRAIN] * 2, records
-    logger.warning("scheduler cut 10 s: 2 epochs in %.1fs", time.monotonic() - t0)
+    logger.warning("%s cut %d s: 2 epochs in %.1fs", host, seconds, time.monotonic() - t0)
