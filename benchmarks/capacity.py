@@ -555,7 +555,10 @@ def bench(args: argparse.Namespace, ips: float) -> dict:
     )
     push_every = int(config.get("train.push-every"))
     period = push_every / ips
-    counts = sorted({c for c in COUNTS if c <= args.max_replicas} | {args.max_replicas})
+    if args.counts:
+        counts = sorted({int(c) for c in args.counts.split(",")})
+    else:
+        counts = sorted({c for c in COUNTS if c <= args.max_replicas} | {args.max_replicas})
     curve: list[dict] = []
     sink_curve: list[dict] = []
     with adam_dask.cluster.local(
@@ -579,7 +582,7 @@ def bench(args: argparse.Namespace, ips: float) -> dict:
             client.gather([client.submit(prime, server, workers=[a], pure=False) for a in trainers])
             targets = {"ps": ("ps", server), "sink": ("sink", tuple(sink_addr))}
             curves: dict[str, list[dict]] = {"ps": curve, "sink": sink_curve}
-            on = {"ps": True, "sink": True}
+            on = {"ps": args.only in (None, "ps"), "sink": args.only in (None, "sink")}
             for n in counts:
                 for kind, target in targets.items():
                     if not on[kind]:
@@ -662,8 +665,19 @@ def main() -> None:
         default=300.0,
         help="wait up to this long for the machine to be quiet before starting (default 300)",
     )
+    p.add_argument(
+        "--counts",
+        default=None,
+        help="replica counts to try, comma-separated (default: the growing series); for "
+        "profiling one load, with --no-save",
+    )
+    p.add_argument(
+        "--only", choices=("ps", "sink"), default=None, help="run one target only (profiling)"
+    )
     p.add_argument("--no-save", action="store_true", help="print the line, do not append it")
     args = p.parse_args()
+    if (args.counts or args.only) and not args.no_save:
+        p.error("--counts and --only are for profiling: add --no-save")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logger.setLevel(logging.INFO)
 

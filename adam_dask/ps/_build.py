@@ -120,6 +120,7 @@ def build_server(
         "retry_max": float(config.get("ps.retry-max")),
         "forward_retry_max": float(config.get("ps.forward-retry-max")),
         "call_timeout": float(config.get("ps.call-timeout")),
+        "data_plane": str(config.get("ps.data-plane")),
         "dedup_window": int(config.get("ps.dedup-window")),
         "ack": ack,
         "checkpoint": checkpoint,

@@ -199,6 +199,20 @@ class Channels:
             raise
         return ch
 
+    def knows(self, addr: str, key: str) -> bool:
+        return (addr, key) in self._endpoints
+
+    def remember(self, addr: str, key: str, endpoint: dict) -> None:
+        self._endpoints[(addr, key)] = endpoint
+
+    def drop(self, addr: str, key: str) -> None:
+        """Forget the node at ``addr`` (its connection and endpoint)."""
+        ch = self._open.pop((addr, key), None)
+        if ch is not None:
+            ch.close()
+        self._endpoints.pop((addr, key), None)
+        self._down.pop((addr, key), None)
+
     def fail(self, addr: str, key: str, ch: Channel, *segs: Segment | None) -> None:
         """``ch`` failed mid-call: close it; the segments it used are never written again."""
         self.counts["failed_calls"] += 1

@@ -19,7 +19,8 @@ this thread, under the state's lock, batched with the pushes other connections b
 meanwhile (:meth:`~adam_dask.ps.node.PSNode.plane_push`); then it sends the node's answer. The
 pusher checked the values (NaN/Inf) before sending; the node checks their lengths. A pull
 copies the primaries' values under the same lock, between two batches of pushes, into the
-pusher's segment (or the connection's buffer, then the socket): never a torn value.
+pusher's segment (or the connection's buffer, then the socket): never a torn value. A primary's
+forwards to its backups come the same way (``replicate``, :mod:`adam_dask.ps._plane_forward`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import AdamError
+from ._plane_forward import snapshots_from
 from ._wire import recv_exact_into, recv_msg, send_msg
 from .state import Mark
 
@@ -156,6 +158,8 @@ class _Connection:
                         send_msg(self.sock, self._push(h))
                 elif op == "pull":
                     self._pull(h)
+                elif op == "replicate":
+                    send_msg(self.sock, self._replicate(h))
                 else:
                     raise ConnectionError(f"unknown data-plane op {op!r}")
         except (ConnectionError, OSError, ValueError) as exc:
@@ -219,6 +223,26 @@ class _Connection:
         stamps = {int(s): int(g) for s, g in h["stamps"].items()}
         try:
             return node.plane_push(deltas, int(h["push_id"]), h["ack"], stamps, mark)
+        except Exception as exc:
+            return error_reply(exc)
+
+    def _replicate(self, h: dict) -> dict:
+        """A primary's forward (:mod:`adam_dask.ps._plane_forward`): the snapshots' values are
+        read into this connection's buffer and installed (copied into the shards) under the
+        state's lock before the buffer is read into again."""
+        metas = h["snaps"]
+        sizes = [int(m["floats"]) for m in metas]
+        buf = self._buffer(sum(sizes))
+        recv_exact_into(self.sock, buf)
+        values, o = [], 0
+        for n in sizes:
+            values.append(buf[o : o + n])
+            o += n
+        node = self._node(h)
+        if node is None:
+            return {"error": "ShardUnavailable", "message": "no such server here", "hint": None}
+        try:
+            return node.plane_replicate(str(h["sender"]), snapshots_from(metas, values))
         except Exception as exc:
             return error_reply(exc)
 

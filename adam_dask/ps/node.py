@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,7 @@ from ._messages import (
     WriteFailed,
 )
 from ._node_state import NodeState
+from ._plane_forward import ForwardChannels
 from ._plane_server import PlaneServer, plane_server
 from ._rpc import call_actor
 from .state import Mark, Snapshot
@@ -115,6 +117,10 @@ class PSNode:
         self._write_retry_at = 0.0
         self._write_failures = 0
         self._plane: PlaneServer | None = None
+        # forwards on the data plane: their own threads (a frozen backup holds one for up to
+        # call_timeout; asyncio's default executor also carries the write-back)
+        self._forward_channels: ForwardChannels | None = None
+        self._forward_pool: ThreadPoolExecutor | None = None
         # the state is the event loop's and the data plane's threads': one at a time
         self._lock = threading.RLock()
         self._pending_lock = threading.Lock()
@@ -141,6 +147,11 @@ class PSNode:
             self._store = BlockStore(ckpt, self.cfg.get("storage_options"))
         self._plane = plane_server(self._worker)
         self._plane.register(self.server_id, self)
+        if self.cfg.get("data_plane", "auto") != "dask":
+            self._forward_channels = ForwardChannels(
+                self.server_id, str(self.cfg.get("data_plane", "auto")), self.cfg["call_timeout"]
+            )
+            self._forward_pool = ThreadPoolExecutor(8, thread_name_prefix="adam-forward")
         self._timers = [
             _spawn(self._every(self.cfg["forward_interval"], self._forward_tick)),
             _spawn(self._every(self.cfg["heartbeat_interval"], self._heartbeat)),
@@ -234,15 +245,17 @@ class PSNode:
 
     async def _forward(self, a: Forward) -> None:
         try:
-            got = await call_actor(
-                self._worker.rpc,
-                a.addr,
-                a.key,
-                "replicate",
-                list(a.snaps),
-                self._worker.address,
-                timeout=self.cfg["call_timeout"],
-            )
+            got = await self._plane_forward(a)
+            if got is None:  # the Dask way
+                got = await call_actor(
+                    self._worker.rpc,
+                    a.addr,
+                    a.key,
+                    "replicate",
+                    list(a.snaps),
+                    self._worker.address,
+                    timeout=self.cfg["call_timeout"],
+                )
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -269,6 +282,28 @@ class PSNode:
         held = {int(s): (int(p[0]), int(p[1])) for s, p in got["held"].items()}
         refused = {int(s): int(g) for s, g in got["refused"].items()}
         self._handle(ForwardDone(a.addr, held, refused))
+
+    async def _plane_forward(self, a: Forward) -> dict | None:
+        """The forward ``a`` over the data plane, in a thread (:mod:`._plane_forward`); None
+        when the plane can not carry it."""
+        fc = self._forward_channels
+        if fc is None:
+            return None
+        if not fc.knows(a.addr, a.key):
+            try:
+                ep = await call_actor(
+                    self._worker.rpc, a.addr, a.key, "plane", timeout=self.cfg["call_timeout"]
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.debug("node %s: no data plane of %s (%r)", self._worker.address, a.addr, exc)
+                return None
+            fc.remember(a.addr, a.key, ep)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._forward_pool, fc.forward, a.addr, a.key, self._worker.address, a.snaps
+        )
 
     async def _write(self, snaps: tuple[Snapshot, ...]) -> None:
         try:
@@ -387,6 +422,10 @@ class PSNode:
             self._plane.unregister(self.server_id, self)
         for t in [*self._timers, *self._forwards.values()]:
             t.cancel()
+        if self._forward_channels is not None:
+            self._forward_channels.close()
+        if self._forward_pool is not None:
+            self._forward_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- update path -----------------------------------------------------------------------------
 
@@ -510,6 +549,27 @@ class PSNode:
             raise slot.value
         return slot.value
 
+    def plane_replicate(self, sender: str, snaps: tuple[Snapshot, ...]) -> dict:
+        """A data-plane forward from the primary ``sender``, installed in the calling thread
+        (the same :class:`Replicate` event as :meth:`replicate`); other actions go to the loop."""
+        state = self._start()
+        slot = _Answer()
+        with self._lock:
+            actions = state.handle(Replicate(slot, sender, tuple(snaps)))
+        rest = []
+        for a in actions:
+            if isinstance(a, Reply) and a.req is slot:
+                slot.value, slot.done = a.value, True
+            else:
+                rest.append(a)
+        if rest:
+            self._worker.loop.asyncio_loop.call_soon_threadsafe(self._do, rest)
+        if not slot.done:  # pragma: no cover - a forward is answered at once
+            raise RuntimeError("a data-plane forward was not answered")
+        held = {int(s): [int(p[0]), int(p[1])] for s, p in slot.value["held"].items()}
+        refused = {int(s): int(g) for s, g in slot.value["refused"].items()}
+        return {"held": held, "refused": refused}
+
     def plane_read(self, sids: list[int], stamps: dict | None, dest: Any) -> tuple:
         """A data-plane pull (:meth:`NodeState.read_into`), between two batches of pushes."""
         state = self._start()
@@ -589,6 +649,8 @@ class PSNode:
         out = self._locked(state.stats)
         out["address"] = self._worker.address
         out["uptime"] = time.time() - self._started
+        fc = self._forward_channels
+        out["plane_forwards"] = dict(fc.counts) if fc is not None else None
         lag = out["writeback_lag_versions"]
         out["writeback_lag_seconds"] = time.time() - self._last_write if lag > 0 else 0.0
         return out

@@ -14,16 +14,20 @@ accumulator that receives the same update as ``flat`` (the fused step's ``acc``,
 dense-layer terms of the offload. :meth:`Updates.take` swaps each slot's active buffer with its
 zeroed spare under the slot's lock, so the cut between two takes falls on a mini-batch boundary
 of every thread: the taken :class:`Update` holds whole mini-batches, each exactly once.
-:meth:`Updates.install` sums ``pulled + the updates in transit`` while the threads train on,
-then holds every slot's lock at once (each thread finishes its current mini-batch first) for
-one pass writing ``that + the updates not yet taken``: nothing lands during the write, so
-nothing is lost or counted twice. An update taken *in transit*
+:meth:`Updates.install` sums ``pulled + the updates in transit + the updates not yet taken``
+aside while the threads train on, and copies it over ``flat`` in one pass without stopping them:
+a Hogwild write like their own. A step landing during that pass may be missed or counted twice
+*in the local weights* (as two threads racing inside ``flat`` may lose one), never in what is
+pushed: the accumulators are only ever written by their own thread and swapped under its lock,
+so every update leaves in exactly one push and the next install rewrites the local weights from
+the server's. An update taken *in transit*
 (``take(in_transit=True)``: on its way to the server, which may not hold it yet when the next
 weights are pulled) is added on top of every install too, until :meth:`Updates.landed` says the
 server holds it: weights pulled while a queued update waits must not set the replica back by
 that update. Two Hogwild threads racing inside ``flat`` may still lose one update locally (the
 paper's lock-free write), but it is in its thread's accumulator, so it is pushed and comes back
-with the next pull.
+with the next pull. (An earlier install held every slot's lock for its pass: each pull stopped
+every thread until the slowest finished its mini-batch.)
 
 A taker never starves behind a thread that re-takes its lock at once: it closes the slot's
 gate first, and a thread waits at the gate before its next mini-batch.
@@ -218,29 +222,27 @@ class Updates:
 
     def install(self, flat: np.ndarray, weights: np.ndarray, keep_pending: bool = True) -> None:
         """Write ``weights`` into ``flat`` plus the updates in transit and not yet taken
-        (``keep_pending``), or discard those (``keep_pending=False``); no thread steps
-        meanwhile."""
-        with self._control:  # the threads train on while the base is summed
-            if keep_pending and self._in_transit:
-                base = self._base if self._base is not None else np.empty(self.size, np.float32)
-                self._base = base
-                np.copyto(base, weights)
-                for delta in self._in_transit.values():
-                    base += delta
-            else:
-                base = weights
-                if not keep_pending:
-                    self._in_transit.clear()
-            with self._locked(self._slots):  # stopped for one pass: base + the accumulators
-                if not keep_pending:
-                    np.copyto(flat, base)
+        (``keep_pending``): the threads train on meanwhile, never stopped (the values are summed
+        aside and copied over ``flat`` in one pass, a Hogwild write like the threads' own). Or
+        discard those (``keep_pending=False``): every thread stops for that one pass."""
+        with self._control:  # one taker or installer at a time
+            if not keep_pending:
+                self._in_transit.clear()
+                with self._locked(self._slots):
+                    np.copyto(flat, weights)
                     for slot in self._slots:
                         slot.acc[...] = 0.0
                         slot._reset()
-                    return
-                np.add(base, self._slots[0].acc, out=flat)
-                for slot in self._slots[1:]:
-                    flat += slot.acc
+                return
+            if self._base is None:
+                self._base = np.empty(self.size, np.float32)
+            base = self._base
+            np.add(weights, self._slots[0].acc, out=base)
+            for slot in self._slots[1:]:
+                base += slot.acc
+            for delta in self._in_transit.values():
+                base += delta
+            np.copyto(flat, base)
 
 
 def _concat_terms(

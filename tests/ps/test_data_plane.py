@@ -42,14 +42,20 @@ def test_every_mode_sums_exactly_and_the_plane_carries_the_calls(ps_client, mode
             got = s.push_pull(zeros * 2, out)
             assert got is out
             np.testing.assert_array_equal(out - before, zeros * 3)
-            plane = s.stats()["data_plane"]
+            s.flush()  # every backup holds every push: the forwards went through
+            stats = s.stats()
+            plane = stats["data_plane"]
+            forwards = [n["plane_forwards"] for n in stats["nodes"].values()]
         finally:
             s.close()
     if mode == "dask":
         assert plane is None
+        assert forwards == [None] * 3  # the forwards are actor calls too
     else:
         assert plane["pushes"] >= 40 and plane["pulls"] >= 2, plane
         assert plane["to_dask"] == 0 and plane["failed_calls"] == 0, plane
+        # the primaries' forwards to their backups went over the plane, none failed
+        assert sum(f["plane"] for f in forwards) > 0 and not any(f["failed"] for f in forwards)
 
 
 def test_a_buffer_is_held_not_copied_and_reused_once_durable(ps_client):

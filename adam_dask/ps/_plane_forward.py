@@ -1,0 +1,133 @@
+"""Replication on the data plane: a primary's forwards to its backups over the same sockets as
+the pushes, instead of a Dask actor call each.
+
+Every ``forward-interval`` a primary sends each backup one batch of snapshots (one per shard it
+holds for that backup: the values at a version, the push ids and marks since the backup's
+last). Over the actor call, the values were pickled, framed and handed through both workers'
+event loops. Here the primary's forward task hands the batch to a thread, which writes a header
+(the snapshots' metadata) and then each snapshot's values straight from the snapshot's array to
+the backup's data-plane socket (Unix on the same machine, TCP otherwise: the kernel's copy
+only); the backup's connection thread reads them into its buffer and installs them under the
+node state's lock (:meth:`~adam_dask.ps.node.PSNode.plane_replicate`): the install is the one
+copy on that side. The answer (what the backup now holds, what it refused) comes back on the
+same socket.
+
+Nothing of the protocol changes: the backup's :class:`~adam_dask.ps._node_state.NodeState`
+handles the same ``Replicate`` event and the primary the same ``ForwardDone``. A forward that
+fails on the plane (the backup gone, frozen past ``adam.ps.plane-timeout``, a TLS cluster with
+no TCP plane) goes the Dask way with the same snapshots; a backup that gets a batch twice (a
+frozen backup that wakes and reads the plane's copy after the actor's) installs only what is
+newer than what it holds, so a duplicate changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from ._plane import Channels
+from ._wire import recv_msg, send_msg
+from .state import Mark, Snapshot
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ForwardChannels", "snapshot_header", "snapshots_from"]
+
+
+def snapshot_header(snap: Snapshot) -> dict:
+    """A snapshot's metadata (its values travel after the header)."""
+    return {
+        "shard": snap.shard,
+        "start": snap.start,
+        "stop": snap.stop,
+        "version": snap.version,
+        "floats": int(snap.values.shape[0]),
+        "ids": [[int(v), int(p)] for v, p in snap.ids],
+        "gen": snap.gen,
+        "full": snap.full,
+        "marks": [m.to_json() for m in snap.marks],
+    }
+
+
+def snapshots_from(metas: list[dict], values: list[Any]) -> tuple[Snapshot, ...]:
+    """The snapshots a header describes, over the arrays read after it."""
+    return tuple(
+        Snapshot(
+            int(m["shard"]),
+            int(m["start"]),
+            int(m["stop"]),
+            int(m["version"]),
+            v,
+            tuple((int(a), int(b)) for a, b in m["ids"]),
+            int(m["gen"]),
+            bool(m["full"]),
+            tuple(Mark.from_json(x) for x in m["marks"]),
+        )
+        for m, v in zip(metas, values, strict=True)
+    )
+
+
+class ForwardChannels:
+    """A primary node's data-plane connections to its backups, by (address, actor key).
+
+    Used from one forward thread per backup at a time (a node sends a backup its next batch only
+    once the last one is answered)."""
+
+    def __init__(self, server_id: str, mode: str, timeout: float):
+        self._channels = Channels(server_id, 0, mode, timeout)
+        self._lock = threading.Lock()
+        self._calls: dict[tuple[str, str], threading.Lock] = {}
+        self.counts = {"plane": 0, "failed": 0}
+
+    def knows(self, addr: str, key: str) -> bool:
+        """Whether the backup's data-plane endpoint is known (else ask its actor first)."""
+        return self._channels.knows(addr, key)
+
+    def remember(self, addr: str, key: str, endpoint: dict) -> None:
+        self._channels.remember(addr, key, endpoint)
+
+    def forward(self, addr: str, key: str, sender: str, snaps: tuple[Snapshot, ...]) -> dict | None:
+        """Send ``snaps`` to the backup at ``addr`` and return its answer (``{"held": ...,
+        "refused": ...}``), or None when the plane could not carry it (the caller goes the Dask
+        way). One call per connection at a time: a forward whose task was cancelled while its
+        thread waits keeps the connection until it ends."""
+        with self._lock:
+            call_lock = self._calls.setdefault((addr, key), threading.Lock())
+        with call_lock:
+            with self._lock:
+                ch = self._channels.get(addr, key, self._no_endpoint)
+            if ch is None:
+                return None
+            header = {
+                "op": "replicate",
+                "server": self._channels.server_id,
+                "sender": sender,
+                "snaps": [snapshot_header(s) for s in snaps],
+            }
+            try:
+                send_msg(ch.sock, header, *(s.values for s in snaps))
+                reply = recv_msg(ch.sock)
+            except (OSError, ValueError) as exc:
+                logger.info("forward to %s on the data plane failed (%r): the Dask path", addr, exc)
+                with self._lock:
+                    self._channels.fail(addr, key, ch)
+                self.counts["failed"] += 1
+                return None
+        if "error" in reply:
+            logger.info("forward to %s refused on the data plane: %s", addr, reply["message"])
+            return None
+        self.counts["plane"] += 1
+        return reply
+
+    def _no_endpoint(self) -> dict:
+        raise ConnectionError("no data-plane endpoint known for this backup yet")
+
+    def forget(self, addr: str, key: str) -> None:
+        """``addr`` no longer hosts that backup: drop its connection and endpoint."""
+        with self._lock:
+            self._channels.drop(addr, key)
+
+    def close(self) -> None:
+        with self._lock:
+            self._channels.close()
