@@ -22,8 +22,9 @@ lasting ``--freeze`` seconds:
   by the trainers (the deposed-primary case);
 * ``flap-ps``: a PS host's link down 1 s, up 1 s;
 * ``slow-ps``: a PS host's packets delayed 100 ms, 1% lost each way;
-* ``overlap``: two at once, a shard's every copy killed (a restore under way) while another PS
-  host is frozen.
+* ``overlap``: two at once, a shard's every copy killed (a restore under way) while a PS worker
+  is frozen: another host's, or with every host holding the shard (3 copies on 3 PS hosts),
+  the first fresh worker that joins (the restore's target).
 
 The victim is drawn among the role's workers at that moment. The first fault waits for the
 replicas' first progress report; none is sent after ``fit`` returns.
@@ -35,7 +36,7 @@ once) beside the clean run's, ``images_retrained`` and ``test_accuracy``; ``seco
 ``clean_seconds``; ``faults`` (each with its second, kind and victims) and the parameter
 server's figures after the run (``declared_dead``, ``restored`` shards, ``restore_lacked_at_least``
 (updates after the last write-back that the restored shards lacked, known from heartbeats),
-``healthy``).
+``healthy``, with ``--netns`` ``workers_retired``: PS workers the controller removed).
 
 Usage: ``python benchmarks/chaos.py [--epochs 4] [--every 20] [--freeze 15] [--seed 0]
 [--kinds kill-ps,freeze-ps,...] [--n-train N]``.
@@ -142,7 +143,9 @@ class Injector(threading.Thread):
         net, hold = self.net, self.args.freeze
         if net is None:
             raise RuntimeError(f"{kind} needs --netns")
-        if kind == "cut-scheduler":
+        if kind == "overlap":
+            host = ""  # its victims are drawn below
+        elif kind == "cut-scheduler":
             host = "scheduler"
         elif kind == "partition-ps":
             host = net.host_of(self.trainer.server.placement()[self.rng.choice([0, 1])][0])
@@ -152,12 +155,19 @@ class Injector(threading.Thread):
             if not workers:
                 return []
             host = net.host_of(self.rng.choice(workers))
-        if kind == "overlap":  # a restore under way while another PS host is frozen
+        if kind == "overlap":  # a restore under way while a PS worker is frozen
             placement = self.trainer.server.placement()
             shard = self.rng.choice(sorted(placement))
             victims = list(placement[shard])
             hard_kill(self.client, victims, wait=False)
-            others = [w for w in workers_with_role(self.client, PS) if w not in victims]
+            # another host's worker; with three copies on three hosts there is none, so the
+            # first fresh worker a nanny starts (where the controller puts the shard back)
+            deadline = time.monotonic() + 60
+            others: list[str] = []
+            while not others and time.monotonic() < deadline and not self.done.is_set():
+                others = [w for w in workers_with_role(self.client, PS) if w not in victims]
+                if not others:
+                    time.sleep(0.1)
             frozen = freeze(self.client, others[:1]) if others else {}
             try:
                 self.done.wait(hold)
@@ -224,6 +234,8 @@ def run(url: str, args: argparse.Namespace, faults: bool) -> dict:
                 stats = trainer.server.stats() if trainer.server is not None else {}
             finally:
                 trainer.close()
+            # PS workers the controller asked Dask to remove (it logs each on the scheduler)
+            removed = None if net is None else net.log("scheduler").count("removing the silent")
     records = list(history.records) if history is not None else []
     return {
         "completed": history is not None and error is None,
@@ -243,6 +255,7 @@ def run(url: str, args: argparse.Namespace, faults: bool) -> dict:
             # updates the restored shards lacked (known from heartbeats); the pushers on the
             # TRAIN workers replay what they hold, which images_applied shows
             "restore_lacked_at_least": stats.get("updates_lost_at_least"),
+            "workers_retired": removed,
         },
     }
 

@@ -422,6 +422,12 @@ def _chaos(ln: dict) -> Figure | None:
         f"Training through {ln.get('fault_count', '?')} faults from outside (SIGKILL, SIGSTOP "
         f"of every role and of every copy of a shard), {ln.get('epochs', '?')} epochs"
     )
+    if ln.get("netns"):  # the namespace cluster: its kinds named
+        what = (
+            f"Training through {ln.get('fault_count', '?')} faults from outside on a cluster "
+            f"of network namespaces ({', '.join(ln.get('kinds') or ['?'])}), "
+            f"{ln.get('epochs', '?')} epochs"
+        )
     peer = "the same run undisturbed: " + (
         f"{_pc(clean[-1])} in {_num(ln['clean_seconds'])} s" if clean else "did not finish"
     )
@@ -605,6 +611,31 @@ def _large_model(ln: dict) -> Figure | None:
     return Figure(fig.what, fig.ours, fig.peer, words, f"{ln.get('model')}: {fig.brief}")
 
 
+def _isolation(ln: dict) -> Figure | None:
+    iso, shared = ln.get("isolated") or {}, ln.get("shared") or {}
+    keys = ("probe_busy_ms_p50", "probe_idle_ms_p50", "probe_busy_ms_p99")
+    if not all(_is_num(d.get(k)) for d in (iso, shared) for k in keys):
+        return None
+
+    def run(d: dict) -> str:
+        return (
+            f"p50 {_num(d['probe_busy_ms_p50'])} ms (idle {_num(d['probe_idle_ms_p50'])} ms), "
+            f"p99 {_num(d['probe_busy_ms_p99'])} ms"
+        )
+
+    p50 = shared["probe_busy_ms_p50"] / iso["probe_busy_ms_p50"]
+    p99 = shared["probe_busy_ms_p99"] / iso["probe_busy_ms_p99"]
+    return Figure(
+        f"Communication isolation (paper 3.3.4): a replica's push and pull of one "
+        f"{ln.get('probe_kb', '?')} KiB shard while the write-back of a "
+        f"{_num(ln.get('model_mb', 0))} MB layer fills {ln.get('rate', '?')} links",
+        "storage on a link of its own: " + run(iso),
+        "storage on the update link: " + run(shared),
+        f"shared storage makes a round {_x(p50)} slower at p50, {_x(p99)} at p99",
+        f"shared/isolated p50 {_x(p50)}, p99 {_x(p99)}",
+    )
+
+
 CLAIMS: tuple[Claim, ...] = (
     Claim("time_to_accuracy", "vs PyTorch", _tta_torch),
     Claim("time_to_accuracy", "vs the engine alone", _tta_engine),
@@ -627,6 +658,7 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("pipelines", "reprocess vs ingest", _pipelines),
     Claim("resume", "resume", _resume),
     Claim("large_model", "push MB/s", _large_model),
+    Claim("isolation", "shared vs isolated storage", _isolation),
 )
 
 

@@ -12,7 +12,10 @@ Decisions (each change of the routing bumps ``generation``):
 * **Liveness**: a node whose heartbeats stop for ``heartbeat_timeout`` is declared dead: taken
   out of every shard at once, like a worker that left. Its worker is retired when it stays
   silent for ``retire_timeout``; a worker that speaks again in between (the node was only
-  slow) is told its node is no member any more and may host a new node.
+  slow) is told its node is no member any more and may host a new node. While most nodes are
+  silent at once the controller suspects itself (its own link cut, a stall): it declares none
+  dead and retires none, and a node's silence during that spell does not count toward
+  ``retire_timeout``.
 * **Promote**: a shard whose primary is gone gets a new generation; every surviving copy is
   fenced with it (it refuses the old primary from then on) and reports its position; the newest
   becomes primary. Only then does the routing name it, so nobody pushes to it before the old
@@ -121,7 +124,9 @@ class ServerState(Repair):
         self.refused_writes = 0
         self._ids = itertools.count(1)
         self._last_tick: float | None = None
-        self._stalled = False
+        self._stalled = False  # declaring held back: most nodes silent (logged once)
+        self._doubted = False  # retiring held back: most nodes silent
+        self._trusted_since = float("-inf")  # when the last such spell ended
 
     # -- the one entry point ---------------------------------------------------------------------
 
@@ -226,16 +231,39 @@ class ServerState(Repair):
             )
             out += self._lose(addr, "it missed its heartbeats")
             self.suspects[addr] = now
-        silent = [a for a in self.nodes if now - self.beats.get(a, now) > self.retire_timeout]
+        for addr in self._to_retire(now):
+            self.retired.add(addr)
+            out.append(Retire(addr))
+        return out
+
+    def _to_retire(self, now: float) -> list[str]:
+        """The workers to ask Dask to remove: those of nodes silent for ``retire_timeout`` and
+        of nodes declared dead that long ago. None while most nodes are silent at once (the
+        controller suspects itself, as in :meth:`_to_declare`: the scheduler cut from every
+        worker would otherwise retire them all), and silence during such a spell does not
+        count: after it, a node has ``retire_timeout`` from its end to speak again."""
+        if self._most_silent(now):
+            self._doubted = True
+            return []
+        if self._doubted:
+            self._doubted = False
+            self._trusted_since = now
+        since_trust = self._trusted_since
+
+        def overdue(t: float) -> bool:
+            return now - max(t, since_trust) > self.retire_timeout
+
+        silent = [a for a in self.nodes if overdue(self.beats.get(a, now))]
         for addr, since in list(self.suspects.items()):
-            if now - since > self.retire_timeout:
+            if overdue(since):
                 del self.suspects[addr]
                 silent.append(addr)
-        for addr in sorted(set(silent) - self.retired):
-            if addr in self.workers:
-                self.retired.add(addr)
-                out.append(Retire(addr))
-        return out
+        return [a for a in sorted(set(silent) - self.retired) if a in self.workers]
+
+    def _most_silent(self, now: float) -> bool:
+        """Whether more than half of the nodes missed their heartbeats (``heartbeat_timeout``)."""
+        overdue = sum(now - self.beats.get(a, now) > self.timeout for a in self.nodes)
+        return 2 * overdue > len(self.nodes)
 
     def _to_declare(self, now: float) -> list[str]:
         """The silent nodes to declare dead now. Not when most nodes are silent at once (a
@@ -245,7 +273,7 @@ class ServerState(Repair):
         overdue = [a for a in sorted(self.nodes) if now - self.beats.get(a, now) > self.timeout]
         if not overdue:
             return []
-        if 2 * len(overdue) > len(self.nodes):
+        if self._most_silent(now):
             if not self._stalled:
                 logger.warning(
                     "server %s: %d of %d PS nodes are silent at once; waiting before declaring "

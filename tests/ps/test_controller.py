@@ -163,6 +163,25 @@ def test_most_nodes_silent_at_once_is_a_stall_not_a_massacre(ctl):
     assert not retired  # a's worker goes only after retire_timeout
 
 
+def test_the_controller_cut_from_every_node_retires_none(ctl):
+    """The scheduler's link cut for 15 s (three retire timeouts): no node beats, yet every
+    worker stays; after the cut, silence counts again from its end."""
+    retired = {}
+    for i in range(1, 61):
+        t = i * 0.5
+        for x, back in (("a", 99.0), ("b", 16.5), ("c", 16.0)):  # a never speaks again
+            if t <= 1.0 or t >= back:
+                beat(ctl, x, t)
+        for r in of(ctl.handle(Tick(t)), Retire):
+            retired[r.addr] = t
+        if t == 15.0:  # most nodes silent for 14 s: the controller doubts itself
+            assert not retired and ctl.declared_dead == 0 and set(ctl.nodes) == {"a", "b", "c"}
+    # b's beat ended the spell at 16.5: a, silent, is declared dead then, and its worker goes
+    # retire_timeout (5 s) after that, not at once for its 15 s of silence
+    assert "a" not in ctl.nodes and {"b", "c"} <= set(ctl.nodes)
+    assert list(retired) == ["a"] and 21.5 < retired["a"] <= 22.0
+
+
 def test_a_stalled_controller_does_not_blame_the_nodes(ctl):
     for x in "abc":
         beat(ctl, x, 1.0)
