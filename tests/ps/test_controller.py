@@ -176,10 +176,26 @@ def test_the_controller_cut_from_every_node_retires_none(ctl):
             retired[r.addr] = t
         if t == 15.0:  # most nodes silent for 14 s: the controller doubts itself
             assert not retired and ctl.declared_dead == 0 and set(ctl.nodes) == {"a", "b", "c"}
-    # b's beat ended the spell at 16.5: a, silent, is declared dead then, and its worker goes
-    # retire_timeout (5 s) after that, not at once for its 15 s of silence
+    # b's beat ended the declaring spell at 16.5: a, silent, is declared dead then, and its
+    # worker goes retire_timeout (5 s) after that, not at once for its 15 s of silence
     assert "a" not in ctl.nodes and {"b", "c"} <= set(ctl.nodes)
     assert list(retired) == ["a"] and 21.5 < retired["a"] <= 22.0
+
+
+def test_most_nodes_frozen_while_one_speaks_are_retired(ctl):
+    """Two of three nodes frozen for good while the third beats: the controller's link is
+    fine (one node gets through), so the frozen workers are retired after retire_timeout (the
+    way they heal), not left to Dask's worker timeout."""
+    retired = {}
+    for i in range(1, 41):
+        t = i * 0.5
+        beat(ctl, "c", t)
+        if t <= 1.0:
+            beat(ctl, "a", t)
+            beat(ctl, "b", t)
+        for r in of(ctl.handle(Tick(t)), Retire):
+            retired[r.addr] = t
+    assert set(retired) == {"a", "b"} and all(6.0 < t <= 7.0 for t in retired.values())
 
 
 def test_a_stalled_controller_does_not_blame_the_nodes(ctl):
