@@ -260,6 +260,7 @@ def _tta_rate(ln: dict) -> Figure | None:
         unit="images/s",
         peer_name="the engine alone",
         less_is_better=False,
+        goal_key="images_per_second_vs_engine",
     )
 
 

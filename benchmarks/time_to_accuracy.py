@@ -17,8 +17,9 @@ this order, each stopping at the first epoch at or above ``--target``:
 * PyTorch (``torch_*``): SGD, batch 32, ``--threads`` threads, and the learning-rate schedule that
   reached the target fastest for it.
 
-``ours_over_torch`` and ``ours_over_engine`` are the ratios of seconds to the target (issue 12's
-goals, in ``goals``: <= 0.5 and <= 1.35). ``--epochs`` is the runs' plan (the learning-rate
+``ours_over_torch`` and ``ours_over_engine`` are the ratios of seconds to the target,
+``images_per_second_vs_engine`` the ratio of training images/s (issue 28's goals, in ``goals``:
+``ours_over_torch`` <= 0.6, ``images_per_second_vs_engine`` >= 0.8). ``--epochs`` is the runs' plan (the learning-rate
 schedule anneals over it; default ``adam.train.epochs``). Wall seconds on a shared machine are
 noisy: the epochs to the target and ``load`` (1-minute load averages before and after) say how to
 read them.
@@ -287,7 +288,13 @@ def main() -> None:
         theirs = out.get(f"{peer}_seconds_to_target")
         if ours_s and theirs:
             out[f"ours_over_{peer}"] = round(ours_s / theirs, 3)
-    out["goals"] = {"ours_over_torch": 0.5, "ours_over_engine": 1.35}
+    # issue 28's goals: the time to the target at most 0.6x PyTorch's; the system's images/s at
+    # least 0.8x its engine's (issue 12 had asked 0.5x and 1.35x the engine's time)
+    out["goals"] = {"ours_over_torch": 0.6, "images_per_second_vs_engine": 0.8}
+    if out.get("ours_images_per_second") and out.get("engine_images_per_second"):
+        out["images_per_second_vs_engine"] = round(
+            out["ours_images_per_second"] / out["engine_images_per_second"], 4
+        )
     out["load"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     record("time_to_accuracy", out, save=not args.no_save)
 
