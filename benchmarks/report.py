@@ -612,6 +612,31 @@ def _large_model(ln: dict) -> Figure | None:
     return Figure(fig.what, fig.ours, fig.peer, words, f"{ln.get('model')}: {fig.brief}")
 
 
+def _large_model_links(ln: dict) -> Figure | None:
+    """A line of ``large_model.py --netns RATE``: an epoch with the dense offload against one
+    without, on links limited to RATE, and the bytes that crossed them."""
+    plain, off = ln.get("train") or {}, ln.get("train_offload") or {}
+    if not ln.get("link_rate") or not _is_num(off.get("wall_seconds"), plain.get("wall_seconds")):
+        return None
+    fig = _versus(
+        ln,
+        f"The dense offload (paper 3.2.6) where bandwidth is scarce: the {ln.get('model', '?')}"
+        f"-parameter dense net, {off.get('images', '?')} images, every link limited to "
+        f"{ln['link_rate']}",
+        off["wall_seconds"],
+        plain["wall_seconds"],
+        unit="s",
+        peer_name="the same run without the offload",
+        less_is_better=True,
+        ratio_key="offload_epoch_seconds_ratio",
+    )
+    if fig is None:
+        return None
+    link = ln.get("offload_sent_bytes_ratio")
+    words = fig.words + (f"; {_x(link)} the bytes on the links per image" if _is_num(link) else "")
+    return Figure(fig.what, fig.ours, fig.peer, words, f"{ln.get('link_rate')}: {fig.brief}")
+
+
 def _isolation(ln: dict) -> Figure | None:
     iso, shared = ln.get("isolated") or {}, ln.get("shared") or {}
     keys = ("probe_busy_ms_p50", "probe_idle_ms_p50", "probe_busy_ms_p99")
@@ -659,6 +684,7 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("pipelines", "reprocess vs ingest", _pipelines),
     Claim("resume", "resume", _resume),
     Claim("large_model", "push MB/s", _large_model),
+    Claim("large_model", "offload on limited links", _large_model_links),
     Claim("isolation", "shared vs isolated storage", _isolation),
 )
 
