@@ -2,7 +2,7 @@
 (``--model adam_dask.model.torch_examples:residual_net``).
 
 * :class:`PaperNet`: the paper's MNIST network (``conv5x5:10,maxpool2,conv5x5:20,maxpool2,
-  fc400,fc400,fc10``, tanh) as an ``nn.Module``: the numba engine's tensors, shapes and flat
+  fc400,fc400,fc10``, relu as ``adam.model.activation`` by default) as an ``nn.Module``: the numba engine's tensors, shapes and flat
   order (its names count the activations as modules, so they differ).
 * :class:`ResidualNet`: what the spec grammar cannot say: padding, a strided convolution,
   residual blocks with batch norm, global average pooling.
@@ -32,22 +32,24 @@ __all__ = [
 
 
 class PaperNet(nn.Sequential):
-    """The paper's MNIST net, the numba spec's tensors in the same flat order."""
+    """The paper's MNIST net, the numba spec's tensors in the same flat order; ``activation``
+    "relu" or "tanh"."""
 
-    def __init__(self, in_channels: int = 1, classes: int = 10):
+    def __init__(self, in_channels: int = 1, classes: int = 10, activation: str = "relu"):
+        act = {"relu": nn.ReLU, "tanh": nn.Tanh}[activation]
         super().__init__(
-            nn.Conv2d(in_channels, 10, 5),  # 0: 28 -> 24
-            nn.Tanh(),
-            nn.MaxPool2d(2),  # 2: -> 12
-            nn.Conv2d(10, 20, 5),  # 3: -> 8
-            nn.Tanh(),
-            nn.MaxPool2d(2),  # 5: -> 4
+            nn.Conv2d(in_channels, 10, 5),  # 28 -> 24
+            act(),
+            nn.MaxPool2d(2),  # -> 12
+            nn.Conv2d(10, 20, 5),  # -> 8
+            act(),
+            nn.MaxPool2d(2),  # -> 4
             nn.Flatten(),
-            nn.Linear(20 * 4 * 4, 400),  # 7
-            nn.Tanh(),
-            nn.Linear(400, 400),  # 9
-            nn.Tanh(),
-            nn.Linear(400, classes),  # 11
+            nn.Linear(20 * 4 * 4, 400),
+            act(),
+            nn.Linear(400, 400),
+            act(),
+            nn.Linear(400, classes),
         )
 
 
