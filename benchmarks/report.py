@@ -605,6 +605,52 @@ def _large_model(ln: dict) -> Figure | None:
     return Figure(fig.what, fig.ours, fig.peer, words, f"{ln.get('model')}: {fig.brief}")
 
 
+def _torch_engine_time(ln: dict) -> Figure | None:
+    return _versus(
+        ln,
+        f"The paper's net as an `nn.Module`: time to {_target(ln)} through the Trainer, "
+        "torch engine vs numba engine (same cluster, same run)",
+        ln.get("torch_seconds_to_target"),
+        ln.get("numba_seconds_to_target"),
+        unit="s",
+        peer_name="the numba engine",
+        less_is_better=True,
+        ratio_key="torch_over_numba_seconds",
+        ours_note=f" ({ln.get('torch_epochs', '?')} epochs)",
+        peer_note=f" ({ln.get('numba_epochs', '?')} epochs)",
+    )
+
+
+def _torch_engine_rate(ln: dict) -> Figure | None:
+    return _versus(
+        ln,
+        "The paper's net as an `nn.Module`: training images/s, torch engine vs numba engine",
+        ln.get("torch_images_per_second"),
+        ln.get("numba_images_per_second"),
+        unit="images/s",
+        peer_name="the numba engine",
+        less_is_better=False,
+        ratio_key="torch_over_numba_rate",
+    )
+
+
+def _torch_resnet(ln: dict) -> Figure | None:
+    return _versus(
+        ln,
+        f"A small ResNet (`nn.Module`, batch norm): time to {_target(ln)} MNIST through the "
+        "Trainer",
+        ln.get("ours_seconds_to_target"),
+        ln.get("torch_seconds_to_target"),
+        unit="s",
+        peer_name="PyTorch",
+        peer_label=f"plain PyTorch, same module, {ln.get('torch_threads', '?')} threads",
+        less_is_better=True,
+        ratio_key="ours_over_torch",
+        ours_note=f" ({ln.get('ours_epochs', '?')} epochs)",
+        peer_note=f" ({ln.get('torch_epochs', '?')} epochs)",
+    )
+
+
 CLAIMS: tuple[Claim, ...] = (
     Claim("time_to_accuracy", "vs PyTorch", _tta_torch),
     Claim("time_to_accuracy", "vs the engine alone", _tta_engine),
@@ -627,6 +673,9 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("pipelines", "reprocess vs ingest", _pipelines),
     Claim("resume", "resume", _resume),
     Claim("large_model", "push MB/s", _large_model),
+    Claim("torch_engine", "time, torch vs numba engine", _torch_engine_time),
+    Claim("torch_engine", "images/s, torch vs numba engine", _torch_engine_rate),
+    Claim("torch_resnet", "ResNet vs PyTorch", _torch_resnet),
 )
 
 

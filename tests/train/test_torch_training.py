@@ -126,11 +126,18 @@ def test_a_user_module_trains_from_the_command_line_and_loads_back(store, cluste
     np.testing.assert_allclose(logits, net.forward(net.as_images(x[:64])), rtol=1e-4, atol=1e-4)
 
 
-def test_a_module_not_matching_the_checkpoint_is_one_error(store, cluster, tmp_path, capsys):
+def test_a_torch_run_resumes_and_a_module_not_matching_it_is_one_error(
+    store, cluster, tmp_path, capsys
+):
     ckpt = str(tmp_path / "ckpt")
+    where = ["--checkpoint", ckpt, "--scheduler", cluster.scheduler.address]
     argv = ["train", "--data", store, "--model", "byom_models:net", "--epochs", "1"]
-    argv += [*TRAIN_FLAGS, "--checkpoint", ckpt, "--scheduler", cluster.scheduler.address]
-    assert run(argv, out=lambda s: None) == 0
+    assert run([*argv, *TRAIN_FLAGS, *where], out=lambda s: None) == 0
+    # the manifest's factory path rebuilds the module: the run goes on from its weights
+    printed: list[str] = []
+    argv = ["train", "--data", store, "--resume", "--epochs", "2", "--no-progress", *where]
+    assert run(argv, out=printed.append) == 0
+    assert json.loads(printed[-1])["epochs"] == 1 and json.loads(printed[-1])["epoch"] == 1
     capsys.readouterr()
     status = run(["evaluate", ckpt, "--data", store, "--model", "byom_models:wider"])
     err = capsys.readouterr().err
