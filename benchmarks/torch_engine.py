@@ -15,8 +15,10 @@ Two parts, one JSON line each:
   same module in plain single-process PyTorch (SGD, batch 32, ``--torch-lr`` decayed
   ``--torch-lr-decay`` per epoch, all the machine's cores as intra-op threads): seconds to
   ``--target`` (default 0.98) from the start of training, evaluated after each epoch by both.
-  Ours runs the Trainer's defaults except ``--batch-size`` (default 32, the peer's: a
-  PyTorch step has a fixed cost that 8 images do not amortize).
+  Ours runs the Trainer's defaults except the peer's recipe: ``--batch-size`` 32 (a PyTorch
+  step has a fixed cost that 8 images do not amortize), ``lr`` = ``--torch-lr`` and an
+  exponential schedule with ``lr_floor = --torch-lr-decay ** planned epochs`` (the same
+  per-epoch decay as the peer's).
   ``ours_over_torch`` is the ratio of those seconds.
 
 Wall seconds on a shared machine are noisy: ``load`` (1-minute load averages before and after)
@@ -154,7 +156,17 @@ def main() -> None:
                 torch_["images_per_second"], numba["images_per_second"]
             )
         else:
-            ours = trainer_run(store, client, RESNET, target, epochs, batch_size=args.batch_size)
+            ours = trainer_run(
+                store,
+                client,
+                RESNET,
+                target,
+                epochs,
+                batch_size=args.batch_size,
+                lr=args.torch_lr,
+                lr_schedule="exponential",
+                lr_floor=args.torch_lr_decay**epochs,
+            )
             out.update({f"ours_{k}": v for k, v in ours.items()})
     if not paper:
         xtr, ytr, xte, yte = load_mnist_arrays(store)
@@ -175,7 +187,9 @@ def main() -> None:
         out["module"] = RESNET
         out["ours_over_torch"] = _ratio(ours["seconds_to_target"], th["seconds_to_target"])
     out["batch_size"] = adam_dask.config.get("train.batch-size", None if paper else args.batch_size)
-    out["lr"] = adam_dask.config.get("train.lr")
+    out["lr"] = adam_dask.config.get("train.lr", None if paper else args.torch_lr)
+    if not paper:
+        out["lr_floor"] = round(args.torch_lr_decay**epochs, 4)
     out["load"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     record("torch_engine" if paper else "torch_resnet", out, save=not args.no_save)
 

@@ -72,6 +72,31 @@ def test_a_step_equals_pytorch_sgd_on_the_same_mini_batch(momentum):
     assert not ctx.grad.any()
 
 
+def test_the_users_loss_is_stepped_and_travels_with_the_job():
+    def smoothed(logits, labels):
+        return nn.functional.cross_entropy(logits, labels, label_smoothing=0.2)
+
+    torch.manual_seed(0)
+    ref = Padded()
+    net = TorchNetwork(copy.deepcopy(ref), SHAPE, loss=smoothed)
+    x, y = batch()
+    want = smoothed(ref(torch.from_numpy(x)), torch.from_numpy(y))
+    want.backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    loss = net.step_into(net.context(8), x, y, 8, 0.1, 0.0, np.zeros(1, np.float32))
+    assert loss == pytest.approx(float(want.detach()), rel=1e-5)
+    np.testing.assert_allclose(net.flat, flat_of(ref), rtol=1e-5, atol=1e-6)
+    # a worker rebuilds it with the same loss; the manifest's description names it only
+    assert net.to_dict()["loss"].endswith("smoothed") and "loss_pickle" not in net.to_dict()
+    back = network_from_dict(net.job_dict())
+    back.flat = net.flat
+    assert back.step_into(back.context(8), x, y, 8, 0.1, 0.0, np.zeros(1, np.float32)) == (
+        pytest.approx(net.step_into(net.context(8), x, y, 8, 0.1, 0.0, np.zeros(1, np.float32)))
+    )
+
+
 def test_parameters_and_gradients_are_views_of_flat_buffers():
     net = TorchNetwork(Padded(), SHAPE)
     ctx = net.context(4)

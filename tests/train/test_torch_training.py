@@ -159,6 +159,13 @@ def test_a_factory_that_cannot_be_imported_is_one_error_line(store, user_pkg):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_loss_for_a_numba_network_is_refused(store):
+    from adam_dask.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="loss= needs a PyTorch model"):
+        Trainer(store, model="conv5x5:6,maxpool2,fc10", loss=torch.nn.functional.nll_loss)
+
+
 def _wait_for_images(trainer, n, box, timeout=300):
     import time
 
