@@ -4,38 +4,51 @@ flat buffer, Hogwild threads learn, batch norm is recalibrated, bad models give 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
-
-from adam_dask.errors import ModelSpecError  # noqa: E402
-from adam_dask.model.engines import is_factory_path, is_torch_model, network_from_dict  # noqa: E402
-from adam_dask.model.torch_engine import TorchNetwork  # noqa: E402
-from adam_dask.model.torch_examples import ResidualNet, tiny_residual_net  # noqa: E402
-from adam_dask.testing import synthetic_digits  # noqa: E402
-from adam_dask.train.replica import HogwildReplica  # noqa: E402
+from adam_dask.errors import ModelSpecError
+from adam_dask.model.engines import is_factory_path, is_torch_model, network_from_dict
+from adam_dask.testing import synthetic_digits
+from adam_dask.train.replica import HogwildReplica
 
 SHAPE = (1, 12, 12)
 
+# torch and what needs it, imported when these tests run (the fixture below), not when the
+# suite is collected: an import at collection would put torch into every other test's process
+torch: Any = None
+nn: Any = None
+TorchNetwork: Any = None
+ResidualNet: Any = None
+tiny_residual_net: Any = None
+Padded: Any = None
 
-class Padded(nn.Module):
-    """Padding, a stride and a residual connection, without batch norm (a deterministic step)."""
 
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, 3, padding=1)
-        self.down = nn.Conv2d(4, 6, 3, stride=2, padding=1)
-        self.res = nn.Conv2d(6, 6, 3, padding=1)
-        self.fc = nn.Linear(6 * 6 * 6, 3)
+@pytest.fixture(scope="module", autouse=True)
+def _torch():
+    global torch, nn, TorchNetwork, ResidualNet, tiny_residual_net, Padded
+    torch = pytest.importorskip("torch")
+    nn = torch.nn
+    from adam_dask.model.torch_engine import TorchNetwork
+    from adam_dask.model.torch_examples import ResidualNet, tiny_residual_net
 
-    def forward(self, x):
-        x = torch.tanh(self.conv(x))
-        x = torch.tanh(self.down(x))
-        x = x + torch.tanh(self.res(x))
-        return self.fc(x.flatten(1))
+    class Padded(nn.Module):
+        """Padding, a stride and a residual connection, no batch norm (a deterministic step)."""
+
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(1, 4, 3, padding=1)
+            self.down = nn.Conv2d(4, 6, 3, stride=2, padding=1)
+            self.res = nn.Conv2d(6, 6, 3, padding=1)
+            self.fc = nn.Linear(6 * 6 * 6, 3)
+
+        def forward(self, x):
+            x = torch.tanh(self.conv(x))
+            x = torch.tanh(self.down(x))
+            x = x + torch.tanh(self.res(x))
+            return self.fc(x.flatten(1))
 
 
 def batch(n=8, seed=0):

@@ -13,15 +13,13 @@ import dask
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-
-import adam_dask  # noqa: E402
-from adam_dask.cli import run  # noqa: E402
-from adam_dask.cluster import TRAIN, workers_with_role  # noqa: E402
-from adam_dask.model.engines import network_from_dict  # noqa: E402
-from adam_dask.ps.checkpoint import read_checkpoint  # noqa: E402
-from adam_dask.testing import fit_in_background, hard_kill, synthetic_store  # noqa: E402
-from adam_dask.train.trainer import Trainer  # noqa: E402
+import adam_dask
+from adam_dask.cli import run
+from adam_dask.cluster import TRAIN, workers_with_role
+from adam_dask.model.engines import network_from_dict
+from adam_dask.ps.checkpoint import read_checkpoint
+from adam_dask.testing import fit_in_background, hard_kill, synthetic_store
+from adam_dask.train.trainer import Trainer
 
 # the user's package: a module with padding, a strided convolution and a residual block
 USER_MODELS = textwrap.dedent(
@@ -64,6 +62,12 @@ USER_MODELS = textwrap.dedent(
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def torch():
+    """torch, imported when these tests run, not when the suite is collected."""
+    return pytest.importorskip("torch")
+
+
 @pytest.fixture(scope="module")
 def user_pkg(tmp_path_factory):
     """A folder holding the user's ``byom_models.py``, on ``sys.path`` (the embedded cluster's
@@ -93,7 +97,7 @@ def cluster(user_pkg):
 TRAIN_FLAGS = ["--lr", "1.0", "--push-every", "64", "--no-progress"]
 
 
-def test_a_user_module_trains_from_the_command_line_and_loads_back(store, cluster, tmp_path):
+def test_a_user_module_trains_from_the_command_line_and_loads_back(torch, store, cluster, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     printed: list[str] = []
     argv = ["train", "--data", store, "--model", "byom_models:net", "--epochs", "3"]
@@ -161,7 +165,7 @@ def test_a_factory_that_cannot_be_imported_is_one_error_line(store, user_pkg):
     assert "Traceback" not in proc.stderr
 
 
-def test_a_loss_for_a_numba_network_is_refused(store):
+def test_a_loss_for_a_numba_network_is_refused(torch, store):
     from adam_dask.errors import ConfigError
 
     with pytest.raises(ConfigError, match="loss= needs a PyTorch model"):
@@ -181,7 +185,9 @@ def _wait_for_images(trainer, n, box, timeout=300):
     raise AssertionError(f"never reached {n} images in {timeout}s: {trainer._progress_state}")
 
 
-def test_sigkill_of_a_train_worker_mid_epoch_applies_every_image_once(store, cluster, tmp_path):
+def test_sigkill_of_a_train_worker_mid_epoch_applies_every_image_once(
+    torch, store, cluster, tmp_path
+):
     from byom_models import Net
 
     torch.manual_seed(0)
