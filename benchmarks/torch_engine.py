@@ -7,8 +7,9 @@ Two parts, one JSON line each:
   (:class:`adam_dask.model.torch_examples.PaperNet`) on the torch engine against the same
   network spec on the numba engine: images/s and seconds to ``--target`` (default 0.99), both
   through ``Trainer.fit`` with the defaults (lr, schedule, batch size, push-every, threads) on
-  one embedded cluster, one after the other. ``torch_over_numba_seconds`` and
-  ``torch_over_numba_rate`` are the ratios.
+  one embedded cluster, one after the other (``--torch-batch-size`` gives the torch run
+  another mini-batch). ``torch_over_numba_seconds`` and ``torch_over_numba_rate`` are the
+  ratios.
 * ``resnet`` (``benchmarks/results/torch_resnet.jsonl``): a small ResNet-style module (padding,
   a strided convolution, residual blocks with batch norm:
   :func:`~adam_dask.model.torch_examples.tiny_residual_net`) through the Trainer, against the
@@ -129,6 +130,12 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=None, help="paper 10, resnet 4 (planned)")
     ap.add_argument("--images", type=int, default=60000, help="MNIST training images")
     ap.add_argument("--batch-size", type=int, default=32, help="resnet: ours' mini-batch")
+    ap.add_argument(
+        "--torch-batch-size",
+        type=int,
+        default=None,
+        help="paper: the torch engine's mini-batch (default the Trainer's, as the numba run's)",
+    )
     ap.add_argument("--torch-lr", type=float, default=0.1)
     ap.add_argument("--torch-lr-decay", type=float, default=0.7)
     ap.add_argument("--no-save", action="store_true", help="print the line, do not append it")
@@ -145,7 +152,8 @@ def main() -> None:
         if paper:
             spec = adam_dask.config.get("model.spec")
             numba = trainer_run(store, client, spec, target, epochs)
-            torch_ = trainer_run(store, client, PAPER, target, epochs)
+            kw = {} if args.torch_batch_size is None else {"batch_size": args.torch_batch_size}
+            torch_ = trainer_run(store, client, PAPER, target, epochs, **kw)
             out.update({f"numba_{k}": v for k, v in numba.items()})
             out.update({f"torch_{k}": v for k, v in torch_.items()})
             out["spec"] = spec
@@ -187,6 +195,8 @@ def main() -> None:
         out["module"] = RESNET
         out["ours_over_torch"] = _ratio(ours["seconds_to_target"], th["seconds_to_target"])
     out["batch_size"] = adam_dask.config.get("train.batch-size", None if paper else args.batch_size)
+    if paper and args.torch_batch_size is not None:
+        out["torch_batch_size"] = args.torch_batch_size
     out["lr"] = adam_dask.config.get("train.lr", None if paper else args.torch_lr)
     if not paper:
         out["lr_floor"] = round(args.torch_lr_decay**epochs, 4)
