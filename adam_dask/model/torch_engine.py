@@ -325,6 +325,26 @@ class TorchNetwork:
         net.check_layout(stored)
         return net
 
+    @classmethod
+    def from_checkpoint(
+        cls, url: str, model: Any = None, storage_options: dict | None = None
+    ) -> TorchNetwork:
+        """The module a checkpoint at ``url`` was trained with (rebuilt from its factory path,
+        or ``model`` as in :meth:`from_dict`), holding the checkpoint's weights; a module with
+        batch norm then needs :meth:`calibrate` before inference."""
+        from ..ps.checkpoint import read_checkpoint
+
+        manifest, values = read_checkpoint(url, storage_options)
+        d = (manifest.get("meta") or {}).get("model") or {}
+        if d.get("engine") != TORCH:
+            raise ModelSpecError(
+                f"the checkpoint at {url} holds no PyTorch model",
+                "read it with adam-dask evaluate, or Network.from_dict(manifest model)",
+            )
+        net = cls.from_dict(d, model=model)
+        net.flat = values
+        return net
+
     def check_layout(self, stored: ParameterLayout) -> None:
         """:class:`ModelSpecError` naming the first parameter where this module's layout and
         ``stored`` (a checkpoint's) differ."""

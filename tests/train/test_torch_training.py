@@ -16,7 +16,6 @@ import pytest
 import adam_dask
 from adam_dask.cli import run
 from adam_dask.cluster import TRAIN, workers_with_role
-from adam_dask.model.engines import network_from_dict
 from adam_dask.ps.checkpoint import read_checkpoint
 from adam_dask.testing import fit_in_background, hard_kill, synthetic_store
 from adam_dask.train.trainer import Trainer
@@ -116,9 +115,11 @@ def test_a_user_module_trains_from_the_command_line_and_loads_back(torch, store,
         result["test_accuracy"],
         abs=0.02,  # batch norm recalibrated on the same images
     )
-    # the trained weights export as a state_dict that a plain module loads
-    net = network_from_dict(manifest["meta"]["model"])
-    net.flat = values
+    # the checkpoint loads into the module, whose weights export as a plain state_dict
+    from adam_dask.model.torch_engine import TorchNetwork
+
+    net = TorchNetwork.from_checkpoint(ckpt)
+    np.testing.assert_array_equal(net.flat, values)
     from byom_models import Net
 
     plain = Net()
