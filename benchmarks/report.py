@@ -606,10 +606,25 @@ def _large_model(ln: dict) -> Figure | None:
 
 
 def _torch_engine_time(ln: dict) -> Figure | None:
+    what = (
+        f"The paper's net as an `nn.Module`: time to {_target(ln)} through the Trainer, "
+        "torch engine vs numba engine (same cluster, same run)"
+    )
+    curve = ln.get("torch_curve") or []
+    if ln.get("torch_seconds_to_target") is None and curve and _is_num(*curve):
+        peer = ln.get("numba_seconds_to_target")
+        mb = f", mini-batch {ln['torch_batch_size']}" if "torch_batch_size" in ln else ""
+        ours = f"not reached in {len(curve)} epochs (best {_pc(max(curve))}{mb})"
+        return Figure(
+            what,
+            ours,
+            f"the numba engine: {_num(peer)} s" if _is_num(peer) else "the numba engine: -",
+            "the target was not reached",
+            ours,
+        )
     return _versus(
         ln,
-        f"The paper's net as an `nn.Module`: time to {_target(ln)} through the Trainer, "
-        "torch engine vs numba engine (same cluster, same run)",
+        what,
         ln.get("torch_seconds_to_target"),
         ln.get("numba_seconds_to_target"),
         unit="s",
@@ -622,9 +637,10 @@ def _torch_engine_time(ln: dict) -> Figure | None:
 
 
 def _torch_engine_rate(ln: dict) -> Figure | None:
+    mb = f" (torch mini-batch {ln['torch_batch_size']})" if "torch_batch_size" in ln else ""
     return _versus(
         ln,
-        "The paper's net as an `nn.Module`: training images/s, torch engine vs numba engine",
+        "The paper's net as an `nn.Module`: training images/s, torch engine vs numba engine" + mb,
         ln.get("torch_images_per_second"),
         ln.get("numba_images_per_second"),
         unit="images/s",
