@@ -662,6 +662,68 @@ def _isolation(ln: dict) -> Figure | None:
     )
 
 
+def _torch_engine_time(ln: dict) -> Figure | None:
+    what = (
+        f"The paper's net as an `nn.Module`: time to {_target(ln)} through the Trainer, "
+        "torch engine vs numba engine (same cluster, same run)"
+    )
+    curve = ln.get("torch_curve") or []
+    if ln.get("torch_seconds_to_target") is None and curve and _is_num(*curve):
+        peer = ln.get("numba_seconds_to_target")
+        mb = f", mini-batch {ln['torch_batch_size']}" if "torch_batch_size" in ln else ""
+        ours = f"not reached in {len(curve)} epochs (best {_pc(max(curve))}{mb})"
+        return Figure(
+            what,
+            ours,
+            f"the numba engine: {_num(peer)} s" if _is_num(peer) else "the numba engine: -",
+            "the target was not reached",
+            ours,
+        )
+    return _versus(
+        ln,
+        what,
+        ln.get("torch_seconds_to_target"),
+        ln.get("numba_seconds_to_target"),
+        unit="s",
+        peer_name="the numba engine",
+        less_is_better=True,
+        ratio_key="torch_over_numba_seconds",
+        ours_note=f" ({ln.get('torch_epochs', '?')} epochs)",
+        peer_note=f" ({ln.get('numba_epochs', '?')} epochs)",
+    )
+
+
+def _torch_engine_rate(ln: dict) -> Figure | None:
+    mb = f" (torch mini-batch {ln['torch_batch_size']})" if "torch_batch_size" in ln else ""
+    return _versus(
+        ln,
+        "The paper's net as an `nn.Module`: training images/s, torch engine vs numba engine" + mb,
+        ln.get("torch_images_per_second"),
+        ln.get("numba_images_per_second"),
+        unit="images/s",
+        peer_name="the numba engine",
+        less_is_better=False,
+        ratio_key="torch_over_numba_rate",
+    )
+
+
+def _torch_resnet(ln: dict) -> Figure | None:
+    return _versus(
+        ln,
+        f"A small ResNet (`nn.Module`, batch norm): time to {_target(ln)} MNIST through the "
+        "Trainer",
+        ln.get("ours_seconds_to_target"),
+        ln.get("torch_seconds_to_target"),
+        unit="s",
+        peer_name="PyTorch",
+        peer_label=f"plain PyTorch, same module, {ln.get('torch_threads', '?')} threads",
+        less_is_better=True,
+        ratio_key="ours_over_torch",
+        ours_note=f" ({ln.get('ours_epochs', '?')} epochs)",
+        peer_note=f" ({ln.get('torch_epochs', '?')} epochs)",
+    )
+
+
 CLAIMS: tuple[Claim, ...] = (
     Claim("time_to_accuracy", "vs PyTorch", _tta_torch),
     Claim("time_to_accuracy", "vs the engine alone", _tta_engine),
@@ -686,6 +748,9 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("large_model", "push MB/s", _large_model),
     Claim("large_model", "offload on limited links", _large_model_links),
     Claim("isolation", "shared vs isolated storage", _isolation),
+    Claim("torch_engine", "time, torch vs numba engine", _torch_engine_time),
+    Claim("torch_engine", "images/s, torch vs numba engine", _torch_engine_rate),
+    Claim("torch_resnet", "ResNet vs PyTorch", _torch_resnet),
 )
 
 

@@ -58,7 +58,9 @@ def register(sub) -> None:
         "--model",
         default=None,
         metavar="SPEC",
-        help=f"network spec (default {config.get('model.spec')})",
+        help=f"network spec (default {config.get('model.spec')}), or package.module:factory, "
+        "a zero-argument callable returning a PyTorch nn.Module (the torch engine; the package "
+        "must be importable on every TRAIN worker)",
     )
     p.add_argument(
         "--lr",
@@ -164,6 +166,13 @@ def register(sub) -> None:
         default=None,
         help=f"split to evaluate (default {config.get('cli.evaluate-split')})",
     )
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="PKG.MOD:FACTORY",
+        help="the PyTorch module to load the weights into (for a run that trained a module "
+        "object rather than a factory)",
+    )
     add_storage(p)
     p.set_defaults(func=cmd_evaluate)
 
@@ -171,6 +180,7 @@ def register(sub) -> None:
 def _check_before_start(args: argparse.Namespace) -> None:
     """The checks that need no cluster, so bad input fails in a second, not after a start-up."""
     from ..data.datasets import open_split
+    from ..model.engines import is_factory_path
     from ..model.network import Network
     from ..ps.checkpoint import read_manifest
 
@@ -194,7 +204,11 @@ def _check_before_start(args: argparse.Namespace) -> None:
             "drop --model (the checkpoint names its network)",
         )
     split = open_split(args.data, "train", args.storage_options)
-    if not args.resume:
+    if not args.resume and is_factory_path(args.model):
+        from ..model.torch_engine import TorchNetwork
+
+        TorchNetwork.build(args.model, split.input_shape)  # importable, builds, fits the images
+    elif not args.resume:
         Network.from_spec(config.get("model.spec", args.model), input_shape=split.input_shape)
     if args.resume:
         read_manifest(args.checkpoint, args.storage_options)  # CheckpointError when none
@@ -322,7 +336,7 @@ def cmd_train(args: argparse.Namespace) -> dict:
 def cmd_evaluate(args: argparse.Namespace) -> dict:
     """Evaluate a checkpoint in this process: no cluster needed to read a manifest and weights."""
     from ..data.datasets import open_split
-    from ..model.network import Network
+    from ..model.engines import network_from_dict
     from ..ps.checkpoint import read_checkpoint
     from ..train._validation import calibration_images
 
@@ -335,7 +349,7 @@ def cmd_evaluate(args: argparse.Namespace) -> dict:
             f"the checkpoint at {args.checkpoint} names no model",
             "it was not written by adam-dask train",
         )
-    net = Network.from_dict(meta["model"])
+    net = network_from_dict(meta["model"], model=args.model)
     net.flat = values
     split = open_split(args.data, split_name, args.storage_options)
     if tuple(split.input_shape) != tuple(net.input_shape):

@@ -180,11 +180,11 @@ def resumed_state(
 ) -> Resumed:
     """The state in the checkpoint that ``server`` was restored from; ``given`` are the
     caller's Trainer keywords (None = keep the stored setting)."""
-    from ..model.network import Network
+    from ..model.engines import network_from_dict
     from ..storage import options_for
 
     meta = server.meta or {}
-    net = Network.from_dict(meta["model"])
+    net = network_from_dict(meta["model"])
     net.flat = server.pull()
     kwargs = dict(given)
     stored = dict(meta.get("settings") or {"mode": meta.get("mode")})

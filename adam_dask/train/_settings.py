@@ -197,13 +197,25 @@ def resolve_augment(augment: Any) -> Any:
     return augment
 
 
-def network_for(model: Any, split: Any, url: str, seed: int) -> Any:
+def network_for(model: Any, split: Any, url: str, seed: int, loss: Any = None) -> Any:
     """The Network to train on ``split`` (of the store at ``url``): a copy of ``model`` when it
     is a Network, else one built from the spec ``model`` (config ``adam.model.spec``) with
-    ``seed``; checked against the images' shape and the number of classes."""
+    ``seed``; a TorchNetwork for an ``nn.Module``, a callable returning one or a factory path
+    (:mod:`adam_dask.model.engines`); checked against the images' shape and the number of
+    classes. ``loss`` (the torch engine's) is refused for a numba network."""
+    from ..model.engines import is_torch_model
     from ..model.network import Network
 
-    if isinstance(model, Network):
+    if is_torch_model(model):
+        from ..model.torch_engine import TorchNetwork
+
+        net: Any = TorchNetwork.build(model, split.input_shape, seed=seed, loss=loss)
+    elif loss is not None:
+        raise ConfigError(
+            "loss= needs a PyTorch model (the numba engine trains softmax cross-entropy)",
+            "pass model= an nn.Module, a callable returning one, or package.module:factory",
+        )
+    elif isinstance(model, Network):
         net = model.copy()
     else:
         spec = config.get("model.spec", model)
@@ -212,11 +224,11 @@ def network_for(model: Any, split: Any, url: str, seed: int) -> Any:
         raise ConfigError(
             f"the model takes inputs {tuple(net.input_shape)} but {url} "
             f"holds images {split.input_shape}",
-            "give a model spec for these images",
+            "give a model for these images",
         )
     if net.classes < split.num_classes:
         raise ConfigError(
             f"the model has {net.classes} outputs but {url} has {split.num_classes} classes",
-            f"end the spec with fc{split.num_classes}",
+            f"end the model with {split.num_classes} outputs (fc{split.num_classes})",
         )
     return net

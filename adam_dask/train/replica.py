@@ -110,7 +110,9 @@ class _Gather:
 def profitable_offload(net: Network, push_every: int) -> list[str]:
     """The dense layers worth offloading: those whose ``k * (in + out)`` floats of activations
     and error terms per push are fewer than the ``in * out`` of their weight delta (the paper's
-    rule for sending terms instead of updates)."""
+    rule for sending terms instead of updates). None for a torch model (numba engine only)."""
+    if getattr(net, "engine", None) is not None:
+        return []
     out = []
     for name, view in net.parameters.items():
         if name.endswith(".weight") and view.ndim == 2:

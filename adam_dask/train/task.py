@@ -41,7 +41,7 @@ class ReplicaJob:
     replica: int
     replicas: int
     epoch: int
-    model: dict  # Network.to_dict()
+    model: dict  # engines.shipped(net): Network.to_dict() or TorchNetwork.job_dict()
     settings: RunSettings
     schedule: Schedule
     share_images: int  # about this replica's share of the epoch (for the schedule's progress)
@@ -226,7 +226,7 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | N
     from distributed import Event, get_worker, secede
 
     from ..errors import ClusterError
-    from ..model.network import Network
+    from ..model.engines import network_from_dict
     from ._exchange import AsyncExchange, Exchange, SyncExchange
     from ._position import Marker, resume_plan
     from .replica import HogwildReplica, profitable_offload
@@ -235,7 +235,7 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | N
     worker = get_worker()
     t0 = time.perf_counter()
     s = job.settings
-    net = Network.from_dict(job.model)
+    net = network_from_dict(job.model)
     sync = s.mode == "sync"
     offload = profitable_offload(net, s.push_every) if s.offload_dense else []
     rep = HogwildReplica(

@@ -27,6 +27,7 @@ from typing import Any
 from .. import config
 from ..cluster import PS, TRAIN, workers_with_role
 from ..errors import ClusterError, ConfigError
+from ..model.engines import shipped
 from ._average import TailAverage
 from ._checkpoint import (
     EpochCommits,
@@ -58,8 +59,14 @@ class Trainer:
     data : str
         URL of a dataset store written by ``adam-dask ingest`` (``train`` split for training,
         ``test`` for validation).
-    model : str or Network, optional
-        A network spec (config ``adam.model.spec``, the paper's MNIST network) or a Network.
+    model : str, Network, nn.Module or callable, optional
+        A network spec (config ``adam.model.spec``, the paper's MNIST network) or a Network
+        (the numba engine); or a PyTorch ``nn.Module``, a zero-argument callable returning one,
+        or ``"package.module:factory"`` (the torch engine,
+        :class:`~adam_dask.model.torch_engine.TorchNetwork`).
+    loss : callable, optional
+        The torch engine's loss, ``loss(logits, labels)`` -> the batch's mean (default
+        cross-entropy).
     client : distributed.Client, optional
         The cluster to run on. ``None`` starts the embedded cluster (:func:`adam_dask.cluster.local`)
         and closes it when :meth:`close` is called (or the Trainer leaves a ``with`` block).
@@ -135,6 +142,7 @@ class Trainer:
         offload_dense: bool | None = None,
         average_from: float | None = None,
         overwrite: bool = False,
+        loss=None,
     ):
         from ..data.datasets import open_split
 
@@ -170,7 +178,7 @@ class Trainer:
 
         self.train_split = open_split(data, "train", storage_options)
         self.validation = Validation(data, self.train_split, storage_options)
-        self.net = network_for(model, self.train_split, data, self.settings.seed)
+        self.net = network_for(model, self.train_split, data, self.settings.seed, loss)
         self.num_classes = self.train_split.num_classes
         if self.settings.offload_dense and self.settings.mode == "async":
             self._warn_if_nothing_to_offload()
@@ -369,7 +377,7 @@ class Trainer:
         return self.history
 
     def _jobs(self, epoch: int, R: int) -> list[ReplicaJob]:
-        model, schedule = self.net.to_dict(), self.schedule_for(R)
+        model, schedule = shipped(self.net), self.schedule_for(R)
         shares = share_sizes(len(self.train_split), R)
         return [
             ReplicaJob(

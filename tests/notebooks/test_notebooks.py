@@ -30,6 +30,7 @@ def test_quickstart_notebook_plots_every_epoch_of_the_run(run_notebook, tmp_path
     monkeypatch.setenv("ADAM_NOTEBOOK_DATA", str(tmp_path / "digits.zarr"))
     monkeypatch.setenv("ADAM_NOTEBOOK_SPEC", SPEC)
     monkeypatch.setenv("ADAM_NOTEBOOK_EPOCHS", str(epochs))
+    monkeypatch.setenv("ADAM_NOTEBOOK_TORCH_EPOCHS", "2")
     run = run_notebook("01_quickstart.ipynb")
     text = run.text()
     assert "ingested 1280 images" in text
@@ -62,6 +63,11 @@ def test_quickstart_notebook_plots_every_epoch_of_the_run(run_notebook, tmp_path
     saved = re.search(r"accuracy (\d\.\d+); resumed: (\d\.\d+)", text)
     assert saved is not None and saved.group(1) == saved.group(2)
     assert float(saved.group(1)) >= 0.8
+    # a user-defined PyTorch module (padding, stride, a residual block) trained by the same
+    # system, its weights exported to a plain module that predicts the same
+    own = re.findall(r"^own model, epoch \d: test accuracy (\d+\.\d+)%", text, re.M)
+    assert len(own) == 2 and float(own[-1]) >= 80, text
+    assert "the plain module agrees on 100% of 256 digits" in text
 
 
 def test_system_at_work_notebook_shows_a_fail_over(run_notebook, tmp_path, monkeypatch):
