@@ -1,0 +1,304 @@
+"""A stage of a partitioned network: a run of consecutive layers with their own weights, whose
+forward pass takes the previous stage's activations and whose backward pass takes the next
+stage's error terms (paper 3.2, Figure 6: a model replica split over several machines).
+
+A :class:`Stage` holds only its layers' parameters: ``flat`` is the slice ``[start, stop)`` of
+the whole network's flat buffer (layers are laid out in order, so consecutive layers are one
+contiguous span). The passes use the same kernels as :class:`~adam_dask.model.network.Network`,
+in a :class:`StageContext` per mini-batch in flight (its activations must survive until that
+mini-batch's error terms come back from the next stage):
+
+* :meth:`Stage.forward_into` ``(ctx, x, n)``: the stage's output activations (B, *out_shape);
+  the last stage's output are the logits.
+* :meth:`Stage.backward_update` ``(ctx, n, lr, acc, dout=... | labels=...)``: the backward
+  pass and the SGD update of every layer of the stage as soon as its gradient is known (the
+  fused step's order: each layer's input error is computed with its weights as they were,
+  then the weights move). ``acc`` (like ``flat``) receives the same updates: what the stage
+  pushes to the parameter server. Writes ``ctx.din`` (the error wrt the stage's input) unless
+  it is the first stage; the last stage takes ``labels`` and returns the mean loss.
+
+With ``lr=1`` and a zero ``acc``, ``acc`` is minus the stage's part of the gradient of the mean
+loss, and the stages' parts side by side equal :meth:`Network.loss_and_gradient`
+(``tests/model/test_stage.py``).
+
+Shapes follow :mod:`adam_dask.model.kernels`. No Dask, no I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from . import fused as F
+from . import kernels as K
+from .network import Network
+from .spec import Layer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Stage", "StageContext", "stages_of"]
+
+_ACT_FWD = {"tanh": K.tanh_forward, "relu": K.relu_forward}
+_ACT_BWD = {"tanh": K.tanh_backward, "relu": K.relu_backward}
+
+
+class Stage:
+    """Layers ``net.layers[first:stop]`` of ``net`` as one stage with its own weights.
+
+    Attributes: ``layers``, ``start`` / ``stop`` (its span of the whole flat buffer), ``flat``
+    (its weights, float32 (stop - start,)), ``parameters`` (the network's names -> views into
+    ``flat``), ``in_shape`` / ``out_shape`` (per image), ``last`` (it computes the loss),
+    ``classes``, ``label_smoothing``.
+    """
+
+    def __init__(self, net: Network, first: int, stop: int, weights: np.ndarray | None = None):
+        if not 0 <= first < stop <= len(net.layers):
+            raise ValueError(f"no layers [{first}, {stop}) in a network of {len(net.layers)}")
+        if net.dropout > 0.0:
+            raise ValueError("a partitioned network does not support dropout")
+        self.layers: list[Layer] = list(net.layers[first:stop])
+        self.first, self.stop_layer = first, stop
+        self.last = stop == len(net.layers)
+        self.in_shape = tuple(self.layers[0].in_shape)
+        self.out_shape = tuple(self.layers[-1].out_shape)
+        self.classes = net.classes
+        self.label_smoothing = net.label_smoothing
+        names = [
+            n for L in self.layers if L.has_params for n in (f"{L.index}.weight", f"{L.index}.bias")
+        ]
+        entries = [net.layout[n] for n in names]
+        if entries:
+            self.start = entries[0].offset
+            self.stop = entries[-1].offset + entries[-1].size
+        else:  # parameter-free layers only (pooling): an empty span where they sit
+            self.start = self.stop = _offset_before(net, first)
+        self.flat = np.zeros(self.stop - self.start, np.float32)
+        if weights is None:
+            weights = net.flat
+        self.flat[...] = weights[self.start : self.stop]
+        #: parameter name -> its offset in ``flat``
+        self.offsets = {e.name: e.offset - self.start for e in entries}
+        self.parameters: dict[str, np.ndarray] = {
+            e.name: self.flat[e.offset - self.start : e.offset - self.start + e.size].reshape(
+                e.shape
+            )
+            for e in entries
+        }
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def in_size(self) -> int:
+        return int(np.prod(self.in_shape))
+
+    @property
+    def out_size(self) -> int:
+        return int(np.prod(self.out_shape))
+
+    def __repr__(self) -> str:
+        toks = ",".join(L.token for L in self.layers)
+        return f"Stage(layers {self.first}-{self.stop_layer - 1} {toks!r}, [{self.start}, {self.stop}))"
+
+    def context(self, batch_size: int) -> StageContext:
+        return StageContext(self, batch_size)
+
+    # -- the passes ---------------------------------------------------------------------------
+
+    def forward_into(self, ctx: StageContext, x: np.ndarray, n: int) -> np.ndarray:
+        """Forward ``x[:n]`` (float32 (B, *in_shape), kept by reference for the backward pass)
+        through the stage in ``ctx`` (training mode: bn by the batch's statistics); returns the
+        output view (n, *out_shape)."""
+        ctx.x = x
+        inp = x[:n]
+        p = self.parameters
+        for j, L in enumerate(self.layers):
+            i = L.index
+            out = ctx.acts[j][:n]
+            if L.kind == "conv":
+                K.conv2d_forward(out, ctx.cols[j][:n], inp, p[f"{i}.weight"], p[f"{i}.bias"])
+            elif L.kind == "maxpool":
+                K.maxpool2_forward(out, ctx.argmax[j][:n], inp)
+            elif L.kind == "bn":
+                c = L.out_shape[0]
+                K.batchnorm_forward(
+                    out.reshape(n, c, -1),
+                    ctx.stats[j],
+                    inp.reshape(n, c, -1),
+                    p[f"{i}.weight"],
+                    p[f"{i}.bias"],
+                    K.BN_EPS,
+                )
+            else:
+                K.dense_forward(out, inp.reshape(n, -1), p[f"{i}.weight"], p[f"{i}.bias"])
+            if L.act is not None:
+                _ACT_FWD[L.act](out)
+            inp = out
+        return inp
+
+    def backward_update(
+        self,
+        ctx: StageContext,
+        n: int,
+        lr: float,
+        acc: np.ndarray,
+        *,
+        dout: np.ndarray | None = None,
+        labels: np.ndarray | None = None,
+    ) -> float:
+        """The backward pass of the mini-batch last forwarded in ``ctx`` and the update of the
+        stage's weights (``flat += -lr * grad``, and ``acc += -lr * grad``).
+
+        ``dout`` (n, *out_shape): the error wrt the stage's output (every stage but the last);
+        ``labels`` (n,) int64: the last stage's targets (its loss is the mean softmax
+        cross-entropy). Writes ``ctx.din[:n]`` (error wrt the input) unless the stage is first
+        in the network. Returns the mean loss (last stage), else 0."""
+        loss = 0.0
+        last = len(self.layers) - 1
+        if self.last:
+            assert labels is not None
+            logits = ctx.acts[last][:n]
+            eps = self.label_smoothing
+            probs = ctx.probs[:n]
+            loss = float(
+                K.softmax_cross_entropy_forward(probs, ctx.losses[:n], logits, labels[:n], eps)
+            )
+            K.softmax_cross_entropy_backward(
+                ctx.errs[last][:n], probs, labels[:n], np.float32(1.0 / n), eps
+            )
+        else:
+            assert dout is not None
+            ctx.errs[last][:n] = dout[:n]
+        p = self.parameters
+        first_in_net = self.first == 0
+        for j in range(last, -1, -1):
+            L = self.layers[j]
+            i = L.index
+            d = ctx.errs[j][:n]
+            if L.act is not None:
+                _ACT_BWD[L.act](d, ctx.acts[j][:n])
+            inp = ctx.x[:n] if j == 0 else ctx.acts[j - 1][:n]
+            need_dx = j > 0 or not first_in_net
+            dinp = (ctx.errs[j - 1] if j > 0 else ctx.din)[:n]
+            if L.kind == "maxpool":
+                if need_dx:
+                    K.maxpool2_backward(dinp, d, ctx.argmax[j][:n])
+                continue
+            w, b = p[f"{i}.weight"], p[f"{i}.bias"]
+            lo = self.offsets[f"{i}.weight"]
+            hi = lo + w.size + b.size
+            if L.kind == "fc":
+                a2 = inp.reshape(n, -1)
+                o, isz = w.shape
+                aw = acc[lo : lo + w.size].reshape(o, isz)
+                ab = acc[lo + w.size : hi]
+                F.dense_backward_update(
+                    dinp.reshape(n, -1) if need_dx else ctx.dummy,
+                    w,
+                    b,
+                    ctx.novel[:0].reshape(0, isz),
+                    ctx.novel[:0],
+                    aw,
+                    ab,
+                    ctx.row[:isz],
+                    d,
+                    a2,
+                    lr,
+                    0.0,
+                    need_dx,
+                )
+                continue
+            g = ctx.grads[j]
+            gw, gb = g[: w.size].reshape(w.shape), g[w.size :]
+            if L.kind == "conv":
+                K.conv2d_backward_weights(gw, gb, d, ctx.cols[j][:n])
+                if need_dx:
+                    K.conv2d_backward_input(dinp, ctx.dcols[j], d, w)
+            else:  # bn (never first in a network; may be first in a stage)
+                c = L.out_shape[0]
+                K.batchnorm_backward(
+                    dinp.reshape(n, c, -1),
+                    gw,
+                    gb,
+                    d.reshape(n, c, -1),
+                    inp.reshape(n, c, -1),
+                    ctx.stats[j],
+                    w,
+                )
+            F.sgd_update_into(self.flat[lo:hi], acc[lo:hi], g, ctx.novel[:0], lr, 0.0)
+        return loss
+
+
+class StageContext:
+    """Work buffers of one mini-batch in flight through a :class:`Stage` (up to ``batch_size``
+    images): per layer ``acts`` / ``errs`` (B, *out_shape), ``cols`` / ``dcols`` (conv),
+    ``argmax`` (pooling), ``stats`` (bn), ``grads`` (conv and bn: flat weight + bias, zero
+    between steps); ``din`` (B, *in_shape): the error wrt the input; ``x``: the input of the
+    last forward; ``probs`` / ``losses`` for the last stage; ``row``: the dense scratch."""
+
+    def __init__(self, stage: Stage, batch_size: int):
+        B = self.batch_size = int(batch_size)
+        self.acts: list[np.ndarray] = []
+        self.errs: list[np.ndarray] = []
+        self.cols: dict[int, np.ndarray] = {}
+        self.dcols: dict[int, np.ndarray] = {}
+        self.argmax: dict[int, np.ndarray] = {}
+        self.stats: dict[int, np.ndarray] = {}
+        self.grads: dict[int, np.ndarray] = {}
+        row = 1
+        for j, L in enumerate(stage.layers):
+            self.acts.append(np.zeros((B, *L.out_shape), np.float32))
+            self.errs.append(np.zeros((B, *L.out_shape), np.float32))
+            if L.kind == "conv":
+                ckk = L.in_shape[0] * L.kernel[0] * L.kernel[1]
+                pp = L.out_shape[1] * L.out_shape[2]
+                self.cols[j] = np.zeros((B, ckk, pp), np.float32)
+                self.dcols[j] = np.zeros((ckk, pp), np.float32)
+            elif L.kind == "maxpool":
+                self.argmax[j] = np.zeros((B, *L.out_shape), np.int8)
+            elif L.kind == "bn":
+                self.stats[j] = np.zeros((2, L.out_shape[0]), np.float32)
+            elif L.kind == "fc":
+                row = max(row, L.in_size)
+            if L.kind in ("conv", "bn"):
+                w = stage.parameters[f"{L.index}.weight"]
+                self.grads[j] = np.zeros(w.size + L.out_shape[0], np.float32)
+        self.din = np.zeros((B, *stage.in_shape), np.float32)
+        self.x = self.din  # replaced by each forward's input
+        self.row = np.zeros(row, np.float32)
+        self.probs = np.zeros((B, stage.classes), np.float32)
+        self.losses = np.zeros(B, np.float32)
+        self.dummy = np.zeros((1, 1), np.float32)
+        self.novel = np.zeros(0, np.float32)  # no velocity: partitions train without momentum
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [*self.acts, *self.errs, *self.cols.values(), *self.dcols.values()]
+        arrays += [*self.argmax.values(), *self.grads.values(), self.din, self.row, self.probs]
+        return int(sum(a.nbytes for a in arrays))
+
+
+def _offset_before(net: Network, first: int) -> int:
+    """The flat offset where layer ``first``'s parameters would start."""
+    off = 0
+    for L in net.layers[:first]:
+        if L.has_params:
+            e = net.layout[f"{L.index}.bias"]
+            off = e.offset + e.size
+    return off
+
+
+def stages_of(net: Network, bounds: Sequence[tuple[int, int]]) -> list[Stage]:
+    """The stages of ``net`` for layer ranges ``bounds`` [(first, stop), ...], consecutive and
+    covering every layer, each with a copy of its weights from ``net.flat``."""
+    at = 0
+    for a, b in bounds:
+        if a != at or b <= a:
+            raise ValueError(f"layer ranges {list(bounds)} are not consecutive")
+        at = b
+    if at != len(net.layers):
+        raise ValueError(f"layer ranges {list(bounds)} do not cover {len(net.layers)} layers")
+    return [Stage(net, a, b) for a, b in bounds]
