@@ -33,15 +33,29 @@ import numpy as np
 
 from . import fused as F
 from . import kernels as K
-from .network import Network
-from .spec import Layer
+from .layout import ParameterLayout
+from .network import Network, parameter_entries
+from .spec import Layer, parse_spec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Stage", "StageContext", "stages_of"]
+__all__ = ["Skeleton", "Stage", "StageContext", "stages_of"]
 
 _ACT_FWD = {"tanh": K.tanh_forward, "relu": K.relu_forward}
 _ACT_BWD = {"tanh": K.tanh_backward, "relu": K.relu_backward}
+
+
+class Skeleton:
+    """A network's plan without its weights (``layers``, ``layout``, ``classes``,
+    ``label_smoothing``, ``dropout``): what a partition builds its :class:`Stage` from, so a
+    worker never allocates the whole model. ``d``: :meth:`Network.to_dict`."""
+
+    def __init__(self, d: dict):
+        self.layers = parse_spec(d["spec"], tuple(d["input_shape"]), d["activation"])
+        self.layout = ParameterLayout(parameter_entries(self.layers))
+        self.classes = self.layers[-1].out_shape[0]
+        self.label_smoothing = float(d.get("label_smoothing", 0.0))
+        self.dropout = float(d.get("dropout", 0.0))
 
 
 class Stage:
@@ -53,7 +67,13 @@ class Stage:
     ``classes``, ``label_smoothing``.
     """
 
-    def __init__(self, net: Network, first: int, stop: int, weights: np.ndarray | None = None):
+    def __init__(
+        self,
+        net: Network | Skeleton,
+        first: int,
+        stop: int,
+        weights: np.ndarray | None = None,
+    ):
         if not 0 <= first < stop <= len(net.layers):
             raise ValueError(f"no layers [{first}, {stop}) in a network of {len(net.layers)}")
         if net.dropout > 0.0:
@@ -75,9 +95,10 @@ class Stage:
         else:  # parameter-free layers only (pooling): an empty span where they sit
             self.start = self.stop = _offset_before(net, first)
         self.flat = np.zeros(self.stop - self.start, np.float32)
-        if weights is None:
+        if weights is None and isinstance(net, Network):
             weights = net.flat
-        self.flat[...] = weights[self.start : self.stop]
+        if weights is not None:  # a Skeleton's stage starts at zeros: pull its weights
+            self.flat[...] = weights[self.start : self.stop]
         #: parameter name -> its offset in ``flat``
         self.offsets = {e.name: e.offset - self.start for e in entries}
         self.parameters: dict[str, np.ndarray] = {
@@ -281,7 +302,7 @@ class StageContext:
         return int(sum(a.nbytes for a in arrays))
 
 
-def _offset_before(net: Network, first: int) -> int:
+def _offset_before(net: Network | Skeleton, first: int) -> int:
     """The flat offset where layer ``first``'s parameters would start."""
     off = 0
     for L in net.layers[:first]:

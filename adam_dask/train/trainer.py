@@ -135,6 +135,7 @@ class Trainer:
         offload_dense: bool | None = None,
         average_from: float | None = None,
         overwrite: bool = False,
+        partitions: int | None = None,
     ):
         from ..data.datasets import open_split
 
@@ -167,6 +168,12 @@ class Trainer:
         self._fixed_replicas: int | None = None
         self._replicas_now: int | None = None
         self.set_replicas(config.get("train.replicas", replicas))
+        self.partitions = int(config.get("train.partitions", partitions))
+        if self.partitions < 1:
+            raise ConfigError(
+                f"partitions={self.partitions}", "use at least 1 (adam.train.partitions)"
+            )
+        self.partition_plan: Any = None
 
         self.train_split = open_split(data, "train", storage_options)
         self.validation = Validation(data, self.train_split, storage_options)
@@ -251,7 +258,13 @@ class Trainer:
                 "the cluster has no PS workers",
                 "start workers with --resources PS=1 or use assign_roles",
             )
-        self._replicas_now = replica_count(self._fixed_replicas, len(self._train_workers()))
+        self._replicas_now = self._replica_count()
+        if self.partition_plan is None:  # before anything starts: refuses what does not fit
+            from ._partition_task import cluster_plan
+
+            self.partition_plan = cluster_plan(
+                self.client, self.net, self.settings, self.partitions
+            )
         if self.server is None:
             from ..ps.server import ParameterServer
 
@@ -298,6 +311,12 @@ class Trainer:
             "push_every": self.push_every,
             "run": self.run_id,
             "settings": self.settings.to_dict(),
+            "partitions": self.partitions,
+            "partition_plan": (
+                self.partition_plan.as_dict()
+                if self.partition_plan is not None and self.partitions > 1
+                else None
+            ),
             "epochs": self.epochs,
         }
 
@@ -395,13 +414,26 @@ class Trainer:
         )
         ps_before = self._ps_stats()
         try:
-            run = run_replicas(
-                self.client,
-                self._jobs(epoch, R),
-                server=self.server,
-                data=self.dataservice,
-                quorum=self.epoch_quorum,
-            )
+            if self.partitions > 1:
+                from ._partition_task import run_partitioned
+
+                run = run_partitioned(
+                    self.client,
+                    self._jobs(epoch, R),
+                    server=self.server,
+                    data=self.dataservice,
+                    quorum=self.epoch_quorum,
+                    bounds=self.partition_plan.bounds(),
+                    window=self.partition_plan.window,
+                )
+            else:
+                run = run_replicas(
+                    self.client,
+                    self._jobs(epoch, R),
+                    server=self.server,
+                    data=self.dataservice,
+                    quorum=self.epoch_quorum,
+                )
         finally:
             self._bar.close()
             self._bar = None
@@ -451,7 +483,18 @@ class Trainer:
         if recorded is not None:
             logger.info("epoch %d resumes with its %d replicas", epoch, recorded)
             return recorded
-        return replica_count(self._fixed_replicas, len(self._train_workers()))
+        return self._replica_count()
+
+    def _replica_count(self) -> int:
+        """A fixed count, or one per TRAIN worker (per ``partitions`` of them) present now."""
+        workers = len(self._train_workers())
+        if self.partitions > 1:
+            from ._pipeline import check_parts
+
+            R = replica_count(self._fixed_replicas, max(1, workers // self.partitions))
+            check_parts(self.partitions, workers, R)
+            return R
+        return replica_count(self._fixed_replicas, workers)
 
     def _train_workers(self) -> list[str]:
         """The TRAIN workers, waiting up to ``adam.cluster.start-timeout`` while there are none:
