@@ -226,11 +226,14 @@ def run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
     if abort.is_set():  # a stale run of a lost task: its replica runs again under a new attempt
         return _aborted(job, "superseded", worker.address, t0)
     first, stop_layer = job.bounds[job.partition]
+    logger.debug("%s-p%d starts on %s", job.name, job.partition, worker.address)
     stage = Stage(Skeleton(rj.model), first, stop_layer)
     server.pull_range(stage.start, stage.stop, out=stage.flat)
+    logger.debug("%s-p%d pulled its weights; meeting its neighbours", job.name, job.partition)
     links = _meet(job, get_address_host(worker.address), abort)
     if links is None:
-        return _aborted(job, "the neighbours did not meet", worker.address, t0)
+        why = "aborted" if abort.is_set() else f"not within {job.timeout:.0f} s"
+        return _aborted(job, f"the neighbours did not meet ({why})", worker.address, t0)
     up, down = links
     stop = _Poll(Event(rj.stop_name))
     runner = PartitionRunner(
@@ -298,11 +301,12 @@ def run_partitioned(
     window: int,
 ) -> EpochRun:
     """Run ``jobs`` (one epoch, one per replica), each replica as ``len(bounds)`` partition
-    tasks, until ``quorum`` of the replicas finished; a replica whose partition was lost runs
-    again (next attempt) from where the parameter server's marks say it stood."""
-    from distributed import Event, as_completed
-    from distributed.client import FutureCancelledError
+    tasks pinned to distinct TRAIN workers, until ``quorum`` of the replicas finished; a
+    replica whose partition was lost runs again (next attempt, on the TRAIN workers free then)
+    from where the parameter server's marks say it stood."""
+    from distributed import Event, wait
 
+    from ..cluster import workers_with_role
     from ..errors import AdamError, ClusterError
 
     P = len(bounds)
@@ -310,97 +314,120 @@ def run_partitioned(
     R, epoch = len(jobs), first.epoch
     timeout = float(config.get("train.partition-timeout"))
     max_attempts = int(config.get("train.partition-attempts"))
+    start_timeout = float(config.get("cluster.start-timeout"))
     stop = Event(first.stop_name, client=client)
     stop.clear()
     t0 = time.perf_counter()
     attempt = dict.fromkeys(range(R), 0)
-    meta: dict[Any, tuple[int, int, int]] = {}  # future key -> (replica, partition, attempt)
     results: dict[int, dict[int, dict]] = {r: {} for r in range(R)}
-    open_: dict[int, set] = {r: set() for r in range(R)}
+    # replica -> its current attempt's unfinished futures, with their partition and worker
+    open_: dict[int, dict[Any, tuple[int, str]]] = {r: {} for r in range(R)}
     futures: list[Any] = []
-    ac = as_completed()
+
+    def pjob(r: int, p: int) -> PartitionJob:
+        return PartitionJob(jobs[r], p, P, tuple(bounds), attempt[r], window, timeout)
 
     def submit(r: int) -> None:
-        a = attempt[r]
-        pjobs = [
-            PartitionJob(jobs[r], p, P, tuple(bounds), a, window, timeout) for p in range(P)
-        ]
-        Event(pjobs[0].abort_name, client=client).clear()
-        futs = client.map(
-            run_partition,
-            pjobs,
-            server=server,
-            data=data,
-            resources={TRAIN: 1},
-            pure=False,
-            key=[f"{pj.name}-p{pj.partition}" for pj in pjobs],
-        )
-        for p, f in enumerate(futs):
-            meta[f.key] = (r, p, a)
-            open_[r].add(f.key)
+        # pinned, one partition per worker: a task queued behind another partition's held
+        # TRAIN resource would wait for it forever
+        deadline = time.monotonic() + start_timeout
+        while True:
+            busy = {w for per in open_.values() for _, w in per.values()}
+            free = [w for w in workers_with_role(client, TRAIN) if w not in busy]
+            if len(free) >= P:
+                break
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"replica {r} of epoch {epoch} needs {P} free TRAIN workers, "
+                    f"{len(free)} are free",
+                    "add TRAIN workers, or train with fewer partitions",
+                )
+            time.sleep(0.25)
+        Event(pjob(r, 0).abort_name, client=client).clear()
+        for p in range(P):
+            pj = pjob(r, p)
+            f = client.submit(
+                run_partition,
+                pj,
+                server=server,
+                data=data,
+                workers=[free[p]],
+                allow_other_workers=False,
+                resources={TRAIN: 1},
+                pure=False,
+                key=f"{pj.name}-p{p}",
+            )
+            open_[r][f] = (p, free[p])
             futures.append(f)
-            ac.add(f)
+
+    def ended(r: int, p: int, res: dict) -> None:
+        results[r][p] = res
+        if res.get("aborted"):  # every partition of the attempt gives up at once
+            Event(pjob(r, p).abort_name, client=client).set()
 
     for r in range(R):
         submit(r)
     needed = quorum_size(R, quorum)
     done: list[dict] = []
+    finished: set[int] = set()
     quorum_seconds = None
     try:
-        for fut in ac:
-            r, p, a = meta[fut.key]
-            if a != attempt[r]:
-                continue
-            open_[r].discard(fut.key)
-            try:
-                res = fut.result()
-            except AdamError:
-                raise
-            except (FutureCancelledError, OSError, RuntimeError, ValueError) as exc:
-                # KilledWorker (its worker died allowed-failures times) and the like
-                res = {"partition": p, "aborted": f"{type(exc).__name__}: {exc}"}
-            results[r][p] = res
-            if res.get("aborted"):
-                name = PartitionJob(jobs[r], p, P, tuple(bounds), a, window, timeout).abort_name
-                Event(name, client=client).set()  # every partition of the attempt gives up
-            if open_[r]:
-                continue
-            parts = [results[r][q] for q in range(P)]
-            reasons = [q.get("aborted") for q in parts if q.get("aborted")]
-            if reasons:
-                if attempt[r] + 1 >= max_attempts:
-                    raise ClusterError(
-                        f"replica {r} of epoch {epoch}: {max_attempts} attempts of its "
-                        f"{P} partitions failed (the last: {reasons[0]})",
-                        "check the TRAIN workers, or raise adam.train.partition-attempts",
+        while len(finished) < R:
+            pending = [f for per in open_.values() for f in per]
+            if pending:
+                try:
+                    wait(pending, timeout=0.5, return_when="FIRST_COMPLETED")
+                except TimeoutError:
+                    pass
+            live = set(workers_with_role(client, TRAIN))
+            for r in range(R):
+                for f, (p, w) in list(open_[r].items()):
+                    if f.done():
+                        del open_[r][f]
+                        try:
+                            res = f.result()
+                        except AdamError:
+                            raise
+                        except Exception as exc:  # lost with its worker, and the like
+                            res = {"partition": p, "aborted": f"{type(exc).__name__}: {exc}"}
+                        ended(r, p, res)
+                    elif w not in live:  # its worker died: the pinned task never runs again
+                        del open_[r][f]
+                        f.cancel()
+                        ended(r, p, {"partition": p, "aborted": f"its worker {w} was lost"})
+                if open_[r] or r in finished:
+                    continue
+                parts = [results[r][q] for q in range(P)]
+                reasons = [q["aborted"] for q in parts if q.get("aborted")]
+                if reasons:
+                    if attempt[r] + 1 >= max_attempts:
+                        raise ClusterError(
+                            f"replica {r} of epoch {epoch}: {max_attempts} attempts of its "
+                            f"{P} partitions failed (the last: {reasons[0]})",
+                            "check the TRAIN workers, or raise adam.train.partition-attempts",
+                        )
+                    logger.warning(
+                        "epoch %d: replica %d's partitions stopped (%s); running it again",
+                        epoch,
+                        r,
+                        "; ".join(sorted(set(reasons))),
                     )
-                logger.warning(
-                    "epoch %d: replica %d's partitions stopped (%s); running it again",
-                    epoch,
-                    r,
-                    reasons[0],
-                )
-                attempt[r] += 1
-                results[r] = {}
-                submit(r)
-                continue
-            done.append(_combine(jobs[r], parts, attempt[r], time.perf_counter() - t0))
-            if len(done) == needed and needed < R:
-                quorum_seconds = time.perf_counter() - t0
-                logger.info("epoch %d: %d of %d replicas done; stopping the rest", epoch, needed, R)
-                stop.set()
-            if len(done) == R:
-                break
+                    attempt[r] += 1
+                    results[r] = {}
+                    submit(r)
+                    continue
+                finished.add(r)
+                done.append(_combine(jobs[r], parts, attempt[r], time.perf_counter() - t0))
+                if len(done) == needed and needed < R:
+                    quorum_seconds = time.perf_counter() - t0
+                    logger.info(
+                        "epoch %d: %d of %d replicas done; stopping the rest", epoch, needed, R
+                    )
+                    stop.set()
     except BaseException:
         stop.set()
         for r in range(R):
-            a = attempt[r]
-            Event(
-                PartitionJob(jobs[r], 0, P, tuple(bounds), a, window, timeout).abort_name,
-                client=client,
-            ).set()
-        from distributed import wait
-
+            Event(pjob(r, 0).abort_name, client=client).set()
         try:
             wait(futures, timeout=float(config.get("train.stop-timeout")))
         except TimeoutError:
@@ -414,8 +441,6 @@ def run_partitioned(
     stop.clear()
     for f in futures:
         f.release()
-    if len(done) < R and quorum_seconds is None:
-        raise ClusterError(f"epoch {epoch}: only {len(done)} of {R} partitioned replicas ended")
     return EpochRun(done, time.perf_counter() - t0, quorum_seconds)
 
 
