@@ -82,9 +82,7 @@ def _fit(client, store, spec, P, *, epochs, seed, lr, push_every, activation=Non
     }
     if P > 1:
         out["plan"] = t.partition_plan.describe()
-        out["plan_memory_mib"] = [
-            round(p.memory / 2**20) for p in t.partition_plan.partitions
-        ]
+        out["plan_memory_mib"] = [round(p.memory / 2**20) for p in t.partition_plan.partitions]
     return out
 
 
@@ -95,8 +93,9 @@ def part_mnist(args) -> dict:
     with _cluster(2, "2 GiB") as client:
         for seed in range(args.seeds):
             for P in (1, 2):
-                r = _fit(client, store, spec, P, epochs=args.epochs, seed=seed, lr=0.05,
-                         push_every=512)
+                r = _fit(
+                    client, store, spec, P, epochs=args.epochs, seed=seed, lr=0.05, push_every=512
+                )
                 r.pop("plan", None)
                 runs.append({"seed": seed, **r})
                 print(runs[-1], flush=True)
@@ -128,8 +127,16 @@ def part_large(args) -> dict:
     Ps = [int(p) for p in args.large_partitions.split(",")]
     with _cluster(max(Ps), "1 GiB") as client:
         for P in Ps:
-            r = _fit(client, store, LARGE, P, epochs=1, seed=0, lr=args.large_lr,
-                     push_every=args.large_push_every)
+            r = _fit(
+                client,
+                store,
+                LARGE,
+                P,
+                epochs=1,
+                seed=0,
+                lr=args.large_lr,
+                push_every=args.large_push_every,
+            )
             runs.append(r)
             print({k: v for k, v in r.items() if k != "plan"}, flush=True)
             if "plan" in r:
@@ -147,9 +154,7 @@ def part_large(args) -> dict:
         "refused": {r["partitions"]: r["error"] for r in runs if "error" in r},
         "accuracy": {r["partitions"]: r["test_accuracy"] for r in ok},
         "images_per_second": {r["partitions"]: r["images_per_second"] for r in ok},
-        "rate_vs_first": {
-            r["partitions"]: r["images_per_second"] / base for r in ok if base
-        },
+        "rate_vs_first": {r["partitions"]: r["images_per_second"] / base for r in ok if base},
         "cross_bytes_per_image": {r["partitions"]: r["cross_bytes_per_image"] for r in ok},
         "runs": runs,
     }

@@ -112,9 +112,7 @@ def _meet(job: PartitionJob, host: str, abort: _Poll) -> tuple[Any, Any] | None:
         listener = socket.create_server((host, 0))
         listener.settimeout(0.5)
         port = listener.getsockname()[1]
-        Variable(job.address_name(job.partition)).set(
-            {"host": host, "port": port, "token": token}
-        )
+        Variable(job.address_name(job.partition)).set({"host": host, "port": port, "token": token})
     down = up = None
     try:
         if job.partition < job.parts - 1:
@@ -191,9 +189,7 @@ def _groups(job: PartitionJob, server: Any, data: Any, stop: _Poll, s: Any) -> I
         yield group
     if stop.is_set():
         return
-    stream = data.stream(
-        rj.replica, rj.replicas, rj.epoch, return_key=True, resume=marker.position
-    )
+    stream = data.stream(rj.replica, rj.replicas, rj.epoch, return_key=True, resume=marker.position)
 
     def marks(counts: dict) -> tuple[int, list]:
         m = marker.marks(counts, 1)[0]

@@ -225,7 +225,9 @@ class PartitionRunner:
         neighbour was lost or the replica aborted: the complete groups taken before that are
         pushed, nothing else)."""
         t0 = time.perf_counter()
-        threads = [self._thread(self._train, f"partition-{self.index}-{t}", t) for t in range(self.threads)]
+        threads = [
+            self._thread(self._train, f"partition-{self.index}-{t}", t) for t in range(self.threads)
+        ]
         threads.append(self._thread(self._communicate, f"partition-{self.index}-exchange"))
         if self.up is not None:
             threads.append(self._thread(self._receive, "from-up", self.up, "up"))
@@ -313,7 +315,11 @@ class PartitionRunner:
             with self._cond:
                 self._sizes[g] = len(group.batches)
                 # at most two groups open: group g waits for group g - 2 to come back
-                while g >= 2 and self.failed is None and self._completed.get(g - 2, 0) < self._sizes[g - 2]:
+                while (
+                    g >= 2
+                    and self.failed is None
+                    and self._completed.get(g - 2, 0) < self._sizes[g - 2]
+                ):
                     self._wait_cond()
             info = {
                 "g": g,
@@ -409,7 +415,9 @@ class PartitionRunner:
                         with self._lock:
                             self._pending[mb] = (ctx, info)
                         header = {k: info[k] for k in ("g", "seq", "gn", "covers", "lr", "images")}
-                        header.update(op="f", mb=mb, n=n, y=np.ascontiguousarray(y, np.int64).tobytes())
+                        header.update(
+                            op="f", mb=mb, n=n, y=np.ascontiguousarray(y, np.int64).tobytes()
+                        )
                         assert self.down is not None
                         self.down.send(header, out)
                 else:

@@ -181,9 +181,7 @@ def _complete_images(shards: Mapping[int, Sequence[Mark]]) -> int:
     total = 0
     for per in parts.values():
         first = next(iter(per.values()))[0]
-        if all(
-            j in per and _targets(per[j][0], sids) <= per[j][1] for j in range(first.parts)
-        ):
+        if all(j in per and _targets(per[j][0], sids) <= per[j][1] for j in range(first.parts)):
             total += cover_images(first.covers)
     return total
 

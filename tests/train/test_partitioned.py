@@ -49,9 +49,7 @@ def trainer(store, client, **kwargs):
 
 
 @pytest.mark.timeout(300)
-def test_a_two_partition_replica_trains_above_chance_with_every_image_applied_once(
-    store, cluster
-):
+def test_a_two_partition_replica_trains_above_chance_with_every_image_applied_once(store, cluster):
     t = trainer(store, cluster)
     try:
         hist = t.fit(epochs=2)
@@ -66,9 +64,7 @@ def test_a_two_partition_replica_trains_above_chance_with_every_image_applied_on
 
 def test_a_plan_over_a_workers_memory_is_refused_naming_the_partition(store, cluster):
     # ~74M parameters: with its accumulators and buffers more than a 2 GiB worker gives
-    t = Trainer(
-        store, model="fc8192,fc8192,fc10", client=cluster, progress=False, checkpoint=False
-    )
+    t = Trainer(store, model="fc8192,fc8192,fc10", client=cluster, progress=False, checkpoint=False)
     with pytest.raises(PartitionError, match=r"partition 0 of 1 .* needs ~[\d,]+ MiB") as e:
         t.fit(epochs=1)
     assert e.value.partition == 0

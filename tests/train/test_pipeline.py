@@ -100,7 +100,9 @@ def test_a_partitioned_replica_trains_and_pushes_every_group_once_per_partition(
     store = RangedStore(net.flat, [(s.start, s.stop) for s in stages])
     before = net.evaluate(x, y)
     marker = Marker(0, 0, 1)
-    runners, results = _replica(net, bounds, store, [*_groups(x, y, marker), *_groups(x, y, marker)])
+    runners, results = _replica(
+        net, bounds, store, [*_groups(x, y, marker), *_groups(x, y, marker)]
+    )
     assert all(r["aborted"] is None for r in results.values())
     assert results[0]["images"] == results[len(bounds) - 1]["images"] == 2 * len(y)
     # every partition pushed every group, each once
@@ -128,7 +130,9 @@ def test_a_broken_link_stops_every_partition_with_only_whole_groups_pushed():
             time.sleep(0.01)
         runners[1].down.sock.shutdown(socket.SHUT_RDWR)  # the link 1 -> 2 breaks
 
-    runners, results = _replica(net, bounds, store, [g for _ in range(3) for g in _groups(x, y, marker)], break_after=cut)
+    runners, results = _replica(
+        net, bounds, store, [g for _ in range(3) for g in _groups(x, y, marker)], break_after=cut
+    )
     assert all(r["aborted"] for r in results.values()), results
     # a group counts only when every partition's part of it was pushed
     full = set.intersection(*(set(r["groups_pushed"]) for r in results.values()))
