@@ -34,7 +34,7 @@ from .. import config
 from ..cluster import TRAIN
 from ._epoch import quorum_size
 from ._submit import EpochRun
-from .task import ReplicaJob
+from .task import ReplicaJob, _Reporter
 
 __all__ = ["PartitionJob", "cluster_plan", "run_partition", "run_partitioned"]
 
@@ -155,8 +155,11 @@ def _meet(job: PartitionJob, host: str, abort: _Poll) -> tuple[Any, Any] | None:
             listener.close()
 
 
-def _groups(job: PartitionJob, server: Any, data: Any, stop: _Poll, s: Any) -> Iterator:
-    """Partition 0's push groups: the segments to re-train, then the rest of the share."""
+def _groups(
+    job: PartitionJob, server: Any, data: Any, stop: _Poll, s: Any, report: Any
+) -> Iterator:
+    """Partition 0's push groups: the segments to re-train, then the rest of the share;
+    ``report(images)`` as each group leaves (the replica's progress events)."""
     from ..errors import ClusterError
     from ._pipeline import Group, push_groups
     from ._position import Marker, encode, resume_plan
@@ -201,6 +204,7 @@ def _groups(job: PartitionJob, server: Any, data: Any, stop: _Poll, s: Any) -> I
             group.lr = lr()
             done += group.images
             yield group
+            report(done)
     finally:
         stream.close()
 
@@ -247,8 +251,13 @@ def run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
         abort=abort,
         timeout=job.timeout,
     )
-    groups = _groups(job, server, data, stop, s) if job.partition == 0 else None
+    reporter = _Reporter(worker, rj, t0)
+    groups = None
+    if job.partition == 0:
+        groups = _groups(job, server, data, stop, s, lambda n: reporter.report(n, runner.pushes))
     out = runner.run(groups)
+    if job.partition == 0:
+        reporter.report(runner.images, runner.pushes, final=True)
     # what it pushed is held by every copy before the result counts (ack="replay")
     server.settle(checkpoint=False)
     out["worker"] = worker.address

@@ -181,6 +181,9 @@ def test_a_partitioned_replicas_plan_is_shown_with_its_server(html_tables):
         ["1", "3-3 fc10", "330", rows[1][3][1]],
     ]
     assert "256 bytes per image" in render_page(st, refresh=2)
-    assert build_status(now=0.0, workers=WORKERS, servers={"srv": routing()})["servers"][0][
-        "partition_plan"
-    ] is None
+    assert (
+        build_status(now=0.0, workers=WORKERS, servers={"srv": routing()})["servers"][0][
+            "partition_plan"
+        ]
+        is None
+    )
