@@ -11,9 +11,9 @@ the memory it needs on its worker.
 The layers are split into ``P`` consecutive stages so that the largest partition's parameters
 are as few as they can be (the memory is what does not fit; a partition's compute is about its
 parameters times the batch for dense layers). :meth:`PartitionPlan.check` refuses a plan with a
-partition over its worker's budget, naming it. A dense layer wider than one worker is the
-paper's split by output neurons; that split is not built yet: such a layer is refused with the
-partition that holds it.
+partition over its worker's budget, naming it. A dense layer that alone outweighs a fair share is split by
+output neurons across several partitions (the paper's Figure 6): each slice holds its rows of
+the weights (the last one the layer's bias too), see :class:`~adam_dask.model.stage.Stage`.
 
 Pure: no Dask, no I/O.
 """
@@ -51,6 +51,7 @@ class Partition:
     in_size: int  # floats per image in (activations received; 0 for the first)
     out_size: int  # floats per image out (activations sent; 0 for the last)
     memory: int  # estimated bytes on its worker
+    rows: tuple[int, int] = (0, 0)  # a dense layer's output rows [r0, r1); (0, 0): whole layers
 
     @property
     def params(self) -> int:
@@ -70,9 +71,10 @@ class PartitionPlan:
     def __len__(self) -> int:
         return len(self.partitions)
 
-    def bounds(self) -> list[tuple[int, int]]:
-        """Layer ranges [(first, stop), ...] (for :func:`~adam_dask.model.stage.stages_of`)."""
-        return [(p.first, p.stop) for p in self.partitions]
+    def bounds(self) -> list[tuple[int, int, int, int]]:
+        """[(first, stop, r0, r1), ...]: layer ranges, and the rows of a split dense layer
+        (r1 > 0), for :func:`~adam_dask.model.stage.stages_of`."""
+        return [(p.first, p.stop, *p.rows) for p in self.partitions]
 
     def cross_bytes_per_image(self) -> int:
         """Bytes crossing partitions per image: activations forward and errors back."""
@@ -113,6 +115,7 @@ class PartitionPlan:
                 {
                     "index": p.index,
                     "layers": [p.first, p.stop],
+                    "rows": list(p.rows),
                     "tokens": list(p.tokens),
                     "span": [p.start, p.stop_param],
                     "params": p.params,
@@ -142,30 +145,41 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):,.0f} MiB"
 
 
-def _split(weights: list[int], P: int) -> list[int]:
-    """Cut points [0, c1, ..., L] of ``weights`` into ``P`` non-empty consecutive runs that
-    minimise the largest run's sum (then, among those, prefer later cuts for earlier runs)."""
+def _split(weights: list[int], P: int, splittable: list[int]) -> list[tuple[int, int, int]]:
+    """``P`` consecutive pieces of the layers ``weights`` (parameters per layer) that minimise
+    the largest piece: runs of whole layers, or one layer ``j`` cut into ``m`` slices of
+    ``weights[j] / m`` when ``splittable[j]`` (its outputs; 0: not a dense layer) allows and a
+    run cannot do as well. Returns ``[(first, stop, m), ...]`` (m = 1: a run), in order."""
     L = len(weights)
     prefix = np.concatenate([[0], np.cumsum(weights, dtype=np.int64)])
     INF = np.iinfo(np.int64).max
-    # best[k][j]: the smallest max-sum of splitting weights[:j] into k runs
+    # best[k][j]: the smallest largest piece of layers [0, j) in k pieces; how[k][j]: the last
     best = np.full((P + 1, L + 1), INF, np.int64)
-    cut = np.zeros((P + 1, L + 1), np.int64)
+    how: dict[tuple[int, int], tuple[int, int]] = {}
     best[0][0] = 0
     for k in range(1, P + 1):
-        for j in range(k, L + 1):
-            for i in range(k - 1, j):
+        for j in range(1, L + 1):
+            for i in range(j - 1, -1, -1):  # a run [i, j); later cuts first on ties
                 if best[k - 1][i] == INF:
                     continue
                 v = max(best[k - 1][i], prefix[j] - prefix[i])
-                if v < best[k][j] or (v == best[k][j] and i > cut[k][j]):
-                    best[k][j], cut[k][j] = v, i
-    cuts = [L]
-    j = L
-    for k in range(P, 0, -1):
-        j = int(cut[k][j])
-        cuts.append(j)
-    return cuts[::-1]
+                if v < best[k][j]:
+                    best[k][j], how[(k, j)] = v, (i, 1)
+            for m in range(2, min(k, splittable[j - 1]) + 1):  # layer j - 1 in m slices
+                if best[k - m][j - 1] == INF:
+                    continue
+                v = max(best[k - m][j - 1], -(-weights[j - 1] // m))
+                if v < best[k][j]:
+                    best[k][j], how[(k, j)] = v, (j - 1, m)
+    if best[P][L] == INF:
+        raise PartitionError(f"{P} partitions for a network of {L} layers")
+    out = []
+    k, j = P, L
+    while j > 0:
+        i, m = how[(k, j)]
+        out.append((i, j, m))
+        k, j = k - m, i
+    return out[::-1]
 
 
 def _context_bytes(layers: list, batch_size: int, classes: int) -> int:
@@ -200,11 +214,6 @@ def plan_partitions(
     layers = net.layers
     if P < 1:
         raise PartitionError(f"partitions={P}", "use at least 1")
-    if P > len(layers):
-        raise PartitionError(
-            f"{P} partitions for a network of {len(layers)} layers",
-            f"use at most {len(layers)} partitions (each holds at least one layer)",
-        )
     W = int(window) if window is not None else 2 * P * T
     sizes = []
     for L in layers:
@@ -212,13 +221,42 @@ def plan_partitions(
         if L.has_params:
             s = net.layout[f"{L.index}.weight"].size + net.layout[f"{L.index}.bias"].size
         sizes.append(s)
-    cuts = _split(sizes, P)
+    # a dense layer may be split by output neurons (paper Figure 6), not the logits' layer
+    wide = [
+        L.out_shape[0] if L.kind == "fc" and j < len(layers) - 1 else 0
+        for j, L in enumerate(layers)
+    ]
+    if P > len(layers) + sum(max(0, o - 1) for o in wide):
+        raise PartitionError(
+            f"{P} partitions for a network of {len(layers)} layers",
+            "use fewer partitions (each holds a layer, or a slice of a dense layer's outputs)",
+        )
+    pieces: list[tuple[int, int, int, int]] = []  # (first, stop, r0, r1)
+    for a, b, m in _split(sizes, P, wide):
+        if m == 1:
+            pieces.append((a, b, 0, 0))
+            continue
+        O = layers[a].out_shape[0]
+        bounds = [O * q // m for q in range(m + 1)]
+        pieces += [(a, b, bounds[q], bounds[q + 1]) for q in range(m)]
     parts = []
     offset = 0
-    for k in range(P):
-        a, b = cuts[k], cuts[k + 1]
-        n = sum(sizes[a:b])
-        mem = _F * n * (1 + 2 * T + 2 + 1) + W * _context_bytes(layers[a:b], B, net.classes)
+    for k, (a, b, r0, r1) in enumerate(pieces):
+        L0 = layers[a]
+        if r1:  # a slice: its rows' weights, and the whole bias in the last one
+            I, O = L0.in_size, L0.out_shape[0]
+            n = (r1 - r0) * I + (O if r1 == O else 0)
+            ctx = _F * B * (3 * O + 2 * I + (r1 - r0) + I + r1)
+            tokens: tuple[str, ...] = (f"{L0.token}[{r0}:{r1}]",)
+            in_size = I if r0 == 0 else I + r0
+            out_size = O if r1 == O else I + r1
+        else:
+            n = sum(sizes[a:b])
+            ctx = _context_bytes(layers[a:b], B, net.classes)
+            tokens = tuple(L.token for L in layers[a:b])
+            in_size = int(np.prod(L0.in_shape))
+            out_size = int(np.prod(layers[b - 1].out_shape))
+        mem = _F * n * (1 + 2 * T + 2 + 1) + W * ctx
         parts.append(
             Partition(
                 index=k,
@@ -226,11 +264,14 @@ def plan_partitions(
                 stop=b,
                 start=offset,
                 stop_param=offset + n,
-                tokens=tuple(L.token for L in layers[a:b]),
-                in_size=0 if k == 0 else int(np.prod(layers[a].in_shape)),
-                out_size=0 if k == P - 1 else int(np.prod(layers[b - 1].out_shape)),
+                tokens=tokens,
+                in_size=0 if k == 0 else in_size,
+                out_size=0 if k == len(pieces) - 1 else out_size,
                 memory=BASE_BYTES + mem,
+                rows=(r0, r1),
             )
         )
         offset += n
+    if offset != net.layout.size:  # the pieces tile the flat layout exactly
+        raise AssertionError(f"partition spans cover {offset} of {net.layout.size} parameters")
     return PartitionPlan(tuple(parts), net.layout.size, T, B, W)

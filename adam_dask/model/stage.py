@@ -73,6 +73,7 @@ class Stage:
         first: int,
         stop: int,
         weights: np.ndarray | None = None,
+        rows: tuple[int, int] | None = None,
     ):
         if not 0 <= first < stop <= len(net.layers):
             raise ValueError(f"no layers [{first}, {stop}) in a network of {len(net.layers)}")
@@ -85,6 +86,10 @@ class Stage:
         self.out_shape = tuple(self.layers[-1].out_shape)
         self.classes = net.classes
         self.label_smoothing = net.label_smoothing
+        self.rows = None if rows is None or tuple(rows) == (0, 0) else (int(rows[0]), int(rows[1]))
+        if self.rows is not None:
+            self._init_slice(net, weights)
+            return
         names = [
             n for L in self.layers if L.has_params for n in (f"{L.index}.weight", f"{L.index}.bias")
         ]
@@ -107,6 +112,45 @@ class Stage:
             )
             for e in entries
         }
+
+    def _init_slice(self, net: Network | Skeleton, weights: np.ndarray | None) -> None:
+        """Output rows ``[r0, r1)`` of one dense layer (paper Figure 6: a layer too wide for one
+        worker split by output neurons). The slices of a layer are consecutive partitions:
+        each one's input is the layer's input ``x`` and, after the first, the pre-activations
+        of the rows before it; it sends on ``x`` and the rows up to its own, and the last slice
+        (which also holds the whole bias, laid out right after the weights) adds the bias,
+        applies the activation and sends the layer's output. Backward the other way: each
+        slice updates its rows, adds its part ``dz_s @ W_s`` to the input's error and sends it
+        back with the error terms of the rows before its own."""
+        (L,) = self.layers
+        if L.kind != "fc":
+            raise ValueError(f"only a dense layer can be split by rows, not {L.kind!r}")
+        assert self.rows is not None
+        r0, r1 = self.rows
+        O, I = L.out_shape[0], L.in_size
+        if not 0 <= r0 < r1 <= O:
+            raise ValueError(f"rows [{r0}, {r1}) of a dense layer of {O} outputs")
+        we, be = net.layout[f"{L.index}.weight"], net.layout[f"{L.index}.bias"]
+        self.O, self.I = O, I
+        self.first_slice, self.last_slice = r0 == 0, r1 == O
+        self.last = self.last and self.last_slice
+        self.start = we.offset + r0 * I
+        self.stop = we.offset + r1 * I if not self.last_slice else be.offset + O
+        self.flat = np.zeros(self.stop - self.start, np.float32)
+        if weights is None and isinstance(net, Network):
+            weights = net.flat
+        if weights is not None:
+            self.flat[...] = weights[self.start : self.stop]
+        self.weight = self.flat[: (r1 - r0) * I].reshape(r1 - r0, I)
+        self.parameters = {f"{L.index}.weight[{r0}:{r1}]": self.weight}
+        self.offsets = {f"{L.index}.weight[{r0}:{r1}]": 0}
+        self.bias = self.flat[(r1 - r0) * I :] if self.last_slice else None
+        if self.bias is not None:
+            self.parameters[f"{L.index}.bias"] = self.bias
+            self.offsets[f"{L.index}.bias"] = (r1 - r0) * I
+        # messages: forward [x (I), pre-activations of rows [0, r)]; backward mirrored
+        self.in_shape = tuple(L.in_shape) if self.first_slice else (I + r0,)
+        self.out_shape = (O,) if self.last_slice else (I + r1,)
 
     @property
     def size(self) -> int:
@@ -134,6 +178,8 @@ class Stage:
         through the stage in ``ctx`` (training mode: bn by the batch's statistics); returns the
         output view (n, *out_shape)."""
         ctx.x = x
+        if self.rows is not None:
+            return self._slice_forward(ctx, x, n)
         inp = x[:n]
         p = self.parameters
         for j, L in enumerate(self.layers):
@@ -177,6 +223,8 @@ class Stage:
         ``labels`` (n,) int64: the last stage's targets (its loss is the mean softmax
         cross-entropy). Writes ``ctx.din[:n]`` (error wrt the input) unless the stage is first
         in the network. Returns the mean loss (last stage), else 0."""
+        if self.rows is not None:
+            return self._slice_backward(ctx, n, lr, acc, dout, labels)
         loss = 0.0
         last = len(self.layers) - 1
         if self.last:
@@ -252,6 +300,100 @@ class Stage:
             F.sgd_update_into(self.flat[lo:hi], acc[lo:hi], g, ctx.novel[:0], lr, 0.0)
         return loss
 
+    def _slice_forward(self, ctx: StageContext, x: np.ndarray, n: int) -> np.ndarray:
+        assert self.rows is not None
+        r0, _ = self.rows
+        I, L = self.I, self.layers[0]
+        xin = x[:n].reshape(n, -1)
+        xs = xin if self.first_slice else np.ascontiguousarray(xin[:, :I])
+        ctx.xs = xs
+        z = ctx.z[:n]
+        K.dense_forward(z, xs, self.weight, ctx.zero_bias)
+        out = ctx.acts[0][:n].reshape(n, -1)
+        if self.last_slice:
+            assert self.bias is not None
+            if r0:
+                out[:, :r0] = xin[:, I:]
+            out[:, r0:] = z
+            out += self.bias
+            if L.act is not None:
+                _ACT_FWD[L.act](out)
+        else:
+            out[:, :I] = xs
+            if r0:
+                out[:, I : I + r0] = xin[:, I:]
+            out[:, I + r0 :] = z
+        return ctx.acts[0][:n]
+
+    def _slice_backward(
+        self,
+        ctx: StageContext,
+        n: int,
+        lr: float,
+        acc: np.ndarray,
+        dout: np.ndarray | None,
+        labels: np.ndarray | None,
+    ) -> float:
+        assert self.rows is not None
+        r0, r1 = self.rows
+        I, L = self.I, self.layers[0]
+        loss = 0.0
+        need_dx = self.first > 0  # the network's first layer: no input error
+        dx = ctx.dx[:n]
+        partial = None
+        if self.last_slice:
+            assert self.bias is not None
+            dz = ctx.errs[0][:n]  # (n, O)
+            y = ctx.acts[0][:n].reshape(n, -1)
+            if self.last:
+                assert labels is not None
+                eps = self.label_smoothing
+                probs = ctx.probs[:n]
+                loss = float(
+                    K.softmax_cross_entropy_forward(probs, ctx.losses[:n], y, labels[:n], eps)
+                )
+                K.softmax_cross_entropy_backward(dz, probs, labels[:n], np.float32(1.0 / n), eps)
+            else:
+                assert dout is not None
+                dz[...] = dout[:n].reshape(n, -1)
+                if L.act is not None:
+                    _ACT_BWD[L.act](dz, y)
+            ctx.gbias[...] = dz.sum(axis=0)
+            nb = self.O
+            F.sgd_update_into(self.bias, acc[acc.shape[0] - nb :], ctx.gbias, ctx.novel, lr, 0.0)
+            own = np.ascontiguousarray(dz[:, r0:])
+            before = dz[:, :r0]
+        else:
+            assert dout is not None
+            d = dout[:n].reshape(n, -1)
+            partial = d[:, :I]
+            own = np.ascontiguousarray(d[:, I + r0 : I + r1])
+            before = d[:, I : I + r0]
+        rows = r1 - r0
+        F.dense_backward_update(
+            dx if need_dx else ctx.dummy,
+            self.weight,
+            ctx.scratch_bias,
+            ctx.novel[:0].reshape(0, I),
+            ctx.novel[:0],
+            acc[: rows * I].reshape(rows, I),
+            ctx.scratch_bias_acc,
+            ctx.row[:I],
+            own,
+            ctx.xs,
+            lr,
+            0.0,
+            need_dx,
+        )
+        din = ctx.din[:n].reshape(n, -1)
+        if need_dx:
+            if partial is not None:
+                dx += partial
+            din[:, :I] = dx
+        if r0:
+            din[:, I:] = before
+        return loss
+
 
 class StageContext:
     """Work buffers of one mini-batch in flight through a :class:`Stage` (up to ``batch_size``
@@ -294,6 +436,18 @@ class StageContext:
         self.losses = np.zeros(B, np.float32)
         self.dummy = np.zeros((1, 1), np.float32)
         self.novel = np.zeros(0, np.float32)  # no velocity: partitions train without momentum
+        if stage.rows is not None:  # a dense layer's slice
+            r0, r1 = stage.rows
+            self.acts = [np.zeros((B, *stage.out_shape), np.float32)]
+            self.errs = [np.zeros((B, stage.O), np.float32)]
+            self.z = np.zeros((B, r1 - r0), np.float32)
+            self.zero_bias = np.zeros(r1 - r0, np.float32)
+            self.scratch_bias = np.zeros(r1 - r0, np.float32)  # the bias is the last slice's
+            self.scratch_bias_acc = np.zeros(r1 - r0, np.float32)
+            self.gbias = np.zeros(stage.O, np.float32)
+            self.dx = np.zeros((B, stage.I), np.float32)
+            self.xs = self.dx
+            self.row = np.zeros(stage.I, np.float32)
 
     @property
     def nbytes(self) -> int:
@@ -312,14 +466,27 @@ def _offset_before(net: Network | Skeleton, first: int) -> int:
     return off
 
 
-def stages_of(net: Network, bounds: Sequence[tuple[int, int]]) -> list[Stage]:
-    """The stages of ``net`` for layer ranges ``bounds`` [(first, stop), ...], consecutive and
-    covering every layer, each with a copy of its weights from ``net.flat``."""
-    at = 0
-    for a, b in bounds:
-        if a != at or b <= a:
+def stages_of(net: Network | Skeleton, bounds: Sequence[Sequence[int]]) -> list[Stage]:
+    """The stages of ``net`` for ``bounds`` [(first, stop), ...] (layer ranges) or
+    [(first, stop, r0, r1), ...] (rows ``[r0, r1)`` of dense layer ``first`` when r1 > 0),
+    consecutive and covering every layer, each with a copy of its weights from ``net.flat``."""
+    at, row = 0, 0  # the next layer, and the next row of a layer being split
+    stages = []
+    for bound in bounds:
+        a, b = int(bound[0]), int(bound[1])
+        r0, r1 = (int(bound[2]), int(bound[3])) if len(bound) > 2 else (0, 0)
+        if r1 > 0:  # a slice: a layer's rows in order
+            if a != at or b != a + 1 or r0 != row:
+                raise ValueError(f"layer ranges {list(bounds)} are not consecutive")
+            row = r1
+            if r1 == net.layers[a].out_shape[0]:
+                at, row = b, 0
+            stages.append(Stage(net, a, b, rows=(r0, r1)))
+            continue
+        if a != at or b <= a or row:
             raise ValueError(f"layer ranges {list(bounds)} are not consecutive")
         at = b
-    if at != len(net.layers):
+        stages.append(Stage(net, a, b))
+    if at != len(net.layers) or row:
         raise ValueError(f"layer ranges {list(bounds)} do not cover {len(net.layers)} layers")
-    return [Stage(net, a, b) for a, b in bounds]
+    return stages

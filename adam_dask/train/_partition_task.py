@@ -48,7 +48,7 @@ class PartitionJob:
     replica: ReplicaJob
     partition: int
     parts: int
-    bounds: tuple[tuple[int, int], ...]  # every partition's layers [first, stop)
+    bounds: tuple[tuple[int, int, int, int], ...]  # every partition's layers and rows
     attempt: int
     window: int
     timeout: float
@@ -225,9 +225,9 @@ def run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
     abort = _Poll(Event(job.abort_name))
     if abort.is_set():  # a stale run of a lost task: its replica runs again under a new attempt
         return _aborted(job, "superseded", worker.address, t0)
-    first, stop_layer = job.bounds[job.partition]
+    first, stop_layer, r0, r1 = job.bounds[job.partition]
     logger.debug("%s-p%d starts on %s", job.name, job.partition, worker.address)
-    stage = Stage(Skeleton(rj.model), first, stop_layer)
+    stage = Stage(Skeleton(rj.model), first, stop_layer, rows=(r0, r1))
     server.pull_range(stage.start, stage.stop, out=stage.flat)
     logger.debug("%s-p%d pulled its weights; meeting its neighbours", job.name, job.partition)
     links = _meet(job, get_address_host(worker.address), abort)
@@ -302,7 +302,7 @@ def run_partitioned(
     server: Any,
     data: Any,
     quorum: float,
-    bounds: Sequence[tuple[int, int]],
+    bounds: Sequence[tuple[int, int, int, int]],
     window: int,
 ) -> EpochRun:
     """Run ``jobs`` (one epoch, one per replica), each replica as ``len(bounds)`` partition

@@ -14,6 +14,10 @@ SPECS = [
     ("conv5x5:6,maxpool2,fc32,fc10", (1, 12, 12), [(0, 1), (1, 3), (3, 4)]),
     ("conv3x3:4,bn,maxpool2,fc16,fc24,fc10", (1, 10, 10), [(0, 1), (1, 4), (4, 6)]),
     ("fc40,fc30,fc10", (1, 6, 6), [(0, 1), (1, 2), (2, 3)]),
+    # a dense layer split by output neurons (paper Figure 6): the middle one, the first, the last
+    ("conv5x5:6,maxpool2,fc32,fc10", (1, 12, 12), [(0, 2), (2, 3, 0, 10), (2, 3, 10, 32), (3, 4)]),
+    ("fc40,fc30,fc10", (1, 6, 6), [(0, 1, 0, 15), (0, 1, 15, 27), (0, 1, 27, 40), (1, 3)]),
+    ("conv5x5:6,maxpool2,fc32,fc10", (1, 12, 12), [(0, 3), (3, 4, 0, 4), (3, 4, 4, 10)]),
 ]
 
 
@@ -70,3 +74,17 @@ def test_a_stage_holds_only_its_layers_parameters():
     assert a.out_shape == (6, 4, 4) and b.in_shape == (6, 4, 4)
     with pytest.raises(ValueError, match="consecutive"):
         stages_of(net, [(0, 2), (3, 4)])
+    with pytest.raises(ValueError, match="consecutive"):
+        stages_of(net, [(0, 2), (2, 3, 0, 10), (2, 3, 12, 32), (3, 4)])
+
+
+def test_a_dense_layers_slices_hold_its_rows_and_the_last_one_its_bias():
+    net = Network.from_spec("fc40,fc30,fc10", input_shape=(1, 6, 6), seed=0)
+    a, b, c = stages_of(net, [(0, 1, 0, 15), (0, 1, 15, 40), (1, 3)])
+    w = net.layout["0.weight"]
+    assert (a.start, a.stop) == (w.offset, w.offset + 15 * 36)
+    assert (b.start, b.stop) == (a.stop, net.layout["0.bias"].offset + 40)  # rows 15-39 + bias
+    np.testing.assert_array_equal(a.weight, net.parameters["0.weight"][:15])
+    np.testing.assert_array_equal(b.bias, net.parameters["0.bias"])
+    assert a.bias is None and (a.in_shape, a.out_shape) == ((1, 6, 6), (36 + 15,))
+    assert (b.in_shape, b.out_shape) == ((36 + 15,), (40,)) and c.in_shape == (40,)

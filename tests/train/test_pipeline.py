@@ -91,7 +91,14 @@ def _groups(x, y, marker, lr=0.05):
         yield g
 
 
-@pytest.mark.parametrize("bounds", [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]])
+@pytest.mark.parametrize(
+    "bounds",
+    [
+        [(0, 2), (2, 4)],
+        [(0, 1), (1, 3), (3, 4)],
+        [(0, 2), (2, 3, 0, 16), (2, 3, 16, 32), (3, 4)],  # the dense layer split by neurons
+    ],
+)
 def test_a_partitioned_replica_trains_and_pushes_every_group_once_per_partition(bounds):
     net = Network.from_spec(SPEC, input_shape=(1, 12, 12), seed=0)
     x, y = synthetic_digits(1536, seed=0, size=12)
