@@ -145,7 +145,7 @@ def part_large(args) -> dict:
     base = ok[0]["images_per_second"] if ok else None
     return {
         "part": "large",
-        "spec": LARGE,
+        "spec": args.large_spec,
         "worker_memory_limit": "1 GiB",
         "images": args.large_images,
         "test_images": args.test_images,
@@ -230,6 +230,11 @@ def main(argv=None) -> None:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--large-images", type=int, default=4096)
+    ap.add_argument(
+        "--large-spec",
+        default=LARGE,
+        help=f"the large part's model ({LARGE}; fc40000,fc10: one layer too wide for a worker)",
+    )
     ap.add_argument("--large-partitions", default="1,2,3,4")
     ap.add_argument("--large-push-every", type=int, default=512)
     ap.add_argument("--large-lr", type=float, default=0.01)
