@@ -130,7 +130,7 @@ def part_large(args) -> dict:
             r = _fit(
                 client,
                 store,
-                LARGE,
+                args.large_spec,
                 P,
                 epochs=1,
                 seed=0,
