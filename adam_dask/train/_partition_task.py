@@ -456,8 +456,25 @@ def cluster_plan(client: Any, net: Any, settings: Any, partitions: int) -> Any:
     import dask
 
     from ..cluster import workers_with_role
+    from ..errors import PartitionError
     from ..model.partition import plan_partitions
 
+    if partitions > 1:
+        unsupported = [
+            what
+            for what, on in (
+                ("mode='sync'", settings.mode == "sync"),
+                (f"momentum={settings.momentum}", settings.momentum > 0),
+                ("offload_dense", settings.offload_dense),
+                (f"dropout={net.dropout}", net.dropout > 0),
+            )
+            if on
+        ]
+        if unsupported:
+            raise PartitionError(
+                f"a partitioned replica does not train with {', '.join(unsupported)}",
+                "train with partitions=1, or turn those off",
+            )
     train = set(workers_with_role(client, TRAIN))
     info = client.scheduler_info(n_workers=-1)["workers"] if train else {}
     ws = [w for a, w in info.items() if a in train]

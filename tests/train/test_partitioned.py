@@ -72,6 +72,13 @@ def test_a_plan_over_a_workers_memory_is_refused_naming_the_partition(store, clu
     assert len(str(e.value).splitlines()) == 1
 
 
+def test_settings_a_partitioned_replica_does_not_train_with_are_refused(store, cluster):
+    t = trainer(store, cluster, mode="sync", momentum=0.9)
+    with pytest.raises(PartitionError, match=r"does not train with mode='sync', momentum=0.9"):
+        t.fit(epochs=1)
+    assert t.server is None
+
+
 @pytest.mark.timeout(300)
 def test_sigkill_of_a_partitions_worker_mid_epoch_keeps_images_applied_exact(
     store, cluster, caplog
