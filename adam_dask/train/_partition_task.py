@@ -328,6 +328,10 @@ def run_partitioned(
     # replica -> its current attempt's unfinished futures, with their partition and worker
     open_: dict[int, dict[Any, tuple[int, str]]] = {r: {} for r in range(R)}
     futures: list[Any] = []
+    # tasks of aborted attempts that did not end within the timeout (a frozen worker):
+    # their workers get no partition while they run
+    stuck: dict[Any, str] = {}
+    aborted_at: dict[int, float] = {}
 
     def pjob(r: int, p: int) -> PartitionJob:
         return PartitionJob(jobs[r], p, P, tuple(bounds), attempt[r], window, timeout)
@@ -337,7 +341,9 @@ def run_partitioned(
         # TRAIN resource would wait for it forever
         deadline = time.monotonic() + start_timeout
         while True:
-            busy = {w for per in open_.values() for _, w in per.values()}
+            for f in [f for f in stuck if f.done()]:
+                del stuck[f]
+            busy = {w for per in open_.values() for _, w in per.values()} | set(stuck.values())
             free = [w for w in workers_with_role(client, TRAIN) if w not in busy]
             if len(free) >= P:
                 break
@@ -367,7 +373,8 @@ def run_partitioned(
 
     def ended(r: int, p: int, res: dict) -> None:
         results[r][p] = res
-        if res.get("aborted"):  # every partition of the attempt gives up at once
+        if res.get("aborted") and r not in aborted_at:  # every partition of it gives up
+            aborted_at[r] = time.monotonic()
             Event(pjob(r, p).abort_name, client=client).set()
 
     for r in range(R):
@@ -400,6 +407,12 @@ def run_partitioned(
                         del open_[r][f]
                         f.cancel()
                         ended(r, p, {"partition": p, "aborted": f"its worker {w} was lost"})
+                    elif r in aborted_at and time.monotonic() - aborted_at[r] > timeout:
+                        # aborted, and it does not end: frozen. Awake again it sees the abort
+                        # and pushes nothing more; its worker waits until it ends.
+                        del open_[r][f]
+                        stuck[f] = w
+                        ended(r, p, {"partition": p, "aborted": f"its worker {w} does not answer"})
                 if open_[r] or r in finished:
                     continue
                 parts = [results[r][q] for q in range(P)]
@@ -419,6 +432,7 @@ def run_partitioned(
                     )
                     attempt[r] += 1
                     results[r] = {}
+                    aborted_at.pop(r, None)
                     submit(r)
                     continue
                 finished.add(r)

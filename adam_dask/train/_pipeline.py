@@ -279,8 +279,13 @@ class PartitionRunner:
     def _watch(self) -> None:
         if self.abort_flag is not None and self.abort_flag.is_set():
             self._fail("the replica is being re-run")
-        if self._pending and time.monotonic() - self._heard > self.timeout:
-            self._fail(f"partition {self.index + 1} sent nothing for {self.timeout:.0f} s")
+        # owed: errors for the mini-batches sent on; and to a partition after the first,
+        # the next message (partition 0 sends every mini-batch and, at the end, the end)
+        owed = self._pending or not self.first
+        if owed and time.monotonic() - self._heard > self.timeout:
+            self._fail(
+                f"a neighbour of partition {self.index} sent nothing for {self.timeout:.0f} s"
+            )
 
     def _fail(self, reason: str, exc: BaseException | None = None) -> None:
         with self._lock:
@@ -474,7 +479,11 @@ class PartitionRunner:
             if item is None:
                 return
             grp, buf = item
-            if self.error is not None:
+            if self.error is not None or (
+                self.abort_flag is not None and self.abort_flag.is_set()
+            ):  # the replica runs again (this partition may have been frozen): push nothing
+                with self._take_lock:
+                    self._unpushed.remove(buf)
                 self._buffers.put(buf)
                 continue
             try:
