@@ -39,6 +39,38 @@ def _cluster(trainers: int, memory_limit: str):
     )
 
 
+class _PeakMemory:
+    """The largest memory (RSS, as the workers report it to the scheduler) of each TRAIN
+    worker while it runs, sampled every 0.5 s."""
+
+    def __init__(self, client):
+        import threading
+
+        self.client, self.peak = client, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        from adam_dask.cluster import TRAIN, workers_with_role
+
+        while not self._stop.wait(0.5):
+            try:
+                train = set(workers_with_role(self.client, TRAIN))
+                info = self.client.scheduler_info(n_workers=-1)["workers"]
+            except Exception:  # the cluster is closing
+                continue
+            for addr, w in info.items():
+                if addr in train:
+                    mem = int((w.get("metrics") or {}).get("memory") or 0)
+                    self.peak[addr] = max(self.peak.get(addr, 0), mem)
+
+    def stop(self) -> list[int]:
+        self._stop.set()
+        self._thread.join()
+        return sorted((round(v / 2**20) for v in self.peak.values()), reverse=True)
+
+
 def _fit(client, store, spec, P, *, epochs, seed, lr, push_every, activation=None) -> dict:
     from adam_dask.errors import AdamError
     from adam_dask.train.trainer import Trainer
@@ -59,12 +91,14 @@ def _fit(client, store, spec, P, *, epochs, seed, lr, push_every, activation=Non
         )
     except AdamError as exc:
         return {"partitions": P, "error": str(exc)}
+    peak = _PeakMemory(client)
     try:
         hist = t.fit(epochs=epochs)
     except AdamError as exc:
         return {"partitions": P, "error": str(exc), "seconds": time.perf_counter() - t0}
     finally:
         t.close()
+        peak_mib = peak.stop()
     recs = hist.records
     images = sum(r["images"] for r in recs)
     seconds = sum(r["seconds"] for r in recs)
@@ -79,6 +113,8 @@ def _fit(client, store, spec, P, *, epochs, seed, lr, push_every, activation=Non
         "cross_bytes_per_image": sum(r.get("cross_partition_bytes", 0) for r in recs)
         / max(1, images),
         "seconds": time.perf_counter() - t0,
+        # each TRAIN worker's largest RSS during the run, largest first (idle ones included)
+        "train_worker_peak_mib": peak_mib,
     }
     if P > 1:
         out["plan"] = t.partition_plan.describe()
