@@ -101,6 +101,11 @@ class Trainer:
         of the planned epochs on, the mean of the parameter server's end-of-epoch weights is
         validated too (``average_accuracy`` in the history) and returned by
         :meth:`averaged_network`; training itself is unchanged.
+    partitions : int, optional
+        TRAIN workers each model replica spans (config ``adam.train.partitions``, default 1):
+        consecutive layers per worker, a dense layer too wide for one split by output neurons
+        (paper 3.2, Figure 6). The plan (:attr:`partition_plan`) is checked against the TRAIN
+        workers' memory before anything starts; see docs/design.md, "Model partitioning".
     slow_replicas : dict, optional
         ``{replica: seconds per batch}``: deliberately slowed replicas, for straggler
         experiments (``benchmarks/quorum.py``).
