@@ -309,6 +309,8 @@ def cmd_train(args: argparse.Namespace) -> dict:
             )
         if trainer.checkpoint:
             sys.stderr.write(f"checkpoint: {redact_url(trainer.checkpoint)}\n")
+        if trainer.partitions > 1:  # checked before anything starts
+            sys.stderr.write(trainer.check_partitions().describe() + "\n")
         first = trainer.epoch
         # --epochs is the run's total (Keras's epochs with initial_epoch); None: the plan
         trainer.fit(

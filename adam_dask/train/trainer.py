@@ -264,12 +264,7 @@ class Trainer:
                 "start workers with --resources PS=1 or use assign_roles",
             )
         self._replicas_now = self._replica_count()
-        if self.partition_plan is None:  # before anything starts: refuses what does not fit
-            from ._partition_task import cluster_plan
-
-            self.partition_plan = cluster_plan(
-                self.client, self.net, self.settings, self.partitions
-            )
+        self.check_partitions()  # before anything starts: refuses what does not fit
         if self.server is None:
             from ..ps.server import ParameterServer
 
@@ -306,6 +301,23 @@ class Trainer:
                 seed=self.settings.seed,
                 batch_size=self.settings.stream_batch,
             )
+
+    def check_partitions(self) -> Any:
+        """The partition plan of the model for this cluster's TRAIN workers
+        (:class:`~adam_dask.model.partition.PartitionPlan`), computed once and checked:
+        :class:`~adam_dask.errors.PartitionError` names a partition that does not fit its
+        worker's memory. :meth:`fit` calls it before anything starts."""
+        if self.partition_plan is None:
+            from ._partition_task import cluster_plan
+
+            if self.client is None:
+                from ..cluster import local
+
+                self.client = local()
+            self.partition_plan = cluster_plan(
+                self.client, self.net, self.settings, self.partitions
+            )
+        return self.partition_plan
 
     def _meta(self) -> dict:
         return {
