@@ -92,3 +92,12 @@ class CheckpointError(AdamError, OSError):
 
 class ClusterError(AdamError, RuntimeError):
     """The Dask cluster lacks the workers or roles a job needs."""
+
+
+class PartitionError(ConfigError):
+    """A model partition plan that cannot run: a partition over its worker's memory, or more
+    partitions than layers or TRAIN workers."""
+
+    def __init__(self, message: str, hint: str | None = None, *, partition: int | None = None):
+        self.partition = partition
+        super().__init__(message, hint)

@@ -48,6 +48,13 @@ def register(sub) -> None:
         help="model replicas (default: one per TRAIN worker)",
     )
     p.add_argument(
+        "--partitions",
+        type=positive_int,
+        default=None,
+        help="TRAIN workers each model replica spans, for models too large for one "
+        f"(default {config.get('train.partitions')})",
+    )
+    p.add_argument(
         "--mode",
         choices=("async", "sync"),
         default=None,
@@ -296,6 +303,7 @@ def cmd_train(args: argparse.Namespace) -> dict:
             seed=args.seed,
             offload_dense=args.offload_dense,
             average_from=args.average_from,
+            partitions=args.partitions,
         )
         kw = {k: v for k, v in given.items() if v is not None}
         kw["progress"] = not args.no_progress
@@ -315,6 +323,8 @@ def cmd_train(args: argparse.Namespace) -> dict:
             )
         if trainer.checkpoint:
             sys.stderr.write(f"checkpoint: {redact_url(trainer.checkpoint)}\n")
+        if trainer.partitions > 1:  # checked before anything starts
+            sys.stderr.write(trainer.check_partitions().describe() + "\n")
         first = trainer.epoch
         # --epochs is the run's total (Keras's epochs with initial_epoch); None: the plan
         trainer.fit(

@@ -140,6 +140,32 @@ def svg_chart(
     return "".join(parts)
 
 
+def _plan_html(plan: Mapping[str, Any]) -> str:
+    """A partitioned replica's plan: each partition's layers, parameters and memory."""
+    parts = plan.get("partitions") or []
+    out = [
+        f"<p>each model replica spans {len(parts)} TRAIN workers "
+        f"({_fmt(plan.get('cross_bytes_per_image'))} bytes per image between them):</p>",
+        '<table class="partition-plan"><tr><th>partition</th><th>layers</th>'
+        "<th>parameters</th><th>memory (MiB)</th></tr>",
+    ]
+    for p in parts:
+        if not isinstance(p, Mapping):
+            continue
+        layers = p.get("layers") or [0, 0]
+        toks = ",".join(str(t) for t in p.get("tokens") or [])
+        mem = p.get("memory")
+        out.append(
+            f"<tr><td>{escape(str(p.get('index')))}</td>"
+            f"<td>{escape(str(layers[0]))}-{escape(str(int(layers[1]) - 1))} "
+            f"<code>{escape(toks)}</code></td>"
+            f"<td>{_fmt(p.get('params'))}</td>"
+            f"<td>{_fmt(round(mem / 2**20)) if isinstance(mem, int | float) else '–'}</td></tr>"
+        )
+    out.append("</table>")
+    return "".join(out)
+
+
 def _server_html(srv: Mapping[str, Any], max_columns: int) -> str:
     sid = escape(str(srv["id"]))
     if srv.get("lost"):
@@ -170,6 +196,9 @@ def _server_html(srv: Mapping[str, Any], max_columns: int) -> str:
         out.append(f'<p class="err">every copy lost: shards {escape(str(srv["lost"]))}</p>')
     if srv.get("checkpoint"):
         out.append(f"<p>checkpoint: <code>{escape(str(srv['checkpoint']))}</code></p>")
+    plan = srv.get("partition_plan")
+    if isinstance(plan, Mapping) and plan.get("partitions"):
+        out.append(_plan_html(plan))
     nodes = srv.get("nodes") or []
     rows: list[list[Cell]] = []
     for n in nodes:

@@ -157,6 +157,8 @@ def _server(
         # the URL only, without credentials (the routing carries no storage options)
         "checkpoint": redact_url(info["checkpoint"]) if info.get("checkpoint") else None,
         "run": meta.get("run"),
+        # the model replica's partition plan (Trainer(partitions=P > 1)), as the Trainer stored it
+        "partition_plan": meta.get("partition_plan"),
         "placement": {str(s): h for s, h in enumerate(holders)},
         "nodes": rows,
         "shard_versions": versions,

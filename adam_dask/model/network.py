@@ -29,7 +29,7 @@ from .spec import ACTIVATIONS, Layer, parse_spec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ACTIVATIONS", "Context", "Layer", "Network", "parse_spec"]
+__all__ = ["ACTIVATIONS", "Context", "Layer", "Network", "parameter_entries", "parse_spec"]
 
 _ACT_FWD = {"tanh": K.tanh_forward, "relu": K.relu_forward}
 _ACT_BWD = {"tanh": K.tanh_backward, "relu": K.relu_backward}
@@ -46,6 +46,29 @@ def _fraction(name: str, value: float | None) -> float:
             f"set {name}= or adam.model.{key} (0 turns it off)",
         )
     return v
+
+
+def parameter_entries(layers: list[Layer]) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of every parameter of ``layers``, in the flat buffer's order."""
+    entries: list[tuple[str, tuple[int, ...]]] = []
+    for L in layers:
+        if L.kind == "bn":
+            entries += [
+                (f"{L.index}.weight", (L.out_shape[0],)),
+                (f"{L.index}.bias", (L.out_shape[0],)),
+            ]
+        elif L.kind == "conv":
+            kh, kw = L.kernel
+            entries += [
+                (f"{L.index}.weight", (L.out_shape[0], L.in_shape[0], kh, kw)),
+                (f"{L.index}.bias", (L.out_shape[0],)),
+            ]
+        elif L.kind == "fc":
+            entries += [
+                (f"{L.index}.weight", (L.out_shape[0], L.in_size)),
+                (f"{L.index}.bias", (L.out_shape[0],)),
+            ]
+    return entries
 
 
 class Network:
@@ -116,25 +139,7 @@ class Network:
         #: bn layer index -> its population (mean, var) per channel, (2, C) float32; set by
         #: :meth:`calibrate`, dropped when ``flat`` is assigned
         self.population: dict[int, np.ndarray] = {}
-        entries: list[tuple[str, tuple[int, ...]]] = []
-        for L in self.layers:
-            if L.kind == "bn":
-                entries += [
-                    (f"{L.index}.weight", (L.out_shape[0],)),
-                    (f"{L.index}.bias", (L.out_shape[0],)),
-                ]
-            elif L.kind == "conv":
-                kh, kw = L.kernel
-                entries += [
-                    (f"{L.index}.weight", (L.out_shape[0], L.in_shape[0], kh, kw)),
-                    (f"{L.index}.bias", (L.out_shape[0],)),
-                ]
-            elif L.kind == "fc":
-                entries += [
-                    (f"{L.index}.weight", (L.out_shape[0], L.in_size)),
-                    (f"{L.index}.bias", (L.out_shape[0],)),
-                ]
-        self.layout = ParameterLayout(entries)
+        self.layout = ParameterLayout(parameter_entries(self.layers))
         self._flat = self.layout.allocate()
         self.parameters: dict[str, np.ndarray] = self.layout.views(self._flat)
         self._local = threading.local()

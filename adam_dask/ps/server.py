@@ -51,6 +51,7 @@ from ..storage import normalize_url
 from ._build import build_server, resolve_copies, shard_of
 from ._plane import PlaneCalls
 from ._pushing import Pushing
+from ._ranged import RangedCalls
 from .checkpoint import read_checkpoint, read_marks
 from .kernels import first_nonfinite, scan_delta
 from .state import Mark, OuterPart, outer_part
@@ -60,7 +61,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["ParameterServer"]
 
 
-class ParameterServer(PlaneCalls, Pushing):
+class ParameterServer(PlaneCalls, Pushing, RangedCalls):
     """A handle on a parameter server; make one with :meth:`create`, :meth:`restore` or
     :meth:`attach`."""
 

@@ -111,6 +111,8 @@ def epoch_record(
         # pushes some copy still lacked when a replica's result came back: 0, as each replica
         # settles before it returns (images_applied then counts durable pushes only)
         "unreplicated_at_end": sum(r.get("unreplicated_at_end", 0) for r in results),
+        # a partitioned replica's activations and errors between its partitions (0 otherwise)
+        "cross_partition_bytes": sum(r.get("cross_bytes", 0) for r in results),
         "lr": lr,
         "lr_end": lr_end,
         "mode": mode,

@@ -153,14 +153,36 @@ def resume_plan(shards: Mapping[int, Sequence[Mark]]) -> Plan:
 def applied_images(marks: Mapping[int, Mapping[int, Sequence[Mark]]]) -> int:
     """Images of an epoch whose updates the parameter server applied, from each shard's marks
     ({sid: {replica: marks}}): per replica, the images of its pushes on the shard that applied
-    the fewest (after a flush every shard holds every push)."""
+    the fewest (after a flush every shard holds every push); for a partitioned replica (ranged
+    pushes, whose marks name their target shards), the images of its complete pushes."""
     replicas = {r for per in marks.values() for r in per}
     total = 0
     for r in replicas:
+        mine = {sid: per.get(r, ()) for sid, per in marks.items()}
+        if any(m.part == 0 and m.targets is not None for ms in mine.values() for m in ms):
+            total += _complete_images(mine)  # a partitioned replica's ranged pushes
+            continue
         total += min(
             sum(cover_images(m.covers) for m in per.get(r, ()) if m.part == 0)
             for per in marks.values()
         )
+    return total
+
+
+def _complete_images(shards: Mapping[int, Sequence[Mark]]) -> int:
+    """Images of a replica's pushes that are complete: every part (one per partition of a
+    partitioned replica) held by every shard it targets. A partition's part alone does not
+    apply an image: the image's update is every partition's."""
+    sids = set(shards)
+    parts: dict[int, dict[int, tuple[Mark, set[int]]]] = {}
+    for sid, ms in shards.items():
+        for m in ms:
+            parts.setdefault(m.seq, {}).setdefault(m.part, (m, set()))[1].add(sid)
+    total = 0
+    for per in parts.values():
+        first = next(iter(per.values()))[0]
+        if all(j in per and _targets(per[j][0], sids) <= per[j][1] for j in range(first.parts)):
+            total += cover_images(first.covers)
     return total
 
 

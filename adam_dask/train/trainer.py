@@ -108,6 +108,11 @@ class Trainer:
         of the planned epochs on, the mean of the parameter server's end-of-epoch weights is
         validated too (``average_accuracy`` in the history) and returned by
         :meth:`averaged_network`; training itself is unchanged.
+    partitions : int, optional
+        TRAIN workers each model replica spans (config ``adam.train.partitions``, default 1):
+        consecutive layers per worker, a dense layer too wide for one split by output neurons
+        (paper 3.2, Figure 6). The plan (:attr:`partition_plan`) is checked against the TRAIN
+        workers' memory before anything starts; see docs/design.md, "Model partitioning".
     slow_replicas : dict, optional
         ``{replica: seconds per batch}``: deliberately slowed replicas, for straggler
         experiments (``benchmarks/quorum.py``).
@@ -143,6 +148,7 @@ class Trainer:
         average_from: float | None = None,
         overwrite: bool = False,
         loss=None,
+        partitions: int | None = None,
     ):
         from ..data.datasets import open_split
 
@@ -175,6 +181,12 @@ class Trainer:
         self._fixed_replicas: int | None = None
         self._replicas_now: int | None = None
         self.set_replicas(config.get("train.replicas", replicas))
+        self.partitions = int(config.get("train.partitions", partitions))
+        if self.partitions < 1:
+            raise ConfigError(
+                f"partitions={self.partitions}", "use at least 1 (adam.train.partitions)"
+            )
+        self.partition_plan: Any = None
 
         self.train_split = open_split(data, "train", storage_options)
         self.validation = Validation(data, self.train_split, storage_options)
@@ -259,7 +271,8 @@ class Trainer:
                 "the cluster has no PS workers",
                 "start workers with --resources PS=1 or use assign_roles",
             )
-        self._replicas_now = replica_count(self._fixed_replicas, len(self._train_workers()))
+        self._replicas_now = self._replica_count()
+        self.check_partitions()  # before anything starts: refuses what does not fit
         if self.server is None:
             from ..ps.server import ParameterServer
 
@@ -297,6 +310,23 @@ class Trainer:
                 batch_size=self.settings.stream_batch,
             )
 
+    def check_partitions(self) -> Any:
+        """The partition plan of the model for this cluster's TRAIN workers
+        (:class:`~adam_dask.model.partition.PartitionPlan`), computed once and checked:
+        :class:`~adam_dask.errors.PartitionError` names a partition that does not fit its
+        worker's memory. :meth:`fit` calls it before anything starts."""
+        if self.partition_plan is None:
+            from ._partition_task import cluster_plan
+
+            if self.client is None:
+                from ..cluster import local
+
+                self.client = local()
+            self.partition_plan = cluster_plan(
+                self.client, self.net, self.settings, self.partitions
+            )
+        return self.partition_plan
+
     def _meta(self) -> dict:
         return {
             "model": self.net.to_dict(),
@@ -306,6 +336,12 @@ class Trainer:
             "push_every": self.push_every,
             "run": self.run_id,
             "settings": self.settings.to_dict(),
+            "partitions": self.partitions,
+            "partition_plan": (
+                self.partition_plan.as_dict()
+                if self.partition_plan is not None and self.partitions > 1
+                else None
+            ),
             "epochs": self.epochs,
         }
 
@@ -403,13 +439,26 @@ class Trainer:
         )
         ps_before = self._ps_stats()
         try:
-            run = run_replicas(
-                self.client,
-                self._jobs(epoch, R),
-                server=self.server,
-                data=self.dataservice,
-                quorum=self.epoch_quorum,
-            )
+            if self.partitions > 1:
+                from ._partition_task import run_partitioned
+
+                run = run_partitioned(
+                    self.client,
+                    self._jobs(epoch, R),
+                    server=self.server,
+                    data=self.dataservice,
+                    quorum=self.epoch_quorum,
+                    bounds=self.partition_plan.bounds(),
+                    window=self.partition_plan.window,
+                )
+            else:
+                run = run_replicas(
+                    self.client,
+                    self._jobs(epoch, R),
+                    server=self.server,
+                    data=self.dataservice,
+                    quorum=self.epoch_quorum,
+                )
         finally:
             self._bar.close()
             self._bar = None
@@ -459,7 +508,18 @@ class Trainer:
         if recorded is not None:
             logger.info("epoch %d resumes with its %d replicas", epoch, recorded)
             return recorded
-        return replica_count(self._fixed_replicas, len(self._train_workers()))
+        return self._replica_count()
+
+    def _replica_count(self) -> int:
+        """A fixed count, or one per TRAIN worker (per ``partitions`` of them) present now."""
+        workers = len(self._train_workers())
+        if self.partitions > 1:
+            from ._pipeline import check_parts
+
+            R = replica_count(self._fixed_replicas, max(1, workers // self.partitions))
+            check_parts(self.partitions, workers, R)
+            return R
+        return replica_count(self._fixed_replicas, workers)
 
     def _train_workers(self) -> list[str]:
         """The TRAIN workers, waiting up to ``adam.cluster.start-timeout`` while there are none:

@@ -162,3 +162,28 @@ def test_a_wide_server_shows_counts_instead_of_the_shard_table():
     st = build_status(now=0.0, workers=WORKERS, servers={"srv": routing()})
     html = render_tables(st, max_columns=3)
     assert 'class="shard-table"' not in html and "4 shards" in html
+
+
+def test_a_partitioned_replicas_plan_is_shown_with_its_server(html_tables):
+    from adam_dask.model import Network
+    from adam_dask.model.partition import plan_partitions
+
+    net = Network.from_spec("conv5x5:6,maxpool2,fc32,fc10", input_shape=(1, 12, 12))
+    plan = plan_partitions(net, 2, threads=1, batch_size=8).as_dict()
+    r = routing()
+    r["info"]["meta"]["partition_plan"] = plan
+    st = build_status(now=0.0, workers=WORKERS, servers={"srv": r})
+    json.dumps(st, allow_nan=False)
+    assert st["servers"][0]["partition_plan"] == plan
+    rows = html_tables(render_page(st, refresh=2))["partition-plan"][1:]
+    assert [[text for _, text in row] for row in rows] == [
+        ["0", "0-2 conv5x5:6,maxpool2,fc32", f"{plan['partitions'][0]['params']:,}", rows[0][3][1]],
+        ["1", "3-3 fc10", "330", rows[1][3][1]],
+    ]
+    assert "256 bytes per image" in render_page(st, refresh=2)
+    assert (
+        build_status(now=0.0, workers=WORKERS, servers={"srv": routing()})["servers"][0][
+            "partition_plan"
+        ]
+        is None
+    )

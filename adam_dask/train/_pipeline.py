@@ -1,0 +1,528 @@
+"""One partition of a partitioned model replica at work (paper 3.2, Figure 6): its stage's
+Hogwild threads, the sockets to its neighbour partitions, its push groups and its exchange with
+the parameter server. No Dask: the task (``_partition_task.py``) connects the sockets and gives
+it a parameter-server handle; tests run the partitions of a replica as threads of one process.
+
+**Dataflow.** Partition 0 draws mini-batches (from :func:`push_groups`) and runs its layers
+forward; each partition sends its output activations to the next over a long-lived socket
+(the data plane's framing, :mod:`adam_dask.ps._wire`: a msgpack header, then the raw float32
+bytes, read with ``recv_exact_into``); the last partition computes the loss and its error terms
+and the errors travel back the same way. Each partition's ``threads`` threads take whatever
+work is ready (errors coming back first), so several mini-batches are in flight in every
+partition at once (at most ``window`` in the replica) and the partitions overlap instead of
+waiting for one another. A partition keeps a mini-batch's activations (its
+:class:`~adam_dask.model.stage.StageContext`) until its errors come back; its weights are
+updated lock-free by its threads (Hogwild) as each backward pass ends.
+
+**Staleness.** An image's backward pass in partition ``p`` uses ``p``'s weights as they are
+when its errors arrive, not those its forward pass used: updates of the other mini-batches in
+flight (at most ``window - 1``) and of pulls in between have landed. PipeDream's weight
+stashing keeps the forward's weights for the backward; we do not (see docs/design.md).
+
+**Push groups.** Partition 0 cuts the stream into groups of about ``push_every`` images (a
+re-trained segment is one group) and numbers them; every partition pushes its update of a
+group as part ``p`` of that group's push (one :class:`~adam_dask.ps.state.Mark`: the group's
+number, the images it covers, ``parts = P``) to the shards of its own span
+(:meth:`ParameterServer.push_range`), then pulls its span. A push of a group holds exactly that
+group's mini-batches: each thread accumulates into one of two buffers by the group's parity,
+and partition 0 does not start group ``g + 2`` before group ``g`` came back from every
+partition (each partition takes group ``g``'s buffers when it applied the group's last
+mini-batch, before that mini-batch's errors leave it), so at most two groups are open.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import ClusterError
+from ..model.stage import Stage, StageContext
+from ..ps._wire import recv_exact_into, recv_msg, send_msg
+from ..ps.state import Mark
+
+__all__ = ["Group", "Link", "PartitionRunner", "push_groups"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Group:
+    """A push group: mini-batches ``(x, y)`` whose updates every partition pushes as push
+    ``seq`` covering ``covers`` (encoded ranges of the replica's data)."""
+
+    seq: int
+    covers: list
+    batches: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    lr: float = 0.0
+
+    @property
+    def images(self) -> int:
+        return sum(len(y) for _, y in self.batches)
+
+
+def push_groups(
+    items: Iterable[tuple[np.ndarray, np.ndarray, Any]],
+    batch_size: int,
+    push_every: int,
+    marks: Callable[[dict], tuple[int, list]],
+) -> Iterator[Group]:
+    """Groups of the stream ``items`` ((x, y, key) batches): whole mini-batches of up to
+    ``batch_size`` until at least ``push_every`` images, the last group what is left.
+    ``marks(items)`` ({key: images}) numbers a group and says what it covers (a
+    :class:`~adam_dask.train._position.Marker`'s next mark, committed at once: the group
+    is formed in order)."""
+    batches: list[tuple[np.ndarray, np.ndarray]] = []
+    counts: dict[Any, int] = {}
+    n = 0
+    for x, y, key in items:
+        for s in range(0, len(y), batch_size):
+            xs, ys = x[s : s + batch_size], y[s : s + batch_size]
+            batches.append((xs, ys))
+            counts[key] = counts.get(key, 0) + len(ys)
+            n += len(ys)
+            if n >= push_every:
+                seq, covers = marks(counts)
+                yield Group(seq, covers, batches)
+                batches, counts, n = [], {}, 0
+    if batches:
+        seq, covers = marks(counts)
+        yield Group(seq, covers, batches)
+
+
+class Link:
+    """A socket to a neighbour partition: whole messages sent under a lock (several threads
+    send), bytes counted."""
+
+    def __init__(self, sock: socket.socket):
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.bytes_sent = 0
+
+    def send(self, header: dict, payload: np.ndarray | None = None) -> None:
+        with self.lock:
+            if payload is None:
+                send_msg(self.sock, header)
+            else:
+                send_msg(self.sock, header, payload)
+                self.bytes_sent += payload.nbytes
+
+    def recv(self, shape_of: Callable[[dict], tuple[int, ...] | None]) -> tuple[dict, Any]:
+        header = recv_msg(self.sock)
+        shape = shape_of(header)
+        if shape is None:
+            return header, None
+        buf = np.empty(shape, np.float32)
+        recv_exact_into(self.sock, buf)
+        return header, buf
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+@dataclass(slots=True)
+class _Open:
+    """A group open in this partition."""
+
+    ordinal: int
+    seq: int
+    size: int  # mini-batches
+    covers: list
+    images: int = 0
+    applied: int = 0
+
+
+class PartitionRunner:
+    """Partition ``index`` of ``parts`` of one replica, training ``stage``.
+
+    ``up`` / ``down``: the :class:`Link` to the previous / next partition (None at the ends).
+    ``server``: anything with ``push_range(values, start, mark=)`` and ``pull_range(start,
+    stop, out=)``. ``mark``: ``(epoch, replica, replicas)`` of the pushes' marks. ``stop``: a
+    flag (``is_set()``) partition 0 polls between groups (the epoch's quorum); ``abort``: one
+    every partition polls (the replica is being re-run). ``timeout``: seconds without a
+    message from a neighbour while it owes one, after which the partition gives up (a frozen
+    neighbour).
+    """
+
+    def __init__(
+        self,
+        stage: Stage,
+        index: int,
+        parts: int,
+        *,
+        threads: int,
+        batch_size: int,
+        window: int,
+        server: Any,
+        mark: tuple[int, int, int],
+        up: Link | None = None,
+        down: Link | None = None,
+        stop: Any = None,
+        abort: Any = None,
+        timeout: float = 60.0,
+    ):
+        self.stage, self.index, self.parts = stage, int(index), int(parts)
+        self.first, self.last = self.index == 0, self.index == self.parts - 1
+        self.threads, self.window = int(threads), max(1, int(window))
+        self.server, self.mark = server, mark
+        self.up, self.down = up, down
+        self.stop_flag, self.abort_flag = stop, abort
+        self.timeout = float(timeout)
+        n = stage.size
+        # accumulators: one per thread and group parity
+        self._accs = [[np.zeros(n, np.float32) for _ in range(2)] for _ in range(self.threads)]
+        self._buffers: queue.Queue[np.ndarray] = queue.Queue()
+        for _ in range(2):
+            self._buffers.put(np.zeros(n, np.float32))
+        self._contexts: queue.Queue[StageContext] = queue.Queue()
+        for _ in range(self.window if not self.last else self.threads):
+            self._contexts.put(stage.context(batch_size))
+        self._work: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._lock = threading.Lock()
+        self._take_lock = threading.Lock()
+        self._groups: dict[int, _Open] = {}
+        self._pending: dict[int, tuple[StageContext, dict]] = {}
+        self._exchange: queue.Queue = queue.Queue(maxsize=1)
+        self._unpushed: list[np.ndarray] = []
+        self.error: BaseException | None = None
+        self.failed: str | None = None
+        self._done = threading.Event()
+        self._heard = time.monotonic()
+        # partition 0's window and group gate
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._completed: dict[int, int] = {}  # group ordinal -> mini-batches back
+        self._sizes: dict[int, int] = {}
+        # counts
+        self.images = 0
+        self.loss_sum = 0.0
+        self.pushes = 0
+        self.images_pushed = 0
+        self.ps_seconds = 0.0
+        self.groups_pushed: list[int] = []
+
+    # -- running ----------------------------------------------------------------------------
+
+    def run(self, groups: Iterable[Group] | None = None) -> dict:
+        """Train until partition 0's ``groups`` are done (partition 0) or the end arrives from
+        upstream; returns the partition's statistics (``aborted`` with the reason when a
+        neighbour was lost or the replica aborted: the complete groups taken before that are
+        pushed, nothing else)."""
+        t0 = time.perf_counter()
+        threads = [
+            self._thread(self._train, f"partition-{self.index}-{t}", t) for t in range(self.threads)
+        ]
+        threads.append(self._thread(self._communicate, f"partition-{self.index}-exchange"))
+        if self.up is not None:
+            threads.append(self._thread(self._receive, "from-up", self.up, "up"))
+        if self.down is not None:
+            threads.append(self._thread(self._receive, "from-down", self.down, "down"))
+        for th in threads:
+            th.start()
+        try:
+            if self.first:
+                assert groups is not None
+                self._feed(groups)
+            else:
+                while not self._done.wait(0.25):
+                    self._watch()
+        except BaseException as exc:
+            self._fail(f"partition {self.index}: {exc!r}", exc)
+        # stop the threads (their work is done, or abandoned)
+        for _ in range(self.threads):
+            self._work.put((-1, next(self._order), None))
+        for th in threads[: self.threads]:
+            th.join()
+        if self.failed is None and self.down is not None:
+            self.down.send({"op": "end"})
+        self._exchange.put(None)
+        threads[self.threads].join()
+        for link in (self.up, self.down):
+            if link is not None:
+                link.close()
+        if self.error is not None and self.failed is None:
+            raise self.error
+        return {
+            "partition": self.index,
+            "images": self.images,
+            "loss_sum": self.loss_sum,
+            "pushes": self.pushes,
+            "images_pushed": self.images_pushed,
+            "groups_pushed": list(self.groups_pushed),
+            "ps_seconds": self.ps_seconds,
+            "seconds": time.perf_counter() - t0,
+            "bytes_sent": sum(lk.bytes_sent for lk in (self.up, self.down) if lk is not None),
+            "aborted": self.failed,
+        }
+
+    def _thread(self, fn: Callable, name: str, *args: Any) -> threading.Thread:
+        return threading.Thread(
+            target=contextvars.copy_context().run, args=(fn, *args), name=name, daemon=True
+        )
+
+    def _watch(self) -> None:
+        if self.abort_flag is not None and self.abort_flag.is_set():
+            self._fail("the replica is being re-run")
+        # owed: errors for the mini-batches sent on; and to a partition after the first,
+        # the next message (partition 0 sends every mini-batch and, at the end, the end)
+        owed = self._pending or not self.first
+        if owed and time.monotonic() - self._heard > self.timeout:
+            self._fail(
+                f"a neighbour of partition {self.index} sent nothing for {self.timeout:.0f} s"
+            )
+
+    def _fail(self, reason: str, exc: BaseException | None = None) -> None:
+        with self._lock:
+            if self.failed is not None:
+                return
+            self.failed = reason
+            if exc is not None and self.error is None:
+                self.error = exc
+        logger.warning("partition %d of replica %d stops: %s", self.index, self.mark[1], reason)
+        self._done.set()
+        with self._cond:
+            self._cond.notify_all()
+        for link in (self.up, self.down):  # the neighbours notice at once
+            if link is not None:
+                try:
+                    link.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    # -- partition 0: feeding the replica -------------------------------------------------
+
+    def _feed(self, groups: Iterable[Group]) -> None:
+        ordinal = 0
+        mb = 0
+        for group in groups:
+            if self.failed is not None:
+                return
+            if self.stop_flag is not None and self.stop_flag.is_set():
+                break
+            g = ordinal
+            ordinal += 1
+            with self._cond:
+                self._sizes[g] = len(group.batches)
+                # at most two groups open: group g waits for group g - 2 to come back
+                while (
+                    g >= 2
+                    and self.failed is None
+                    and self._completed.get(g - 2, 0) < self._sizes[g - 2]
+                ):
+                    self._wait_cond()
+            info = {
+                "g": g,
+                "seq": group.seq,
+                "gn": len(group.batches),
+                "covers": group.covers,
+                "lr": group.lr,
+                "images": group.images,
+            }
+            for x, y in group.batches:
+                with self._cond:
+                    while self.failed is None and self._in_flight >= self.window:
+                        self._wait_cond()
+                    if self.failed is not None:
+                        return
+                    self._in_flight += 1
+                self._work.put((1, next(self._order), ("f", mb, info, x, y)))
+                mb += 1
+        with self._cond:  # every mini-batch back from every partition
+            while self.failed is None and self._in_flight > 0:
+                self._wait_cond()
+        self._done.set()
+
+    def _wait_cond(self) -> None:
+        self._cond.wait(0.25)
+        self._cond.release()
+        try:
+            self._watch()
+        finally:
+            self._cond.acquire()
+
+    def _back(self, g: int) -> None:
+        """A mini-batch of group ``g`` came back to partition 0: every partition applied it."""
+        with self._cond:
+            self._in_flight -= 1
+            self._completed[g] = self._completed.get(g, 0) + 1
+            self._cond.notify_all()
+
+    # -- receiving ----------------------------------------------------------------------------
+
+    def _receive(self, link: Link, side: str) -> None:
+        stage = self.stage
+
+        def shape_of(h: dict) -> tuple[int, ...] | None:
+            if h["op"] == "f":
+                return (int(h["n"]), *stage.in_shape)
+            if h["op"] == "b":
+                return (int(h["n"]), *stage.out_shape)
+            return None
+
+        try:
+            while True:
+                header, values = link.recv(shape_of)
+                self._heard = time.monotonic()
+                op = header["op"]
+                if op == "f":
+                    y = np.frombuffer(header["y"], np.int64)
+                    self._work.put((1, next(self._order), ("f", header["mb"], header, values, y)))
+                elif op == "b":
+                    self._work.put((0, next(self._order), ("b", header["mb"], None, values, None)))
+                elif op == "end":
+                    self._done.set()
+                    return
+        except (OSError, ValueError) as exc:
+            if not self._done.is_set():  # after the end, a neighbour closing is no news
+                self._fail(f"the link {side} broke ({exc!r})")
+
+    # -- the stage's threads --------------------------------------------------------------------
+
+    def _train(self, t: int) -> None:
+        stage = self.stage
+        try:
+            while True:
+                _, _, task = self._work.get()
+                if task is None or self.failed is not None:
+                    return
+                kind, mb, info, values, y = task
+                if kind == "f":
+                    ctx = self._contexts.get()
+                    n = len(values)
+                    out = stage.forward_into(ctx, values, n)
+                    if self.last:
+                        acc = self._accs[t][info["g"] % 2]
+                        loss = stage.backward_update(ctx, n, info["lr"], acc, labels=y)
+                        with self._lock:
+                            self.images += n
+                            self.loss_sum += loss * n
+                        self._applied(info)
+                        assert self.up is not None
+                        self.up.send({"op": "b", "mb": mb, "n": n}, ctx.din[:n])
+                        self._contexts.put(ctx)
+                    else:
+                        with self._lock:
+                            self._pending[mb] = (ctx, info)
+                        header = {k: info[k] for k in ("g", "seq", "gn", "covers", "lr", "images")}
+                        header.update(
+                            op="f", mb=mb, n=n, y=np.ascontiguousarray(y, np.int64).tobytes()
+                        )
+                        assert self.down is not None
+                        self.down.send(header, out)
+                else:
+                    with self._lock:
+                        ctx, info = self._pending.pop(mb)
+                    n = len(values)
+                    acc = self._accs[t][info["g"] % 2]
+                    stage.backward_update(ctx, n, info["lr"], acc, dout=values)
+                    if self.first:
+                        with self._lock:
+                            self.images += n
+                    self._applied(info)
+                    if self.first:
+                        self._back(info["g"])
+                    else:
+                        assert self.up is not None
+                        self.up.send({"op": "b", "mb": mb, "n": n}, ctx.din[:n])
+                    self._contexts.put(ctx)
+        except BaseException as exc:
+            self._fail(f"partition {self.index}: {exc!r}", exc)
+
+    def _applied(self, info: dict) -> None:
+        """A mini-batch of group ``info["g"]`` was applied here; the last one takes the group
+        (before its errors leave this partition)."""
+        g = info["g"]
+        with self._lock:
+            grp = self._groups.get(g)
+            if grp is None:
+                grp = self._groups[g] = _Open(g, info["seq"], info["gn"], info["covers"])
+            grp.applied += 1
+            complete = grp.applied == grp.size
+            if complete:
+                del self._groups[g]
+        if complete:
+            grp.images = int(info["images"])
+            buf = self._buffers.get()
+            parity = g % 2
+            with self._take_lock:  # not while an install reads the accumulators
+                np.copyto(buf, self._accs[0][parity])
+                self._accs[0][parity][...] = 0.0
+                for t in range(1, self.threads):
+                    buf += self._accs[t][parity]
+                    self._accs[t][parity][...] = 0.0
+                self._unpushed.append(buf)
+            self._exchange.put((grp, buf))
+
+    # -- the exchange with the parameter server ----------------------------------------------
+
+    def _communicate(self) -> None:
+        stage = self.stage
+        epoch, replica, replicas = self.mark
+        while True:
+            item = self._exchange.get()
+            if item is None:
+                return
+            grp, buf = item
+            if self.error is not None or (
+                self.abort_flag is not None and self.abort_flag.is_set()
+            ):  # the replica runs again (this partition may have been frozen): push nothing
+                with self._take_lock:
+                    self._unpushed.remove(buf)
+                self._buffers.put(buf)
+                continue
+            try:
+                t = time.perf_counter()
+                mark = Mark(epoch, replica, grp.seq, self.index, self.parts, replicas, grp.covers)
+                self.server.push_range(buf, stage.start, mark=mark)
+                with self._take_lock:
+                    self._unpushed.remove(buf)
+                with self._lock:
+                    self.pushes += 1
+                    self.images_pushed += grp.images
+                    self.groups_pushed.append(grp.seq)
+                self.server.pull_range(stage.start, stage.stop, out=buf)
+                self.ps_seconds += time.perf_counter() - t
+                self._install(buf)
+            except BaseException as exc:
+                self._fail(f"partition {self.index}: push failed ({exc!r})", exc)
+            self._buffers.put(buf)
+
+    def _install(self, pulled: np.ndarray) -> None:
+        """The pulled span, plus what this partition applied and the server does not hold yet
+        (groups taken but not pushed, the open accumulators), as its weights. The threads train
+        on meanwhile (Hogwild): an update landing during the write may be lost locally, but it
+        is in its accumulator, pushed, and back with the next pull."""
+        flat = self.stage.flat
+        with self._take_lock:
+            np.copyto(flat, pulled)
+            for u in self._unpushed:
+                flat += u
+            for pair in self._accs:
+                for acc in pair:
+                    flat += acc
+
+
+def check_parts(plan_parts: int, workers: int, replicas: int) -> None:
+    """Every partition of every replica needs a TRAIN worker of its own at once."""
+    if plan_parts * replicas > workers:
+        raise ClusterError(
+            f"{replicas} replica(s) of {plan_parts} partitions need {plan_parts * replicas} TRAIN "
+            f"workers, the cluster has {workers}",
+            "add TRAIN workers, or train with fewer replicas or partitions",
+        )

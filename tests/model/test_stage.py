@@ -1,0 +1,90 @@
+"""Stages of a partitioned network: forward and backward through the stages equal the whole
+network's (the gradient of one mini-batch, split over the stages)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from adam_dask.model import Network
+from adam_dask.model.stage import stages_of
+
+SPECS = [
+    ("conv5x5:6,maxpool2,fc32,fc10", (1, 12, 12), [(0, 2), (2, 4)]),
+    ("conv5x5:6,maxpool2,fc32,fc10", (1, 12, 12), [(0, 1), (1, 3), (3, 4)]),
+    ("conv3x3:4,bn,maxpool2,fc16,fc24,fc10", (1, 10, 10), [(0, 1), (1, 4), (4, 6)]),
+    ("fc40,fc30,fc10", (1, 6, 6), [(0, 1), (1, 2), (2, 3)]),
+    # a dense layer split by output neurons (paper Figure 6): the middle one, the first, the last
+    ("conv5x5:6,maxpool2,fc32,fc10", (1, 12, 12), [(0, 2), (2, 3, 0, 10), (2, 3, 10, 32), (3, 4)]),
+    ("fc40,fc30,fc10", (1, 6, 6), [(0, 1, 0, 15), (0, 1, 15, 27), (0, 1, 27, 40), (1, 3)]),
+    ("conv5x5:6,maxpool2,fc32,fc10", (1, 12, 12), [(0, 3), (3, 4, 0, 4), (3, 4, 4, 10)]),
+]
+
+
+def _partitioned_gradient(net, bounds, x, y):
+    stages = stages_of(net, bounds)
+    n = len(x)
+    ctxs = [s.context(n) for s in stages]
+    accs = [np.zeros(s.size, np.float32) for s in stages]
+    inp = x
+    for s, c in zip(stages, ctxs):
+        inp = s.forward_into(c, inp, n).copy()
+    logits = inp
+    loss = 0.0
+    dout = None
+    for k in range(len(stages) - 1, -1, -1):
+        s, c = stages[k], ctxs[k]
+        if s.last:
+            loss = s.backward_update(c, n, 1.0, accs[k], labels=y)
+        else:
+            s.backward_update(c, n, 1.0, accs[k], dout=dout)
+        dout = c.din
+    grad = np.zeros_like(net.flat)
+    for s, a in zip(stages, accs):
+        grad[s.start : s.stop] = -a
+    return loss, grad, logits, stages
+
+
+@pytest.mark.parametrize(("spec", "shape", "bounds"), SPECS)
+@pytest.mark.parametrize("activation", ["tanh", "relu"])
+def test_the_stages_gradient_of_a_mini_batch_equals_the_whole_networks(
+    spec, shape, bounds, activation
+):
+    net = Network.from_spec(spec, input_shape=shape, activation=activation, seed=1)
+    rng = np.random.default_rng(0)
+    x = rng.random((6, *shape), dtype=np.float32)
+    y = rng.integers(0, 10, 6)
+    want_loss, want_grad = net.loss_and_gradient(x, y)
+    loss, grad, logits, stages = _partitioned_gradient(net, bounds, x, y)
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    np.testing.assert_allclose(grad, want_grad, rtol=2e-4, atol=2e-6)
+    # each stage moved its own weights by -lr * its part of the gradient, and only those
+    for s in stages:
+        np.testing.assert_allclose(
+            s.flat, net.flat[s.start : s.stop] - want_grad[s.start : s.stop], rtol=1e-4, atol=1e-5
+        )
+
+
+def test_a_stage_holds_only_its_layers_parameters():
+    net = Network.from_spec("conv5x5:6,maxpool2,fc32,fc10", input_shape=(1, 12, 12), seed=0)
+    a, b = stages_of(net, [(0, 2), (2, 4)])
+    assert (a.start, a.stop) == (0, net.layout["0.bias"].offset + 6)
+    assert (b.start, b.stop) == (a.stop, net.layout.size)
+    assert sorted(b.parameters) == ["2.bias", "2.weight", "3.bias", "3.weight"]
+    assert a.out_shape == (6, 4, 4) and b.in_shape == (6, 4, 4)
+    with pytest.raises(ValueError, match="consecutive"):
+        stages_of(net, [(0, 2), (3, 4)])
+    with pytest.raises(ValueError, match="consecutive"):
+        stages_of(net, [(0, 2), (2, 3, 0, 10), (2, 3, 12, 32), (3, 4)])
+
+
+def test_a_dense_layers_slices_hold_its_rows_and_the_last_one_its_bias():
+    net = Network.from_spec("fc40,fc30,fc10", input_shape=(1, 6, 6), seed=0)
+    a, b, c = stages_of(net, [(0, 1, 0, 15), (0, 1, 15, 40), (1, 3)])
+    w = net.layout["0.weight"]
+    assert (a.start, a.stop) == (w.offset, w.offset + 15 * 36)
+    assert (b.start, b.stop) == (a.stop, net.layout["0.bias"].offset + 40)  # rows 15-39 + bias
+    np.testing.assert_array_equal(a.weight, net.parameters["0.weight"][:15])
+    np.testing.assert_array_equal(b.bias, net.parameters["0.bias"])
+    assert a.bias is None and (a.in_shape, a.out_shape) == ((1, 6, 6), (36 + 15,))
+    assert (b.in_shape, b.out_shape) == ((36 + 15,), (40,)) and c.in_shape == (40,)

@@ -1,0 +1,110 @@
+"""A model replica spread over two TRAIN workers (paper 3.2) on the embedded cluster: it trains
+above chance with every image applied once, a partition's worker SIGKILLed mid-epoch from the
+test process is survived with images_applied exact, and a plan that does not fit a worker is
+refused before anything starts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import adam_dask
+from adam_dask.cluster import TRAIN, workers_with_role
+from adam_dask.errors import PartitionError
+from adam_dask.testing import fit_in_background, hard_kill, synthetic_store
+from adam_dask.train.trainer import Trainer
+
+SPEC = "conv5x5:6,maxpool2,fc32,fc10"
+N_TRAIN = 1024
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return synthetic_store(tmp_path_factory.mktemp("partition-data"), n_train=N_TRAIN, n_test=256)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with adam_dask.cluster.local(
+        ps_nodes=3, data_nodes=1, trainers=2, trainer_threads=1, memory_limit="2 GiB"
+    ) as client:
+        yield client
+
+
+def trainer(store, client, **kwargs):
+    return Trainer(
+        store,
+        model=SPEC,
+        client=client,
+        partitions=2,
+        lr=0.05,
+        push_every=64,
+        batch_size=8,
+        progress=False,
+        checkpoint=False,
+        shard_bytes=4096,  # several shards, one straddling the partitions' edge
+        **kwargs,
+    )
+
+
+@pytest.mark.timeout(300)
+def test_a_two_partition_replica_trains_above_chance_with_every_image_applied_once(store, cluster):
+    t = trainer(store, cluster)
+    try:
+        hist = t.fit(epochs=2)
+    finally:
+        t.close()
+    assert [len(t.partition_plan), t.replicas] == [2, 1]
+    assert hist.column("images_applied") == [N_TRAIN, N_TRAIN]
+    assert hist.records[-1]["test_accuracy"] > 0.5  # chance is 0.1
+    # the replica ran on both TRAIN workers, one partition each
+    assert len(set(hist.records[-1]["replica_workers"][0].split(","))) == 2
+
+
+def test_a_plan_over_a_workers_memory_is_refused_naming_the_partition(store, cluster):
+    # ~74M parameters: with its accumulators and buffers more than a 2 GiB worker gives
+    t = Trainer(store, model="fc8192,fc8192,fc10", client=cluster, progress=False, checkpoint=False)
+    with pytest.raises(PartitionError, match=r"partition 0 of 1 .* needs ~[\d,]+ MiB") as e:
+        t.fit(epochs=1)
+    assert e.value.partition == 0
+    assert t.server is None  # refused before the parameter server was created
+    assert len(str(e.value).splitlines()) == 1
+
+
+def test_settings_a_partitioned_replica_does_not_train_with_are_refused(store, cluster):
+    t = trainer(store, cluster, mode="sync", momentum=0.9)
+    with pytest.raises(PartitionError, match=r"does not train with mode='sync', momentum=0.9"):
+        t.fit(epochs=1)
+    assert t.server is None
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_of_a_partitions_worker_mid_epoch_keeps_images_applied_exact(
+    store, cluster, caplog
+):
+    # the last test on the module's cluster: it loses a worker (its nanny starts a new one)
+    t = trainer(store, cluster)
+    th, box = fit_in_background(t, epochs=1)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:  # mid-epoch: some pushes applied
+            if "error" in box or "history" in box:
+                raise AssertionError(f"fit ended before the fault: {box}")
+            if t.server is not None and t.server.stats()["pushes_applied"] >= 6:
+                break
+            time.sleep(0.02)
+        else:
+            raise AssertionError("no pushes within 120 s")
+        train = workers_with_role(cluster, TRAIN)
+        assert len(train) == 2
+        hard_kill(cluster, [train[1]])  # one partition's worker, mid-epoch
+        th.join(240)
+        assert not th.is_alive(), "the fit did not end"
+        assert "error" not in box, box.get("error")
+        assert "running it again" in caplog.text  # the replica was re-run after the loss
+        hist = box["history"]
+        assert hist.column("images_applied") == [N_TRAIN]  # nothing lost, nothing twice
+        assert hist.records[0]["test_accuracy"] > 0.2
+    finally:
+        t.close()
