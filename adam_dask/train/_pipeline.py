@@ -471,6 +471,14 @@ class PartitionRunner:
 
     # -- the exchange with the parameter server ----------------------------------------------
 
+    def _forget_unpushed(self, buf: np.ndarray) -> None:
+        """Take ``buf`` out of the unpushed buffers, by identity (``list.remove`` compares
+        arrays with ``==``: elementwise, an error once another buffer comes first)."""
+        for i, u in enumerate(self._unpushed):
+            if u is buf:
+                del self._unpushed[i]
+                return
+
     def _communicate(self) -> None:
         stage = self.stage
         epoch, replica, replicas = self.mark
@@ -483,7 +491,7 @@ class PartitionRunner:
                 self.abort_flag is not None and self.abort_flag.is_set()
             ):  # the replica runs again (this partition may have been frozen): push nothing
                 with self._take_lock:
-                    self._unpushed.remove(buf)
+                    self._forget_unpushed(buf)
                 self._buffers.put(buf)
                 continue
             try:
@@ -491,7 +499,7 @@ class PartitionRunner:
                 mark = Mark(epoch, replica, grp.seq, self.index, self.parts, replicas, grp.covers)
                 self.server.push_range(buf, stage.start, mark=mark)
                 with self._take_lock:
-                    self._unpushed.remove(buf)
+                    self._forget_unpushed(buf)
                 with self._lock:
                     self.pushes += 1
                     self.images_pushed += grp.images

@@ -135,7 +135,10 @@ def test_a_broken_link_stops_every_partition_with_only_whole_groups_pushed():
     def cut(runners):
         import time
 
-        while runners[2].pushes < 2:
+        deadline = time.monotonic() + 60
+        while min(r.pushes for r in runners) < 2:  # every partition pushed two groups
+            assert all(r.error is None for r in runners), [r.error for r in runners]
+            assert time.monotonic() < deadline, [r.pushes for r in runners]
             time.sleep(0.01)
         runners[1].down.sock.shutdown(socket.SHUT_RDWR)  # the link 1 -> 2 breaks
 
