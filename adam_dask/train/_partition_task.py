@@ -471,8 +471,17 @@ def cluster_plan(client: Any, net: Any, settings: Any, partitions: int) -> Any:
 
     from ..cluster import workers_with_role
     from ..errors import PartitionError
+    from ..model.engines import TORCH
     from ..model.partition import plan_partitions
 
+    if getattr(net, "engine", None) == TORCH:  # a user's nn.Module: no layer list to split
+        if partitions > 1:
+            raise PartitionError(
+                f"partitions={partitions}: a PyTorch model trains on one worker per replica",
+                "train a torch model with partitions=1 (partitioning splits the numba "
+                "engine's layers)",
+            )
+        return None
     if partitions > 1:
         unsupported = [
             what

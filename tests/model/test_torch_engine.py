@@ -179,3 +179,16 @@ def test_engine_dispatch_and_bad_factories():
         TorchNetwork.build(lambda: 3, SHAPE)
     with pytest.raises(ModelSpecError, match=r"fails on images of shape \(B, 1, 12, 12\)"):
         TorchNetwork.build(lambda: nn.Linear(5, 3), SHAPE)
+
+
+def test_a_torch_model_is_not_partitioned_and_asking_for_it_is_one_error():
+    """The partition plan splits the numba engine's layers; a user's module has none to split:
+    partitions=1 plans nothing (the replica is the module on one worker), partitions=2 is
+    refused before anything starts."""
+    from adam_dask.errors import PartitionError
+    from adam_dask.train._partition_task import cluster_plan
+
+    net = TorchNetwork.build("adam_dask.model.torch_examples:tiny_residual_net", (1, 28, 28))
+    assert cluster_plan(None, net, None, 1) is None
+    with pytest.raises(PartitionError, match="partitions=2: a PyTorch model trains on one worker"):
+        cluster_plan(None, net, None, 2)
