@@ -13,9 +13,9 @@ Decisions (each change of the routing bumps ``generation``):
   out of every shard at once, like a worker that left. Its worker is retired when it stays
   silent for ``retire_timeout``; a worker that speaks again in between (the node was only
   slow) is told its node is no member any more and may host a new node. While most nodes are
-  silent at once the controller suspects itself (its own link cut, a stall) and declares none
-  dead; while every node is silent it retires none either, and a node's silence during that
-  spell does not count toward ``retire_timeout``.
+  silent at once the controller suspects itself (its own link cut, a stall): it declares none
+  dead and, for up to ``DOUBT_RETIRE_TIMEOUTS`` retire timeouts, retires none, and a node's
+  silence during that spell does not count toward ``retire_timeout``.
 * **Promote**: a shard whose primary is gone gets a new generation; every surviving copy is
   fenced with it (it refuses the old primary from then on) and reports its position; the newest
   becomes primary. Only then does the routing name it, so nobody pushes to it before the old
@@ -58,6 +58,10 @@ from ._node_state import NOT_MEMBER
 from ._repair import Repair, _Op, _Round
 
 logger = logging.getLogger(__name__)
+
+#: how many retire timeouts the controller doubts itself (most nodes silent at once: its own
+#: link cut?) before retiring the silent anyway (frozen or dead for that long, they are gone)
+DOUBT_RETIRE_TIMEOUTS = 3
 
 __all__ = ["ServerState"]
 
@@ -126,6 +130,7 @@ class ServerState(Repair):
         self._last_tick: float | None = None
         self._stalled = False  # declaring held back: most nodes silent (logged once)
         self._doubted = False  # retiring held back: most nodes silent
+        self._doubt_since: float | None = None  # when the current such spell began
         self._trusted_since = float("-inf")  # when the last such spell ended
 
     # -- the one entry point ---------------------------------------------------------------------
@@ -238,19 +243,25 @@ class ServerState(Repair):
 
     def _to_retire(self, now: float) -> list[str]:
         """The workers to ask Dask to remove: those of nodes silent for ``retire_timeout`` and
-        of nodes declared dead that long ago. None while every node is silent at once (the
+        of nodes declared dead that long ago. None while most nodes are silent at once (the
         controller suspects itself: the scheduler cut from every worker would otherwise retire
-        them all), and silence during such a spell does not count: after it, a node has
-        ``retire_timeout`` from its end to speak again. One node still speaking is enough to
-        trust the controller's link: most nodes frozen or gone are then retired (the way
-        they heal when they do not come back), which holding back on *most* silent would
-        leave to Dask's worker timeout (minutes)."""
-        if self._all_silent(now):
-            self._doubted = True
-            return []
-        if self._doubted:
-            self._doubted = False
-            self._trusted_since = now
+        them all; after the cut heals, the nodes come back one by one, each as its connection
+        recovers from TCP's back-off), and silence during such a spell does not count: after
+        it, a node has ``retire_timeout`` from its end to speak again. The doubt has a limit,
+        ``DOUBT_RETIRE_TIMEOUTS`` x ``retire_timeout``: most nodes silent that long are gone
+        (frozen or dead, not behind a cut), and are retired, the way they heal, rather than
+        left to Dask's worker timeout (minutes)."""
+        if self._most_silent(now):
+            if self._doubt_since is None:
+                self._doubt_since = now
+            if now - self._doubt_since <= DOUBT_RETIRE_TIMEOUTS * self.retire_timeout:
+                self._doubted = True
+                return []
+        else:
+            self._doubt_since = None
+            if self._doubted:
+                self._doubted = False
+                self._trusted_since = now
         since_trust = self._trusted_since
 
         def overdue(t: float) -> bool:
@@ -262,11 +273,6 @@ class ServerState(Repair):
                 del self.suspects[addr]
                 silent.append(addr)
         return [a for a in sorted(set(silent) - self.retired) if a in self.workers]
-
-    def _all_silent(self, now: float) -> bool:
-        """Whether every node (of two or more) missed its heartbeats (``heartbeat_timeout``)."""
-        overdue = sum(now - self.beats.get(a, now) > self.timeout for a in self.nodes)
-        return len(self.nodes) > 1 and overdue == len(self.nodes)
 
     def _most_silent(self, now: float) -> bool:
         """Whether more than half of the nodes missed their heartbeats (``heartbeat_timeout``)."""
