@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InputShapeError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FLOAT_BYTES", "Entry", "ParameterLayout", "shard_ranges"]
+__all__ = ["FLOAT_BYTES", "Entry", "ParameterLayout", "assign_flat", "shard_ranges"]
 
 FLOAT_BYTES = 4
 
@@ -141,3 +141,14 @@ class ParameterLayout:
         if lay.size != d.get("size", lay.size):
             raise ConfigError(f"layout size {d['size']} does not match its entries ({lay.size})")
         return lay
+
+
+def assign_flat(flat: np.ndarray, values: np.ndarray) -> None:
+    """Write ``values`` over an engine's flat weights ``flat`` in place (its parameter views
+    stay valid); :class:`InputShapeError` when the shapes differ."""
+    values = np.asarray(values)
+    if values.shape != flat.shape:
+        raise InputShapeError(
+            f"expected {flat.shape[0]} parameter values, got shape {values.shape}"
+        )
+    flat[...] = values

@@ -24,7 +24,7 @@ from ..errors import InputShapeError, ModelSpecError
 from . import fused as F
 from . import kernels as K
 from .context import Context
-from .layout import ParameterLayout
+from .layout import ParameterLayout, assign_flat
 from .spec import ACTIVATIONS, Layer, parse_spec
 
 logger = logging.getLogger(__name__)
@@ -244,12 +244,7 @@ class Network:
 
     @flat.setter
     def flat(self, values: np.ndarray) -> None:
-        values = np.asarray(values)
-        if values.shape != self._flat.shape:
-            raise InputShapeError(
-                f"expected {self._flat.shape[0]} parameter values, got shape {values.shape}"
-            )
-        self._flat[...] = values
+        assign_flat(self._flat, values)
         self.population = {}  # new weights: the old statistics no longer describe them
 
     # -- input checks -----------------------------------------------------------------------------

@@ -51,7 +51,7 @@ import numpy as np
 from ..errors import InputShapeError, ModelSpecError
 from ._factory_path import TORCH, is_factory_path
 from .fused import sgd_update_into
-from .layout import ParameterLayout
+from .layout import ParameterLayout, assign_flat
 
 try:
     import torch
@@ -410,12 +410,7 @@ class TorchNetwork:
 
     @flat.setter
     def flat(self, values: np.ndarray) -> None:
-        values = np.asarray(values)
-        if values.shape != self._flat.shape:
-            raise InputShapeError(
-                f"expected {self._flat.shape[0]} parameter values, got shape {values.shape}"
-            )
-        self._flat[...] = values
+        assign_flat(self._flat, values)
         self.calibrated = False  # new weights: the running statistics no longer describe them
 
     @property
