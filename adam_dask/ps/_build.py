@@ -55,6 +55,27 @@ def shard_of(shards: list[tuple[int, int]], index: int) -> int:
     return min(index // per, len(shards) - 1)
 
 
+def load(
+    courier: Any,
+    shards: list[tuple[int, int]],
+    values: np.ndarray,
+    versions: dict[int, int],
+    marks: dict[int, Any],
+) -> None:
+    """Send a new server's first values (and the data positions they hold) to every holder of
+    every shard."""
+    calls = {}
+    for a, sids in courier.routing.holders().items():
+        part = {s: values[shards[s][0] : shards[s][1]] for s in sids}
+        vs = {s: versions[s] for s in sids}
+        ms = {s: list(marks.get(s, ())) for s in sids}
+        calls[a] = (courier.routing.key(a), "load", part, vs, ms)
+    timeout = float(config.get("ps.call-timeout"))
+    for a, r in courier.control.each(calls, timeout).items():
+        if isinstance(r, BaseException):
+            raise r
+
+
 def build_server(
     cls: Any,
     client: Any,
@@ -162,11 +183,11 @@ def build_server(
         meta=meta,
         client=client,
     )
-    server._set_routing(routing)
+    server._courier.routing.set(routing)
     if init is not None or versions is not None:
         values = init if init is not None else np.zeros(size, dtype=np.float32)
         vs = {i: int(v) for i, v in enumerate(versions or [0] * len(shards))}
-        server._run(server._load, values, vs, marks or {})
+        load(server._courier, shards, values, vs, marks or {})
     server.epoch = epoch
     logger.info("created %r", server)
     return server

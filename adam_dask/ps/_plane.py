@@ -1,26 +1,20 @@
-"""The pusher's side of the data plane: a push or a pull goes from the calling thread straight to
-a socket, with no hop to an event loop and no Dask actor call.
+"""The pusher's side of the data plane: a request's part for one node goes from the calling
+thread straight to a socket, with no hop to an event loop and no Dask actor call.
 
-The path of one push from a replica (``AsyncExchange``): the training thread takes its update
-into a :class:`Segment` of the handle's pool (``Updates.take(out=)``: the sum of the threads'
-accumulators is written once, there) and queues it; the communicator thread calls
-``ParameterServer.push_pull(delta, out)``, which scans it once (NaN/Inf and which shards are
-all zeros, :func:`~adam_dask.ps.kernels.scan_delta`) and sends each primary its shards' part:
+* Same machine (a Unix socket in the same network namespace): the values live in a
+  :class:`Segment` (a ``memfd``) handed to the node once (``SCM_RIGHTS``); a push is a header
+  naming segment and offsets (no copy of the values at all), a pull names the segment the node
+  writes the values into.
+* Other machines (TCP): the header, then the values straight from their buffer (``sendall``:
+  the kernel's copy only); a pull's values are read straight into their place.
 
-* same machine (a Unix socket in the same network namespace): the segment (a ``memfd``) was
-  handed to the node once; the push is a header naming it (no copy of the values at all);
-* other machines: the header, then the values straight from the segment (``sendall``: the
-  kernel's copy only).
-
-Held pushes (``ack="replay"``) keep a reference on the segment instead of a copy of the
-values; the segment goes back to the pool when the caller released it and every held part is
-durable. A call that fails or times out closes its channel and *poisons* the segment it used
-(a frozen node may still read it after it wakes: it is never written again), and what that
-node did not answer goes the Dask way (:mod:`adam_dask.ps._pushing`: routing refresh, fail-over
-waits, replay), with the same push id, so nothing is applied twice.
+:class:`PlaneCalls` writes a request's part (:meth:`PlaneCalls.send`) and reads the answer
+(:meth:`PlaneCalls.receive`); the client (:mod:`adam_dask.ps.client`) routes, waits and
+retries. A call that fails or times out closes its channel and *poisons* the segments it used
+(a frozen node may still read them after it wakes: they are never written again).
 
 ``adam.ps.data-plane``: ``auto`` (shared memory on the same machine, TCP otherwise), ``tcp``
-(never shared memory), ``dask`` (every call as a Dask actor call, the former path).
+(never shared memory), ``dask`` (every call a Dask actor call).
 """
 
 from __future__ import annotations
@@ -28,23 +22,23 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import select
 import socket
 import threading
 import time
 from collections.abc import Callable
-from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from .. import config
 from ..errors import ConfigError, ShardUnavailable, UpdateRejected
-from ._replay import HeldPush
+from ._control import part_of, write_pulled
+from ._request import Request
 from ._wire import recv_exact_into, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Channel", "Pool", "Segment"]
+__all__ = ["Channel", "Channels", "PlaneCalls", "Pool", "Segment"]
 
 _RETRY_DOWN = 5.0  # seconds before a node that refused a connection is tried again
 _ERRORS = {"UpdateRejected": UpdateRejected, "ShardUnavailable": ShardUnavailable}
@@ -124,6 +118,11 @@ class Channel:
         self.sock, self.unix, self.server_id = sock, unix, server_id
         self.shared: set[int] = set()  # segment ids the node has mapped
         self.pull_seg: Segment | None = None
+
+    def readable(self, seconds: float) -> bool:
+        """Whether an answer has started to arrive within ``seconds``."""
+        r, _, _ = select.select([self.sock], [], [], max(seconds, 0.0))
+        return bool(r)
 
     def share(self, seg: Segment) -> None:
         if seg.id in self.shared:
@@ -238,295 +237,131 @@ def rebuilt_error(reply: dict) -> Exception:
     return cls(reply["message"], reply.get("hint"), shard=reply.get("shard"))
 
 
-# -- the handle's calls --------------------------------------------------------------------------
-
-
 class PlaneCalls:
-    """Push and pull over the data plane (mixed into ParameterServer before the Dask path)."""
+    """A request's part for one node on its channel: :meth:`send` writes it, :meth:`receive`
+    reads the answer (and a pull's values into their place)."""
 
-    server_id: str
-    size: int
-    shards: list[tuple[int, int]]
-    _routing: list[list[str]]
-    _gens: list[int]
-    _nodes: dict[str, str]
-    _log: Any
-    _channels: Channels | None
-    _plane_answered: float
+    def __init__(self, channels: Channels, shards: list[tuple[int, int]]):
+        self.channels = channels
+        self.shards = shards
 
-    if TYPE_CHECKING:  # Transport's, after this class in the handle's bases
-
-        def _run(self, coro_fn: Any, *args: Any, **kwargs: Any) -> Any: ...
-
-        def _primary_of(self) -> dict[int, tuple[str, int]]: ...
-
-        def _confirm(self, addr: str, reply: dict, key: str = "confirmed") -> None: ...
-
-    def _plane(self) -> Channels | None:
-        mode = str(config.get("ps.data-plane"))
-        if mode == "dask":
+    def segment_of(self, req: Request) -> Segment | None:
+        """The segment holding a push's values: the caller's own :meth:`Pool.take` buffer, or
+        one the values are copied into once (at their offsets; a partition's span leaves the
+        rest of the segment unread)."""
+        if req.op != "push" or req.outer is not None:
             return None
-        if self._channels is None:
-            self._channels = Channels(
-                self.server_id, self.size, mode, float(config.get("ps.plane-timeout"))
-            )
-        return self._channels
-
-    def buffer(self) -> np.ndarray:
-        """A float32 array of the server's size from the handle's pool, for a delta to push
-        with :meth:`push` by reference; give it back with :meth:`release` (the server keeps
-        it as long as it needs it, then reuses it)."""
-        plane = self._plane()
-        if plane is None:
-            return np.empty(self.size, np.float32)
-        return plane.pool.take().array
-
-    def release(self, array: np.ndarray) -> None:
-        """The caller is done with a :meth:`buffer` (it is not written again by the caller)."""
-        plane = self._channels
-        seg = None if plane is None else plane.pool.of(array)
+        pool = self.channels.pool
+        seg = pool.of(req.values) if req.base == 0 else None
         if seg is not None:
-            seg.release()
-
-    def _channel(self, plane: Channels, addr: str) -> tuple[str, Channel | None]:
-        """(the node's actor key, its channel or None: the Dask path then)."""
-        key = self._nodes.get(addr, "")
-        return key, plane.get(addr, key, partial(self._endpoint, addr, key))
-
-    def _endpoint(self, addr: str, key: str) -> dict:
-        from ._rpc import call_actor
-
-        async def ask(rpc: Any, sched: Any) -> dict:
-            timeout = float(config.get("ps.call-timeout"))
-            return await call_actor(rpc, addr, key, "plane", timeout=timeout)
-
-        return self._run(ask)
-
-    def _routed(self) -> dict[int, tuple[str, int]] | None:
-        """{sid: (primary, generation)} when every shard has one and no held push must be
-        replayed first; else None (the Dask path does both)."""
-        if not self._routing:
-            return None
-        prim = self._primary_of()
-        if len(prim) != len(self.shards):
-            return None
-        if self._log and self._log.moved(prim):
-            return None
-        return prim
-
-    def _plane_push(
-        self,
-        delta: np.ndarray,
-        ack: str,
-        mark: Any,
-        push_id: int,
-        nonzero: np.ndarray,
-        pull: np.ndarray | None = None,
-    ) -> tuple[list[int], set[int]]:
-        """Send ``delta`` to the primaries over the data plane (and, with ``pull``, read the
-        values of the shards back into it in the same round trip); returns the shards left for
-        the Dask path (moved, or their node did not answer) and the shards pulled."""
-        plane = self._plane()
-        prim = self._routed() if plane is not None else None
-        everything: tuple[list[int], set[int]] = (list(range(len(self.shards))), set())
-        if plane is None or prim is None:
-            return everything
-        keep = ack == "replay"
-        if keep and self._log.nbytes > int(config.get("ps.replay-bytes")):
-            return everything  # the Dask path sheds, or waits for room
-        with plane.lock:
-            seg = plane.pool.of(delta)
-            own = seg is None
-            if own:  # a caller's array: one copy into a segment (to share it, to hold it)
-                seg = plane.pool.take()
-                np.copyto(seg.array, delta)
-            assert seg is not None
-            try:
-                rest, pulled = self._send_parts(
-                    plane, seg, prim, ack, mark, push_id, nonzero, keep, pull
-                )
-                plane.counts["pushes"] += 1
-                plane.counts["to_dask"] += bool(rest)
-                return rest, pulled
-            finally:
-                if own:
-                    seg.release()
-
-    def _send_parts(
-        self,
-        plane: Channels,
-        seg: Segment,
-        prim: dict[int, tuple[str, int]],
-        ack: str,
-        mark: Any,
-        push_id: int,
-        nonzero: np.ndarray,
-        keep: bool,
-        pull: np.ndarray | None,
-    ) -> tuple[list[int], set[int]]:
-        groups: dict[str, list[int]] = {}
-        pulled: set[int] = set()
-        targets: dict[str, Segment] = {}  # where each node writes the pulled values
-        for sid, (addr, _) in prim.items():
-            groups.setdefault(addr, []).append(sid)
-        rest: list[int] = []
-        sent: list[tuple[str, str, Channel, list[int]]] = []
-        values = seg.array
-        for addr, sids in groups.items():
-            key, ch = self._channel(plane, addr)
-            if ch is None:
-                rest += sids
-                continue
-            parts = []
-            for s in sids:
-                a, b = self.shards[s]
-                parts.append([s, a, (b - a) if nonzero[s] else -1])
-            header = {
-                "op": "push",
-                "server": self.server_id,
-                "push_id": push_id,
-                "ack": ack,
-                "stamps": {s: self._gens[s] for s in sids},
-                "mark": None if mark is None else mark.to_json(),
-                "parts": parts,
-            }
-            if pull is not None:
-                header["pull"], header["pull_sids"] = True, sids
-            try:
-                if pull is not None and ch.unix:
-                    targets[addr] = self._pull_target(plane, ch, pull)
-                    header["pull_segment"] = targets[addr].id
-                elif pull is not None:
-                    header["sizes"] = [self.shards[s][1] - self.shards[s][0] for s in sids]
-                if ch.unix:
-                    ch.share(seg)
-                    header["segment"], header["offset"] = seg.id, 0
-                    send_msg(ch.sock, header)
-                else:
-                    views = [values[p[1] : p[1] + p[2]] for p in parts if p[2] > 0]
-                    send_msg(ch.sock, header, *views)
-            except OSError as exc:
-                logger.debug("data-plane push to %s failed (%r)", addr, exc)
-                plane.fail(addr, key, ch, seg)
-                rest += sids
-                continue
-            sent.append((addr, key, ch, sids))
-        error: Exception | None = None
-        for addr, key, ch, sids in sent:
-            try:
-                reply = recv_msg(ch.sock)
-                for s in reply.get("pulled", ()):
-                    assert pull is not None
-                    self._pulled(ch, int(s), pull, targets.get(addr))
-                    pulled.add(int(s))
-            except (OSError, ValueError) as exc:
-                logger.debug("no data-plane answer from %s (%r): the Dask path", addr, exc)
-                plane.fail(addr, key, ch, seg, plane.pool.of(pull) if pull is not None else None)
-                rest += sids
-                continue
-            if "error" in reply:
-                refused = rebuilt_error(reply)
-                if isinstance(refused, UpdateRejected):
-                    error = refused
-                else:
-                    rest += sids
-                continue
-            rest += [int(s) for s in reply["moved"]]
-            if keep:
-                for sid, version in reply["per_shard"].items():
-                    sid = int(sid)
-                    a, b = self.shards[sid]
-                    part = values[a:b] if nonzero[sid] else None
-                    if part is not None:
-                        plane.pool.hold(seg)
-                    held = HeldPush(
-                        push_id,
-                        "push",
-                        part,
-                        addr,
-                        int(reply["gens"][sid]),
-                        int(version),
-                        0 if part is None else part.nbytes,
-                        mark,
-                        lease=seg if part is not None else None,
-                    )
-                    self._log.add(sid, held)
-            self._confirm(addr, reply)
-            self._plane_answered = time.monotonic()
-        if error is not None:
-            raise error
-        return sorted(rest), pulled
-
-    def _pull_target(self, plane: Channels, ch: Channel, out: np.ndarray) -> Segment:
-        """The segment a node on this machine writes pulled values into: ``out`` itself when
-        it is a :meth:`buffer` (no copy on this side), else the channel's own."""
-        seg = plane.pool.of(out)
-        if seg is None or seg.poisoned:
-            if ch.pull_seg is None:
-                ch.pull_seg = plane.pool.take()
-            seg = ch.pull_seg
-        ch.share(seg)
+            return seg
+        seg = pool.take()
+        n = req.values.shape[0]
+        np.copyto(seg.array[req.base : req.base + n], req.values)
+        for s in req.sids:  # a shard the values cover in part: zeros around them
+            a, b = self.shards[s]
+            if a < req.base:
+                seg.array[a : req.base] = 0
+            if b > req.base + n:
+                seg.array[req.base + n : b] = 0
+        req.values, req.base = seg.array, 0
+        req.args["own_segment"] = seg
         return seg
 
-    def _pulled(self, ch: Channel, sid: int, out: np.ndarray, target: Segment | None) -> None:
-        """Shard ``sid``'s pulled values into ``out`` (read from the socket, or copied from
-        the ``target`` segment the node wrote them to unless that is ``out`` itself)."""
-        a, b = self.shards[sid]
-        if not ch.unix:
-            recv_exact_into(ch.sock, out[a:b])
-        elif target is not None and target.array is not out:
-            np.copyto(out[a:b], target.array[a:b])
-
-    def _plane_pull(self, sids: list[int], out: np.ndarray) -> list[int]:
-        """Fill ``out`` with the shards ``sids`` over the data plane; returns those left for
-        the Dask path."""
-        plane = self._plane()
-        prim = self._routed() if plane is not None else None
-        if plane is None or prim is None:
-            return sids
-        groups: dict[str, list[int]] = {}
-        for s in sids:
-            groups.setdefault(prim[s][0], []).append(s)
-        rest: list[int] = []
-        targets: dict[str, Segment] = {}
-        with plane.lock:
-            sent = []
-            for addr, group in groups.items():
-                key, ch = self._channel(plane, addr)
-                if ch is None:
-                    rest += group
-                    continue
-                header: dict[str, Any] = {
-                    "op": "pull",
-                    "server": self.server_id,
-                    "sids": group,
-                    "stamps": {s: self._gens[s] for s in group},
+    def send(
+        self, ch: Channel, req: Request, sids: tuple[int, ...], stamps: dict, seg: Segment | None
+    ) -> Any:
+        """Write the part of ``req`` for ``sids`` to ``ch``; returns what :meth:`receive` needs
+        (the segment a node on this machine writes pulled values into)."""
+        sl = [int(s) for s in sids]
+        h: dict[str, Any] = {"op": req.op, "server": ch.server_id, "stamps": stamps}
+        payloads: list = []
+        target = None
+        if req.op == "confirmed":
+            h["sids"], h["urgent"] = sl, req.urgent
+        elif req.op == "pull" or req.pull:
+            if ch.unix:
+                target = self._pull_target(ch, req.args.get("out"), req.args.get("out_base", 0))
+                h["segment" if req.op == "pull" else "pull_segment"] = target.id
+            else:
+                h["sizes"] = [self.shards[s][1] - self.shards[s][0] for s in sl]
+            if req.op == "pull":
+                h["sids"] = sl
+            else:
+                h["pull"], h["pull_sids"] = True, sl
+        if req.op == "push":
+            h.update(push_id=req.push_id, ack=req.ack, urgent=req.urgent)
+            h["mark"] = None if req.mark is None else req.mark.to_json()
+            if req.outer is not None:
+                o = req.outer
+                acts = np.ascontiguousarray(o.activations, dtype=np.float32)
+                errs = np.ascontiguousarray(o.errors, dtype=np.float32)
+                h["outer"] = {
+                    "offset": o.offset,
+                    "out": o.out,
+                    "inp": o.inp,
+                    "scale": o.scale,
+                    "batch": int(acts.shape[0]),
+                    "cols": {s: list(o.cols[s]) for s in sl},
                 }
-                try:
-                    if ch.unix:
-                        targets[addr] = self._pull_target(plane, ch, out)
-                        header["segment"] = targets[addr].id
-                    else:
-                        header["sizes"] = [self.shards[s][1] - self.shards[s][0] for s in group]
-                    send_msg(ch.sock, header)
-                except OSError:
-                    plane.fail(addr, key, ch)
-                    rest += group
-                    continue
-                sent.append((addr, key, ch, group))
-            for addr, key, ch, group in sent:
-                try:
-                    reply = recv_msg(ch.sock)
-                    if "error" in reply:
-                        raise rebuilt_error(reply)
-                    for s in reply["per_shard"]:
-                        self._pulled(ch, int(s), out, targets.get(addr))
-                except Exception as exc:
-                    logger.debug("data-plane pull from %s failed (%r)", addr, exc)
-                    plane.fail(addr, key, ch, plane.pool.of(out))
-                    rest += group
-                    continue
-                rest += [int(s) for s in reply["moved"]]
-            plane.counts["pulls"] += 1
-            plane.counts["to_dask"] += bool(rest)
-        return sorted(rest)
+                payloads = [acts, errs]
+            else:
+                parts = []
+                for s in sl:
+                    a, b = self.shards[s]
+                    zero = req.nonzero is not None and not req.nonzero[s]
+                    parts.append([s, a, -1 if zero else b - a])
+                h["parts"] = parts
+                if ch.unix:
+                    assert seg is not None
+                    ch.share(seg)
+                    h["segment"], h["offset"] = seg.id, 0
+                else:
+                    payloads = [part_of(req, self.shards[s], s) for s in sl]
+                    payloads = [p for p in payloads if p is not None]
+        if target is not None:
+            ch.share(target)
+        send_msg(ch.sock, h, *payloads)
+        return target
+
+    def receive(self, ch: Channel, req: Request, target: Segment | None) -> dict:
+        """The node's answer (its error raised as it is), pulled values in their place; its
+        ``per_shard`` a dict for every request."""
+        reply = recv_msg(ch.sock)
+        if "error" in reply:
+            raise rebuilt_error(reply)
+        if req.op == "pull":
+            for s in reply["per_shard"]:
+                self._pulled(ch, req, int(s), target)
+            reply["per_shard"] = {int(s): None for s in reply["per_shard"]}
+        elif req.pull:
+            for s in reply.get("pulled", ()):
+                self._pulled(ch, req, int(s), target)
+        return reply
+
+    def _pull_target(self, ch: Channel, out: Any, base: int) -> Segment:
+        """The segment a node on this machine writes pulled values into: ``out`` itself when
+        it is a pool buffer (no copy on this side), else the channel's own."""
+        pool = self.channels.pool
+        seg = pool.of(out) if base == 0 else None
+        if seg is None or seg.poisoned:
+            if ch.pull_seg is None:
+                ch.pull_seg = pool.take()
+            seg = ch.pull_seg
+        return seg
+
+    def _pulled(self, ch: Channel, req: Request, sid: int, target: Segment | None) -> None:
+        """Shard ``sid``'s pulled values into the request's ``out``: read from the socket, or
+        copied from the ``target`` segment the node wrote them to unless that is ``out``."""
+        out, base = req.args["out"], int(req.args.get("out_base", 0))
+        a, b = self.shards[sid]
+        inside = base <= a and b <= base + out.shape[0]
+        if not ch.unix:
+            if inside:
+                recv_exact_into(ch.sock, out[a - base : b - base])
+            else:  # a partition's span: the shard's values, then the part it pulls
+                scratch = np.empty(b - a, np.float32)
+                recv_exact_into(ch.sock, scratch)
+                write_pulled(req, (a, b), scratch)
+        elif target is not None and not (target.array is out and base == 0):
+            write_pulled(req, (a, b), target.array[a:b])

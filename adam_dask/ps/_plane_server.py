@@ -158,6 +158,8 @@ class _Connection:
                         send_msg(self.sock, self._push(h))
                 elif op == "pull":
                     self._pull(h)
+                elif op == "confirmed":
+                    send_msg(self.sock, self._confirmed(h))
                 elif op == "replicate":
                     send_msg(self.sock, self._replicate(h))
                 else:
@@ -197,15 +199,29 @@ class _Connection:
         return self.server.nodes.get(h["server"])
 
     def _push(self, h: dict) -> dict:
-        parts = h["parts"]  # [[sid, start, floats or -1 (zeros)], ...]
+        """A push's values (named in a shared segment, or read from the socket; the dense
+        offload's activations and errors always follow the header, and its update is computed
+        here), applied by the node in this thread."""
+        outer = h.get("outer")
         deltas: dict[int, np.ndarray | None] = {}
-        if self.unix:
+        if outer is not None:
+            b, inp, out = int(outer["batch"]), int(outer["inp"]), int(outer["out"])
+            buf = self._buffer(b * (inp + out))
+            recv_exact_into(self.sock, buf)
+            acts = buf[: b * inp].reshape(b, inp)
+            errs = buf[b * inp :].reshape(b, out)
+            cols = {int(s): (int(r0), int(r1)) for s, (r0, r1) in outer["cols"].items()}
+            sids = list(cols)
+        elif self.unix:
+            parts = h["parts"]  # [[sid, start, floats or -1 (zeros)], ...]
             seg = self.segments[int(h["segment"])]
             base = int(h["offset"])
             for sid, start, n in parts:
                 lo = int(start) - base
                 deltas[int(sid)] = None if n < 0 else seg[lo : lo + int(n)]
+            sids = list(deltas)
         else:
+            parts = h["parts"]
             total = sum(int(n) for _, _, n in parts if n > 0)
             buf = self._buffer(total)
             recv_exact_into(self.sock, buf)
@@ -216,13 +232,36 @@ class _Connection:
                 else:
                     deltas[int(sid)] = buf[o : o + int(n)]
                     o += int(n)
+            sids = list(deltas)
         node = self._node(h)
         if node is None:
-            return {"per_shard": {}, "moved": [int(p[0]) for p in parts], "gens": {}}
+            return {"per_shard": {}, "moved": sids, "gens": {}}
         mark = None if h.get("mark") is None else Mark.from_json(h["mark"])
         stamps = {int(s): int(g) for s, g in h["stamps"].items()}
         try:
-            return node.plane_push(deltas, int(h["push_id"]), h["ack"], stamps, mark)
+            if outer is not None:
+                parts_of = {s: (errs[:, r0:r1], acts) for s, (r0, r1) in cols.items()}
+                deltas = node.plane_outer(
+                    parts_of, int(outer["offset"]), out, inp, float(outer["scale"])
+                )
+                if not deltas:
+                    return {"per_shard": {}, "moved": sids, "gens": {}}
+            reply = node.plane_push(
+                deltas, int(h["push_id"]), h["ack"], stamps, mark, bool(h.get("urgent"))
+            )
+        except Exception as exc:
+            return error_reply(exc)
+        if outer is not None:  # the shards not primary here
+            reply["moved"] = sorted(set(reply["moved"]) | (set(sids) - set(deltas)))
+        return reply
+
+    def _confirmed(self, h: dict) -> dict:
+        node = self._node(h)
+        sids = [int(s) for s in h["sids"]]
+        if node is None:
+            return {"per_shard": {}, "durable": {}, "gens": {}, "moved": sids}
+        try:
+            return node.plane_confirmed(sids, bool(h.get("urgent")))
         except Exception as exc:
             return error_reply(exc)
 

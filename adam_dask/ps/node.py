@@ -69,13 +69,19 @@ _tasks: set[asyncio.Task] = set()  # background tasks of the nodes, kept alive u
 
 
 class _Answer:
-    """The answer to one data-plane push (its request id in the state machine)."""
+    """The answer to one data-plane request (its request id in the state machine): set in the
+    thread that applied it, or later on the event loop (``ack="all"`` waits for the forwards)."""
 
-    __slots__ = ("done", "value")
+    __slots__ = ("done", "event", "value")
 
     def __init__(self) -> None:
         self.done = False
         self.value: Any = None
+        self.event = threading.Event()
+
+    def set(self, value: Any) -> None:
+        self.value, self.done = value, True
+        self.event.set()
 
 
 def _spawn(coro: Any) -> asyncio.Task:
@@ -125,6 +131,8 @@ class PSNode:
         self._lock = threading.RLock()
         self._pending_lock = threading.Lock()
         self._pending: list[tuple[Push, _Answer]] = []
+        # pushes and pulls served, by transport (the data plane's sockets, or Dask actor calls)
+        self.by_transport = {"plane": 0, "dask": 0}
 
     def __repr__(self) -> str:
         return f"PSNode({self.server_id}, {self.state!r})"
@@ -164,7 +172,9 @@ class PSNode:
 
     def _do(self, actions: list) -> None:
         for a in actions:
-            if isinstance(a, Reply):
+            if isinstance(a, Reply) and isinstance(a.req, _Answer):  # a data-plane request
+                a.req.set(a.value)
+            elif isinstance(a, Reply):
                 fut = self._futures.pop(a.req, None)
                 if fut is None or fut.done():
                     continue
@@ -444,7 +454,19 @@ class PSNode:
         ``moved`` lists the shards this node may not take (the caller refreshes its routing
         and retries them). Raises :class:`UpdateRejected` (nothing applied) for a bad delta.
         ``mark``: what the push covers of the pusher's data (:class:`Mark`), recorded with it.
-        ``scanned``: the pusher checked the values for NaN/Inf (the data plane)."""
+        ``scanned``: the pusher checked the values for NaN/Inf."""
+        self.by_transport["dask"] += 1
+        return await self._push(deltas, push_id, ack, stamps, mark, scanned)
+
+    async def _push(
+        self,
+        deltas: dict,
+        push_id: int | None,
+        ack: str | None,
+        stamps: dict | None,
+        mark: Mark | None,
+        scanned: bool = False,
+    ) -> dict:
         self._start()
         fut = asyncio.get_running_loop().create_future()
         req = next(self._reqs)
@@ -483,6 +505,7 @@ class PSNode:
         the error columns of the rows touching it. The product is computed here, in a thread,
         and applied like a push."""
         state = self._start()
+        self.by_transport["dask"] += 1
         st = None if stamps is None else {int(s): int(g) for s, g in stamps.items()}
         todo = {int(s): e for s, e in parts.items() if state.accepts(int(s), st)}
 
@@ -494,7 +517,7 @@ class PSNode:
             }
 
         deltas = await asyncio.to_thread(compute) if todo else {}
-        res = await self.push(deltas, push_id, ack, stamps, mark) if deltas else None
+        res = await self._push(deltas, push_id, ack, stamps, mark) if deltas else None
         moved = [int(s) for s in parts if int(s) not in deltas]
         if res is None:
             return {"per_shard": {}, "moved": moved, "confirmed": {}, "durable": {}}
@@ -504,6 +527,7 @@ class PSNode:
     async def pull(self, sids: Iterable[int] | None = None, stamps: dict | None = None) -> dict:
         """``{"per_shard": {sid: values}, "moved": [...]}`` for the primaries among ``sids``."""
         state = self._start()
+        self.by_transport["dask"] += 1
         sids = tuple(state.primaries) if sids is None else tuple(int(s) for s in sids)
         st = None if stamps is None else {int(s): int(g) for s, g in stamps.items()}
         return await self._ask(lambda r: Pull(r, sids, st))
@@ -517,37 +541,59 @@ class PSNode:
         ack: str,
         stamps: dict,
         mark: Mark | None,
+        urgent: bool = False,
     ) -> dict:
         """A data-plane push (values scanned by the pusher), applied in the calling thread.
 
         Flat combining: the push joins the pending ones; the thread that holds the state's lock
         applies every pending push as one batch (:class:`Pushes`, as the event loop batches
         actor calls) and hands each its answer, so a lone push costs no hop to the event loop
-        and many at once are applied together. Other actions (forwards) go to the loop."""
+        and many at once are applied together. Other actions (forwards) go to the loop.
+        ``urgent``: the pusher holds as many pushes as it may, forward to the backups now (its
+        next answers then confirm them) instead of at the next ``forward-interval``. With
+        ``ack="all"`` the answer comes once the backups hold the push (up to ``call_timeout``)."""
         state = self._start()
+        self.by_transport["plane"] += 1
         slot = _Answer()
         with self._pending_lock:
             self._pending.append((Push(slot, deltas, push_id, stamps, ack, mark, True), slot))
         with self._lock:
+            rest = []
             if not slot.done:
                 with self._pending_lock:
                     batch, self._pending = self._pending, []
                 actions = state.handle(Pushes(tuple(p for p, _ in batch)))
-                rest = []
                 for a in actions:
                     if isinstance(a, Reply) and isinstance(a.req, _Answer):
-                        a.req.value, a.req.done = a.value, True
+                        a.req.set(a.value)
                     else:
                         rest.append(a)
-                for _, waiting in batch:
-                    if not waiting.done:  # pragma: no cover - every push is answered at once
-                        waiting.value = RuntimeError("a data-plane push was not answered")
-                        waiting.done = True
-                if rest:
-                    self._worker.loop.asyncio_loop.call_soon_threadsafe(self._do, rest)
+            if urgent:
+                rest += state.handle(ForwardDue())
+            if rest:
+                self._worker.loop.asyncio_loop.call_soon_threadsafe(self._do, rest)
+        if not slot.event.wait(float(self.cfg["call_timeout"])):
+            raise ShardUnavailable(
+                f"node {self._worker.address}: the backups did not take push {push_id:x} in "
+                f"{self.cfg['call_timeout']}s (ack='all')",
+                "check the PS workers",
+            )
         if isinstance(slot.value, BaseException):
             raise slot.value
         return slot.value
+
+    def plane_outer(self, parts: dict, offset: int, out: int, inp: int, scale: float) -> dict:
+        """The dense offload's update where it arrives: each shard's delta of ``scale *
+        errors.T @ activations`` (``parts`` {sid: (error columns, activations)}), computed in
+        the calling connection thread for the primaries here; the pusher sends it on with
+        :meth:`plane_push`. Shards not primary here are left out (the push reports them moved)."""
+        state = self._start()
+        with self._lock:
+            shards = {s: state.shards[s] for s in parts if s in state.primaries}
+        return {
+            s: st.outer_as_delta(offset, out, inp, parts[s][0], parts[s][1], scale)
+            for s, st in shards.items()
+        }
 
     def plane_replicate(self, sender: str, snaps: tuple[Snapshot, ...]) -> dict:
         """A data-plane forward from the primary ``sender``, installed in the calling thread
@@ -559,7 +605,7 @@ class PSNode:
         rest = []
         for a in actions:
             if isinstance(a, Reply) and a.req is slot:
-                slot.value, slot.done = a.value, True
+                slot.set(a.value)
             else:
                 rest.append(a)
         if rest:
@@ -573,8 +619,28 @@ class PSNode:
     def plane_read(self, sids: list[int], stamps: dict | None, dest: Any) -> tuple:
         """A data-plane pull (:meth:`NodeState.read_into`), between two batches of pushes."""
         state = self._start()
+        self.by_transport["plane"] += 1
         with self._lock:
             return state.read_into(sids, stamps, dest)
+
+    def plane_confirmed(self, sids: list[int], urgent: bool = False) -> dict:
+        """What every copy (and the checkpoint) holds of the primaries among ``sids``, asked on
+        the data plane; ``urgent``: forward to the backups now (a pusher waits for room)."""
+        state = self._start()
+        slot = _Answer()
+        with self._lock:
+            actions = state.handle(Confirmed(slot, tuple(int(s) for s in sids)))
+            if urgent:
+                actions += state.handle(ForwardDue())
+        rest = []
+        for a in actions:
+            if isinstance(a, Reply) and a.req is slot:
+                slot.set(a.value)
+            else:
+                rest.append(a)
+        if rest:
+            self._worker.loop.asyncio_loop.call_soon_threadsafe(self._do, rest)
+        return slot.value
 
     def _locked(self, fn: Any, *args: Any) -> Any:
         with self._lock:
@@ -651,6 +717,7 @@ class PSNode:
         out["uptime"] = time.time() - self._started
         fc = self._forward_channels
         out["plane_forwards"] = dict(fc.counts) if fc is not None else None
+        out["by_transport"] = dict(self.by_transport)
         lag = out["writeback_lag_versions"]
         out["writeback_lag_seconds"] = time.time() - self._last_write if lag > 0 else 0.0
         return out

@@ -49,21 +49,21 @@ from ..errors import ConfigError, StorageError, UpdateRejected
 from ..model.layout import ParameterLayout
 from ..storage import normalize_url
 from ._build import build_server, resolve_copies, shard_of
-from ._plane import PlaneCalls
-from ._pushing import Pushing
-from ._ranged import RangedCalls
+from ._courier import Courier
+from ._request import Outer, Request, overlapping
 from .checkpoint import read_checkpoint, read_marks
 from .kernels import first_nonfinite, scan_delta
-from .state import Mark, OuterPart, outer_part
+from .state import Mark, outer_part
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ParameterServer"]
 
 
-class ParameterServer(PlaneCalls, Pushing, RangedCalls):
+class ParameterServer:
     """A handle on a parameter server; make one with :meth:`create`, :meth:`restore` or
-    :meth:`attach`."""
+    :meth:`attach`. Its requests go through one :class:`~adam_dask.ps._courier.Courier`
+    (routing, the data plane, Dask for control, the replay log)."""
 
     epoch: Any = None
 
@@ -92,12 +92,10 @@ class ParameterServer(PlaneCalls, Pushing, RangedCalls):
         self.storage_options = storage_options
         self.layout = layout
         self.meta = meta or {}
-        self._client = client
         self._rng = random.Random()
-        self._closed = False
         self._last_stats: tuple[float, int] | None = None
-        self._init_transport()
         self._bounds = np.array(self.shards, dtype=np.int64).reshape(-1, 2)
+        self._courier = Courier(server_id, self.size, self.shards, client)
 
     @property
     def replicas(self) -> int:
@@ -114,22 +112,22 @@ class ParameterServer(PlaneCalls, Pushing, RangedCalls):
 
     def __getstate__(self) -> dict:
         d = dict(self.__dict__)
-        # a copy in a task pushes and pulls: the storage options stay with the creator, and
-        # URLs in meta (the training data's) travel without their credentials
-        for k in ("_client", "_rng", "_last_stats", "_log", "_settler", "_channels"):
-            d[k] = None
+        # a copy in a task pushes and pulls with a courier of its own, starting from this
+        # routing: the storage options stay with the creator, and URLs in meta (the training
+        # data's) travel without their credentials
+        d["_rng"] = d["_last_stats"] = None
+        d["_courier"] = vars(self._courier.routing)
         d["storage_options"] = None
         d["meta"] = redact_urls(self.meta)
         d["layout"] = self.layout.to_dict() if self.layout is not None else None
         return d
 
     def __setstate__(self, d: dict) -> None:
+        routing = d.pop("_courier")
         self.__dict__.update(d)
         self._rng = random.Random()
-        from ._replay import ReplayLog
-
-        self._log = ReplayLog()
-        self._plane_answered = -1e9  # another process's clock
+        self._courier = Courier(self.server_id, self.size, self.shards, None)
+        vars(self._courier.routing).update(routing)
         if isinstance(self.layout, dict):
             self.layout = ParameterLayout.from_dict(self.layout)
 
@@ -276,15 +274,15 @@ class ParameterServer(PlaneCalls, Pushing, RangedCalls):
             meta=info["meta"],
             client=client,
         )
-        server._set_routing(routing)
+        server._courier.routing.set(routing)
         return server
 
     # -- public API ------------------------------------------------------------------------------
 
     def placement(self) -> dict[int, list[str]]:
         """{shard_id: [primary_addr, backup_addr, ...]}, fresh from the scheduler."""
-        self._run(lambda rpc, sched: self._refresh(sched))
-        return {s: list(h) for s, h in enumerate(self._routing)}
+        self._courier.refresh()
+        return {s: list(h) for s, h in enumerate(self._courier.routing.table)}
 
     def routing_info(self) -> dict:
         """The controller's record: ``routing``, ``gens`` (each shard's generation), ``nodes``,
@@ -292,8 +290,7 @@ class ParameterServer(PlaneCalls, Pushing, RangedCalls):
         ``generation``, ``heal_times`` (seconds from each loss to full copies again),
         ``restored`` (shards rebuilt from the checkpoint), ``declared_dead``,
         ``refused_writes``, ``manifest_errors``, ``info``."""
-        run, _, sched = self._context()
-        return run(sched.adam_ps_routing, server_id=self.server_id)
+        return self._courier.control.routing()
 
     def push(self, delta: np.ndarray, *, ack: str | None = None, mark: Mark | None = None) -> None:
         """Add a flat float32 ``delta`` (length ``size``) to the parameters.
@@ -325,7 +322,8 @@ class ParameterServer(PlaneCalls, Pushing, RangedCalls):
         omitted) and return it: what a replica does every *k* images, in one round trip per
         primary on the data plane (the values read after the push was applied)."""
         out = self._out(out)
-        pulled = self._push_now(delta, ack, mark, out)
+        d = self._push_now(delta, ack, mark, out)
+        pulled = {int(s) for rs in d.replies.values() for r in rs for s in r.get("pulled", ())}
         missing = [s for s in range(len(self.shards)) if s not in pulled]
         if missing:
             self.pull(missing, out=out)
@@ -333,22 +331,35 @@ class ParameterServer(PlaneCalls, Pushing, RangedCalls):
 
     def _push_now(
         self, delta: np.ndarray, ack: str | None, mark: Mark | None, pull: np.ndarray | None
-    ) -> set[int]:
-        """Check ``delta`` once, send it over the data plane (reading the shards back into
-        ``pull`` on the way), the rest the Dask way with the same push id; returns the shards
-        pulled."""
+    ) -> Any:
+        """Check ``delta`` once and send it to the primaries (reading the shards back into
+        ``pull`` on the way)."""
         delta, nonzero = self._checked(delta)
-        ack = ack or self.ack
-        push_id = self._rng.getrandbits(62)
-        rest: list[int] | None = None  # None: every shard
-        pulled: set[int] = set()
-        if ack != "all":  # "all" waits for the forwards: the Dask path's patience
-            rest, pulled = self._plane_push(delta, ack, mark, push_id, nonzero, pull)
-            if not rest:
-                self._settling()
-                return pulled
-        self._run(self._push, delta, ack, mark, push_id, rest, nonzero)
-        return pulled
+        req = Request(
+            "push",
+            tuple(range(len(self.shards))),
+            self._rng.getrandbits(62),
+            ack or self.ack,
+            mark,
+            values=delta,
+            nonzero=nonzero,
+            pull=pull is not None,
+            args={} if pull is None else {"out": pull},
+        )
+        return self._send(req)
+
+    def _send(self, req: Request) -> Any:
+        """One push through the courier: room made in the replay log first, held pushes of
+        moved shards replayed, the push delivered and kept until durable (``ack="replay"``)."""
+        courier = self._courier
+        if req.ack == "replay":
+            nbytes = 4 * sum(b - a for a, b in (self.shards[s] for s in req.sids))
+            req.urgent = courier.make_room(nbytes)
+        courier.replay_moved()
+        d = courier.deliver(req)
+        if req.ack == "replay":
+            courier.keep_settling()
+        return d
 
     def _checked(self, delta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``delta`` as a flat float32 array (the same array when it is one: a
@@ -371,12 +382,6 @@ class ParameterServer(PlaneCalls, Pushing, RangedCalls):
                 shard=sid,
             )
         return delta, nonzero
-
-    def _settling(self) -> None:
-        """Pushes are held: make sure the background settler runs (it replays them after a
-        fail-over even when no more pushes come)."""
-        if self._log and (self._settler is None or self._settler.done()):
-            self._run(self._keep_settling)
 
     def _out(self, out: np.ndarray | None) -> np.ndarray:
         if out is None:
@@ -417,25 +422,89 @@ class ParameterServer(PlaneCalls, Pushing, RangedCalls):
         for name, m in (("errors", errors), ("activations", activations)):
             if first_nonfinite(m) >= 0:
                 raise UpdateRejected(f"non-finite {name} in push_outer; nothing was applied")
-        parts: dict[int, OuterPart] = {}
+        cols: dict[int, tuple[int, int]] = {}
         for s, (a, b) in enumerate(self.shards):
             p = outer_part(offset, out, inp, a, b)
             if p is not None:
-                parts[s] = p
+                cols[s] = (p.row0, p.row1)
         if mark is not None:  # the shards this part goes to: a re-run checks each has it
-            mark = replace(mark, targets=tuple(sorted(parts)))
-        self._run(
-            self._push_outer,
-            parts,
-            int(offset),
-            out,
-            inp,
-            errors,
-            activations,
-            float(scale),
-            ack,
-            mark,
+            mark = replace(mark, targets=tuple(sorted(cols)))
+        outer = Outer(int(offset), out, inp, float(scale), errors, activations, cols)
+        self._send(
+            Request(
+                "push",
+                tuple(sorted(cols)),
+                self._rng.getrandbits(62),
+                ack or self.ack,
+                mark,
+                outer=outer,
+            )
         )
+
+    def push_range(
+        self,
+        values: np.ndarray,
+        start: int,
+        *,
+        ack: str | None = None,
+        mark: Mark | None = None,
+    ) -> None:
+        """Add ``values`` (flat float32) to the parameters ``[start, start + len(values))``,
+        sending only to the shards that overlap that range (a partition of a replica holds one
+        span; a shard straddling its edge gets zeros outside it). ``mark`` as for ``push``
+        (its ``targets`` become those shards). Raises :class:`UpdateRejected` (nothing
+        applied) on NaN/Inf."""
+        values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+        start, stop = self._span(start, values.shape[0])
+        bad = first_nonfinite(values)
+        if bad >= 0:
+            raise UpdateRejected(
+                f"non-finite update at flat index {start + bad}; nothing was applied",
+                "check the gradients for overflow (lower the learning rate)",
+            )
+        sids = tuple(overlapping(self.shards, start, stop))
+        nonzero = {}
+        for s in sids:
+            a, b = self.shards[s]
+            nonzero[s] = bool(values[max(a, start) - start : min(b, stop) - start].any())
+        if mark is not None:
+            mark = replace(mark, targets=sids)
+        self._send(
+            Request(
+                "push",
+                sids,
+                self._rng.getrandbits(62),
+                ack or self.ack,
+                mark,
+                values=values,
+                base=start,
+                nonzero=nonzero,
+            )
+        )
+
+    def pull_range(self, start: int, stop: int, *, out: np.ndarray | None = None) -> np.ndarray:
+        """The current parameters ``[start, stop)`` (from the primaries of the shards that
+        overlap it), written into ``out`` (float32 (stop - start,), a new array if omitted)."""
+        start, stop = self._span(start, int(stop) - int(start))
+        if out is None:
+            out = np.zeros(stop - start, np.float32)
+        elif out.dtype != np.float32 or out.shape != (stop - start,):
+            raise ConfigError(f"out must be a flat float32 array of {stop - start} values")
+        self._pull(tuple(overlapping(self.shards, start, stop)), out, start)
+        return out
+
+    def _span(self, start: int, n: int) -> tuple[int, int]:
+        start, stop = int(start), int(start) + int(n)
+        if start < 0 or stop > self.size or n < 1:
+            raise ConfigError(
+                f"the range [{start}, {stop}) is not inside a server of {self.size} values"
+            )
+        return start, stop
+
+    def _pull(self, sids: tuple[int, ...], out: np.ndarray, base: int = 0) -> None:
+        courier = self._courier
+        courier.replay_moved()  # a pull sees this handle's own pushes
+        courier.deliver(Request("pull", sids, args={"out": out, "out_base": base}))
 
     def pull(
         self, shards: Iterable[int] | None = None, *, out: np.ndarray | None = None
@@ -450,19 +519,18 @@ class ParameterServer(PlaneCalls, Pushing, RangedCalls):
         for s in sids:
             if not 0 <= s < len(self.shards):
                 raise ConfigError(f"no shard {s}: the server has {len(self.shards)}")
-        rest = self._plane_pull(list(sids), out)
-        if rest:
-            self._run(self._pull, rest, out)
+        self._pull(tuple(sids), out)
         return out
 
     def marks(self, epoch: int) -> dict[int, dict[int, tuple[Mark, ...]]]:
         """{shard: {replica: the marks of its pushes of ``epoch`` the primary applied}}: the
         data positions the parameters hold, per shard."""
-        return self._run(self._marks, int(epoch))
+        req = Request("marks", tuple(range(len(self.shards))), args={"epoch": int(epoch)})
+        return self._courier.deliver(req).results
 
     def versions(self) -> dict[int, int]:
         """{shard: version} at the primaries."""
-        return self._run(self._versions)
+        return self._courier.deliver(Request("versions", tuple(range(len(self.shards))))).results
 
     def settle(self, timeout: float | None = None, *, checkpoint: bool = True) -> None:
         """Block until every push made through this handle is held by every copy of its shard
@@ -472,20 +540,15 @@ class ParameterServer(PlaneCalls, Pushing, RangedCalls):
         copies hold what it pushed before its result counts; the checkpoint catches up on its
         own, however long storage is away)."""
         timeout = float(config.get("ps.failover-timeout", timeout))
-        copies_only = not checkpoint
-        self._run(
-            lambda rpc, sched: asyncio.wait_for(
-                self._settle(rpc, sched, copies_only=copies_only), timeout
-            )
-        )
+        self._courier.settle(copies_only=not checkpoint, limit=timeout)
 
     def held(self) -> dict:
         """``{"pushes", "bytes", "unreplicated"}``: what this handle holds for replay now
         (``ack="replay"``; ``unreplicated``: pushes some copy still lacks)."""
         return {
-            "pushes": len(self._log),
-            "bytes": int(self._log.nbytes),
-            "unreplicated": int(self._log.unreplicated),
+            "pushes": len(self._courier.log),
+            "bytes": int(self._courier.log.nbytes),
+            "unreplicated": int(self._courier.log.unreplicated),
         }
 
     def flush(
@@ -513,15 +576,11 @@ class ParameterServer(PlaneCalls, Pushing, RangedCalls):
             )
         t0 = time.monotonic()
         try:
-            versions = self._run(self._flush, timeout, durable)
+            versions = self._flush(timeout, durable)
             if durable:
                 left = max(timeout - (time.monotonic() - t0), 1.0)
-
-                async def commit(rpc: Any, sched: Any) -> dict:
-                    return await asyncio.wait_for(self._commit(rpc, sched, epoch, meta), left)
-
                 try:
-                    self._run(commit)
+                    self._commit(epoch, meta, left)
                 except TimeoutError:
                     raise StorageError(
                         f"the manifest was not written in {timeout:g}s", self._retried
@@ -551,7 +610,7 @@ class ParameterServer(PlaneCalls, Pushing, RangedCalls):
         """Store ``epoch`` and/or ``meta`` in the manifest now (no flush)."""
         if self.checkpoint is None:
             raise ConfigError("this server has no checkpoint", "create it with checkpoint=URL")
-        self._run(self._commit, epoch, meta)
+        self._commit(epoch, meta)
         if epoch is not None:
             self.epoch = epoch
         if meta is not None:
@@ -570,7 +629,7 @@ class ParameterServer(PlaneCalls, Pushing, RangedCalls):
         those it keeps until they are durable: ``ack="replay"``), ``data_plane`` (this handle's
         calls over the data plane: ``pushes``, ``pulls``, ``to_dask`` (those that left some
         shards to the Dask path: moved, failed over), ``failed_calls``), ``nodes``."""
-        nodes, routing = self._run(self._stats)
+        nodes, routing = self._stats()
         now = time.monotonic()
         ok = [n for n in nodes.values() if isinstance(n, dict)]
         total = sum(n["pushes"] for n in ok)
@@ -601,22 +660,84 @@ class ParameterServer(PlaneCalls, Pushing, RangedCalls):
             "refused_writes": routing["refused_writes"],
             "manifest_errors": routing["manifest_errors"],
             "refused_stale": sum(n["refused_stale"] for n in ok) + routing["refused_writes"],
-            "replayed": self._log.replayed,
-            "held_pushes": len(self._log),
-            "held_bytes": self._log.nbytes,
-            "data_plane": dict(self._channels.counts) if self._channels is not None else None,
+            "replayed": self._courier.log.replayed,
+            "held_pushes": len(self._courier.log),
+            "held_bytes": self._courier.log.nbytes,
+            "data_plane": (
+                dict(self._courier.channels.counts) if self._courier.channels is not None else None
+            ),
             "nodes": nodes,
         }
 
+    def _flush(self, timeout: float, checkpoint: bool) -> dict[int, int]:
+        """Wait for a running fail-over (up to the fail-over timeout), replay what moved, then
+        have every primary wait until its copies (and ``checkpoint``) hold its shards."""
+        courier = self._courier
+        deadline = time.monotonic() + timeout
+        wait_heal = time.monotonic() + min(timeout, float(config.get("ps.failover-timeout")))
+        while True:
+            courier.refresh()
+            if courier.routing.healthy or time.monotonic() > wait_heal:
+                break
+            time.sleep(0.1)
+        if not courier.routing.healthy:
+            logger.warning(
+                "server %s: flushing with fewer than %d copies of some shards (a "
+                "PS worker is missing)",
+                self.server_id,
+                self.copies,
+            )
+        courier.replay_moved()
+        remaining = max(deadline - time.monotonic(), 1.0)
+        req = Request(
+            "flush",
+            tuple(range(len(self.shards))),
+            args={"limit": remaining, "checkpoint": checkpoint},
+        )
+        return courier.deliver(req, call_timeout=remaining + 5).results
+
+    def _commit(self, epoch: Any, meta: dict | None, timeout: float | None = None) -> dict:
+        async def commit(rpc: Any, sched: Any) -> dict:
+            coro = sched.adam_ps_commit(server_id=self.server_id, epoch=epoch, meta=meta)
+            return await asyncio.wait_for(coro, timeout)
+
+        return self._courier.control.run(commit)
+
+    def _stats(self) -> tuple[dict, dict]:
+        courier = self._courier
+        routing = courier.control.routing()
+        courier.routing.set(routing)
+        nodes = dict(courier.routing.nodes)
+        answers = courier.control.each(
+            {a: (k, "stats") for a, k in nodes.items()}, float(config.get("ps.call-timeout"))
+        )
+        return {
+            a: (r if not isinstance(r, BaseException) else repr(r)) for a, r in answers.items()
+        }, routing
+
+    def buffer(self) -> np.ndarray:
+        """A float32 array of the server's size from the handle's pool, for a delta to push
+        with :meth:`push` by reference (or weights to pull into); give it back with
+        :meth:`release` (the server keeps it as long as it needs it, then reuses it)."""
+        channels = self._courier.channels_or_none()
+        if channels is None:
+            return np.empty(self.size, np.float32)
+        return channels.pool.take().array
+
+    def release(self, array: np.ndarray) -> None:
+        """The caller is done with a :meth:`buffer` (it is not written again by the caller)."""
+        channels = self._courier.channels
+        seg = None if channels is None else channels.pool.of(array)
+        if seg is not None:
+            seg.release()
+
     def close(self) -> None:
         """Stop the nodes and release their actors (the checkpoint stays)."""
-        if self._closed:
+        courier = self._courier
+        if courier.control.closed:
             return
-        run, _, sched = self._context()
-        run(sched.adam_ps_close, server_id=self.server_id)
-        self._closed = True
-        if self._channels is not None:
-            self._channels.close()
+        courier.control.run(lambda rpc, sched: sched.adam_ps_close(server_id=self.server_id))
+        courier.close()
         logger.info("closed %r", self)
 
     def __enter__(self) -> ParameterServer:

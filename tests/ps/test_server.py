@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import dask
 import numpy as np
 import pytest
 from distributed import get_worker
@@ -18,6 +19,7 @@ from adam_dask.cluster import workers_with_role
 from adam_dask.errors import CheckpointError, UpdateRejected
 from adam_dask.model.layout import ParameterLayout
 from adam_dask.ps import ParameterServer
+from adam_dask.ps._request import Request
 
 SHARD = 1 << 16  # 16 Ki floats per shard keeps the tests quick
 N = 5 * (SHARD // 4) + 123  # 6 shards
@@ -104,12 +106,14 @@ def test_nan_push_refused_shard_unchanged(make_server):
     with pytest.raises(UpdateRejected):
         s.push(d)
     np.testing.assert_array_equal(s.pull(), before)
-    # the node refuses too, even when the client check is bypassed: the shard is unchanged
-    # (the client's own check is what makes a whole multi-shard push all-or-nothing)
+    # the node refuses too, even when the client check is bypassed (a request sent straight
+    # through the courier as an actor call, the path that checks on the node): the shard is
+    # unchanged (the client's own check is what makes a multi-shard push all-or-nothing)
     bad = np.ones(N, np.float32)
     bad[7] = np.nan
-    with pytest.raises(UpdateRejected) as e:
-        s._run(s._push, bad, None)
+    req = Request("push", tuple(range(len(s.shards))), 12345, "replay", values=bad)
+    with pytest.raises(UpdateRejected) as e, dask.config.set({"adam.ps.data-plane": "dask"}):
+        s._courier.deliver(req)
     assert e.value.shard == 0
     per = s.shards[0][1]
     np.testing.assert_array_equal(s.pull()[:per], before[:per])

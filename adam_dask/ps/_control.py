@@ -1,0 +1,192 @@
+"""The client's Dask side: the controller in the scheduler (routing, commit, close) and actor
+calls to the nodes, from a client (straight to the workers with ``direct_to_workers``, else
+through the scheduler) or from inside a Dask task (peer-to-peer, on the worker's loop).
+
+Control travels here: the routing, flushes, marks, versions, statistics, the data plane's
+endpoints, a new server's first values. Pushes and pulls travel on the data plane
+(:mod:`adam_dask.ps._plane`); this module carries them only where the plane can not go
+(``adam.ps.data-plane: dask``, a TLS cluster across machines), as :class:`DaskCalls`, with the
+same request and the same answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from typing import Any
+
+import numpy as np
+
+from ..errors import ShardUnavailable
+from ._request import Request
+from ._rpc import call_actor
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Control", "DaskCalls"]
+
+
+class Control:
+    """Where a handle's coroutines run and how it reaches workers and the scheduler."""
+
+    def __init__(self, server_id: str, client: Any = None):
+        self.server_id = server_id
+        self.client = client
+        self.closed = False
+
+    def context(self) -> tuple[Any, Any, Any, Any]:
+        """(run, rpc, scheduler, asyncio loop): a worker's own when called inside a task, else
+        the client's."""
+        from distributed import get_worker
+        from distributed.actor import ProxyRPC
+        from distributed.utils import sync
+
+        try:
+            worker = get_worker()
+        except ValueError:
+            worker = None
+        if worker is not None:
+            return (
+                (lambda f, *a, **k: sync(worker.loop, f, *a, **k)),
+                worker.rpc,
+                worker.scheduler,
+                worker.loop.asyncio_loop,  # type: ignore[attr-defined]
+            )
+        client = self.client
+        if client is None:
+            from distributed import default_client
+
+            client = self.client = default_client()
+        if client.direct_to_workers:
+            rpc = client.rpc
+        else:
+
+            def rpc(addr: str) -> ProxyRPC:
+                return ProxyRPC(client.scheduler, addr)
+
+        return client.sync, rpc, client.scheduler, client.loop.asyncio_loop
+
+    def run(self, coro_fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``coro_fn(rpc, scheduler, *args)`` on the loop and wait for it."""
+        if self.closed:
+            raise ShardUnavailable(f"parameter server {self.server_id} is closed")
+        run, rpc, sched, _ = self.context()
+        return run(coro_fn, rpc, sched, *args, **kwargs)
+
+    def routing(self) -> dict:
+        """The controller's record of this server (``adam_ps_routing``)."""
+        return self.run(lambda rpc, sched: sched.adam_ps_routing(server_id=self.server_id))
+
+    def call(self, addr: str, key: str, method: str, *args: Any, timeout: float) -> Any:
+        """Call ``method`` of the node ``key`` on ``addr`` and wait for its answer."""
+
+        async def go(rpc: Any, sched: Any) -> Any:
+            return await call_actor(rpc, addr, key, method, *args, timeout=timeout)
+
+        return self.run(go)
+
+    def start(
+        self, addr: str, key: str, method: str, *args: Any, timeout: float, **kwargs: Any
+    ) -> concurrent.futures.Future:
+        """Start the same call without waiting (several nodes are called at once)."""
+        if self.closed:
+            raise ShardUnavailable(f"parameter server {self.server_id} is closed")
+        _, rpc, _, loop = self.context()
+        coro = call_actor(rpc, addr, key, method, *args, timeout=timeout, **kwargs)
+        return asyncio.run_coroutine_threadsafe(coro, loop)
+
+    def each(self, calls: dict[str, tuple], timeout: float) -> dict[str, Any]:
+        """{addr: answer or exception} of ``calls`` {addr: (key, method, *args)}, all at once."""
+
+        async def go(rpc: Any, sched: Any) -> dict:
+            addrs = list(calls)
+            res = await asyncio.gather(
+                *(call_actor(rpc, a, *calls[a], timeout=timeout) for a in addrs),
+                return_exceptions=True,
+            )
+            return dict(zip(addrs, res))
+
+        return self.run(go)
+
+
+class DaskCalls:
+    """A request's part for one node as a Dask actor call: control calls always, pushes and
+    pulls where the data plane can not reach the node. Answers as the plane's: ``per_shard``,
+    ``moved``, ``gens``, ``confirmed``, ``durable``; a pull writes its values into the
+    request's ``out``."""
+
+    def __init__(self, control: Control, shards: list[tuple[int, int]]):
+        self.control = control
+        self.shards = shards
+
+    def start(
+        self, addr: str, key: str, req: Request, sids: tuple[int, ...], stamps: dict, timeout: float
+    ) -> concurrent.futures.Future:
+        c = self.control
+        sl = list(sids)
+        if req.op == "push" and req.outer is not None:
+            o = req.outer
+            cols = {s: np.ascontiguousarray(o.errors[:, a:b]) for s, (a, b) in o.cols.items()}
+            args = ({s: cols[s] for s in sl}, o.offset, o.out, o.inp, o.activations, o.scale)
+            rest = (req.push_id, req.ack, stamps, req.mark)
+            return c.start(addr, key, "push_outer", *args, *rest, timeout=timeout)
+        if req.op == "push":
+            parts = {s: part_of(req, self.shards[s], s) for s in sl}
+            return c.start(
+                addr,
+                key,
+                "push",
+                parts,
+                req.push_id,
+                req.ack,
+                stamps,
+                req.mark,
+                False,  # the node checks the values too: the path a bypassed client takes
+                timeout=timeout,
+            )
+        if req.op == "pull":
+            return c.start(addr, key, "pull", sl, stamps, timeout=timeout)
+        if req.op == "confirmed":
+            return c.start(addr, key, "confirmed", sl, timeout=timeout)
+        if req.op == "flush":
+            return c.start(addr, key, "flush", sl, timeout=timeout, **req.args)
+        if req.op == "marks":
+            return c.start(addr, key, "marks", sl, req.args["epoch"], timeout=timeout)
+        if req.op == "versions":
+            return c.start(addr, key, "pull_versions", sl, timeout=timeout)
+        raise ValueError(f"no such request {req.op!r}")  # pragma: no cover
+
+    def finish(self, req: Request, reply: dict) -> dict:
+        """The node's answer, a pull's values written where the request wants them."""
+        if req.op == "pull":
+            for s, values in reply["per_shard"].items():
+                write_pulled(req, self.shards[int(s)], np.asarray(values))
+            reply = dict(reply, per_shard={int(s): None for s in reply["per_shard"]})
+        return reply
+
+
+def part_of(req: Request, shard: tuple[int, int], sid: int) -> np.ndarray | None:
+    """Shard ``sid``'s part of a push's values (None: all zeros); a shard the values cover in
+    part (a partition's span) gets zeros outside them."""
+    if req.nonzero is not None and not req.nonzero[sid]:
+        return None
+    a, b = shard
+    lo, hi = a - req.base, b - req.base
+    values = req.values
+    if lo >= 0 and hi <= values.shape[0]:
+        return values[lo:hi]
+    part = np.zeros(b - a, np.float32)
+    s0, s1 = max(lo, 0), min(hi, values.shape[0])
+    part[s0 - lo : s1 - lo] = values[s0:s1]
+    return part
+
+
+def write_pulled(req: Request, shard: tuple[int, int], values: np.ndarray) -> None:
+    """Write a shard's pulled ``values`` into the request's ``out`` (which covers ``out_base``
+    onward: the whole server, or a partition's span)."""
+    a, b = shard
+    out, base = req.args["out"], int(req.args.get("out_base", 0))
+    lo, hi = max(a, base), min(b, base + out.shape[0])
+    if lo < hi:
+        out[lo - base : hi - base] = values[lo - a : hi - a]

@@ -1,0 +1,413 @@
+"""The courier of a parameter-server handle: every request (push, pull, a partition's range, the
+offload's activations and errors, a replay, what every copy holds, the control calls) goes
+through :meth:`Courier.deliver`, which routes it (:class:`~adam_dask.ps._request.Delivery`),
+sends each primary its part on the data plane (:class:`~adam_dask.ps._plane.PlaneCalls`) or,
+where the plane can not reach a node and for control, as a Dask actor call
+(:class:`~adam_dask.ps._control.DaskCalls`), waits for the answers, and retries on the new
+primary after a fail-over with the same push id.
+
+With ``ack="replay"`` the courier keeps what the primaries acknowledged (the
+:class:`~adam_dask.ps._replay.ReplayLog`, a lease on the pushed segment rather than a copy)
+until every copy and the checkpoint hold it, replays it to a new primary before the next
+request, and keeps settling in a thread of its own while pushes are held, so they are replayed
+even when the pusher pushes nothing more.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from .. import config
+from ..errors import ShardUnavailable
+from ._control import Control, DaskCalls, part_of
+from ._plane import Channel, Channels, PlaneCalls, Segment
+from ._replay import HeldPush, ReplayLog
+from ._request import Delivery, Outer, Refresh, Request, Send
+from ._routing import Routing
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Courier"]
+
+
+class Courier:
+    """Routing, transports and replay log of one handle (see the module doc)."""
+
+    def __init__(self, server_id: str, size: int, shards: list[tuple[int, int]], client: Any):
+        self.server_id = server_id
+        self.size = int(size)
+        self.shards = shards
+        self.routing = Routing(server_id)
+        self.control = Control(server_id, client)
+        self.dask = DaskCalls(self.control, shards)
+        self.log = ReplayLog()
+        self.channels: Channels | None = None
+        self.plane: PlaneCalls | None = None
+        self.lock = threading.RLock()  # one request at a time on this handle's channels
+        self.answered_at = -1e9  # monotonic time of the last push answered
+        self._settler: threading.Thread | None = None
+        self._shed_count = 0
+        self._shed_logged = -60.0
+
+    # -- transports ------------------------------------------------------------------------------
+
+    def channels_or_none(self) -> Channels | None:
+        """The data plane's channels (None with ``adam.ps.data-plane: dask``)."""
+        mode = str(config.get("ps.data-plane"))
+        if mode == "dask":
+            return None
+        if self.channels is None:
+            self.channels = Channels(
+                self.server_id, self.size, mode, float(config.get("ps.plane-timeout"))
+            )
+            self.plane = PlaneCalls(self.channels, self.shards)
+        return self.channels
+
+    def _channel(self, addr: str) -> Channel | None:
+        channels = self.channels_or_none()
+        if channels is None:
+            return None
+        key = self.routing.key(addr)
+
+        def endpoint() -> dict:
+            return self.control.call(
+                addr, key, "plane", timeout=float(config.get("ps.call-timeout"))
+            )
+
+        return channels.get(addr, key, endpoint)
+
+    def refresh(self) -> None:
+        self.routing.set(self.control.routing())
+
+    # -- one request -----------------------------------------------------------------------------
+
+    def deliver(self, req: Request, call_timeout: float | None = None) -> Delivery:
+        """Carry ``req`` to the primaries of its shards until each answered (see the module
+        doc); returns the finished :class:`Delivery` (its ``results`` and ``replies``)."""
+        if self.control.closed:
+            raise ShardUnavailable(f"parameter server {self.server_id} is closed")
+        timeout = float(config.get("ps.call-timeout", call_timeout))
+        with self.lock:
+            if not self.routing.known:
+                self.refresh()
+            d = Delivery(req, self.routing, time.monotonic(), config.get("ps.failover-timeout"))
+            try:
+                while True:
+                    actions = d.plan(time.monotonic())
+                    if not actions:
+                        return d
+                    if isinstance(actions[0], Refresh):
+                        time.sleep(actions[0].wait)
+                        self.refresh()
+                        continue
+                    self._exchange(d, [a for a in actions if isinstance(a, Send)], timeout)
+            finally:
+                own = req.args.pop("own_segment", None)
+                if own is not None:
+                    own.release()
+
+    def _exchange(self, d: Delivery, sends: list[Send], timeout: float) -> None:
+        """Send every primary its part, then take the answers as they come."""
+        req = d.request
+        started: list[tuple[Send, Any, Any, Any]] = []
+        seg = None
+        for send in sends:
+            ch = self._channel(send.addr) if req.data else None
+            stamps = self.routing.stamps(send.sids)
+            try:
+                if ch is not None:
+                    assert self.plane is not None
+                    if seg is None and ch.unix:
+                        seg = self.plane.segment_of(req)
+                    target = self.plane.send(ch, req, send.sids, stamps, seg)
+                    started.append((send, ch, target, None))
+                else:
+                    key = self.routing.key(send.addr)
+                    fut = self.dask.start(send.addr, key, req, send.sids, stamps, timeout)
+                    started.append((send, None, None, fut))
+            except OSError as exc:
+                if ch is not None:
+                    self._plane_failed(send.addr, ch, req, seg)
+                d.failed(send.addr, send.sids, exc)
+        for send, ch, target, fut in started:
+            try:
+                reply = self._answer(send.addr, req, ch, target, fut, timeout)
+            except Exception as exc:
+                if ch is not None:
+                    self._plane_failed(send.addr, ch, req, seg)
+                if fut is not None:
+                    fut.cancel()
+                d.failed(send.addr, send.sids, exc)
+                continue
+            d.answered(send.addr, send.sids, reply)
+            self._on_answer(req, send.addr, reply, seg)
+
+    def _answer(
+        self, addr: str, req: Request, ch: Channel | None, target: Any, fut: Any, timeout: float
+    ) -> dict:
+        """Wait for ``addr``'s answer up to ``timeout``, giving up early when the controller
+        drops ``addr`` (a dead or frozen worker: waiting for it would only time out)."""
+        t0 = time.monotonic()
+        step = float(config.get("ps.plane-timeout"))
+        while True:
+            if ch is not None and ch.readable(step):
+                assert self.plane is not None
+                if req.data:
+                    self._count(req, "plane")
+                return self.plane.receive(ch, req, target)
+            if fut is not None:
+                try:
+                    reply = fut.result(timeout=step)
+                except TimeoutError:
+                    pass
+                else:
+                    if req.data:
+                        self._count(req, "dask")
+                    return self.dask.finish(req, reply)
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"no answer from the PS node on {addr} in {timeout}s")
+            self.refresh()
+            if addr not in self.routing.nodes:
+                raise OSError(f"the PS worker {addr} was dropped by the controller")
+
+    def _count(self, req: Request, transport: str) -> None:
+        if self.channels is None:
+            return
+        c = self.channels.counts
+        if req.op == "push":
+            c["pushes"] += 1
+        elif req.op == "pull":
+            c["pulls"] += 1
+        if transport == "dask":
+            c["to_dask"] += 1
+
+    def _plane_failed(self, addr: str, ch: Channel, req: Request, seg: Segment | None) -> None:
+        assert self.channels is not None
+        out = req.args.get("out")
+        pulled = self.channels.pool.of(out) if out is not None else None
+        self.channels.fail(addr, self.routing.key(addr), ch, seg, pulled)
+
+    def _on_answer(self, req: Request, addr: str, reply: dict, seg: Segment | None) -> None:
+        """Keep what a primary acknowledged (``ack="replay"``), drop what it says is durable."""
+        if req.op == "push" and req.ack == "replay":
+            replay = req.args.get("replay")
+            for sid, version in reply.get("per_shard", {}).items():
+                sid, gen = int(sid), int(reply["gens"][sid])
+                if replay is not None:
+                    self.log.acknowledged(sid, req.push_id, addr, gen, int(version))
+                    self.log.replayed += 1
+                else:
+                    self.log.add(sid, self._held(req, sid, addr, gen, int(version), seg))
+        if req.op == "push":
+            self.answered_at = time.monotonic()
+            self.confirm(addr, reply, "confirmed")
+        elif req.op in ("confirmed", "flush"):
+            self.confirm(addr, reply, "per_shard")
+
+    def _held(
+        self, req: Request, sid: int, addr: str, gen: int, version: int, seg: Segment | None
+    ) -> HeldPush:
+        """Shard ``sid``'s part of ``req`` as the log keeps it: a lease on the segment the
+        values were sent from (no copy), else a copy; the offload's activations and errors."""
+        if req.outer is not None:
+            o = req.outer
+            part = Outer(
+                o.offset, o.out, o.inp, o.scale, o.errors, o.activations, {sid: o.cols[sid]}
+            )
+            nbytes = o.errors.nbytes + o.activations.nbytes
+            return HeldPush(req.push_id, "push_outer", part, addr, gen, version, nbytes, req.mark)
+        a, b = self.shards[sid]
+        values = part_of(req, (a, b), sid)
+        lease = None
+        if values is None:
+            payload = None
+        elif seg is not None and req.values is seg.array:
+            assert self.channels is not None
+            self.channels.pool.hold(seg)
+            payload, lease = seg.array[a:b], seg
+        else:
+            payload = values.copy()
+        nbytes = 0 if payload is None else payload.nbytes
+        return HeldPush(
+            req.push_id, "push", payload, addr, gen, version, nbytes, req.mark, lease=lease
+        )
+
+    def confirm(self, addr: str, reply: dict, key: str) -> None:
+        """Drop the held pushes ``reply`` says are durable, and mark replicated those it says
+        every copy holds (``reply[key]``: {sid: version}; ``reply["durable"]``: {sid: version
+        the checkpoint holds too}; ``reply["gens"]`` the answering primary's generations)."""
+        durable = reply.get("durable")
+        for sid, version in (reply.get(key) or {}).items():
+            d = None if durable is None else int(durable.get(sid, -1))
+            self.log.confirm(int(sid), addr, int(reply["gens"][sid]), int(version), d)
+
+    # -- replay ----------------------------------------------------------------------------------
+
+    def replay_moved(self) -> int:
+        """Send the held pushes of shards whose primary changed to the new primary (same push
+        ids: a push the survivors or the checkpoint already hold is applied once)."""
+        sent = 0
+        while self.log:
+            moved = self.log.moved(self.routing.primaries())
+            if not moved:
+                break
+            for sid, items in moved.items():
+                for h in items:
+                    logger.info(
+                        "server %s: replaying push %x to the new primary of shard %d",
+                        self.server_id,
+                        h.push_id,
+                        sid,
+                    )
+                    self.deliver(_replay_request(h, sid, self.shards[sid]))
+                    sent += 1
+        return sent
+
+    # -- holding ---------------------------------------------------------------------------------
+
+    def budget(self) -> int:
+        """Bytes of held pushes before a push waits for room: ``adam.ps.replay-bytes``, and
+        never under two pushes of the whole model (a large model keeps pushing on the plane)."""
+        return max(int(config.get("ps.replay-bytes")), 2 * 4 * self.size)
+
+    def make_room(self, nbytes: int) -> bool:
+        """Before a push of ``nbytes``: let go of what every copy holds over the budget, and
+        while that is not enough ask the primaries to forward now and say what every copy
+        holds. Returns whether the held pushes are past half the budget (the push then asks
+        its primaries to forward at once, so its answer confirms the ones before it)."""
+        limit = self.budget()
+        below = max(limit - nbytes, 0)
+        if self.log.nbytes > below:
+            self.shed(below)
+            if self.log.nbytes > below:
+                self.settle(below=below)
+        return self.log.nbytes > limit // 2
+
+    def shed(self, below: int) -> None:
+        """Over the byte budget: let go of the pushes every copy holds that wait for the
+        checkpoint alone (its write-back is behind: a storage outage, or a slow store)."""
+        gone = self.log.shed(below)
+        if not gone:
+            return
+        self._shed_count += gone
+        now = time.monotonic()
+        if now - self._shed_logged >= 60.0:  # once a minute in an outage
+            self._shed_logged = now
+            logger.warning(
+                "server %s: the checkpoint is behind; %d push(es) every copy holds are no longer "
+                "kept against the loss of all copies (adam.ps.replay-bytes)",
+                self.server_id,
+                self._shed_count,
+            )
+            self._shed_count = 0
+
+    def settle(
+        self, below: int = 0, *, copies_only: bool = False, limit: float | None = None
+    ) -> None:
+        """Until the held pushes take at most ``below`` bytes (``copies_only``: until every
+        copy holds each one, the checkpoint may lag): replay moved ones, ask the primaries
+        what every copy and the checkpoint hold. :class:`ShardUnavailable` after the fail-over
+        timeout without progress while some copy still lacks a push (the held bytes going down
+        restarts it). Waiting for room (``below`` > 0), the primaries forward at once and the
+        pushes every copy holds that wait for the checkpoint alone are let go first.
+        ``limit``: seconds in all before :class:`TimeoutError`."""
+        end = None if limit is None else time.monotonic() + float(limit)
+        timeout = float(config.get("ps.failover-timeout"))
+        deadline = time.monotonic() + timeout
+        interval = float(config.get("ps.forward-interval"))
+        held = self.log.nbytes
+        while self.log and self.log.nbytes > below:
+            if copies_only and not self.log.unreplicated:
+                return
+            if self.log.nbytes < held:
+                held = self.log.nbytes
+                deadline = time.monotonic() + timeout
+            self.refresh()
+            self.replay_moved()
+            sids = tuple(self.log.shards())
+            if sids:
+                self.deliver(Request("confirmed", sids, urgent=below > 0))
+            if below > 0:
+                self.shed(below)
+            if not self.log or self.log.nbytes <= below:
+                return
+            if copies_only and not self.log.unreplicated:
+                return
+            if end is not None and time.monotonic() > end:
+                raise TimeoutError(f"{len(self.log)} held push(es) not durable in {limit}s")
+            if time.monotonic() > deadline:
+                if not self.log.unreplicated:  # only the checkpoint is behind: keep waiting
+                    deadline = time.monotonic() + timeout
+                    continue
+                sid = self.log.shards()[0]
+                raise ShardUnavailable(
+                    f"server {self.server_id}: the copies of shard {sid} did not confirm "
+                    f"{len(self.log)} acknowledged push(es) in time",
+                    "check the PS workers (adam.ps.failover-timeout)",
+                    shard=sid,
+                )
+            time.sleep(0.002 if below > 0 else interval / 2)
+
+    def keep_settling(self) -> None:
+        """Pushes are held: make sure the settler thread runs."""
+        if self.log and (self._settler is None or not self._settler.is_alive()):
+            self._settler = threading.Thread(
+                target=contextvars.copy_context().run,
+                args=(self._settle_in_background,),
+                name=f"adam-settle-{self.server_id}",
+                daemon=True,
+            )
+            self._settler.start()
+
+    def _settle_in_background(self) -> None:
+        """Settle while pushes are held (so they are replayed after a fail-over even when no
+        more pushes come); ends when every held push is durable or the server is closed."""
+        interval = float(config.get("ps.forward-interval"))
+        while self.log and not self.control.closed:
+            time.sleep(interval)
+            if time.monotonic() - self.answered_at < interval:
+                continue  # pushes flow: their answers confirm the held ones (no calls needed)
+            try:
+                self.settle()
+            except KeyError as exc:
+                if "no parameter server" not in str(exc):
+                    logger.warning("server %s: replaying held pushes: %r", self.server_id, exc)
+                    continue
+                logger.info(
+                    "server %s was closed; %d held push(es) no longer replayed",
+                    self.server_id,
+                    len(self.log),
+                )
+                return
+            except Exception as exc:
+                if self.control.closed:
+                    return
+                logger.warning(
+                    "server %s: %d held push(es) not confirmed yet (%s); still trying",
+                    self.server_id,
+                    len(self.log),
+                    exc,
+                )
+
+    def close(self) -> None:
+        self.control.closed = True
+        if self.channels is not None:
+            self.channels.close()
+
+
+def _replay_request(h: HeldPush, sid: int, shard: tuple[int, int]) -> Request:
+    """The request that sends the held push ``h`` of shard ``sid`` again (its id, its mark)."""
+    req = Request("push", (sid,), h.push_id, "replay", h.mark, args={"replay": True})
+    if h.method == "push_outer":
+        req.outer = h.payload
+    elif h.payload is None:
+        req.values, req.base, req.nonzero = np.zeros(0, np.float32), shard[0], {sid: False}
+    else:
+        req.values, req.base = h.payload, shard[0]
+    return req
