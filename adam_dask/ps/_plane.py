@@ -121,8 +121,9 @@ class Channel:
 
     def readable(self, seconds: float) -> bool:
         """Whether an answer has started to arrive within ``seconds``."""
-        r, _, _ = select.select([self.sock], [], [], max(seconds, 0.0))
-        return bool(r)
+        poller = select.poll()  # not select(): a busy process has descriptors past 1024
+        poller.register(self.sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        return bool(poller.poll(max(seconds, 0.0) * 1000))
 
     def share(self, seg: Segment) -> None:
         if seg.id in self.shared:
