@@ -55,6 +55,15 @@ def trainer(store, client, **kwargs):
     )
 
 
+def check_every_image_applied_once_on_the_plane(t, hist):
+    """Every image trained was applied once (two replicas: the quorum is both), and every push
+    and pull the live nodes served came over the data plane, none as a Dask actor call."""
+    assert hist.column("images_applied") == hist.column("images"), hist.records
+    nodes = [n for n in t.server.stats()["nodes"].values() if isinstance(n, dict)]
+    moved = {k: sum(n["by_transport"][k] for n in nodes) for k in ("plane", "dask")}
+    assert moved["plane"] > 0 and moved["dask"] == 0, moved
+
+
 def wait_for_pushes(t, box, n, timeout=300):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -91,6 +100,7 @@ def test_training_through_a_frozen_primary(store, cluster):
         assert not th.is_alive()
         assert "error" not in box, box.get("error")
         assert box["history"].last["test_accuracy"] >= 0.8
+        check_every_image_applied_once_on_the_plane(t, box["history"])
         woken = cluster.sync(call_actor, cluster.rpc, victim, old_key, "stats", timeout=30)
         assert not woken["member"] and woken["primaries"] == []  # it serves nothing stale
         assert t.server.stats()["declared_dead"] >= 1
@@ -113,6 +123,7 @@ def test_training_through_the_loss_of_every_copy_of_a_shard(store, cluster, tmp_
         assert not th.is_alive()
         assert "error" not in box, box.get("error")
         assert box["history"].last["test_accuracy"] >= 0.8
+        check_every_image_applied_once_on_the_plane(t, box["history"])
         stats = t.server.stats()
         restored = {r["shard"] for r in stats["restored"]}  # rebuilt from the checkpoint
         assert 1 in restored
