@@ -435,6 +435,57 @@ def _plane_task(server, sink: tuple, seconds: float) -> dict:
     return out
 
 
+def _back_to_back(server, sink: tuple, seconds: float) -> dict:
+    """From the calling process (a notebook's client), the public API at its defaults: MB/s of
+    ``server.push(delta)`` (a caller's array) and ``server.pull(out=)`` called back to back for
+    ``seconds`` each, the mean over every call (waits for room in the replay log included),
+    against a plain TCP socket moving the same bytes to a PS worker's process."""
+    import socket
+
+    n = server.size
+    mb = n * 4 / 1e6
+    sock = socket.create_connection(tuple(sink))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    delta = np.full(n, 1e-3, np.float32)
+    view = memoryview(delta).cast("B")
+    into = np.empty(n, np.float32)
+    into_view = memoryview(into).cast("B")
+    head = n * 4
+
+    def sock_push():
+        sock.sendall(b"p" + head.to_bytes(8, "little"))
+        sock.sendall(view)
+        sock.recv(1)
+
+    def sock_pull():
+        sock.sendall(b"g" + head.to_bytes(8, "little"))
+        got = 0
+        while got < head:
+            got += sock.recv_into(into_view[got:])
+
+    def mb_per_s(fn) -> float:
+        for _ in range(3):
+            fn()
+        calls, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            fn()
+            calls += 1
+        return mb * calls / (time.perf_counter() - t0)
+
+    out = {
+        "socket_push_mb_per_s": mb_per_s(sock_push),
+        "socket_pull_mb_per_s": mb_per_s(sock_pull),
+        "push_mb_per_s": mb_per_s(lambda: server.push(delta)),
+        "pull_mb_per_s": mb_per_s(lambda: server.pull(out=into)),
+    }
+    out["push_vs_socket"] = out["push_mb_per_s"] / out["socket_push_mb_per_s"]
+    out["pull_vs_socket"] = out["pull_mb_per_s"] / out["socket_pull_mb_per_s"]
+    server.settle()
+    out["data_plane"] = server.stats()["data_plane"]
+    sock.close()
+    return out
+
+
 def bench_plane(seconds: float) -> dict:
     """Push/pull of the MNIST net's delta (1.2 MB, 2 shards) and of 4 MB (4 shards) from a task
     on a TRAIN worker, each mode of ``adam.ps.data-plane``, against a plain TCP socket moving
@@ -455,6 +506,7 @@ def bench_plane(seconds: float) -> dict:
             try:
                 fut = client.submit(_plane_task, server, sink, seconds, workers=train, pure=False)
                 got = fut.result()
+                got["client_back_to_back"] = _back_to_back(server, sink, seconds)
             finally:
                 server.close()
             out[name] = got
@@ -469,6 +521,10 @@ def bench_plane(seconds: float) -> dict:
     f = out["4mb"]
     out["push_4mb_vs_socket"] = f["auto"]["push_donated_mb_per_s"] / f["socket_push_mb_per_s"]
     out["pull_4mb_vs_socket"] = f["auto"]["pull_mb_per_s"] / f["socket_pull_mb_per_s"]
+    for name, key in (("mnist", ""), ("4mb", "_4mb")):
+        b2b = out[name]["client_back_to_back"]
+        out[f"client_push{key}_vs_socket"] = b2b["push_vs_socket"]
+        out[f"client_pull{key}_vs_socket"] = b2b["pull_vs_socket"]
     return {"plane": out, **{k: v for k, v in out.items() if "_vs_" in k or k.endswith("_s")}}
 
 

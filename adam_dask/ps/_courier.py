@@ -63,9 +63,9 @@ class Courier:
         if mode == "dask":
             return None
         if self.channels is None:
-            self.channels = Channels(
-                self.server_id, self.size, mode, float(config.get("ps.plane-timeout"))
-            )
+            timeout = float(config.get("ps.plane-timeout"))
+            tls = self.control.tls_context
+            self.channels = Channels(self.server_id, self.size, mode, timeout, tls)
             self.plane = PlaneCalls(self.channels, self.shards)
         return self.channels
 
@@ -224,6 +224,8 @@ class Courier:
             return HeldPush(req.push_id, "push_outer", part, addr, gen, version, nbytes, req.mark)
         a, b = self.shards[sid]
         values = part_of(req, (a, b), sid)
+        if seg is None and self.channels is not None and req.base == 0:
+            seg = self.channels.pool.of(req.values)  # a pool buffer sent over TCP
         lease = None
         if values is None:
             payload = None

@@ -121,6 +121,9 @@ class Channel:
 
     def readable(self, seconds: float) -> bool:
         """Whether an answer has started to arrive within ``seconds``."""
+        pending = getattr(self.sock, "pending", None)  # TLS: bytes already decrypted
+        if pending is not None and pending():
+            return True
         poller = select.poll()  # not select(): a busy process has descriptors past 1024
         poller.register(self.sock, select.POLLIN | select.POLLERR | select.POLLHUP)
         return bool(poller.poll(max(seconds, 0.0) * 1000))
@@ -144,7 +147,15 @@ class Channel:
 class Channels:
     """The data-plane connections of one handle, by (node address, actor key)."""
 
-    def __init__(self, server_id: str, floats: int, mode: str, timeout: float):
+    def __init__(
+        self,
+        server_id: str,
+        floats: int,
+        mode: str,
+        timeout: float,
+        tls: Callable[[], Any] | None = None,
+    ):
+        self.tls = tls  # the SSL context a connection to a TLS node presents (Dask's own)
         if mode not in ("auto", "tcp"):
             raise ConfigError(f"adam.ps.data-plane is {mode!r}", "use auto, tcp or dask")
         self.server_id, self.mode, self.timeout = server_id, mode, float(timeout)
@@ -187,10 +198,16 @@ class Channels:
                 s.close()
         if ch is None:
             if not ep.get("tcp"):
-                raise ConnectionError("the node has no TCP data plane (a TLS cluster)")
+                raise ConnectionError("the node has no TCP data plane")
             host, port = ep["tcp"]
             s = socket.create_connection((host, int(port)), timeout=self.timeout)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if ep.get("tls"):
+                ctx = self.tls() if self.tls is not None else None
+                if ctx is None:
+                    s.close()
+                    raise ConnectionError("a TLS node, and no TLS credentials here")
+                s = ctx.wrap_socket(s, server_hostname=host)
             ch = Channel(s, False, self.server_id)
         try:
             send_msg(ch.sock, {"op": "hello", "token": ep.get("token", "")})

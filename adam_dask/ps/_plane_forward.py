@@ -74,8 +74,8 @@ class ForwardChannels:
     Used from one forward thread per backup at a time (a node sends a backup its next batch only
     once the last one is answered)."""
 
-    def __init__(self, server_id: str, mode: str, timeout: float):
-        self._channels = Channels(server_id, 0, mode, timeout)
+    def __init__(self, server_id: str, mode: str, timeout: float, tls: Any = None):
+        self._channels = Channels(server_id, 0, mode, timeout, lambda: tls)
         self._lock = threading.Lock()
         self._calls: dict[tuple[str, str], threading.Lock] = {}
         self.counts = {"plane": 0, "failed": 0}

@@ -8,9 +8,9 @@ of the process (one per server id). It listens on
   and an offset, so the values never cross a socket (the paper's 3.2.3: a pointer handed over
   locally, a copy remotely). The segments have no name in any file system: the kernel frees
   them when the last process mapping them exits, SIGKILL included, so nothing leaks;
-* TCP on the worker's host (``tcp://`` clusters only; a TLS cluster keeps its bytes on the
-  Dask comm, which encrypts them): the values follow the header and are read straight into a
-  buffer of the connection.
+* TCP on the worker's host: the values follow the header and are read straight into a buffer
+  of the connection. On a ``tls://`` cluster these connections are TLS, with the certificates
+  of Dask's own security settings (the worker's here, the pusher's own there).
 
 A connection is served by one thread: it reads a push (the bytes land once, in the shared
 segment or in the connection's buffer) and hands it to the node's protocol state
@@ -31,6 +31,7 @@ import mmap
 import os
 import secrets
 import socket
+import ssl
 import threading
 from typing import Any
 
@@ -87,7 +88,13 @@ class PlaneServer:
         self._unix.listen(64)
         self.tcp: tuple[str, int] | None = None
         self._tcp: socket.socket | None = None
-        if parse_address(worker.address)[0] == "tcp":
+        # a TLS cluster: the plane's TCP connections are TLS with the worker's own certificate
+        # (Dask's security settings), and a pusher presents its own (a client's or a worker's)
+        self.tls: ssl.SSLContext | None = None
+        scheme = parse_address(worker.address)[0]
+        if scheme == "tls":
+            self.tls = worker.security.get_listen_args("worker")["ssl_context"]
+        if scheme in ("tcp", "tls"):
             host = get_address_host(worker.address)
             fam = socket.AF_INET6 if ":" in host else socket.AF_INET
             self._tcp = socket.socket(fam, socket.SOCK_STREAM)
@@ -105,6 +112,7 @@ class PlaneServer:
         return {
             "unix": self.unix_name,
             "tcp": list(self.tcp) if self.tcp else None,
+            "tls": self.tls is not None,
             "token": self.token,
         }
 
@@ -141,6 +149,8 @@ class _Connection:
 
     def run(self) -> None:
         try:
+            if not self.unix and self.server.tls is not None:  # the handshake, in this thread
+                self.sock = self.server.tls.wrap_socket(self.sock, server_side=True)
             hello = recv_msg(self.sock)
             if hello.get("op") != "hello" or not secrets.compare_digest(
                 str(hello.get("token", "")), self.server.token

@@ -156,8 +156,12 @@ class PSNode:
         self._plane = plane_server(self._worker)
         self._plane.register(self.server_id, self)
         if self.cfg.get("data_plane", "auto") != "dask":
+            tls = self._worker.security.get_connection_args("worker").get("ssl_context")
             self._forward_channels = ForwardChannels(
-                self.server_id, str(self.cfg.get("data_plane", "auto")), self.cfg["call_timeout"]
+                self.server_id,
+                str(self.cfg.get("data_plane", "auto")),
+                self.cfg["call_timeout"],
+                tls if self._worker.address.startswith("tls://") else None,
             )
             self._forward_pool = ThreadPoolExecutor(8, thread_name_prefix="adam-forward")
         self._timers = [

@@ -626,9 +626,12 @@ class ParameterServer:
         write-back the heartbeats had reported), ``updates_lost_at_least``, ``declared_dead``,
         ``refused_stale`` (calls refused for a stale generation), ``replayed`` /
         ``held_pushes`` / ``held_bytes`` (this handle's pushes sent again to a new primary, and
-        those it keeps until they are durable: ``ack="replay"``), ``data_plane`` (this handle's
-        calls over the data plane: ``pushes``, ``pulls``, ``to_dask`` (those that left some
-        shards to the Dask path: moved, failed over), ``failed_calls``), ``nodes``."""
+        those it keeps until they are durable: ``ack="replay"``), ``data_plane`` (what this
+        handle sent, one count per primary a request reached: ``pushes``, ``pulls``,
+        ``to_dask`` (those that went as Dask actor calls: the plane could not reach the node),
+        ``failed_calls`` (plane calls given up: the node died, froze or was dropped)),
+        ``nodes`` (each node's figures, ``by_transport`` among them: the pushes and pulls it
+        served over the plane and as Dask actor calls)."""
         nodes, routing = self._stats()
         now = time.monotonic()
         ok = [n for n in nodes.values() if isinstance(n, dict)]

@@ -56,6 +56,55 @@ def test_every_mode_sums_exactly_and_the_plane_carries_the_calls(ps_client, mode
         assert plane["to_dask"] == 0 and plane["failed_calls"] == 0, plane
         # the primaries' forwards to their backups went over the plane, none failed
         assert sum(f["plane"] for f in forwards) > 0 and not any(f["failed"] for f in forwards)
+        by = [n["by_transport"] for n in stats["nodes"].values()]
+        assert sum(b["plane"] for b in by) > 0 and sum(b["dask"] for b in by) == 0, by
+
+
+def test_a_tls_cluster_moves_pushes_pulls_and_forwards_over_tls_on_the_plane():
+    """On a ``tls://`` cluster the plane's TCP connections are TLS with Dask's certificates
+    (forced onto TCP here: on one machine the Unix path would carry them); a plane connection
+    without TLS is refused there and changes nothing."""
+    import socket
+
+    import adam_dask
+    from adam_dask.ps._rpc import call_actor
+
+    with (
+        dask.config.set({"adam.ps.data-plane": "tcp"}),
+        adam_dask.cluster.local(
+            ps_nodes=3, data_nodes=0, trainers=1, trainer_threads=1, memory_limit="1 GiB", tls=True
+        ) as client,
+    ):
+        s = ParameterServer.create(client, size=N, shard_bytes=SHARD)
+        try:
+            pushers = [PushLoad(s, 1), PushLoad(s, 2)]
+            for p in pushers:
+                p.start()
+            push_on(pushers, 20)
+            stop_and_check_sum(s, pushers)
+            s.flush()
+            stats = s.stats()
+            addr = next(iter(stats["nodes"]))
+            ep = client.sync(call_actor, client.rpc, addr, s.routing_info()["nodes"][addr], "plane")
+            before = s.pull()
+            raw = socket.create_connection(tuple(ep["tcp"]), timeout=5)
+            raw.sendall(b"\x10\x00\x00\x00" + b"x" * 16)  # not a TLS handshake
+            raw.settimeout(5)
+            try:
+                assert raw.recv(1) in (b"", b"\x15")  # closed, or a TLS alert
+            except ConnectionResetError:
+                pass
+            raw.close()
+            np.testing.assert_array_equal(s.pull(), before)
+        finally:
+            s.close()
+    assert ep["tls"] and ep["tcp"]
+    plane = stats["data_plane"]
+    assert plane["pushes"] >= 20 and plane["to_dask"] == 0 and plane["failed_calls"] == 0, plane
+    by = [n["by_transport"] for n in stats["nodes"].values()]
+    assert sum(b["plane"] for b in by) > 0 and sum(b["dask"] for b in by) == 0, by
+    forwards = [n["plane_forwards"] for n in stats["nodes"].values()]
+    assert sum(f["plane"] for f in forwards) > 0 and not any(f["failed"] for f in forwards)
 
 
 def test_a_buffer_is_held_not_copied_and_reused_once_durable(ps_client):
