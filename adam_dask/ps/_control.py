@@ -5,7 +5,7 @@ through the scheduler) or from inside a Dask task (peer-to-peer, on the worker's
 Control travels here: the routing, flushes, marks, versions, statistics, the data plane's
 endpoints, a new server's first values. Pushes and pulls travel on the data plane
 (:mod:`adam_dask.ps._plane`); this module carries them only where the plane can not go
-(``adam.ps.data-plane: dask``, a TLS cluster across machines), as :class:`DaskCalls`, with the
+(``adam.ps.data-plane: dask``, a firewall between pusher and node), as :class:`DaskCalls`, with the
 same request and the same answers.
 """
 

@@ -14,8 +14,8 @@ same socket.
 
 Nothing of the protocol changes: the backup's :class:`~adam_dask.ps._node_state.NodeState`
 handles the same ``Replicate`` event and the primary the same ``ForwardDone``. A forward that
-fails on the plane (the backup gone, frozen past ``adam.ps.plane-timeout``, a TLS cluster with
-no TCP plane) goes the Dask way with the same snapshots; a backup that gets a batch twice (a
+fails on the plane (the backup gone, frozen past ``adam.ps.plane-timeout``, its plane not
+reachable) goes the Dask way with the same snapshots; a backup that gets a batch twice (a
 frozen backup that wakes and reads the plane's copy after the actor's) installs only what is
 newer than what it holds, so a duplicate changes nothing.
 """
