@@ -4,12 +4,13 @@ the pushes, instead of a Dask actor call each.
 Every ``forward-interval`` a primary sends each backup one batch of snapshots (one per shard it
 holds for that backup: the values at a version, the push ids and marks since the backup's
 last). Over the actor call, the values were pickled, framed and handed through both workers'
-event loops. Here the primary's forward task hands the batch to a thread, which writes a header
-(the snapshots' metadata) and then each snapshot's values straight from the snapshot's array to
-the backup's data-plane socket (Unix on the same machine, TCP otherwise: the kernel's copy
-only); the backup's connection thread reads them into its buffer and installs them under the
-node state's lock (:meth:`~adam_dask.ps.node.PSNode.plane_replicate`): the install is the one
-copy on that side. The answer (what the backup now holds, what it refused) comes back on the
+event loops. Here the primary's forward task hands the batch to a thread. On the same machine it writes the
+snapshots into a ``memfd`` segment of that backup's, handed over once as a pusher's are, and
+sends a header naming it (the snapshots' metadata); the backup's connection thread installs
+them from its mapping. To another machine the values follow the header straight from the
+snapshots' arrays (the kernel's copy only) and the backup reads them into its buffer. Either
+way the backup installs under the node state's lock
+(:meth:`~adam_dask.ps.node.PSNode.plane_replicate`): the one copy on that side. The answer (what the backup now holds, what it refused) comes back on the
 same socket.
 
 Nothing of the protocol changes: the backup's :class:`~adam_dask.ps._node_state.NodeState`
@@ -22,11 +23,13 @@ newer than what it holds, so a duplicate changes nothing.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import threading
 from typing import Any
 
-from ._plane import Channels
+from ._plane import Channels, Segment
 from ._wire import recv_msg, send_msg
 from .state import Mark, Snapshot
 
@@ -76,6 +79,11 @@ class ForwardChannels:
 
     def __init__(self, server_id: str, mode: str, timeout: float, tls: Any = None):
         self._channels = Channels(server_id, 0, mode, timeout, lambda: tls)
+        # on this machine, a segment per backup the snapshots are written into and handed over
+        # as pushes are (a frozen backup may read one after the call was given up: that one
+        # is never written again, the next forward takes a new one)
+        self._segments: dict[tuple[str, str], Segment] = {}
+        self._ids = itertools.count(1 << 30)  # apart from the pushers' segment ids
         self._lock = threading.Lock()
         self._calls: dict[tuple[str, str], threading.Lock] = {}
         self.counts = {"plane": 0, "failed": 0}
@@ -99,19 +107,33 @@ class ForwardChannels:
                 ch = self._channels.get(addr, key, self._no_endpoint)
             if ch is None:
                 return None
-            header = {
+            header: dict[str, Any] = {
                 "op": "replicate",
                 "server": self._channels.server_id,
                 "sender": sender,
                 "snaps": [snapshot_header(s) for s in snaps],
             }
+            seg = None
             try:
-                send_msg(ch.sock, header, *(s.values for s in snaps))
+                if ch.unix:
+                    seg = self._segment((addr, key), sum(s.values.shape[0] for s in snaps))
+                    o = 0
+                    for snap in snaps:
+                        n = snap.values.shape[0]
+                        seg.array[o : o + n] = snap.values
+                        o += n
+                    ch.share(seg)
+                    header["segment"] = seg.id
+                    send_msg(ch.sock, header)
+                else:
+                    send_msg(ch.sock, header, *(s.values for s in snaps))
                 reply = recv_msg(ch.sock)
             except (OSError, ValueError) as exc:
                 logger.info("forward to %s on the data plane failed (%r): the Dask path", addr, exc)
                 with self._lock:
                     self._channels.fail(addr, key, ch)
+                    if seg is not None:  # the backup may still read it: never written again
+                        _close(self._segments.pop((addr, key), None))
                 self.counts["failed"] += 1
                 return None
         if "error" in reply:
@@ -119,6 +141,15 @@ class ForwardChannels:
             return None
         self.counts["plane"] += 1
         return reply
+
+    def _segment(self, k: tuple[str, str], floats: int) -> Segment:
+        """The segment of backup ``k``, at least ``floats`` long (a larger one replaces it)."""
+        seg = self._segments.get(k)
+        if seg is None or seg.array.shape[0] < floats:
+            _close(seg)  # a backup that mapped it keeps its mapping
+            seg = Segment(self._channels.pool, next(self._ids), max(floats, 1))
+            self._segments[k] = seg
+        return seg
 
     def _no_endpoint(self) -> dict:
         raise ConnectionError("no data-plane endpoint known for this backup yet")
@@ -131,3 +162,13 @@ class ForwardChannels:
     def close(self) -> None:
         with self._lock:
             self._channels.close()
+            for seg in self._segments.values():
+                _close(seg)
+            self._segments.clear()
+
+
+def _close(seg: Segment | None) -> None:
+    """Let go of a segment's descriptor (the mappings stay while anyone maps it)."""
+    if seg is not None and seg.fd is not None:
+        os.close(seg.fd)
+        seg.fd = None
