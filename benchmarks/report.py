@@ -339,6 +339,37 @@ def _plane(kind: str) -> Callable[[dict], Figure | None]:
     return figure
 
 
+def _client_plane(kind: str) -> Callable[[dict], Figure | None]:
+    """A notebook's back-to-back push or pull through the public API at its defaults, against a
+    plain TCP socket from the same process (the ``client_back_to_back`` part of a ps line)."""
+
+    def figure(ln: dict) -> Figure | None:
+        plane = ln.get("plane") or {}
+        m = (plane.get("mnist") or {}).get("client_back_to_back") or {}
+        f = (plane.get("4mb") or {}).get("client_back_to_back") or {}
+        r, r4 = m.get(f"{kind}_vs_socket"), f.get(f"{kind}_vs_socket")
+        ours, peer = m.get(f"{kind}_mb_per_s"), m.get(f"socket_{kind}_mb_per_s")
+        if not (_is_num(r) and _is_num(ours) and _is_num(peer)):
+            return None
+        what = (
+            f"A client's back-to-back {kind} of the MNIST net's "
+            f"{_num(plane['mnist'].get('mb', 0))} MB (and 4 MB): `ParameterServer.{kind}`, "
+            "defaults, embedded cluster, mean over every call"
+        )
+        words = rate_words(r, "a plain TCP socket", "MB/s") + " (goal: at least 0.80x)"
+        if _is_num(r4):
+            words += f"; 4 MB: {_x(r4)}"
+        return Figure(
+            what,
+            f"{_num(ours)} MB/s",
+            f"a plain TCP socket from the client's process to a PS worker's: {_num(peer)} MB/s",
+            words,
+            f"client {kind} {_x(r)} socket" + (f", 4 MB {_x(r4)}" if _is_num(r4) else ""),
+        )
+
+    return figure
+
+
 def _failover(signal: str, how: str) -> Callable[[dict], Figure | None]:
     def figure(ln: dict) -> Figure | None:
         served, healed = ln.get(f"{signal}_served_seconds"), ln.get(f"{signal}_healed_seconds")
@@ -796,6 +827,8 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("ps", "pull MB/s", _ps_transfer("pull")),
     Claim("ps", "data-plane push vs a socket", _plane("push")),
     Claim("ps", "data-plane pull vs a socket", _plane("pull")),
+    Claim("ps", "client push vs a socket", _client_plane("push"), any_line=True),
+    Claim("ps", "client pull vs a socket", _client_plane("pull"), any_line=True),
     Claim("capacity", "replicas served", _capacity),
     Claim("ps", "SIGKILL fail-over", _failover("sigkill", "a primary's PS worker SIGKILLed")),
     Claim("ps", "SIGSTOP fail-over", _failover("sigstop", "a primary's PS worker SIGSTOPped")),
