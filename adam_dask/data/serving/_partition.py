@@ -352,6 +352,9 @@ class PartitionServer:
 
     def _produce(self) -> None:
         while True:
+            # nothing of the last batch is kept while waiting: its images may be in a reader's
+            # shared segment, which must be unmapped when that reader's connection ends
+            st = item = None
             with self._cond:
                 claim = None
                 while not self._closed:
