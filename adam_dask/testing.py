@@ -174,7 +174,27 @@ def freeze(client: Any, addrs: Iterable[str]) -> dict[str, int]:
     pids = worker_pids(client, addrs)
     _signal(pids.values(), signal.SIGSTOP)
     logger.info("sent SIGSTOP to %s", pids)
+    for pid in pids.values():
+        _wait_stopped(pid)
     return pids
+
+
+def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
+    """Return once every thread of ``pid`` is stopped (a stop signal lands asynchronously: on a
+    loaded machine a process went on answering requests for milliseconds after ``kill``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            states = []
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rpartition(")")[2].split()[0])
+        except OSError:  # gone, or no /proc here: nothing to wait for
+            return
+        if all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.001)
+    logger.warning("process %d was not seen stopped within %.0f s", pid, timeout)
 
 
 def thaw(pids: dict[str, int] | Iterable[int]) -> None:

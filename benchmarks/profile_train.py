@@ -71,8 +71,16 @@ def parse(path: Path) -> dict[tuple[int, str], dict[str, dict[tuple[str, bool], 
     out: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(int)))
     if not path.exists():
         return out
-    for line in path.read_text().splitlines():
+    lines: list[str] = []
+    for line in path.read_text().splitlines():  # a frame's name may hold a newline: rejoin it
+        if lines and not line.startswith(("process ", "thread ")):
+            lines[-1] += line
+        else:
+            lines.append(line)
+    for line in lines:
         stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
         pid = 0
         while m := _PROCESS.match(stack):  # process chain, outermost first (quoted cmdlines)
             pid = int(m[1])

@@ -6,7 +6,8 @@ fsspec, so ``s3://`` works), keeps it in memory, and augments the next batches o
 stream ahead of demand in background threads, into a bounded buffer per stream. A trainer
 replica reads through a :class:`BatchStream`, which keeps a few ``next_batch`` requests in flight
 (peer-to-peer actor calls) and yields ``(x, y)``. A :class:`DataService` starts the servers and
-hands out the streams; it pickles, so a replica task opens its stream itself.
+hands out the streams; it pickles, so a replica task opens its stream itself. The batches
+themselves travel on the image plane (``adam.serving.data-plane``), not as actor calls.
 
 The parts, each in its own module:
 
@@ -15,7 +16,10 @@ The parts, each in its own module:
 * ``_messages``: what a request answers (a batch, the end, an error, a lost server);
 * ``_actor``: the DataServer actor around a partition server;
 * ``_service``: the DataService (create, server generations, close);
-* ``_stream``: the BatchStream (requests in flight, exactly-once delivery, recovery).
+* ``_stream``: the BatchStream (requests in flight, exactly-once delivery, recovery);
+* ``_plane`` and ``_plane_source``: the images' data plane (a DataServer's listener and a
+  stream's socket: shared slots on one machine, bytes over TCP across machines), which carries
+  the batches; the actor calls find its endpoint and probe a slow server.
 
 Failure: a server whose worker dies or freezes is noticed within seconds (a liveness probe),
 its partition moves to another live DATA worker, or to the stream itself when none is left, and

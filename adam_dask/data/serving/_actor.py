@@ -14,7 +14,7 @@ import logging
 import weakref
 from typing import Any
 
-from ._messages import Message
+from ._messages import Batch, Message
 from ._partition import PartitionServer
 
 logger = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ class DataServer:
     def __init__(self, *args: Any, **kwargs: Any):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._events: dict[str, asyncio.Event] = {}
+        self._endpoint: dict | None = None
         me = weakref.ref(self)
 
         def notify(sid: str) -> None:
@@ -77,6 +78,8 @@ class DataServer:
                 ev.clear()
             item = self._core.try_take(sid)
             if item is not None:
+                if isinstance(item, Batch):
+                    self._core.count_transport("dask")
                 return item
             if ev is None:  # not opened here: try_take answered StreamExpired; be safe anyway
                 await asyncio.sleep(0)
@@ -96,6 +99,17 @@ class DataServer:
     async def ready(self, timeout: float | None = None) -> bool:
         """Wait (off the event loop) until the partition and the kernels are loaded."""
         return await asyncio.to_thread(self._core.wait_ready, timeout)
+
+    async def plane(self) -> dict:
+        """This server's image-plane endpoint (addresses and token; the plane starts on first
+        use): only over this call, Dask's comm, does a reader learn the token."""
+        if self._endpoint is None:
+            from distributed import get_worker
+
+            from ._plane import image_plane
+
+            self._endpoint = image_plane(get_worker().address).register(self._core)
+        return self._endpoint
 
     async def ping(self) -> int:
         """The partition number, at once: the liveness probe of a stream."""

@@ -107,9 +107,11 @@ class ChunkCache:
             self._chunks.move_to_end(cid)
         return data
 
-    def get(self, indices: np.ndarray) -> np.ndarray:
-        """Images ``indices`` (global, inside the range) -> (B, H, W, C) uint8."""
-        out = np.empty((len(indices), *self.hwc), np.uint8)
+    def get(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Images ``indices`` (global, inside the range) -> (B, H, W, C) uint8, into ``out``
+        when given."""
+        if out is None:
+            out = np.empty((len(indices), *self.hwc), np.uint8)
         cids = indices // self.chunk
         needed = np.unique(cids).tolist()
         self.prefetch(needed)

@@ -16,6 +16,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -95,6 +96,8 @@ class _StreamState:
     ready: dict[int, Batch] = field(default_factory=dict)
     error: ServingError | None = None
     last_used: float = 0.0
+    # where the stream's batches are made: an image plane's shared slots (None: new arrays)
+    alloc: Callable[[tuple[int, ...], Any], np.ndarray | None] | None = None
 
 
 _live: weakref.WeakSet[PartitionServer] = weakref.WeakSet()
@@ -196,6 +199,7 @@ class PartitionServer:
         self.images_served = 0
         self.batches_served = 0
         self.batches_made = 0
+        self.transport = {"plane": 0, "dask": 0}  # batches handed out, by how they travelled
         self._warm = threading.Event()
         if not _track(self):  # the process began to end while the store was opened
             self.cache.close()
@@ -239,9 +243,13 @@ class PartitionServer:
         replicas: int,
         batch_size: int,
         done: Sequence[int] = (),
+        *,
+        alloc: Callable[[tuple[int, ...], Any], np.ndarray | None] | None = None,
     ) -> int:
         """Open stream ``sid``: replica's share of this partition in ``epoch``, minus the batch
-        numbers in ``done`` (already delivered). Returns the number of batches to hand out."""
+        numbers in ``done`` (already delivered). Returns the number of batches to hand out.
+        ``alloc(shape, dtype)``, when given, supplies the array each batch's images are made in
+        (``None`` from it: a new array)."""
         check_share(replica, replicas, epoch)
         if self._closed:
             raise ClusterError(
@@ -256,7 +264,9 @@ class PartitionServer:
             if k not in skip
         ]
         with self._cond:
-            self._streams[sid] = _StreamState(sid, epoch, batches, last_used=time.monotonic())
+            self._streams[sid] = _StreamState(
+                sid, epoch, batches, last_used=time.monotonic(), alloc=alloc
+            )
             self._cond.notify_all()
         logger.debug(
             "partition %d: stream %s opened (epoch %d, %d batches)",
@@ -342,6 +352,9 @@ class PartitionServer:
 
     def _produce(self) -> None:
         while True:
+            # nothing of the last batch is kept while waiting: its images may be in a reader's
+            # shared segment, which must be unmapped when that reader's connection ends
+            st = item = None
             with self._cond:
                 claim = None
                 while not self._closed:
@@ -360,7 +373,7 @@ class PartitionServer:
                 if ahead:
                     idx = np.concatenate([i for _, i in ahead])
                     self.cache.prefetch(np.unique(idx // self.cache.chunk).tolist())
-                item = self._make(st.epoch, *st.batches[pos])
+                item = self._make(st.epoch, *st.batches[pos], alloc=st.alloc)
             except Exception as exc:
                 if self._closed:  # close() stopped the cache under this producer
                     return
@@ -377,6 +390,11 @@ class PartitionServer:
                 self._cond.notify_all()
             self._tell(st.sid)
 
+    def count_transport(self, how: str) -> None:
+        """One batch handed out ``how`` (``"plane"`` or ``"dask"``)."""
+        with self._cond:
+            self.transport[how] += 1
+
     def _tell(self, sid: str) -> None:
         if self._notify is not None:
             self._notify(sid)
@@ -390,19 +408,31 @@ class PartitionServer:
             self.url,
         )
 
-    def _make(self, epoch: int, k: int, idx: np.ndarray) -> Batch:
-        images = self.cache.get(idx)
+    def _make(
+        self,
+        epoch: int,
+        k: int,
+        idx: np.ndarray,
+        alloc: Callable[[tuple[int, ...], Any], np.ndarray | None] | None = None,
+    ) -> Batch:
         y = self.cache.labels[idx - self.start]
+        H, W, C = self.shape
         if self.settings.augment is None:  # ship the stored bytes: a quarter of float32's traffic
-            return Batch(int(k), images, y, idx)
-        return Batch(int(k), self._augment(images, idx, epoch), y, idx)
+            out = None if alloc is None else alloc((len(idx), H, W, C), np.uint8)
+            return Batch(int(k), self.cache.get(idx, out=out), y, idx)
+        images = self.cache.get(idx)
+        out = None if alloc is None else alloc((len(idx), C, H, W), np.float32)
+        return Batch(int(k), self._augment(images, idx, epoch, out=out), y, idx)
 
-    def _augment(self, images: np.ndarray, idx: np.ndarray, epoch: int) -> np.ndarray:
-        """(B, H, W, C) uint8 -> (B, C, H, W) float32, augmented (the GIL released)."""
+    def _augment(
+        self, images: np.ndarray, idx: np.ndarray, epoch: int, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """(B, H, W, C) uint8 -> (B, C, H, W) float32, augmented (the GIL released), into
+        ``out`` when given."""
         a = self.settings.augment
         assert a is not None
         H, W, C = self.shape
-        x = np.empty((len(idx), C, H, W), np.float32)
+        x = np.empty((len(idx), C, H, W), np.float32) if out is None else out
         augment_batch(
             x,
             images,
@@ -439,6 +469,7 @@ class PartitionServer:
             "cached_bytes": self.cache.nbytes,
             "cache_bytes": self.cache.cache_bytes,
             "chunk_reads": self.cache.reads,
+            "transport": dict(self.transport),
         }
 
     def close(self) -> None:

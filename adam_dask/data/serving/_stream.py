@@ -40,7 +40,8 @@ from ._messages import (
     ServingError,
     StreamExpired,
 )
-from ._sources import ActorSource, LocalSource, Remote, Source, Timing
+from ._plane_source import PlaneSource, check_mode, open_plane
+from ._sources import ActorSource, LocalSource, Remote, Timing
 
 if TYPE_CHECKING:
     from ._service import DataService, ServerRef
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["BatchStream"]
+
+Source = ActorSource | PlaneSource | LocalSource
 
 
 @dataclass(slots=True)
@@ -95,6 +98,7 @@ class BatchStream:
         self.images = sum(lay.share_size(p, replica, replicas) for p in range(lay.partitions))
         self._timing = Timing.from_config()
         self._remote = None if service.local else Remote()
+        self._plane_mode = check_mode(str(config.get("serving.data-plane")))
         self._pos = 0
         self._opened = 0
         self._pending: deque[_Request] = deque()
@@ -107,6 +111,8 @@ class BatchStream:
         self.wait_seconds = self.max_wait_seconds = 0.0
         self.images_delivered = self.batches_delivered = self.local_batches = 0
         self.recoveries = self.unanswered = self.call_timeouts = self.returns = 0
+        # batches delivered, by path; plane_shared: of the plane's, those named in shared memory
+        self.transport = {"plane": 0, "dask": 0, "local": 0, "plane_shared": 0}
         self._t_first: float | None = None
         self._t_last: float | None = None
         self._open_sources()
@@ -172,24 +178,46 @@ class BatchStream:
         # them late), so silence alone loses nothing; an open that waits is decided by a ping.
         refs = {p: self.service.server(p) for p in parts}
         opening = [(p, ref, *self._start_open(p, ref)) for p, ref in refs.items()]
-        for p, ref, sid, call in opening:  # collect the answers; a frozen server fails its probe
-            src = ActorSource(ref, sid, self._remote_calls(), self._timing)
-            out = src.wait(call)
-            self._sources[p] = self._recover(p, out, ref) if isinstance(out, ServerLost) else src
+        for p, ref, src, call in opening:  # collect the answers; a frozen server fails its probe
+            out = self._finish_open(src, call)
+            self._sources[p] = self._recover(p, out, ref) if isinstance(out, ServerLost) else out
 
     def _remote_calls(self) -> Remote:
         assert self._remote is not None, "a local service has no remote servers"
         return self._remote
 
-    def _start_open(self, p: int, ref: ServerRef) -> tuple[str, Future]:
+    def _start_open(
+        self, p: int, ref: ServerRef
+    ) -> tuple[ActorSource | PlaneSource | ServerLost, Future | None]:
+        """Send partition ``p``'s open to ``ref``: over its image plane when it can be
+        reached, else as an actor call; the answer is read by :meth:`_finish_open`."""
         sid = self._next_sid(p)
-        return sid, self._remote_calls().call(ref.actor, "open", sid, *self._open_args(p))
+        remote = self._remote_calls()
+        if self._plane_mode != "dask":
+            plane = open_plane(ref, sid, remote, self._timing, self._plane_mode)
+            if isinstance(plane, ServerLost):
+                return plane, None
+            if plane is not None:
+                return plane, plane.open(self._open_args(p), self.prefetch)
+        src = ActorSource(ref, sid, remote, self._timing)
+        return src, remote.call(ref.actor, "open", sid, *self._open_args(p))
 
-    def _connect(self, p: int, ref: ServerRef) -> ActorSource | ServerLost:
-        sid, call = self._start_open(p, ref)
-        src = ActorSource(ref, sid, self._remote_calls(), self._timing)
+    @staticmethod
+    def _finish_open(
+        src: ActorSource | PlaneSource | ServerLost, call: Future | None
+    ) -> ActorSource | PlaneSource | ServerLost:
+        if isinstance(src, ServerLost):
+            return src
+        assert call is not None
         out = src.wait(call)
-        return out if isinstance(out, ServerLost) else src
+        if isinstance(out, ServerLost):
+            if isinstance(src, PlaneSource):
+                src.close()
+            return out
+        return src
+
+    def _connect(self, p: int, ref: ServerRef) -> ActorSource | PlaneSource | ServerLost:
+        return self._finish_open(*self._start_open(p, ref))
 
     def _serve_locally(self, p: int, lost: ServerRef | None) -> LocalSource:
         sid = self._next_sid(p)
@@ -348,6 +376,16 @@ class BatchStream:
         self.batches_delivered += 1
         self.images_delivered += len(batch)
         self.local_batches += isinstance(req.source, LocalSource)
+        how = (
+            "local"
+            if isinstance(req.source, LocalSource)
+            else "plane"
+            if isinstance(req.source, PlaneSource)
+            else "dask"
+        )
+        self.transport[how] += 1
+        if isinstance(req.source, PlaneSource) and req.source.last_shared:
+            self.transport["plane_shared"] += 1
         self._fill()
         self._t_last = time.perf_counter()
         x = batch.x if batch.x.dtype == np.float32 else as_model_input(batch.x)
@@ -394,7 +432,9 @@ class BatchStream:
         ``next`` to the last batch), stall_fraction (their ratio), recoveries (servers lost),
         unanswered (of those, found frozen by a probe), call_timeouts (of those, lost after
         ``call-timeout``), local_batches (served in this process), returns (partitions moved
-        back to a DATA worker).
+        back to a DATA worker), transport (batches delivered by path: ``plane`` the image
+        plane, ``dask`` actor calls, ``local`` served in this process; ``plane_shared``: of the
+        plane's, those that came through a shared segment on this machine).
         """
         elapsed = 0.0
         if self._t_first is not None:
@@ -413,4 +453,5 @@ class BatchStream:
             "call_timeouts": self.call_timeouts,
             "local_batches": self.local_batches,
             "returns": self.returns,
+            "transport": dict(self.transport),
         }
