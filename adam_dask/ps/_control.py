@@ -68,19 +68,10 @@ class Control:
         return client.sync, rpc, client.scheduler, client.loop.asyncio_loop
 
     def tls_context(self) -> Any:
-        """The SSL context this process presents on a TLS cluster (Dask's own security
-        settings: a worker's inside a task, else the client's), None on a plain one."""
-        from distributed import get_worker
+        """The SSL context this process presents on a TLS cluster (:mod:`adam_dask._tls`)."""
+        from .._tls import connect_context
 
-        try:
-            sec, role = get_worker().security, "worker"
-        except ValueError:
-            if self.client is None:
-                from distributed import default_client
-
-                self.client = default_client()
-            sec, role = self.client.security, "client"
-        return sec.get_connection_args(role).get("ssl_context")
+        return connect_context(self.client)
 
     def run(self, coro_fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run ``coro_fn(rpc, scheduler, *args)`` on the loop and wait for it."""

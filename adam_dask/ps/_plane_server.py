@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from .._tls import listen_context
 from ..errors import AdamError
 from ._plane_forward import snapshots_from
 from ._wire import recv_exact_into, recv_msg, send_msg
@@ -90,11 +91,8 @@ class PlaneServer:
         self._tcp: socket.socket | None = None
         # a TLS cluster: the plane's TCP connections are TLS with the worker's own certificate
         # (Dask's security settings), and a pusher presents its own (a client's or a worker's)
-        self.tls: ssl.SSLContext | None = None
-        scheme = parse_address(worker.address)[0]
-        if scheme == "tls":
-            self.tls = worker.security.get_listen_args("worker")["ssl_context"]
-        if scheme in ("tcp", "tls"):
+        self.tls: ssl.SSLContext | None = listen_context(worker)
+        if parse_address(worker.address)[0] in ("tcp", "tls"):
             host = get_address_host(worker.address)
             fam = socket.AF_INET6 if ":" in host else socket.AF_INET
             self._tcp = socket.socket(fam, socket.SOCK_STREAM)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .._secrets import process_redactor
+from .._tls import connect_context
 from ..errors import ShardUnavailable, StorageError
 from ._messages import (
     AddBackups,
@@ -156,12 +157,11 @@ class PSNode:
         self._plane = plane_server(self._worker)
         self._plane.register(self.server_id, self)
         if self.cfg.get("data_plane", "auto") != "dask":
-            tls = self._worker.security.get_connection_args("worker").get("ssl_context")
             self._forward_channels = ForwardChannels(
                 self.server_id,
                 str(self.cfg.get("data_plane", "auto")),
                 self.cfg["call_timeout"],
-                tls if self._worker.address.startswith("tls://") else None,
+                connect_context() if self._worker.address.startswith("tls://") else None,
             )
             self._forward_pool = ThreadPoolExecutor(8, thread_name_prefix="adam-forward")
         self._timers = [

@@ -81,6 +81,31 @@ def test_the_plane_gives_the_actor_paths_batches(cluster, store, augment):
         svc.close()
 
 
+def test_a_tls_cluster_serves_its_batches_over_tls_on_the_plane(store):
+    """A ``tls://`` cluster: the image plane's TCP connections are TLS with Dask's own
+    certificates (forced onto TCP: on one machine the Unix path would carry them), the same
+    batches as the actor path, none of them as an actor call."""
+    with adam_dask.cluster.local(
+        ps_nodes=0, data_nodes=1, trainers=1, memory_limit="2 GiB", tls=True
+    ) as c:
+        assert c.scheduler.address.startswith("tls://")
+        svc = DataService.create(c, store, seed=4, batch_size=40)
+        try:
+            got = {}
+            for mode in ("dask", "tcp"):
+                fut = c.submit(stream_task, svc, mode, resources={"TRAIN": 1}, pure=False)
+                got[mode] = fut.result(timeout=120)
+        finally:
+            svc.close()
+    batches, stats = got["tcp"]
+    theirs = {b[2].tobytes(): b for b in got["dask"][0]}
+    assert len(batches) == len(theirs) > 0
+    for mine in batches:
+        for a, b in zip(mine, theirs[mine[2].tobytes()]):
+            np.testing.assert_array_equal(a, b)
+    assert stats["transport"]["plane"] == len(batches) and stats["transport"]["dask"] == 0
+
+
 def test_a_bad_plane_setting_is_one_clear_error(cluster, store):
     from adam_dask.errors import ConfigError
 

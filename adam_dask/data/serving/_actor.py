@@ -108,7 +108,7 @@ class DataServer:
 
             from ._plane import image_plane
 
-            self._endpoint = image_plane(get_worker().address).register(self._core)
+            self._endpoint = image_plane(get_worker()).register(self._core)
         return self._endpoint
 
     async def ping(self) -> int:

@@ -11,9 +11,9 @@ random id). It listens on
   *in* the slots (the gather of the stored pixels, or the augmentation, writes there), and a
   batch's answer names its slot. The values never cross a socket. The segment has no name in
   any file system: the kernel frees it when the last mapping goes, SIGKILL included;
-* TCP on the worker's host (``tcp://`` clusters only; a TLS cluster keeps its images on the Dask
-  comm, which encrypts them): the batch's bytes follow its header, sent straight from the
-  batch (the kernel's copy only).
+* TCP on the worker's host (TLS with Dask's certificates on a ``tls://`` cluster,
+  :mod:`adam_dask._tls`): the batch's bytes follow its header, sent straight from the batch
+  (the kernel's copy only).
 
 One connection is one stream of one partition, served by one thread: ``open`` (the stream's
 share, minus the batches already delivered), then ``next`` requests, each answered in order
@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._tls import listen_context
 from ...errors import AdamError
 from ...ps._wire import recv_msg, send_msg
 from ._messages import Batch, End, ServerClosed, ServingError, StreamExpired
@@ -52,13 +53,13 @@ _lock = threading.Lock()
 _plane: ImagePlane | None = None
 
 
-def image_plane(address: str) -> ImagePlane:
-    """The process's image plane (started on first use), listening next to the worker at
-    ``address`` (TCP only when that address is ``tcp://``)."""
+def image_plane(worker: Any) -> ImagePlane:
+    """The process's image plane (started on first use), listening next to ``worker`` (TCP,
+    TLS with the worker's certificate on a ``tls://`` cluster)."""
     global _plane
     with _lock:
         if _plane is None:
-            _plane = ImagePlane(address)
+            _plane = ImagePlane(worker.address, listen_context(worker))
         return _plane
 
 
@@ -127,8 +128,10 @@ class Arena:
 class ImagePlane:
     """Listeners and connection threads of one DATA worker process."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, tls: Any = None):
         from distributed.comm.addressing import get_address_host, parse_address
+
+        self.tls = tls  # an ssl.SSLContext on a TLS cluster
 
         self.servers: weakref.WeakValueDictionary[str, PartitionServer] = (
             weakref.WeakValueDictionary()
@@ -140,7 +143,7 @@ class ImagePlane:
         self._unix.listen(64)
         self.tcp: tuple[str, int] | None = None
         self._tcp: socket.socket | None = None
-        if parse_address(address)[0] == "tcp":
+        if parse_address(address)[0] in ("tcp", "tls"):
             host = get_address_host(address)
             fam = socket.AF_INET6 if ":" in host else socket.AF_INET
             self._tcp = socket.socket(fam, socket.SOCK_STREAM)
@@ -161,6 +164,7 @@ class ImagePlane:
         return {
             "unix": self.unix_name,
             "tcp": list(self.tcp) if self.tcp else None,
+            "tls": self.tls is not None,
             "token": self.token,
             "server": sid,
         }
@@ -203,6 +207,8 @@ class _Connection:
 
     def run(self) -> None:
         try:
+            if not self.unix and self.plane.tls is not None:  # the handshake, in this thread
+                self.sock = self.plane.tls.wrap_socket(self.sock, server_side=True)
             hello = recv_msg(self.sock)
             if hello.get("op") != "hello" or not secrets.compare_digest(
                 str(hello.get("token", "")), self.plane.token

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
+from ..._tls import connect_context
 from ...errors import ClusterError, ConfigError
 from ...ps._wire import MAX_HEADER, send_msg
 from ..augment import as_model_input
@@ -73,7 +74,7 @@ def open_plane(
     ref: ServerRef, sid: str, remote: Remote, timing: Timing, mode: str
 ) -> PlaneSource | ServerLost | None:
     """A connection to ``ref``'s image plane for stream ``sid``; ``None`` when the plane
-    cannot reach it (a TLS cluster across machines): the Dask path then. ``ServerLost`` when
+    cannot reach it (a firewall between them): the Dask path then. ``ServerLost`` when
     the DataServer does not tell its endpoint (gone or frozen)."""
     key = (ref.address, str(getattr(ref.actor, "key", ref.generation)))
     ep = _endpoints.get(key)
@@ -98,6 +99,11 @@ def open_plane(
         try:
             sock = socket.create_connection((host, int(port)), timeout=timing.probe_timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if ep.get("tls"):  # a TLS cluster: Dask's own certificates
+                ctx = connect_context()
+                if ctx is None:
+                    raise ConnectionError("a TLS image plane, and no TLS credentials here")
+                sock = ctx.wrap_socket(sock, server_hostname=host)
         except OSError as exc:
             logger.debug("image plane of %s unreachable (%r): the Dask path", ref.address, exc)
             _endpoints.pop(key, None)
