@@ -21,8 +21,6 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
-
 from .. import config
 from ..errors import ShardUnavailable
 from ._control import Control, DaskCalls, part_of
@@ -195,20 +193,11 @@ class Courier:
 
     def _on_answer(self, req: Request, addr: str, reply: dict, seg: Segment | None) -> None:
         """Keep what a primary acknowledged (``ack="replay"``), drop what it says is durable."""
-        if req.op == "push" and req.ack == "replay":
-            replay = req.args.get("replay")
-            for sid, version in reply.get("per_shard", {}).items():
-                sid, gen = int(sid), int(reply["gens"][sid])
-                if replay is not None:
-                    self.log.acknowledged(sid, req.push_id, addr, gen, int(version))
-                    self.log.replayed += 1
-                else:
-                    self.log.add(sid, self._held(req, sid, addr, gen, int(version), seg))
+        self.log.answered(
+            req, addr, reply, lambda sid, gen, v: self._held(req, sid, addr, gen, v, seg)
+        )
         if req.op == "push":
             self.answered_at = time.monotonic()
-            self.confirm(addr, reply, "confirmed")
-        elif req.op in ("confirmed", "flush"):
-            self.confirm(addr, reply, "per_shard")
 
     def _held(
         self, req: Request, sid: int, addr: str, gen: int, version: int, seg: Segment | None
@@ -240,15 +229,6 @@ class Courier:
             req.push_id, "push", payload, addr, gen, version, nbytes, req.mark, lease=lease
         )
 
-    def confirm(self, addr: str, reply: dict, key: str) -> None:
-        """Drop the held pushes ``reply`` says are durable, and mark replicated those it says
-        every copy holds (``reply[key]``: {sid: version}; ``reply["durable"]``: {sid: version
-        the checkpoint holds too}; ``reply["gens"]`` the answering primary's generations)."""
-        durable = reply.get("durable")
-        for sid, version in (reply.get(key) or {}).items():
-            d = None if durable is None else int(durable.get(sid, -1))
-            self.log.confirm(int(sid), addr, int(reply["gens"][sid]), int(version), d)
-
     # -- replay ----------------------------------------------------------------------------------
 
     def replay_moved(self) -> int:
@@ -256,19 +236,18 @@ class Courier:
         ids: a push the survivors or the checkpoint already hold is applied once)."""
         sent = 0
         while self.log:
-            moved = self.log.moved(self.routing.primaries())
-            if not moved:
+            replays = self.log.replays(self.routing.primaries(), self.shards)
+            if not replays:
                 break
-            for sid, items in moved.items():
-                for h in items:
-                    logger.info(
-                        "server %s: replaying push %x to the new primary of shard %d",
-                        self.server_id,
-                        h.push_id,
-                        sid,
-                    )
-                    self.deliver(_replay_request(h, sid, self.shards[sid]))
-                    sent += 1
+            for req in replays:
+                logger.info(
+                    "server %s: replaying push %x to the new primary of shard %d",
+                    self.server_id,
+                    req.push_id,
+                    req.sids[0],
+                )
+                self.deliver(req)
+                sent += 1
         return sent
 
     # -- holding ---------------------------------------------------------------------------------
@@ -332,9 +311,9 @@ class Courier:
                 deadline = time.monotonic() + timeout
             self.refresh()
             self.replay_moved()
-            sids = tuple(self.log.shards())
-            if sids:
-                self.deliver(Request("confirmed", sids, urgent=below > 0))
+            question = self.log.question(urgent=below > 0)
+            if question is not None:
+                self.deliver(question)
             if below > 0:
                 self.shed(below)
             if not self.log or self.log.nbytes <= below:
@@ -401,15 +380,3 @@ class Courier:
         self.control.closed = True
         if self.channels is not None:
             self.channels.close()
-
-
-def _replay_request(h: HeldPush, sid: int, shard: tuple[int, int]) -> Request:
-    """The request that sends the held push ``h`` of shard ``sid`` again (its id, its mark)."""
-    req = Request("push", (sid,), h.push_id, "replay", h.mark, args={"replay": True})
-    if h.method == "push_outer":
-        req.outer = h.payload
-    elif h.payload is None:
-        req.values, req.base, req.nonzero = np.zeros(0, np.float32), shard[0], {sid: False}
-    else:
-        req.values, req.base = h.payload, shard[0]
-    return req

@@ -19,8 +19,11 @@ A primary is known by its address *and* the shard's generation: a worker that co
 the same address holds another lineage of the shard, and its word confirms nothing acknowledged
 by the one before.
 
-:class:`ReplayLog` is the bookkeeping, pure (no Dask, no I/O, no clocks); the client handle in
-:mod:`adam_dask.ps.server` drives it.
+:class:`ReplayLog` is the bookkeeping, pure (no Dask, no I/O, no clocks): it takes the
+primaries' answers (:meth:`ReplayLog.answered`) and says which requests replay the moved pushes
+(:meth:`ReplayLog.replays`) and which asks what every copy holds (:meth:`ReplayLog.question`).
+The client's :class:`~adam_dask.ps._courier.Courier` and the simulation's pushers
+(:mod:`adam_dask.ps.simulation`) drive it, each with its own transport and clock.
 """
 
 from __future__ import annotations
@@ -28,12 +31,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from ._request import Request
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["HeldPush", "ReplayLog"]
+__all__ = ["HeldPush", "ReplayLog", "replay_request"]
 
 
 @dataclass(slots=True)
@@ -179,6 +187,54 @@ class ReplayLog:
                 out[sid] = stale
         return out
 
+    def answered(
+        self, req: Request, addr: str, reply: dict, hold: Callable[[int, int, int], HeldPush]
+    ) -> None:
+        """Take the answer ``reply`` of the primary at ``addr`` to ``req``: keep what it
+        acknowledged of a push (``ack="replay"``; ``hold(sid, gen, version)`` makes the shard's
+        :class:`HeldPush`), or, for a replay, note the primary that holds it now; then drop the
+        pushes it says are durable and mark replicated those every copy holds."""
+        if req.op == "push" and req.ack == "replay":
+            replay = req.args.get("replay")
+            for sid, version in reply.get("per_shard", {}).items():
+                sid, gen = int(sid), int(reply["gens"][sid])
+                if replay is not None:
+                    self.acknowledged(sid, req.push_id, addr, gen, int(version))
+                    self.replayed += 1
+                else:
+                    self.add(sid, hold(sid, gen, int(version)))
+        if req.op == "push":
+            self.confirm_reply(addr, reply, "confirmed")
+        elif req.op in ("confirmed", "flush"):
+            self.confirm_reply(addr, reply, "per_shard")
+
+    def confirm_reply(self, addr: str, reply: dict, key: str) -> None:
+        """Drop the held pushes ``reply`` says are durable, and mark replicated those it says
+        every copy holds (``reply[key]``: {sid: version}; ``reply["durable"]``: {sid: version
+        the checkpoint holds too}; ``reply["gens"]`` the answering primary's generations)."""
+        durable = reply.get("durable")
+        for sid, version in (reply.get(key) or {}).items():
+            d = None if durable is None else int(durable.get(sid, -1))
+            self.confirm(int(sid), addr, int(reply["gens"][sid]), int(version), d)
+
+    def replays(
+        self, primaries: dict[int, tuple[str, int]], shards: list[tuple[int, int]]
+    ) -> list[Request]:
+        """The requests that send the held pushes of shards whose primary changed
+        (``primaries``: the routing's, {sid: (address, generation)}) to the new primary, one
+        per push and shard, with the push's id and mark (``shards``: {sid: (start, stop)})."""
+        return [
+            replay_request(h, sid, shards[sid])
+            for sid, items in self.moved(primaries).items()
+            for h in items
+        ]
+
+    def question(self, urgent: bool = False) -> Request | None:
+        """The request that asks the primaries of the shards with held pushes what every copy
+        and the checkpoint hold (None: nothing held); ``urgent``: they forward at once."""
+        sids = tuple(self.shards())
+        return Request("confirmed", sids, urgent=urgent) if sids else None
+
     def held(self, sid: int) -> list[HeldPush]:
         """The pushes held for ``sid``, oldest first."""
         with self._lock:
@@ -191,3 +247,16 @@ class ReplayLog:
                     h.drop()
             self._held.clear()
             self.nbytes = 0
+
+
+def replay_request(h: HeldPush, sid: int, shard: tuple[int, int]) -> Request:
+    """The request that sends the held push ``h`` of shard ``sid`` (``shard``: its start and
+    stop) again: its id, its mark, its values or the offload's arguments."""
+    req = Request("push", (sid,), h.push_id, "replay", h.mark, args={"replay": True})
+    if h.method == "push_outer":
+        req.outer = h.payload
+    elif h.payload is None:
+        req.values, req.base, req.nonzero = np.zeros(0, np.float32), shard[0], {sid: False}
+    else:
+        req.values, req.base = h.payload, shard[0]
+    return req

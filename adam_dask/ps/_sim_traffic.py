@@ -1,7 +1,9 @@
 """How messages reach the parts of the PS simulation, and what its pushers do (a mixin of
-:class:`~adam_dask.ps._sim_world.World`): a pusher pushes one push at a time, keeps what its
-primaries acknowledged (ReplayLog, as the client handle does), replays it to a new primary and
-asks what every copy holds; a node's answer reaches the incarnation that asked, no other.
+:class:`~adam_dask.ps._sim_world.World`): a node's answer reaches the incarnation that asked, no
+other; a pusher is a client handle on the simulated network and clock, one request at a time,
+each walked to its primaries by the client's :class:`~adam_dask.ps._request.Delivery` over the
+pusher's :class:`~adam_dask.ps._routing.Routing`, what the primaries acknowledged kept in its
+:class:`~adam_dask.ps._replay.ReplayLog` (which also makes its replays and questions).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ShardUnavailable
+from ._control import part_of
 from ._controller import ServerState
 from ._messages import (
     Beat,
@@ -39,6 +43,8 @@ from ._messages import (
 from ._node_commands import command
 from ._node_state import NodeState
 from ._replay import HeldPush, ReplayLog
+from ._request import Delivery, Refresh, Request, Send
+from ._routing import Routing
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +52,7 @@ __all__ = ["Traffic"]
 
 
 CALL_TIMEOUT = 30.0
+FAILOVER_TIMEOUT = 60.0
 FORWARD_INTERVAL = 0.25
 WRITE_INTERVAL = 1.0
 BEAT_INTERVAL = 0.25
@@ -85,11 +92,15 @@ class _Callrec:
 
 @dataclass
 class _Pusher:
+    """A client handle: its routing, its replay log and the request under way."""
+
     name: str
+    routing: Routing = field(default_factory=lambda: Routing("sim"))
     log: ReplayLog = field(default_factory=ReplayLog)
-    routing: dict = field(default_factory=dict)
-    current: dict | None = None  # the push in progress
-    calls: dict[int, tuple[str, str, Any]] = field(default_factory=dict)  # id -> (addr, what, x)
+    delivery: Delivery | None = None  # the request under way
+    calls: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # id -> Send
+    refresh: bool = False  # read the routing before the next move
+    retry: Request | None = None  # a push given up, to deliver again
     next_act: float = 0.0
 
 
@@ -103,6 +114,7 @@ class Traffic:
     rng: random.Random
     now: float
     n_shards: int
+    shards: list[tuple[int, int]]
     total_pushes: int
     ack: str
     outage_until: float
@@ -302,98 +314,108 @@ class Traffic:
         return [h for p in self.pushers for h in p.log.held(sid)]
 
     def onehot(self, k: int) -> np.ndarray:
-        d = np.zeros(self.total_pushes, np.float32)
-        d[k] = 1
+        """Push ``k``'s values over the whole server: 1 at index ``k`` of every shard."""
+        d = np.zeros(self.n_shards * self.total_pushes, np.float32)
+        d[k :: self.total_pushes] = 1
         return d
 
-    def primaries(self, p: _Pusher) -> dict[int, tuple[str, int]]:
-        r = p.routing
-        return {
-            s: (h[0], r["gens"][s])
-            for s, h in enumerate(r["routing"])
-            if h and s not in r["pending"] and h[0] in r["nodes"]
-        }
-
-    def pusher_call(self, p: _Pusher, addr: str, what: str, ev: Any, info: Any) -> None:
-        cid = self.request(p.name, addr, what, ev, key=p.routing["nodes"].get(addr))
-        p.calls[cid] = (addr, what, info)
-
-    def pusher_act(self, p: _Pusher) -> None:
-        prim = self.primaries(p)
-        stamps = dict(enumerate(p.routing["gens"]))
-        moved = p.log.moved(prim)
-        if moved:
-            for sid, items in moved.items():
-                for h in items:
-                    ev = Push(None, {sid: self.onehot(h.payload)}, h.push_id, stamps, self.ack)
-                    self.pusher_call(p, prim[sid][0], "push", ev, ("replay", h.push_id))
-            return
-        if (
-            p.current is None
-            and self.pushes_started < self.total_pushes
-            and self.rng.random() < 0.6
-        ):
+    def pusher_next(self, p: _Pusher) -> Request | None:
+        """The pusher's next request, as the client makes them: the held pushes of moved shards
+        replayed first (before a push, and in each round of the settler), a new push, or a
+        round of the settler (the routing read again, then a replay or the question of what
+        every copy holds)."""
+        if p.retry is not None:
+            req, p.retry = p.retry, None
+            return req
+        replays = p.log.replays(p.routing.primaries(), self.shards)
+        if replays:
+            return replays[0]
+        if self.pushes_started < self.total_pushes and self.rng.random() < 0.6:
             k = self.pushes_started
             self.pushes_started += 1
-            p.current = {"k": k, "todo": set(range(self.n_shards))}
             self.log(f"{p.name} starts push {k}")
-        if p.current is not None:
-            todo = p.current["todo"]
-            if any(s not in prim for s in todo):
-                p.routing = self.ctl.routing_info()
+            sids = tuple(range(self.n_shards))
+            return Request("push", sids, k, self.ack, values=self.onehot(k))
+        if p.log and self.rng.random() < 0.5:
+            p.routing.set(self.ctl.routing_info())  # the client's settler reads it every round
+            replays = p.log.replays(p.routing.primaries(), self.shards)
+            return replays[0] if replays else p.log.question()
+        return None
+
+    def pusher_act(self, p: _Pusher) -> None:
+        """One move of the pusher's :class:`Delivery`: read the routing when it asked to,
+        start the next request when none is under way, then send what its plan says."""
+        if p.refresh:
+            p.refresh = False
+            p.routing.set(self.ctl.routing_info())
+        if p.delivery is None:
+            req = self.pusher_next(p)
+            if req is None:
                 return
-            groups: dict[str, list[int]] = {}
-            for s in sorted(todo):
-                groups.setdefault(prim[s][0], []).append(s)
-            k = p.current["k"]
-            for addr, sids in groups.items():
-                ev = Push(None, {s: self.onehot(k) for s in sids}, k, stamps, self.ack)
-                self.pusher_call(p, addr, "push", ev, ("push", k))
-        elif p.log and self.rng.random() < 0.5:
-            p.routing = self.ctl.routing_info()  # the client's settler reads it every round
-            prim = self.primaries(p)
-            if p.log.moved(prim):
-                return
-            groups = {}
-            for s in p.log.shards():
-                if s in prim:
-                    groups.setdefault(prim[s][0], []).append(s)
-            for addr, sids in groups.items():
-                conf = Confirmed(None, tuple(sids))
-                self.pusher_call(p, addr, "confirmed", conf, ("confirmed", None))
+            p.delivery = Delivery(req, p.routing, self.now, FAILOVER_TIMEOUT)
+        d = p.delivery
+        try:
+            actions = d.plan(self.now)
+        except ShardUnavailable as exc:
+            # the client gives this request up; the pusher tries again (a push keeps its id)
+            self.log(f"{p.name} {d.request.op} gives up: {exc}")
+            p.delivery = None
+            if d.request.op == "push" and "replay" not in d.request.args:
+                p.retry = d.request
+            return
+        if not actions:
+            self.pusher_done(p)
+            return
+        if isinstance(actions[0], Refresh):
+            p.refresh = True
+            p.next_act = max(p.next_act, self.now + actions[0].wait)
+            return
+        req = d.request
+        for send in actions:
+            assert isinstance(send, Send)
+            stamps = p.routing.stamps(send.sids)
+            ev: Any
+            if req.op == "push":
+                parts = {s: part_of(req, self.shards[s], s) for s in send.sids}
+                deltas = {s: None if v is None else v.copy() for s, v in parts.items()}
+                ev = Push(None, deltas, req.push_id, stamps, req.ack)
+            else:
+                ev = Confirmed(None, send.sids)
+            cid = self.request(p.name, send.addr, req.op, ev, key=p.routing.key(send.addr))
+            p.calls[cid] = (send.addr, send.sids)
 
     def pusher_reply(self, p: _Pusher, cid: int, x: Any) -> None:
+        """An answer (or the failure of a call) reaches the pusher's :class:`Delivery`, and
+        its replay log as it reaches the client's."""
         self.changed = True
-        addr, what, (kind, k) = p.calls.pop(cid)
+        addr, sids = p.calls.pop(cid)
+        d = p.delivery
+        assert d is not None
+        req = d.request
         if isinstance(x, BaseException):
-            p.routing = self.ctl.routing_info()
-            return
-        if what == "confirmed":
-            for s, v in x["per_shard"].items():
-                p.log.confirm(s, addr, x["gens"][s], v, x["durable"][s])
+            d.failed(addr, sids, x)
         else:
-            for s, v in x["per_shard"].items():
-                if kind == "push" and p.current is not None and p.current["k"] == k:
-                    p.current["todo"].discard(s)
-                    if self.ack == "replay":
-                        p.log.add(s, HeldPush(k, "push", k, addr, x["gens"][s], v, 1))
-                elif kind == "replay":
-                    p.log.acknowledged(s, k, addr, x["gens"][s], v)
-            for s, v in x.get("confirmed", {}).items():
-                p.log.confirm(s, addr, x["gens"][s], v, x["durable"][s])
-            if (
-                kind == "push"
-                and p.current is not None
-                and p.current["k"] == k
-                and not p.current["todo"]
-            ):
-                self.acked[k] = set(range(self.n_shards))
-                for sid in range(self.n_shards):
-                    self.acked_bits[sid] |= 1 << k
-                self.log(f"{p.name} push {k} acknowledged")
-                p.current = None
-        if x.get("moved"):
-            p.routing = self.ctl.routing_info()
+            d.answered(addr, sids, x)
+
+            def hold(sid: int, gen: int, version: int) -> HeldPush:
+                part = part_of(req, self.shards[sid], sid)
+                return HeldPush(req.push_id, "push", part, addr, gen, version, 1)
+
+            p.log.answered(req, addr, x, hold)
+        if d.done and not p.calls:
+            self.pusher_done(p)
+
+    def pusher_done(self, p: _Pusher) -> None:
+        d = p.delivery
+        assert d is not None
+        p.delivery = None
+        req = d.request
+        if req.op == "push" and "replay" not in req.args:
+            k = req.push_id
+            self.acked[k] = set(range(self.n_shards))
+            for sid in range(self.n_shards):
+                self.acked_bits[sid] |= 1 << k
+            self.log(f"{p.name} push {k} acknowledged")
 
     def pusher_guard(self) -> None:
         """A pusher gives up calls to nodes the controller dropped (the client polls it)."""
@@ -401,7 +423,7 @@ class Traffic:
         for p in self.pushers:
             if not p.calls:
                 continue
-            for cid, (addr, what, info) in list(p.calls.items()):
+            for cid, (addr, _) in list(p.calls.items()):
                 if addr not in nodes:
                     self.calls.pop(cid, None)
                     self.pusher_reply(p, cid, OSError(f"{addr} dropped"))

@@ -138,7 +138,7 @@ class World(Traffic):
         self.next_tick = 0.0
         self.pushers = [_Pusher(f"pusher{i}") for i in range(rng.randint(2, 3))]
         for p in self.pushers:
-            p.routing = self.ctl.routing_info()
+            p.routing.set(self.ctl.routing_info())
 
     # -- plumbing --------------------------------------------------------------------------------
 
@@ -350,7 +350,8 @@ class World(Traffic):
             out.append(("tick", None))
         more = self.pushes_started < self.total_pushes
         for p in self.pushers:
-            if not p.calls and p.next_act <= now and (p.current is not None or more or p.log):
+            busy = p.delivery is not None or p.retry is not None
+            if not p.calls and p.next_act <= now and (busy or more or p.log):
                 out.append(("pusher", p))
         return out
 

@@ -7,6 +7,16 @@ killed (their worker comes back under a new address, empty), frozen (sockets ope
 answers; after a while they wake and act on what they knew) and storage has outages. Every
 choice comes from ``random.Random(seed)``, so a seed replays exactly.
 
+The pushers run the client's code: each holds a :class:`~adam_dask.ps._routing.Routing` (set
+from the controller's routing where the client reads the scheduler) and a
+:class:`~adam_dask.ps._replay.ReplayLog`, and walks each request through a
+:class:`~adam_dask.ps._request.Delivery` as the client's courier does: a push, the replay of a
+held push to a new primary (same push id), and, while pushes are held, the settler's rounds
+(the routing read again, then a replay or the ``confirmed`` question). The Delivery's sends are
+the simulated calls to the nodes; their answers, and the calls lost, timed out or made to a node
+the controller dropped, go back to it; a refresh reads the routing again; the replay log takes
+the answers with the courier's rules.
+
 After every step it checks:
 
 * **at most once**: no copy of a shard, and no checkpoint block, holds any push twice;
@@ -234,7 +244,7 @@ class _Sim(World):
 
     def settled(self) -> bool:
         if self.pushes_started < self.total_pushes or any(
-            p.current or p.calls or p.log for p in self.pushers
+            p.delivery or p.retry or p.calls or p.log for p in self.pushers
         ):
             return False
         if self.healed_since is None or self.ctl.ops:
@@ -256,7 +266,14 @@ class _Sim(World):
             sid: {a: getattr(self.nodes[a].state.shards.get(sid), "position", None) for a in h}
             for sid, h in self.ctl.routing.items()
         }
-        pushers = {p.name: (p.current, len(p.calls), len(p.log)) for p in self.pushers}
+        pushers = {
+            p.name: (
+                None if p.delivery is None else (p.delivery.request.op, p.delivery.request.push_id),
+                len(p.calls),
+                len(p.log),
+            )
+            for p in self.pushers
+        }
         return (
             f"healthy={self.ctl.healthy()} ops={list(self.ctl.ops.values())} "
             f"positions={positions} manifest={self.manifests[-1]['versions']} "

@@ -71,3 +71,43 @@ def test_shed_lets_go_of_replicated_pushes_only():
     assert log.shed(below=25) == 1 and log.nbytes == 20  # the oldest replicated one first
     assert log.shed(below=0) == 1  # push 3 is not on every copy yet: it stays
     assert [h.push_id for h in log.held(1)] == [3] and log.nbytes == 10
+
+
+def test_answers_fill_and_empty_the_log_and_moved_pushes_become_replays():
+    """The rules the client's courier and the simulation's pushers share: a push's answer keeps
+    its shards' parts and drops what the answer says is durable; a moved push becomes a replay
+    request (same id, the shard's part); the replay's answer moves it to the new primary; a
+    ``confirmed`` answer drops it."""
+    import numpy as np
+
+    from adam_dask.ps._request import Request
+
+    shards = [(0, 2), (2, 4)]
+    values = np.arange(4, dtype=np.float32)
+    push = Request("push", (0, 1), 7, "replay", values=values)
+    log = ReplayLog()
+
+    def hold(sid: int, gen: int, version: int) -> HeldPush:
+        a, b = shards[sid]
+        return HeldPush(7, "push", values[a:b].copy(), "a", gen, version, 8)
+
+    reply = {
+        "per_shard": {0: 3, 1: 5},
+        "gens": {0: 1, 1: 1},
+        "confirmed": {0: 3, 1: 4},
+        "durable": {0: 3, 1: 4},
+    }
+    log.answered(push, "a", reply, hold)
+    assert log.shards() == [1]  # shard 0's part is durable already
+    assert log.question() == Request("confirmed", (1,))
+
+    (replay,) = log.replays({0: ("a", 1), 1: ("b", 2)}, shards)
+    assert (replay.sids, replay.push_id, replay.args) == ((1,), 7, {"replay": True})
+    assert replay.values.tolist() == [2.0, 3.0] and replay.base == 2
+    log.answered(replay, "b", {"per_shard": {1: 9}, "gens": {1: 2}, "confirmed": {}}, hold)
+    assert log.replayed == 1 and not log.replays({1: ("b", 2)}, shards)
+
+    asked = log.question()
+    assert asked is not None
+    log.answered(asked, "b", {"per_shard": {1: 9}, "durable": {1: 9}, "gens": {1: 2}}, hold)
+    assert not log and log.question() is None

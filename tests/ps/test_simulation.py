@@ -3,7 +3,7 @@ delayed, reordered, dropped and duplicated messages, killed and frozen nodes, st
 checked after every step, and healed within the bound after the last fault. ``ADAM_SIM_SEEDS=N``
 runs N seeds instead of the default 1000 (benchmarks/simulation.py sweeps 100,000); a failing
 seed replays exactly with ``simulate(seed, trace=True)``, which prints its trace. The schedules
-that once never healed are named tests in test_simulation_seeds.py."""
+whose situations once stalled are named tests in test_simulation_seeds.py."""
 
 from __future__ import annotations
 
