@@ -370,6 +370,45 @@ def _client_plane(kind: str) -> Callable[[dict], Figure | None]:
     return figure
 
 
+_DATA_PATH_KINDS = {
+    "offload": "the dense offload",
+    "partitions": "2 partitions",
+    "sync": "sync mode",
+    "large": "a 20M-parameter model",
+    "sigkill": "a PS primary SIGKILLed",
+}
+
+
+def _data_path(ln: dict) -> Figure | None:
+    """Which transport carried the pushes and pulls the nodes served, after a fit of each kind
+    (``data_path`` lines): the words name the kinds the line ran and their counts."""
+    kinds = ln.get("kinds") or {}
+    done = {k: v for k, v in kinds.items() if isinstance(v.get("by_transport"), dict)}
+    if not done:
+        return None
+    plane = sum(v["by_transport"]["plane"] for v in done.values())
+    dask = sum(v["by_transport"]["dask"] for v in done.values())
+    named = ", ".join(_DATA_PATH_KINDS.get(k, k) for k in done)
+    each = "; ".join(
+        f"{_DATA_PATH_KINDS.get(k, k)}: {v['by_transport']['plane']:,} / "
+        f"{v['by_transport']['dask']:,}"
+        + ("" if v.get("applied_once") else " (not every image applied once)")
+        + (" (the fit ended before the kill)" if k == "sigkill" and not v.get("killed") else "")
+        for k, v in done.items()
+    )
+    failed = [k for k, v in kinds.items() if k not in done]
+    if failed:
+        each += "; failed: " + ", ".join(failed)
+    return Figure(
+        f"Pushes and pulls the PS nodes served, by transport, after one MNIST epoch of each: "
+        f"{named} ({_num(ln.get('images', 0))} images)",
+        f"{plane:,} on the data plane",
+        f"as Dask actor calls: {dask:,}",
+        f"plane / Dask per fit: {each} (goal: none as Dask actor calls)",
+        f"plane {plane:,}, Dask {dask:,}",
+    )
+
+
 def _failover(signal: str, how: str) -> Callable[[dict], Figure | None]:
     def figure(ln: dict) -> Figure | None:
         served, healed = ln.get(f"{signal}_served_seconds"), ln.get(f"{signal}_healed_seconds")
@@ -830,6 +869,7 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("ps", "client push vs a socket", _client_plane("push"), any_line=True),
     Claim("ps", "client pull vs a socket", _client_plane("pull"), any_line=True),
     Claim("capacity", "replicas served", _capacity),
+    Claim("data_path", "pushes and pulls by transport", _data_path),
     Claim("ps", "SIGKILL fail-over", _failover("sigkill", "a primary's PS worker SIGKILLed")),
     Claim("ps", "SIGSTOP fail-over", _failover("sigstop", "a primary's PS worker SIGSTOPped")),
     Claim("ps", "images/s vs ack=primary", _ps_cost),
