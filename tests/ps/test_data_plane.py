@@ -42,6 +42,10 @@ def test_every_mode_sums_exactly_and_the_plane_carries_the_calls(ps_client, mode
             got = s.push_pull(zeros * 2, out)
             assert got is out
             np.testing.assert_array_equal(out - before, zeros * 3)
+            # ack="all": the push returns once every backup holds it (no flush before asking)
+            s.push(zeros, ack="all")
+            assert s.stats()["max_replication_lag"] == 0
+            np.testing.assert_array_equal(s.pull() - before, zeros * 4)
             s.flush()  # every backup holds every push: the forwards went through
             stats = s.stats()
             plane = stats["data_plane"]
