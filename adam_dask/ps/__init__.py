@@ -12,8 +12,12 @@ adam_dask.ps.placement``). The modules, for a reader:
 * ``_policy.py``: where copies go (pure policy), re-exported with the preload hook by
   ``placement.py``; ``_controller.py``: the controller's
   decisions (pure); ``_plugin.py``: the scheduler plugin that carries them out.
-* ``server.py`` and ``_client.py``: the client handle; ``_replay.py``: pushes a pusher keeps
-  until every copy holds them. ``checkpoint.py``: blocks and the manifest.
+* the client: ``server.py`` (the handle) builds one ``Request`` (``_request.py``, with the
+  pure ``Delivery`` that routes and retries it) for every push, pull and question, which its
+  ``Courier`` (``_courier.py``) carries over the data plane (``_plane.py``; the node's side
+  ``_plane_server.py``) or, for control, Dask (``_control.py``), holding a ``Routing``
+  (``_routing.py``) and a ``ReplayLog`` (``_replay.py``: pushes a pusher keeps until every copy
+  holds them). ``checkpoint.py``: blocks and the manifest.
 * ``simulation.py``: a deterministic simulation of the protocol with faults.
 """
 

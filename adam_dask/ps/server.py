@@ -1,9 +1,11 @@
 """ParameterServer: the client of the global parameter server (paper section 3.3).
 
 A :class:`ParameterServer` is a small, picklable handle: the server id, the shard ranges and a
-cached copy of the routing (:mod:`adam_dask.ps._client`). It works from a client (calls go
-straight to the PS workers when the client has ``direct_to_workers``, else through the
-scheduler) and from inside Dask tasks on any worker (peer-to-peer).
+:class:`~adam_dask.ps._courier.Courier` that carries its requests (a copy of the routing, the
+data plane's channels, the replay log). Pushes and pulls go from the calling thread straight
+to the PS nodes' data plane; control goes through Dask, from a client (straight to the PS
+workers when the client has ``direct_to_workers``, else through the scheduler) or from inside
+Dask tasks on any worker (peer-to-peer).
 
 Usage (on a cluster, so not a doctest)::
 
