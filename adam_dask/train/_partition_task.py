@@ -34,7 +34,7 @@ from .. import config
 from ..cluster import TRAIN
 from ._epoch import quorum_size
 from ._submit import EpochRun
-from .task import ReplicaJob, _Reporter
+from .task import EventPoll, ReplicaJob, _Reporter
 
 __all__ = ["PartitionJob", "cluster_plan", "run_partition", "run_partitioned"]
 
@@ -66,22 +66,6 @@ class PartitionJob:
         return f"{self.name}-abort"
 
 
-class _Poll:
-    """A Dask Event asked at most every ``interval`` seconds (each ask is a scheduler call)."""
-
-    def __init__(self, event: Any, interval: float = 0.5):
-        self.event, self.interval = event, interval
-        self._next = 0.0
-        self._set = False
-
-    def is_set(self) -> bool:
-        now = time.monotonic()
-        if not self._set and now >= self._next:
-            self._next = now + self.interval
-            self._set = bool(self.event.is_set())
-        return self._set
-
-
 def _aborted(job: PartitionJob, reason: str, worker: str, t0: float) -> dict:
     return {
         "partition": job.partition,
@@ -98,7 +82,7 @@ def _aborted(job: PartitionJob, reason: str, worker: str, t0: float) -> dict:
     }
 
 
-def _meet(job: PartitionJob, host: str, abort: _Poll) -> tuple[Any, Any] | None:
+def _meet(job: PartitionJob, host: str, abort: EventPoll) -> tuple[Any, Any] | None:
     """Connect to the neighbours: returns (up, down) :class:`Link`s, or None when the attempt
     was aborted meanwhile."""
     from distributed import Variable
@@ -156,7 +140,7 @@ def _meet(job: PartitionJob, host: str, abort: _Poll) -> tuple[Any, Any] | None:
 
 
 def _groups(
-    job: PartitionJob, server: Any, data: Any, stop: _Poll, s: Any, report: Any
+    job: PartitionJob, server: Any, data: Any, stop: EventPoll, s: Any, report: Any
 ) -> Iterator:
     """Partition 0's push groups: the segments to re-train, then the rest of the share;
     ``report(images)`` as each group leaves (the replica's progress events)."""
@@ -222,7 +206,7 @@ def run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
     worker = get_worker()
     t0 = time.perf_counter()
     rj, s = job.replica, job.replica.settings
-    abort = _Poll(Event(job.abort_name))
+    abort = EventPoll(Event(job.abort_name))
     if abort.is_set():  # a stale run of a lost task: its replica runs again under a new attempt
         return _aborted(job, "superseded", worker.address, t0)
     first, stop_layer, r0, r1 = job.bounds[job.partition]
@@ -235,7 +219,7 @@ def run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
         why = "aborted" if abort.is_set() else f"not within {job.timeout:.0f} s"
         return _aborted(job, f"the neighbours did not meet ({why})", worker.address, t0)
     up, down = links
-    stop = _Poll(Event(rj.stop_name))
+    stop = EventPoll(Event(rj.stop_name))
     runner = PartitionRunner(
         stage,
         job.partition,

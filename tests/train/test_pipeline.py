@@ -151,3 +151,25 @@ def test_a_broken_link_stops_every_partition_with_only_whole_groups_pushed():
     per_group = 128
     assert applied_images(store.marks) == len(full) * per_group
     assert len(full) >= 2
+
+
+def test_an_event_poll_asks_at_most_every_interval_and_stays_set():
+    from adam_dask.train.task import EventPoll
+
+    class Event:
+        asks, value = 0, False
+
+        def is_set(self):
+            self.asks += 1
+            return self.value
+
+    ev = Event()
+    poll = EventPoll(ev, interval=60.0)
+    assert not poll.is_set() and not poll.is_set()
+    assert ev.asks == 1  # the second ask came within the interval
+    ev.value = True
+    poll._next = 0.0  # the interval has passed
+    assert poll.is_set()
+    ev.value = False
+    poll._next = 0.0
+    assert poll.is_set() and ev.asks == 2  # once set, never asked again
