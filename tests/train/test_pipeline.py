@@ -173,3 +173,49 @@ def test_an_event_poll_asks_at_most_every_interval_and_stays_set():
     ev.value = False
     poll._next = 0.0
     assert poll.is_set() and ev.asks == 2  # once set, never asked again
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_takes_and_installs_under_concurrent_updates_push_every_update_exactly_once(threads):
+    """A training thread adds integer updates (exact in float32) to the weights and its
+    accumulator while the exchange thread pushes each taken group and installs the pulled
+    span (summed aside, one pass over the weights) after every push: the server ends with
+    every update exactly once, and an install once all is quiet is exactly the server's
+    values plus the group still open."""
+    net = Network.from_spec(SPEC, input_shape=(1, 12, 12), seed=0)
+    stage = stages_of(net, [(0, 2), (2, 4)])[1]
+    stage.flat[...] = np.round(stage.flat * 100)  # integers: every sum below is exact
+    start, stop = stage.start, stage.stop
+    store = RangedStore(net.flat, [(0, start), (start, stop)])
+    store.flat[start:stop] = stage.flat
+    runner = PartitionRunner(
+        stage, 1, 2, threads=threads, batch_size=8, window=4, server=store, mark=(0, 0, 1)
+    )
+    exchange = threading.Thread(target=runner._communicate)
+    exchange.start()
+    rng = np.random.default_rng(0)
+    total = np.zeros(stage.size, np.float32)
+    flat = stage.flat
+    groups, per_group = 40, 3
+    for g in range(groups + 1):  # the last group stays open
+        info = {"g": g, "seq": g + 1, "gn": per_group, "covers": [], "images": 8 * per_group}
+        for k in range(per_group):
+            u = rng.integers(-3, 4, stage.size).astype(np.float32)
+            acc = runner._acc(k % threads, g)
+            flat += u  # a Hogwild write, racing the installs' copies
+            acc += u
+            total += u
+            if g < groups:
+                runner._applied(info)
+    runner._exchange.put(None)
+    exchange.join()
+    assert runner.error is None and runner.pushes == groups
+    open_group = np.zeros(stage.size, np.float32)
+    for pair in runner._accs:
+        open_group += pair[groups % 2]
+    initial = np.round(net.flat[start:stop] * 100)
+    np.testing.assert_array_equal(store.flat[start:stop], initial + total - open_group)
+    pulled = np.empty(stage.size, np.float32)
+    store.pull_range(start, stop, out=pulled)
+    runner._install(pulled)
+    np.testing.assert_array_equal(flat, store.flat[start:stop] + open_group)
