@@ -100,32 +100,75 @@ def push_groups(
         yield Group(seq, covers, batches)
 
 
+class _Stream:
+    """A socket as the data plane's framing (:mod:`adam_dask.ps._wire`) uses it, in fewer
+    system calls: what ``sendall`` is given is held until :meth:`flush` sends it in one
+    ``sendmsg`` (a message's header and payload leave together, one wake-up of the peer), and
+    ``recv_into`` serves small reads from one ``recv`` of whatever has arrived (a message's
+    length, header and a small payload in one call); a read of at least half the buffer with
+    nothing buffered goes straight into the caller's buffer."""
+
+    def __init__(self, sock: socket.socket, size: int = 1 << 18):
+        self.sock = sock
+        self._view = memoryview(bytearray(size))
+        self._lo = self._hi = 0
+        self._out: list[memoryview] = []
+
+    def sendall(self, data: Any) -> None:
+        self._out.append(memoryview(data).cast("B"))
+
+    def flush(self) -> None:
+        out, self._out = self._out, []
+        while out:
+            sent = self.sock.sendmsg(out)
+            while out and sent >= out[0].nbytes:
+                sent -= out[0].nbytes
+                out.pop(0)
+            if out and sent:
+                out[0] = out[0][sent:]
+
+    def recv_into(self, view: memoryview, nbytes: int = 0) -> int:
+        n = nbytes or view.nbytes
+        if self._lo == self._hi:
+            if n >= self._view.nbytes // 2:
+                return self.sock.recv_into(view, n)
+            self._lo, self._hi = 0, self.sock.recv_into(self._view)
+            if self._hi == 0:
+                return 0
+        k = min(n, self._hi - self._lo)
+        view[:k] = self._view[self._lo : self._lo + k]
+        self._lo += k
+        return k
+
+
 class Link:
     """A socket to a neighbour partition: whole messages sent under a lock (several threads
-    send), bytes counted."""
+    send), each in one system call, read by one thread through a buffer; bytes counted."""
 
     def __init__(self, sock: socket.socket):
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
+        self._stream = _Stream(sock)
         self.lock = threading.Lock()
         self.bytes_sent = 0
 
     def send(self, header: dict, payload: np.ndarray | None = None) -> None:
         with self.lock:
             if payload is None:
-                send_msg(self.sock, header)
+                send_msg(self._stream, header)  # type: ignore[arg-type]
             else:
-                send_msg(self.sock, header, payload)
+                send_msg(self._stream, header, payload)  # type: ignore[arg-type]
                 self.bytes_sent += payload.nbytes
+            self._stream.flush()
 
     def recv(self, shape_of: Callable[[dict], tuple[int, ...] | None]) -> tuple[dict, Any]:
-        header = recv_msg(self.sock)
+        header = recv_msg(self._stream)  # type: ignore[arg-type]
         shape = shape_of(header)
         if shape is None:
             return header, None
         buf = np.empty(shape, np.float32)
-        recv_exact_into(self.sock, buf)
+        recv_exact_into(self._stream, buf)  # type: ignore[arg-type]
         return header, buf
 
     def close(self) -> None:

@@ -219,3 +219,66 @@ def test_takes_and_installs_under_concurrent_updates_push_every_update_exactly_o
     store.pull_range(start, stop, out=pulled)
     runner._install(pulled)
     np.testing.assert_array_equal(flat, store.flat[start:stop] + open_group)
+
+
+@pytest.mark.parametrize("size", [64, 1 << 18])
+def test_a_link_delivers_every_message_whole_and_in_order(size):
+    """Headers with payloads from none to larger than the socket's buffers, sent by two
+    threads at once (each message in one gathered send), read through the link's buffer
+    (small reads served from it, large ones straight into the array)."""
+    from adam_dask.train._pipeline import _Stream
+
+    a, b = socket.socketpair()
+    send, recv = Link(a), Link(b)
+    recv._stream = _Stream(b, size)
+    rng = np.random.default_rng(0)
+    sizes = [0, 1, 7, 15, 16, 17, 100, 5000, 300_000, *rng.integers(0, 70_000, 60).tolist()]
+    msgs = [(k, np.arange(n, dtype=np.float32) + k) for k, n in enumerate(sizes)]
+
+    def sender(part):
+        for k, x in part:
+            if len(x):
+                send.send({"op": "x", "k": k, "n": len(x), "t": "h" * (k % 5)}, x)
+            else:
+                send.send({"op": "x", "k": k, "n": 0, "t": "h" * (k % 5)})
+
+    ths = [threading.Thread(target=sender, args=(msgs[i::2],)) for i in range(2)]
+    for th in ths:
+        th.start()
+    got = {}
+    for _ in msgs:
+        header, x = recv.recv(lambda h: (h["n"],) if h["n"] else None)
+        assert header["t"] == "h" * (header["k"] % 5)
+        got[header["k"]] = x
+    for th in ths:
+        th.join()
+    for k, x in msgs:
+        if len(x):
+            np.testing.assert_array_equal(got[k], x)
+        else:
+            assert got[k] is None
+    assert send.bytes_sent == sum(x.nbytes for _, x in msgs)
+    send.close()
+    with pytest.raises((OSError, ValueError)):
+        recv.recv(lambda h: None)
+    recv.close()
+
+
+def test_a_gathered_send_cut_short_by_the_kernel_goes_on_where_it_stopped():
+    from adam_dask.train._pipeline import _Stream
+
+    class Sock:  # sends at most 5 bytes a call, as a socket with a timeout or a signal may
+        data = bytearray()
+
+        def sendmsg(self, buffers):
+            chunk = b"".join(bytes(b) for b in buffers)[:5]
+            self.data += chunk
+            return len(chunk)
+
+    sock = Sock()
+    stream = _Stream(sock)  # type: ignore[arg-type]
+    stream.sendall(b"head")
+    stream.sendall(np.arange(10, dtype=np.float32).data.cast("B"))
+    stream.sendall(b"!")
+    stream.flush()
+    assert bytes(sock.data) == b"head" + np.arange(10, dtype=np.float32).tobytes() + b"!"
