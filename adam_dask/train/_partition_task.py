@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ class PartitionJob:
     attempt: int
     window: int
     timeout: float
+    switch_interval: float  # sys.setswitchinterval while the partition runs
 
     @property
     def name(self) -> str:
@@ -194,15 +196,27 @@ def _groups(
 
 
 def run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
-    """Partition ``job.partition`` of replica ``job.replica.replica`` for one epoch; returns
-    its statistics (``aborted``: why it stopped early, None when it finished)."""
-    from distributed import Event, get_worker, secede
+    """Partition ``job.partition`` of replica ``job.replica.replica`` for one epoch, with the
+    worker's switch interval at ``job.switch_interval``; returns its statistics (``aborted``:
+    why it stopped early, None when it finished)."""
+    from distributed import secede
+
+    secede()
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(job.switch_interval)
+    try:
+        return _run_partition(job, server, data)
+    finally:
+        sys.setswitchinterval(previous)
+
+
+def _run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
+    from distributed import Event, get_worker
     from distributed.comm.addressing import get_address_host
 
     from ..model.stage import Skeleton, Stage
     from ._pipeline import PartitionRunner
 
-    secede()
     worker = get_worker()
     t0 = time.perf_counter()
     rj, s = job.replica, job.replica.settings
@@ -303,6 +317,7 @@ def run_partitioned(
     R, epoch = len(jobs), first.epoch
     timeout = float(config.get("train.partition-timeout"))
     max_attempts = int(config.get("train.partition-attempts"))
+    switch = float(config.get("train.partition-switch-interval"))
     start_timeout = float(config.get("cluster.start-timeout"))
     stop = Event(first.stop_name, client=client)
     stop.clear()
@@ -318,7 +333,7 @@ def run_partitioned(
     aborted_at: dict[int, float] = {}
 
     def pjob(r: int, p: int) -> PartitionJob:
-        return PartitionJob(jobs[r], p, P, tuple(bounds), attempt[r], window, timeout)
+        return PartitionJob(jobs[r], p, P, tuple(bounds), attempt[r], window, timeout, switch)
 
     def submit(r: int) -> None:
         # pinned, one partition per worker: a task queued behind another partition's held
