@@ -4,7 +4,9 @@ Parts (each stores one line in benchmarks/results/partitions.jsonl):
 
 * ``large``: a dense model too large for one TRAIN worker under a 1 GiB memory limit trains on
   MNIST with P = 2..4 partitions, where P = 1 is refused before anything starts (the error
-  line is stored); images/s and cross-partition bytes per image against P.
+  line is stored); images/s and cross-partition bytes per image against P, and against the
+  engine alone (``engine_images_per_second``: one thread of ``Network.step_into`` on the same
+  model and mini-batch size in this process, on the same cores, measured in the same run).
 * ``mnist``: the paper's MNIST net, P = 2 against P = 1 (one replica each, same cluster, same
   seeds): test accuracy per seed.
 * ``cache``: the paper's cache claim (3.2.4), measured in one thread: images/s of each
@@ -157,8 +159,34 @@ def part_mnist(args) -> dict:
     }
 
 
+def engine_alone(spec: str, batch_size: int, seconds: float) -> float:
+    """images/s (wall) of one thread training ``spec`` with the fused step on random
+    28x28 mini-batches of ``batch_size``, for about ``seconds`` after a warm-up: the rate a
+    replica of the whole model would reach on one core with no parameter server."""
+    import numpy as np
+
+    from adam_dask.model import Network
+
+    net = Network.from_spec(spec, (1, 28, 28), "relu", seed=0)
+    rng = np.random.default_rng(0)
+    x = rng.random((batch_size, 1, 28, 28), dtype=np.float32)
+    y = rng.integers(0, 10, batch_size).astype(np.int64)
+    ctx = net.context(batch_size)
+    vel = np.zeros(1, np.float32)
+    net.step_into(ctx, x, y, batch_size, 1e-4, 0.0, vel)  # compile
+    steps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        net.step_into(ctx, x, y, batch_size, 1e-4, 0.0, vel)
+        steps += 1
+    rate = steps * batch_size / (time.perf_counter() - t0)
+    del net, ctx
+    return rate
+
+
 def part_large(args) -> dict:
     store = mnist_subset_store(args.large_images, args.test_images)
+    engine = engine_alone(args.large_spec, 8, args.engine_seconds)
+    print({"engine_images_per_second": engine}, flush=True)
     runs = []
     Ps = [int(p) for p in args.large_partitions.split(",")]
     with _cluster(max(Ps), "1 GiB") as client:
@@ -191,6 +219,8 @@ def part_large(args) -> dict:
         "accuracy": {r["partitions"]: r["test_accuracy"] for r in ok},
         "images_per_second": {r["partitions"]: r["images_per_second"] for r in ok},
         "rate_vs_first": {r["partitions"]: r["images_per_second"] / base for r in ok if base},
+        "engine_images_per_second": engine,
+        "rate_vs_engine": {r["partitions"]: r["images_per_second"] / engine for r in ok},
         "cross_bytes_per_image": {r["partitions"]: r["cross_bytes_per_image"] for r in ok},
         "runs": runs,
     }
@@ -274,6 +304,9 @@ def main(argv=None) -> None:
     ap.add_argument("--large-partitions", default="1,2,3,4")
     ap.add_argument("--large-push-every", type=int, default=512)
     ap.add_argument("--large-lr", type=float, default=0.01)
+    ap.add_argument(
+        "--engine-seconds", type=float, default=10.0, help="large part: the engine alone's run"
+    )
     ap.add_argument("--cache-spec", default="fc896,fc896,fc896,fc10")
     ap.add_argument("--cache-steps", type=int, default=400)
     ap.add_argument("--no-save", action="store_true")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from .. import config
 from ..cluster import TRAIN
 from ._epoch import quorum_size
 from ._submit import EpochRun
-from .task import ReplicaJob, _Reporter
+from .task import EventPoll, ReplicaJob, _Reporter
 
 __all__ = ["PartitionJob", "cluster_plan", "run_partition", "run_partitioned"]
 
@@ -52,6 +53,7 @@ class PartitionJob:
     attempt: int
     window: int
     timeout: float
+    switch_interval: float  # sys.setswitchinterval while the partition runs
 
     @property
     def name(self) -> str:
@@ -64,22 +66,6 @@ class PartitionJob:
     @property
     def abort_name(self) -> str:
         return f"{self.name}-abort"
-
-
-class _Poll:
-    """A Dask Event asked at most every ``interval`` seconds (each ask is a scheduler call)."""
-
-    def __init__(self, event: Any, interval: float = 0.5):
-        self.event, self.interval = event, interval
-        self._next = 0.0
-        self._set = False
-
-    def is_set(self) -> bool:
-        now = time.monotonic()
-        if not self._set and now >= self._next:
-            self._next = now + self.interval
-            self._set = bool(self.event.is_set())
-        return self._set
 
 
 def _aborted(job: PartitionJob, reason: str, worker: str, t0: float) -> dict:
@@ -98,7 +84,7 @@ def _aborted(job: PartitionJob, reason: str, worker: str, t0: float) -> dict:
     }
 
 
-def _meet(job: PartitionJob, host: str, abort: _Poll) -> tuple[Any, Any] | None:
+def _meet(job: PartitionJob, host: str, abort: EventPoll) -> tuple[Any, Any] | None:
     """Connect to the neighbours: returns (up, down) :class:`Link`s, or None when the attempt
     was aborted meanwhile."""
     from distributed import Variable
@@ -156,7 +142,7 @@ def _meet(job: PartitionJob, host: str, abort: _Poll) -> tuple[Any, Any] | None:
 
 
 def _groups(
-    job: PartitionJob, server: Any, data: Any, stop: _Poll, s: Any, report: Any
+    job: PartitionJob, server: Any, data: Any, stop: EventPoll, s: Any, report: Any
 ) -> Iterator:
     """Partition 0's push groups: the segments to re-train, then the rest of the share;
     ``report(images)`` as each group leaves (the replica's progress events)."""
@@ -210,19 +196,31 @@ def _groups(
 
 
 def run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
-    """Partition ``job.partition`` of replica ``job.replica.replica`` for one epoch; returns
-    its statistics (``aborted``: why it stopped early, None when it finished)."""
-    from distributed import Event, get_worker, secede
+    """Partition ``job.partition`` of replica ``job.replica.replica`` for one epoch, with the
+    worker's switch interval at ``job.switch_interval``; returns its statistics (``aborted``:
+    why it stopped early, None when it finished)."""
+    from distributed import secede
+
+    secede()
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(job.switch_interval)
+    try:
+        return _run_partition(job, server, data)
+    finally:
+        sys.setswitchinterval(previous)
+
+
+def _run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
+    from distributed import Event, get_worker
     from distributed.comm.addressing import get_address_host
 
     from ..model.stage import Skeleton, Stage
     from ._pipeline import PartitionRunner
 
-    secede()
     worker = get_worker()
     t0 = time.perf_counter()
     rj, s = job.replica, job.replica.settings
-    abort = _Poll(Event(job.abort_name))
+    abort = EventPoll(Event(job.abort_name))
     if abort.is_set():  # a stale run of a lost task: its replica runs again under a new attempt
         return _aborted(job, "superseded", worker.address, t0)
     first, stop_layer, r0, r1 = job.bounds[job.partition]
@@ -235,7 +233,7 @@ def run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
         why = "aborted" if abort.is_set() else f"not within {job.timeout:.0f} s"
         return _aborted(job, f"the neighbours did not meet ({why})", worker.address, t0)
     up, down = links
-    stop = _Poll(Event(rj.stop_name))
+    stop = EventPoll(Event(rj.stop_name))
     runner = PartitionRunner(
         stage,
         job.partition,
@@ -319,6 +317,7 @@ def run_partitioned(
     R, epoch = len(jobs), first.epoch
     timeout = float(config.get("train.partition-timeout"))
     max_attempts = int(config.get("train.partition-attempts"))
+    switch = float(config.get("train.partition-switch-interval"))
     start_timeout = float(config.get("cluster.start-timeout"))
     stop = Event(first.stop_name, client=client)
     stop.clear()
@@ -334,7 +333,7 @@ def run_partitioned(
     aborted_at: dict[int, float] = {}
 
     def pjob(r: int, p: int) -> PartitionJob:
-        return PartitionJob(jobs[r], p, P, tuple(bounds), attempt[r], window, timeout)
+        return PartitionJob(jobs[r], p, P, tuple(bounds), attempt[r], window, timeout, switch)
 
     def submit(r: int) -> None:
         # pinned, one partition per worker: a task queued behind another partition's held

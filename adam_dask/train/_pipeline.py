@@ -49,6 +49,7 @@ from ..errors import ClusterError
 from ..model.stage import Stage, StageContext
 from ..ps._wire import recv_exact_into, recv_msg, send_msg
 from ..ps.state import Mark
+from ._updates import summed
 
 __all__ = ["Group", "Link", "PartitionRunner", "push_groups"]
 
@@ -99,32 +100,75 @@ def push_groups(
         yield Group(seq, covers, batches)
 
 
+class _Stream:
+    """A socket as the data plane's framing (:mod:`adam_dask.ps._wire`) uses it, in fewer
+    system calls: what ``sendall`` is given is held until :meth:`flush` sends it in one
+    ``sendmsg`` (a message's header and payload leave together, one wake-up of the peer), and
+    ``recv_into`` serves small reads from one ``recv`` of whatever has arrived (a message's
+    length, header and a small payload in one call); a read of at least half the buffer with
+    nothing buffered goes straight into the caller's buffer."""
+
+    def __init__(self, sock: socket.socket, size: int = 1 << 18):
+        self.sock = sock
+        self._view = memoryview(bytearray(size))
+        self._lo = self._hi = 0
+        self._out: list[memoryview] = []
+
+    def sendall(self, data: Any) -> None:
+        self._out.append(memoryview(data).cast("B"))
+
+    def flush(self) -> None:
+        out, self._out = self._out, []
+        while out:
+            sent = self.sock.sendmsg(out)
+            while out and sent >= out[0].nbytes:
+                sent -= out[0].nbytes
+                out.pop(0)
+            if out and sent:
+                out[0] = out[0][sent:]
+
+    def recv_into(self, view: memoryview, nbytes: int = 0) -> int:
+        n = nbytes or view.nbytes
+        if self._lo == self._hi:
+            if n >= self._view.nbytes // 2:
+                return self.sock.recv_into(view, n)
+            self._lo, self._hi = 0, self.sock.recv_into(self._view)
+            if self._hi == 0:
+                return 0
+        k = min(n, self._hi - self._lo)
+        view[:k] = self._view[self._lo : self._lo + k]
+        self._lo += k
+        return k
+
+
 class Link:
     """A socket to a neighbour partition: whole messages sent under a lock (several threads
-    send), bytes counted."""
+    send), each in one system call, read by one thread through a buffer; bytes counted."""
 
     def __init__(self, sock: socket.socket):
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
+        self._stream = _Stream(sock)
         self.lock = threading.Lock()
         self.bytes_sent = 0
 
     def send(self, header: dict, payload: np.ndarray | None = None) -> None:
         with self.lock:
             if payload is None:
-                send_msg(self.sock, header)
+                send_msg(self._stream, header)  # type: ignore[arg-type]
             else:
-                send_msg(self.sock, header, payload)
+                send_msg(self._stream, header, payload)  # type: ignore[arg-type]
                 self.bytes_sent += payload.nbytes
+            self._stream.flush()
 
     def recv(self, shape_of: Callable[[dict], tuple[int, ...] | None]) -> tuple[dict, Any]:
-        header = recv_msg(self.sock)
+        header = recv_msg(self._stream)  # type: ignore[arg-type]
         shape = shape_of(header)
         if shape is None:
             return header, None
         buf = np.empty(shape, np.float32)
-        recv_exact_into(self.sock, buf)
+        recv_exact_into(self._stream, buf)  # type: ignore[arg-type]
         return header, buf
 
     def close(self) -> None:
@@ -184,8 +228,11 @@ class PartitionRunner:
         self.stop_flag, self.abort_flag = stop, abort
         self.timeout = float(timeout)
         n = stage.size
-        # accumulators: one per thread and group parity
+        # accumulators: one per thread and group parity, and whether each may hold updates
+        # (an install adds only those)
         self._accs = [[np.zeros(n, np.float32) for _ in range(2)] for _ in range(self.threads)]
+        self._touched = [[False, False] for _ in range(self.threads)]
+        # zeroed buffers: a take swaps one in for thread 0's accumulator, which is pushed
         self._buffers: queue.Queue[np.ndarray] = queue.Queue()
         for _ in range(2):
             self._buffers.put(np.zeros(n, np.float32))
@@ -407,7 +454,7 @@ class PartitionRunner:
                     n = len(values)
                     out = stage.forward_into(ctx, values, n)
                     if self.last:
-                        acc = self._accs[t][info["g"] % 2]
+                        acc = self._acc(t, info["g"])
                         loss = stage.backward_update(ctx, n, info["lr"], acc, labels=y)
                         with self._lock:
                             self.images += n
@@ -429,7 +476,7 @@ class PartitionRunner:
                     with self._lock:
                         ctx, info = self._pending.pop(mb)
                     n = len(values)
-                    acc = self._accs[t][info["g"] % 2]
+                    acc = self._acc(t, info["g"])
                     stage.backward_update(ctx, n, info["lr"], acc, dout=values)
                     if self.first:
                         with self._lock:
@@ -443,6 +490,11 @@ class PartitionRunner:
                     self._contexts.put(ctx)
         except BaseException as exc:
             self._fail(f"partition {self.index}: {exc!r}", exc)
+
+    def _acc(self, t: int, g: int) -> np.ndarray:
+        """Thread ``t``'s accumulator for group ``g``, marked as holding updates."""
+        self._touched[t][g % 2] = True
+        return self._accs[t][g % 2]
 
     def _applied(self, info: dict) -> None:
         """A mini-batch of group ``info["g"]`` was applied here; the last one takes the group
@@ -458,14 +510,18 @@ class PartitionRunner:
                 del self._groups[g]
         if complete:
             grp.images = int(info["images"])
-            buf = self._buffers.get()
+            spare = self._buffers.get()
             parity = g % 2
+            # No thread writes this parity's accumulators now: the group's mini-batches are all
+            # applied here, and group g + 2 starts after this one's errors left every partition.
             with self._take_lock:  # not while an install reads the accumulators
-                np.copyto(buf, self._accs[0][parity])
-                self._accs[0][parity][...] = 0.0
+                buf = self._accs[0][parity]
+                self._accs[0][parity] = spare
+                self._touched[0][parity] = False
                 for t in range(1, self.threads):
                     buf += self._accs[t][parity]
                     self._accs[t][parity][...] = 0.0
+                    self._touched[t][parity] = False
                 self._unpushed.append(buf)
             self._exchange.put((grp, buf))
 
@@ -492,7 +548,7 @@ class PartitionRunner:
             ):  # the replica runs again (this partition may have been frozen): push nothing
                 with self._take_lock:
                     self._forget_unpushed(buf)
-                self._buffers.put(buf)
+                self._recycle(buf)
                 continue
             try:
                 t = time.perf_counter()
@@ -509,21 +565,27 @@ class PartitionRunner:
                 self._install(buf)
             except BaseException as exc:
                 self._fail(f"partition {self.index}: push failed ({exc!r})", exc)
-            self._buffers.put(buf)
+            self._recycle(buf)
+
+    def _recycle(self, buf: np.ndarray) -> None:
+        """``buf`` zeroed back to the buffers a take swaps in."""
+        buf[...] = 0.0
+        self._buffers.put(buf)
 
     def _install(self, pulled: np.ndarray) -> None:
         """The pulled span, plus what this partition applied and the server does not hold yet
-        (groups taken but not pushed, the open accumulators), as its weights. The threads train
-        on meanwhile (Hogwild): an update landing during the write may be lost locally, but it
-        is in its accumulator, pushed, and back with the next pull."""
-        flat = self.stage.flat
+        (groups taken but not pushed, the accumulators that hold updates), as its weights:
+        summed into ``pulled`` aside (:func:`~adam_dask.train._updates.summed`, under the take
+        lock, so that no group moves from an accumulator to the unpushed meanwhile), then
+        copied over the weights in one pass. The threads train on meanwhile (Hogwild): an
+        update landing during the copy may be lost locally, but it is in its accumulator,
+        pushed, and back with the next pull."""
         with self._take_lock:
-            np.copyto(flat, pulled)
-            for u in self._unpushed:
-                flat += u
-            for pair in self._accs:
-                for acc in pair:
-                    flat += acc
+            addends = list(self._unpushed)
+            for t, pair in enumerate(self._accs):
+                addends += [acc for p, acc in enumerate(pair) if self._touched[t][p]]
+            summed(pulled, pulled, addends)
+        np.copyto(self.stage.flat, pulled)
 
 
 def check_parts(plan_parts: int, workers: int, replicas: int) -> None:

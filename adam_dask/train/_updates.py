@@ -47,7 +47,21 @@ import numpy as np
 
 from ..model.fused import sgd_update_into
 
-__all__ = ["Slot", "Update", "Updates"]
+__all__ = ["Slot", "Update", "Updates", "summed"]
+
+
+def summed(base: np.ndarray, weights: np.ndarray, addends: list[np.ndarray]) -> np.ndarray:
+    """``base = weights + sum(addends)``, written into ``base`` (which may be ``weights``
+    itself): an install's values, summed aside so that the replica's weights are then written
+    in one pass (``np.copyto(flat, summed(...))``), a lock-free write like a Hogwild thread's,
+    while the threads train on."""
+    if addends:
+        np.add(weights, addends[0], out=base)
+        for a in addends[1:]:
+            base += a
+    elif base is not weights:
+        np.copyto(base, weights)
+    return base
 
 
 @dataclass(slots=True)
@@ -236,13 +250,8 @@ class Updates:
                 return
             if self._base is None:
                 self._base = np.empty(self.size, np.float32)
-            base = self._base
-            np.add(weights, self._slots[0].acc, out=base)
-            for slot in self._slots[1:]:
-                base += slot.acc
-            for delta in self._in_transit.values():
-                base += delta
-            np.copyto(flat, base)
+            addends = [slot.acc for slot in self._slots] + list(self._in_transit.values())
+            np.copyto(flat, summed(self._base, weights, addends))
 
 
 def _concat_terms(

@@ -141,10 +141,10 @@ class _Counted:
         return item
 
 
-class _StopPoll:
-    """A Dask :class:`~distributed.Event` as the ``stop_event`` of
-    :meth:`HogwildReplica.train` (asked at most every ``interval`` seconds: each ask is a call
-    to the scheduler)."""
+class EventPoll:
+    """A Dask :class:`~distributed.Event` asked at most every ``interval`` seconds (each ask is
+    a call to the scheduler); once set, it stays set. ``is_set()`` is what
+    :meth:`HogwildReplica.train`'s ``stop_event`` and a partition's stop and abort flags ask."""
 
     def __init__(self, event: Any, interval: float = 0.5):
         self.event, self.interval = event, interval
@@ -298,7 +298,7 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | N
                 job.replica, job.replicas, job.epoch, return_key=True, only=seg.items
             )
             try:
-                st = rep.train(_Counted(seg_stream, job.delay), stop_event=_StopPoll(stop))
+                st = rep.train(_Counted(seg_stream, job.delay), stop_event=EventPoll(stop))
             finally:
                 seg_stream.close()
             if st.stopped:  # a part of a segment must not be pushed: its number covers all of it

@@ -5,8 +5,10 @@ refused before anything starts."""
 
 from __future__ import annotations
 
+import sys
 import time
 
+import dask
 import pytest
 
 import adam_dask
@@ -50,11 +52,25 @@ def trainer(store, client, **kwargs):
 
 @pytest.mark.timeout(300)
 def test_a_two_partition_replica_trains_above_chance_with_every_image_applied_once(store, cluster):
-    t = trainer(store, cluster)
-    try:
-        hist = t.fit(epochs=2)
-    finally:
-        t.close()
+    train = workers_with_role(cluster, TRAIN)
+    before = cluster.run(sys.getswitchinterval, workers=train)
+    seen = set()
+    # the driver reads the setting when each epoch starts: set for the whole fit
+    with dask.config.set({"adam.train.partition-switch-interval": 0.00125}):
+        t = trainer(store, cluster)
+        th, box = fit_in_background(t, epochs=2)
+        try:
+            while th.is_alive():  # each partition's worker switches at the configured interval
+                now = cluster.run(sys.getswitchinterval, workers=train)
+                seen |= {w for w, v in now.items() if v == 0.00125}
+                time.sleep(0.05)
+            th.join()
+        finally:
+            t.close()
+    assert "error" not in box, box
+    hist = box["history"]
+    assert seen == set(train)
+    assert cluster.run(sys.getswitchinterval, workers=train) == before  # restored after
     assert [len(t.partition_plan), t.replicas] == [2, 1]
     assert hist.column("images_applied") == [N_TRAIN, N_TRAIN]
     assert hist.records[-1]["test_accuracy"] > 0.5  # chance is 0.1

@@ -151,3 +151,134 @@ def test_a_broken_link_stops_every_partition_with_only_whole_groups_pushed():
     per_group = 128
     assert applied_images(store.marks) == len(full) * per_group
     assert len(full) >= 2
+
+
+def test_an_event_poll_asks_at_most_every_interval_and_stays_set():
+    from adam_dask.train.task import EventPoll
+
+    class Event:
+        asks, value = 0, False
+
+        def is_set(self):
+            self.asks += 1
+            return self.value
+
+    ev = Event()
+    poll = EventPoll(ev, interval=60.0)
+    assert not poll.is_set() and not poll.is_set()
+    assert ev.asks == 1  # the second ask came within the interval
+    ev.value = True
+    poll._next = 0.0  # the interval has passed
+    assert poll.is_set()
+    ev.value = False
+    poll._next = 0.0
+    assert poll.is_set() and ev.asks == 2  # once set, never asked again
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_takes_and_installs_under_concurrent_updates_push_every_update_exactly_once(threads):
+    """A training thread adds integer updates (exact in float32) to the weights and its
+    accumulator while the exchange thread pushes each taken group and installs the pulled
+    span (summed aside, one pass over the weights) after every push: the server ends with
+    every update exactly once, and an install once all is quiet is exactly the server's
+    values plus the group still open."""
+    net = Network.from_spec(SPEC, input_shape=(1, 12, 12), seed=0)
+    stage = stages_of(net, [(0, 2), (2, 4)])[1]
+    stage.flat[...] = np.round(stage.flat * 100)  # integers: every sum below is exact
+    start, stop = stage.start, stage.stop
+    store = RangedStore(net.flat, [(0, start), (start, stop)])
+    store.flat[start:stop] = stage.flat
+    runner = PartitionRunner(
+        stage, 1, 2, threads=threads, batch_size=8, window=4, server=store, mark=(0, 0, 1)
+    )
+    exchange = threading.Thread(target=runner._communicate)
+    exchange.start()
+    rng = np.random.default_rng(0)
+    total = np.zeros(stage.size, np.float32)
+    flat = stage.flat
+    groups, per_group = 40, 3
+    for g in range(groups + 1):  # the last group stays open
+        info = {"g": g, "seq": g + 1, "gn": per_group, "covers": [], "images": 8 * per_group}
+        for k in range(per_group):
+            u = rng.integers(-3, 4, stage.size).astype(np.float32)
+            acc = runner._acc(k % threads, g)
+            flat += u  # a Hogwild write, racing the installs' copies
+            acc += u
+            total += u
+            if g < groups:
+                runner._applied(info)
+    runner._exchange.put(None)
+    exchange.join()
+    assert runner.error is None and runner.pushes == groups
+    open_group = np.zeros(stage.size, np.float32)
+    for pair in runner._accs:
+        open_group += pair[groups % 2]
+    initial = np.round(net.flat[start:stop] * 100)
+    np.testing.assert_array_equal(store.flat[start:stop], initial + total - open_group)
+    pulled = np.empty(stage.size, np.float32)
+    store.pull_range(start, stop, out=pulled)
+    runner._install(pulled)
+    np.testing.assert_array_equal(flat, store.flat[start:stop] + open_group)
+
+
+@pytest.mark.parametrize("size", [64, 1 << 18])
+def test_a_link_delivers_every_message_whole_and_in_order(size):
+    """Headers with payloads from none to larger than the socket's buffers, sent by two
+    threads at once (each message in one gathered send), read through the link's buffer
+    (small reads served from it, large ones straight into the array)."""
+    from adam_dask.train._pipeline import _Stream
+
+    a, b = socket.socketpair()
+    send, recv = Link(a), Link(b)
+    recv._stream = _Stream(b, size)
+    rng = np.random.default_rng(0)
+    sizes = [0, 1, 7, 15, 16, 17, 100, 5000, 300_000, *rng.integers(0, 70_000, 60).tolist()]
+    msgs = [(k, np.arange(n, dtype=np.float32) + k) for k, n in enumerate(sizes)]
+
+    def sender(part):
+        for k, x in part:
+            if len(x):
+                send.send({"op": "x", "k": k, "n": len(x), "t": "h" * (k % 5)}, x)
+            else:
+                send.send({"op": "x", "k": k, "n": 0, "t": "h" * (k % 5)})
+
+    ths = [threading.Thread(target=sender, args=(msgs[i::2],)) for i in range(2)]
+    for th in ths:
+        th.start()
+    got = {}
+    for _ in msgs:
+        header, x = recv.recv(lambda h: (h["n"],) if h["n"] else None)
+        assert header["t"] == "h" * (header["k"] % 5)
+        got[header["k"]] = x
+    for th in ths:
+        th.join()
+    for k, x in msgs:
+        if len(x):
+            np.testing.assert_array_equal(got[k], x)
+        else:
+            assert got[k] is None
+    assert send.bytes_sent == sum(x.nbytes for _, x in msgs)
+    send.close()
+    with pytest.raises((OSError, ValueError)):
+        recv.recv(lambda h: None)
+    recv.close()
+
+
+def test_a_gathered_send_cut_short_by_the_kernel_goes_on_where_it_stopped():
+    from adam_dask.train._pipeline import _Stream
+
+    class Sock:  # sends at most 5 bytes a call, as a socket with a timeout or a signal may
+        data = bytearray()
+
+        def sendmsg(self, buffers):
+            chunk = b"".join(bytes(b) for b in buffers)[:5]
+            self.data += chunk
+            return len(chunk)
+
+    sock = Sock()
+    stream = _Stream(sock)  # type: ignore[arg-type]
+    stream.sendall(b"head")
+    stream.sendall(np.arange(10, dtype=np.float32).data.cast("B"))
+    stream.sendall(b"!")
+    stream.flush()
+    assert bytes(sock.data) == b"head" + np.arange(10, dtype=np.float32).tobytes() + b"!"
