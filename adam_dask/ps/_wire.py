@@ -11,6 +11,7 @@ caller owns. Blocking sockets only (the data plane runs in plain threads); a clo
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 from typing import Any
 
@@ -24,13 +25,23 @@ MAX_HEADER = 16 << 20  # a header longer than this is a protocol error, not an a
 
 
 def send_msg(sock: socket.socket, header: dict, *payloads: Any) -> None:
-    """Send ``header`` and then each payload (arrays or bytes-like) as they are."""
+    """Send ``header`` and then each payload (arrays or bytes-like) as they are: one
+    ``sendmsg`` for all of them on a plain socket (the peer wakes once per message), one
+    ``sendall`` each on a TLS one."""
     head = msgpack.packb(header, use_bin_type=True)
-    sock.sendall(_LEN.pack(len(head)) + head)
-    for p in payloads:
-        view = _bytes_view(p)
-        if view.nbytes:
-            sock.sendall(view)
+    views = [memoryview(_LEN.pack(len(head)) + head)]
+    views += [v for v in (_bytes_view(p) for p in payloads) if v.nbytes]
+    if isinstance(sock, ssl.SSLSocket):
+        for v in views:
+            sock.sendall(v)
+        return
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= views[0].nbytes:  # drop what went, resume mid-buffer
+            sent -= views[0].nbytes
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]
 
 
 def _bytes_view(buf: Any) -> memoryview:

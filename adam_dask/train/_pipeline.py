@@ -101,31 +101,16 @@ def push_groups(
 
 
 class _Stream:
-    """A socket as the data plane's framing (:mod:`adam_dask.ps._wire`) uses it, in fewer
-    system calls: what ``sendall`` is given is held until :meth:`flush` sends it in one
-    ``sendmsg`` (a message's header and payload leave together, one wake-up of the peer), and
-    ``recv_into`` serves small reads from one ``recv`` of whatever has arrived (a message's
-    length, header and a small payload in one call); a read of at least half the buffer with
-    nothing buffered goes straight into the caller's buffer."""
+    """A socket's reading side as the data plane's framing (:mod:`adam_dask.ps._wire`) reads
+    it, in fewer system calls: ``recv_into`` serves small reads from one ``recv`` of whatever
+    has arrived (a message's length, header and a small payload in one call); a read of at
+    least half the buffer with nothing buffered goes straight into the caller's buffer. (The
+    framing's ``send_msg`` sends a message in one ``sendmsg`` itself.)"""
 
     def __init__(self, sock: socket.socket, size: int = 1 << 18):
         self.sock = sock
         self._view = memoryview(bytearray(size))
         self._lo = self._hi = 0
-        self._out: list[memoryview] = []
-
-    def sendall(self, data: Any) -> None:
-        self._out.append(memoryview(data).cast("B"))
-
-    def flush(self) -> None:
-        out, self._out = self._out, []
-        while out:
-            sent = self.sock.sendmsg(out)
-            while out and sent >= out[0].nbytes:
-                sent -= out[0].nbytes
-                out.pop(0)
-            if out and sent:
-                out[0] = out[0][sent:]
 
     def recv_into(self, view: memoryview, nbytes: int = 0) -> int:
         n = nbytes or view.nbytes
@@ -156,11 +141,10 @@ class Link:
     def send(self, header: dict, payload: np.ndarray | None = None) -> None:
         with self.lock:
             if payload is None:
-                send_msg(self._stream, header)  # type: ignore[arg-type]
+                send_msg(self.sock, header)
             else:
-                send_msg(self._stream, header, payload)  # type: ignore[arg-type]
+                send_msg(self.sock, header, payload)
                 self.bytes_sent += payload.nbytes
-            self._stream.flush()
 
     def recv(self, shape_of: Callable[[dict], tuple[int, ...] | None]) -> tuple[dict, Any]:
         header = recv_msg(self._stream)  # type: ignore[arg-type]

@@ -265,7 +265,9 @@ def test_a_link_delivers_every_message_whole_and_in_order(size):
 
 
 def test_a_gathered_send_cut_short_by_the_kernel_goes_on_where_it_stopped():
-    from adam_dask.train._pipeline import _Stream
+    """The framing sends a message in one ``sendmsg``; one the kernel takes in part goes on
+    from the byte where it stopped, the message whole and in order."""
+    from adam_dask.ps._wire import recv_msg, send_msg
 
     class Sock:  # sends at most 5 bytes a call, as a socket with a timeout or a signal may
         data = bytearray()
@@ -276,9 +278,12 @@ def test_a_gathered_send_cut_short_by_the_kernel_goes_on_where_it_stopped():
             return len(chunk)
 
     sock = Sock()
-    stream = _Stream(sock)  # type: ignore[arg-type]
-    stream.sendall(b"head")
-    stream.sendall(np.arange(10, dtype=np.float32).data.cast("B"))
-    stream.sendall(b"!")
-    stream.flush()
-    assert bytes(sock.data) == b"head" + np.arange(10, dtype=np.float32).tobytes() + b"!"
+    values = np.arange(10, dtype=np.float32)
+    send_msg(sock, {"op": "x", "n": 10}, values, b"!")  # type: ignore[arg-type]
+    a, b = socket.socketpair()
+    a.sendall(bytes(sock.data))
+    assert recv_msg(b) == {"op": "x", "n": 10}
+    rest = b.recv(100)
+    assert rest == values.tobytes() + b"!"
+    a.close()
+    b.close()
