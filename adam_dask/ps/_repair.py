@@ -303,7 +303,21 @@ class Repair:
             if rnd.waiting:
                 continue
             del self.rounds[sid]
-            cands = {a: p for a, p in rnd.replies.items() if a in self.nodes}
+            # a copy at version -1 was added and never filled (its primary died before the
+            # first forward reached it): it holds nothing to promote
+            cands = {a: p for a, p in rnd.replies.items() if a in self.nodes and p[1] >= 0}
+            if not cands and rnd.replies and all(p[1] < 0 for p in rnd.replies.values()):
+                # every survivor that answered is empty: the shard's data is where every
+                # copy was lost, so rebuild it from the checkpoint (or report it lost)
+                logger.warning(
+                    "server %s: the surviving copies of shard %d were never filled; "
+                    "rebuilding it as a shard whose every copy is lost",
+                    self.server_id,
+                    sid,
+                )
+                self.routing[sid] = []
+                self.restoring.add(sid)
+                continue
             if not cands:
                 self.needs_primary.add(sid)
                 continue

@@ -10,6 +10,7 @@ from adam_dask.ps._messages import (
     Beat,
     Call,
     CallDone,
+    CallFailed,
     CreateNode,
     DeleteBlocks,
     ManifestDone,
@@ -87,6 +88,30 @@ def test_missed_heartbeats_fence_survivors_then_promote_the_newest(ctl):
         ctl.handle(CallDone(call.op, {sid: 9}))
     assert ctl.routing[0][0] == "c" and "a" not in ctl.routing[0] + ctl.routing[1]
     assert ctl.gens[0] == gens[0] and not ctl.pending()
+
+
+def test_survivors_never_filled_are_not_promoted_the_shard_is_restored(ctl):
+    """The rule simulation seed 55436 broke: a backup added to replace a lost copy holds the
+    shard at version -1 until its primary's first forward; when the primary and the other
+    backup die before that forward arrives, the empty copy must not be promoted (the
+    acknowledged pushes the checkpoint holds would be lost): the shard is rebuilt from the
+    checkpoint, as when every copy is lost. A survivor with data is still promoted."""
+    ctl.handle(WriteReport("w", "a", {0: (0, 9, "shards/0/g0-v9")}))
+    ctl.handle(ManifestDone(1))
+    out = []
+    for x in "ab":
+        out += ctl.handle(WorkerRemoved(x, 1.0))
+    fences = {c.addr: c for c in of(out, Call) if c.method == "fence"}
+    if "b" in fences:  # asked before b was lost too: that call fails
+        out = ctl.handle(CallFailed(fences["b"].op, "b is gone"))
+        fences.update({c.addr: c for c in of(out, Call) if c.method == "fence"})
+    out = ctl.handle(CallDone(fences["c"].op, {0: (0, -1), 1: (0, 4)}))
+    calls = of(out, Call)
+    promoted = {c.args[0].popitem()[0] for c in calls if c.method == "promote"}
+    assert promoted == {1}  # shard 1: c holds its data
+    restores = [c for c in calls if c.method == "restore"]
+    assert [r.args[0] for r in restores] == [0] and restores[0].args[4][0] == "shards/0/g0-v9"
+    assert "c" not in ctl.routing[0]
 
 
 def test_a_silent_worker_is_retired_a_slow_one_comes_back_empty(ctl):

@@ -177,3 +177,18 @@ def test_seed_heals_when_a_backups_worker_gets_a_new_node(seed, story, capsys, c
     _, trace, _ = heals(seed, capsys, caplog)
     ready = re.findall(r"node ready (w\d+) ", trace)
     assert len(ready) > len(set(ready))  # some worker got a second node
+
+
+# -- a backup added but never filled, then every filled copy lost --------------------------------
+
+
+def test_seed_restores_a_shard_whose_survivor_was_never_filled(capsys, caplog):
+    """Seed 55436 (the 100,000-seed sweep's one failure): shard 0 loses a copy, its
+    replacement is added at version -1 and frozen before the first forward, then the primary and
+    the other backup crash; the empty survivor must not be promoted (the acknowledged pushes
+    the checkpoint holds would be lost): the shard is rebuilt from the checkpoint
+    (:func:`test_controller.test_survivors_never_filled_are_not_promoted_the_shard_is_restored`
+    is the rule on the pure controller)."""
+    r, trace, log = heals(55436, capsys, caplog)
+    assert "never filled" in log, "the schedule no longer meets the situation"
+    assert r["acknowledged_lost"] == 0 and r["restored"] >= 1
