@@ -364,34 +364,41 @@ def _start_socket_sink(dask_worker=None):
     return host, srv.getsockname()[1]
 
 
+def _socket_peer(sink: tuple, payload: np.ndarray, into: np.ndarray):
+    """A plain TCP connection to the sink and its calls: push ``payload`` (the sink answers
+    one byte), pull as many bytes into ``into``. Returns (socket, push, pull)."""
+    import socket
+
+    sock = socket.create_connection(tuple(sink))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    view, into_view = memoryview(payload).cast("B"), memoryview(into).cast("B")
+    head = payload.nbytes
+
+    def push():
+        sock.sendall(b"p" + head.to_bytes(8, "little"))
+        sock.sendall(view)
+        sock.recv(1)
+
+    def pull():
+        sock.sendall(b"g" + head.to_bytes(8, "little"))
+        got = 0
+        while got < head:
+            got += sock.recv_into(into_view[got:])
+
+    return sock, push, pull
+
+
 def _plane_task(server, sink: tuple, seconds: float) -> dict:
     """In a TRAIN worker (where replicas push): MB/s of the plain socket and of ``server``'s
     push (a buffer handed over, as the exchange pushes; a caller's array) and pull."""
-    import socket
 
     import dask
 
     n = server.size
     mb = n * 4 / 1e6
-    sock = socket.create_connection(tuple(sink))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     payload = np.full(n, 1e-3, np.float32)
-    view = memoryview(payload).cast("B")
-    head = n * 4
-
-    def sock_push():
-        sock.sendall(b"p" + head.to_bytes(8, "little"))
-        sock.sendall(view)
-        sock.recv(1)
-
     into = np.empty(n, np.float32)
-    into_view = memoryview(into).cast("B")
-
-    def sock_pull():
-        sock.sendall(b"g" + head.to_bytes(8, "little"))
-        got = 0
-        while got < head:
-            got += sock.recv_into(into_view[got:])
+    sock, sock_push, sock_pull = _socket_peer(sink, payload, into)
 
     def paced(fn) -> tuple[float, float]:
         """(median, p99) seconds of ``fn`` called every ``PACE`` s for ``seconds``: a replica's
@@ -442,28 +449,12 @@ def _back_to_back(server, sink: tuple, seconds: float) -> dict:
     ``seconds`` each, the mean over every call (waits for room in the replay log included),
     against a plain TCP socket moving the same bytes to a PS worker's process, in alternating
     rounds."""
-    import socket
 
     n = server.size
     mb = n * 4 / 1e6
-    sock = socket.create_connection(tuple(sink))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     delta = np.full(n, 1e-3, np.float32)
-    view = memoryview(delta).cast("B")
     into = np.empty(n, np.float32)
-    into_view = memoryview(into).cast("B")
-    head = n * 4
-
-    def sock_push():
-        sock.sendall(b"p" + head.to_bytes(8, "little"))
-        sock.sendall(view)
-        sock.recv(1)
-
-    def sock_pull():
-        sock.sendall(b"g" + head.to_bytes(8, "little"))
-        got = 0
-        while got < head:
-            got += sock.recv_into(into_view[got:])
+    sock, sock_push, sock_pull = _socket_peer(sink, delta, into)
 
     def mb_per_s(fn, span: float) -> float:
         for _ in range(3):

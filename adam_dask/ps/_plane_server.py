@@ -29,15 +29,13 @@ import gc
 import logging
 import mmap
 import os
-import secrets
 import socket
-import ssl
 import threading
 from typing import Any
 
 import numpy as np
 
-from .._tls import listen_context
+from .._listen import Listeners
 from ..errors import AdamError
 from ._plane_forward import snapshots_from
 from ._wire import recv_exact_into, recv_msg, send_msg
@@ -74,45 +72,17 @@ def error_reply(exc: BaseException) -> dict:
 
 
 class PlaneServer:
-    """Listeners and connection threads of one PS worker process."""
+    """The parameter server's plane in one PS worker process: its listeners
+    (:class:`~adam_dask._listen.Listeners`) and the nodes it serves, by server id."""
 
     def __init__(self, worker: Any):
-        from distributed.comm.addressing import get_address_host, parse_address
-
         self.nodes: dict[str, Any] = {}  # server id -> PSNode
-        self.unix_name = f"adam-ps-{os.getpid()}-{secrets.token_hex(6)}"
-        # a connection's first message must carry it: the token reaches a pusher only through
-        # the node's actor (Dask's comm, TLS on a TLS cluster), so the plane asks no less
-        self.token = secrets.token_hex(16)
-        self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._unix.bind("\0" + self.unix_name)
-        self._unix.listen(64)
-        self.tcp: tuple[str, int] | None = None
-        self._tcp: socket.socket | None = None
-        # a TLS cluster: the plane's TCP connections are TLS with the worker's own certificate
-        # (Dask's security settings), and a pusher presents its own (a client's or a worker's)
-        self.tls: ssl.SSLContext | None = listen_context(worker)
-        if parse_address(worker.address)[0] in ("tcp", "tls"):
-            host = get_address_host(worker.address)
-            fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-            self._tcp = socket.socket(fam, socket.SOCK_STREAM)
-            self._tcp.bind((host, 0))
-            self._tcp.listen(64)
-            self.tcp = (host, self._tcp.getsockname()[1])
-        for sock, unix in ((self._unix, True), (self._tcp, False)):
-            if sock is not None:
-                threading.Thread(
-                    target=self._accept, args=(sock, unix), name="adam-plane-accept", daemon=True
-                ).start()
-        logger.debug("data plane of %s: unix %s, tcp %s", worker.address, self.unix_name, self.tcp)
+        self.listeners = Listeners(
+            worker, "adam-ps", "adam-plane", lambda sock, unix: _Connection(self, sock, unix).run()
+        )
 
     def endpoint(self) -> dict:
-        return {
-            "unix": self.unix_name,
-            "tcp": list(self.tcp) if self.tcp else None,
-            "tls": self.tls is not None,
-            "token": self.token,
-        }
+        return self.listeners.endpoint()
 
     def register(self, server_id: str, node: Any) -> None:
         self.nodes[server_id] = node
@@ -120,18 +90,6 @@ class PlaneServer:
     def unregister(self, server_id: str, node: Any) -> None:
         if self.nodes.get(server_id) is node:
             del self.nodes[server_id]
-
-    def _accept(self, sock: socket.socket, unix: bool) -> None:
-        while True:  # as long as the process: the workers' nodes come and go
-            try:
-                conn, _ = sock.accept()
-            except OSError:  # pragma: no cover - the listener was closed
-                return
-            if not unix:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(
-                target=_Connection(self, conn, unix).run, name="adam-plane-conn", daemon=True
-            ).start()
 
 
 class _Connection:
@@ -147,13 +105,7 @@ class _Connection:
 
     def run(self) -> None:
         try:
-            if not self.unix and self.server.tls is not None:  # the handshake, in this thread
-                self.sock = self.server.tls.wrap_socket(self.sock, server_side=True)
-            hello = recv_msg(self.sock)
-            if hello.get("op") != "hello" or not secrets.compare_digest(
-                str(hello.get("token", "")), self.server.token
-            ):
-                raise ConnectionError("a data-plane connection without this node's token")
+            self.sock = self.server.listeners.admit(self.sock, self.unix)
             while True:
                 h = recv_msg(self.sock)
                 op = h["op"]

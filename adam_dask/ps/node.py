@@ -602,20 +602,7 @@ class PSNode:
     def plane_replicate(self, sender: str, snaps: tuple[Snapshot, ...]) -> dict:
         """A data-plane forward from the primary ``sender``, installed in the calling thread
         (the same :class:`Replicate` event as :meth:`replicate`); other actions go to the loop."""
-        state = self._start()
-        slot = _Answer()
-        with self._lock:
-            actions = state.handle(Replicate(slot, sender, tuple(snaps)))
-        rest = []
-        for a in actions:
-            if isinstance(a, Reply) and a.req is slot:
-                slot.set(a.value)
-            else:
-                rest.append(a)
-        if rest:
-            self._worker.loop.asyncio_loop.call_soon_threadsafe(self._do, rest)
-        if not slot.done:  # pragma: no cover - a forward is answered at once
-            raise RuntimeError("a data-plane forward was not answered")
+        slot = self._here(lambda req: [Replicate(req, sender, tuple(snaps))])
         held = {int(s): [int(p[0]), int(p[1])] for s, p in slot.value["held"].items()}
         refused = {int(s): int(g) for s, g in slot.value["refused"].items()}
         return {"held": held, "refused": refused}
@@ -630,12 +617,20 @@ class PSNode:
     def plane_confirmed(self, sids: list[int], urgent: bool = False) -> dict:
         """What every copy (and the checkpoint) holds of the primaries among ``sids``, asked on
         the data plane; ``urgent``: forward to the backups now (a pusher waits for room)."""
+        return self._here(
+            lambda req: (
+                [Confirmed(req, tuple(int(s) for s in sids))] + ([ForwardDue()] if urgent else [])
+            )
+        ).value
+
+    def _here(self, events: Any) -> _Answer:
+        """Feed ``events(slot)`` in the calling thread (a data-plane connection's) under the
+        state's lock; the reply to ``slot`` comes back here at once, other actions go to the
+        event loop."""
         state = self._start()
         slot = _Answer()
         with self._lock:
-            actions = state.handle(Confirmed(slot, tuple(int(s) for s in sids)))
-            if urgent:
-                actions += state.handle(ForwardDue())
+            actions = [a for ev in events(slot) for a in state.handle(ev)]
         rest = []
         for a in actions:
             if isinstance(a, Reply) and a.req is slot:
@@ -644,7 +639,9 @@ class PSNode:
                 rest.append(a)
         if rest:
             self._worker.loop.asyncio_loop.call_soon_threadsafe(self._do, rest)
-        return slot.value
+        if not slot.done:  # pragma: no cover - these events are answered at once
+            raise RuntimeError("a data-plane request was not answered")
+        return slot
 
     def _locked(self, fn: Any, *args: Any) -> Any:
         with self._lock:

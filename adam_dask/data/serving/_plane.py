@@ -30,7 +30,6 @@ import gc
 import logging
 import mmap
 import os
-import secrets
 import socket
 import threading
 import uuid
@@ -39,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._tls import listen_context
+from ..._listen import Listeners
 from ...errors import AdamError
 from ...ps._wire import recv_msg, send_msg
 from ._messages import Batch, End, ServerClosed, ServingError, StreamExpired
@@ -59,7 +58,7 @@ def image_plane(worker: Any) -> ImagePlane:
     global _plane
     with _lock:
         if _plane is None:
-            _plane = ImagePlane(worker.address, listen_context(worker))
+            _plane = ImagePlane(worker)
         return _plane
 
 
@@ -126,60 +125,25 @@ class Arena:
 
 
 class ImagePlane:
-    """Listeners and connection threads of one DATA worker process."""
+    """The image plane of one DATA worker process: its listeners
+    (:class:`~adam_dask._listen.Listeners`) and the partition servers it serves."""
 
-    def __init__(self, address: str, tls: Any = None):
-        from distributed.comm.addressing import get_address_host, parse_address
-
-        self.tls = tls  # an ssl.SSLContext on a TLS cluster
-
+    def __init__(self, worker: Any):
         self.servers: weakref.WeakValueDictionary[str, PartitionServer] = (
             weakref.WeakValueDictionary()
         )
-        self.unix_name = f"adam-data-{os.getpid()}-{secrets.token_hex(6)}"
-        self.token = secrets.token_hex(16)
-        self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._unix.bind("\0" + self.unix_name)
-        self._unix.listen(64)
-        self.tcp: tuple[str, int] | None = None
-        self._tcp: socket.socket | None = None
-        if parse_address(address)[0] in ("tcp", "tls"):
-            host = get_address_host(address)
-            fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-            self._tcp = socket.socket(fam, socket.SOCK_STREAM)
-            self._tcp.bind((host, 0))
-            self._tcp.listen(64)
-            self.tcp = (host, self._tcp.getsockname()[1])
-        for sock, unix in ((self._unix, True), (self._tcp, False)):
-            if sock is not None:
-                threading.Thread(
-                    target=self._accept, args=(sock, unix), name="adam-data-plane", daemon=True
-                ).start()
-        logger.debug("image plane of %s: unix %s, tcp %s", address, self.unix_name, self.tcp)
+        self.listeners = Listeners(
+            worker,
+            "adam-data",
+            "adam-data-plane",
+            lambda sock, unix: _Connection(self, sock, unix).run(),
+        )
 
     def register(self, core: PartitionServer) -> dict:
         """Serve ``core``; its endpoint (what a reader needs to connect, the token included)."""
         sid = uuid.uuid4().hex
         self.servers[sid] = core
-        return {
-            "unix": self.unix_name,
-            "tcp": list(self.tcp) if self.tcp else None,
-            "tls": self.tls is not None,
-            "token": self.token,
-            "server": sid,
-        }
-
-    def _accept(self, sock: socket.socket, unix: bool) -> None:
-        while True:  # as long as the process
-            try:
-                conn, _ = sock.accept()
-            except OSError:  # pragma: no cover - the listener was closed
-                return
-            if not unix:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(
-                target=_Connection(self, conn, unix).run, name="adam-data-conn", daemon=True
-            ).start()
+        return {**self.listeners.endpoint(), "server": sid}
 
 
 def _reply_of(msg: Any) -> dict:
@@ -207,13 +171,7 @@ class _Connection:
 
     def run(self) -> None:
         try:
-            if not self.unix and self.plane.tls is not None:  # the handshake, in this thread
-                self.sock = self.plane.tls.wrap_socket(self.sock, server_side=True)
-            hello = recv_msg(self.sock)
-            if hello.get("op") != "hello" or not secrets.compare_digest(
-                str(hello.get("token", "")), self.plane.token
-            ):
-                raise ConnectionError("an image-plane connection without this worker's token")
+            self.sock = self.plane.listeners.admit(self.sock, self.unix)
             while True:
                 h = recv_msg(self.sock)
                 op = h.get("op")
