@@ -48,6 +48,11 @@ class Courier:
         self.channels: Channels | None = None
         self.plane: PlaneCalls | None = None
         self.lock = threading.RLock()  # one request at a time on this handle's channels
+        # read once, where the handle is made (or unpickled in a task): a push reads none
+        self.call_timeout = float(config.get("ps.call-timeout"))
+        self.plane_timeout = float(config.get("ps.plane-timeout"))
+        self.failover_timeout = float(config.get("ps.failover-timeout"))
+        self.replay_bytes = int(config.get("ps.replay-bytes"))
         self.answered_at = -1e9  # monotonic time of the last push answered
         self._settler: threading.Thread | None = None
         self._shed_count = 0
@@ -61,22 +66,17 @@ class Courier:
         if mode == "dask":
             return None
         if self.channels is None:
-            timeout = float(config.get("ps.plane-timeout"))
+            timeout = self.plane_timeout
             tls = self.control.tls_context
             self.channels = Channels(self.server_id, self.size, mode, timeout, tls)
             self.plane = PlaneCalls(self.channels, self.shards)
         return self.channels
 
-    def _channel(self, addr: str) -> Channel | None:
-        channels = self.channels_or_none()
-        if channels is None:
-            return None
+    def _channel(self, channels: Channels, addr: str) -> Channel | None:
         key = self.routing.key(addr)
 
         def endpoint() -> dict:
-            return self.control.call(
-                addr, key, "plane", timeout=float(config.get("ps.call-timeout"))
-            )
+            return self.control.call(addr, key, "plane", timeout=self.call_timeout)
 
         return channels.get(addr, key, endpoint)
 
@@ -90,11 +90,11 @@ class Courier:
         doc); returns the finished :class:`Delivery` (its ``results`` and ``replies``)."""
         if self.control.closed:
             raise ShardUnavailable(f"parameter server {self.server_id} is closed")
-        timeout = float(config.get("ps.call-timeout", call_timeout))
+        timeout = self.call_timeout if call_timeout is None else float(call_timeout)
         with self.lock:
             if not self.routing.known:
                 self.refresh()
-            d = Delivery(req, self.routing, time.monotonic(), config.get("ps.failover-timeout"))
+            d = Delivery(req, self.routing, time.monotonic(), self.failover_timeout)
             try:
                 while True:
                     actions = d.plan(time.monotonic())
@@ -115,8 +115,9 @@ class Courier:
         req = d.request
         started: list[tuple[Send, Any, Any, Any]] = []
         seg = None
+        channels = self.channels_or_none() if req.data else None
         for send in sends:
-            ch = self._channel(send.addr) if req.data else None
+            ch = self._channel(channels, send.addr) if channels is not None else None
             stamps = self.routing.stamps(send.sids)
             try:
                 if ch is not None:
@@ -152,7 +153,7 @@ class Courier:
         """Wait for ``addr``'s answer up to ``timeout``, giving up early when the controller
         drops ``addr`` (a dead or frozen worker: waiting for it would only time out)."""
         t0 = time.monotonic()
-        step = float(config.get("ps.plane-timeout"))
+        step = self.plane_timeout
         while True:
             if ch is not None and ch.readable(step):
                 assert self.plane is not None
@@ -255,7 +256,7 @@ class Courier:
     def budget(self) -> int:
         """Bytes of held pushes before a push waits for room: ``adam.ps.replay-bytes``, and
         never under two pushes of the whole model (a large model keeps pushing on the plane)."""
-        return max(int(config.get("ps.replay-bytes")), 2 * 4 * self.size)
+        return max(self.replay_bytes, 2 * 4 * self.size)
 
     def make_room(self, nbytes: int) -> bool:
         """Before a push of ``nbytes``: let go of what every copy holds over the budget, and
@@ -299,7 +300,7 @@ class Courier:
         pushes every copy holds that wait for the checkpoint alone are let go first.
         ``limit``: seconds in all before :class:`TimeoutError`."""
         end = None if limit is None else time.monotonic() + float(limit)
-        timeout = float(config.get("ps.failover-timeout"))
+        timeout = self.failover_timeout
         deadline = time.monotonic() + timeout
         interval = float(config.get("ps.forward-interval"))
         held = self.log.nbytes

@@ -336,7 +336,7 @@ class ParameterServer:
     ) -> Any:
         """Check ``delta`` once and send it to the primaries (reading the shards back into
         ``pull`` on the way)."""
-        delta, nonzero = self._checked(delta)
+        delta, nonzero, seg = self._checked(delta)
         req = Request(
             "push",
             tuple(range(len(self.shards))),
@@ -348,25 +348,34 @@ class ParameterServer:
             pull=pull is not None,
             args={} if pull is None else {"out": pull},
         )
+        if seg is not None:  # released when delivered (held parts keep a lease on it)
+            req.args["own_segment"] = seg
         return self._send(req)
 
     def _send(self, req: Request) -> Any:
         """One push through the courier: room made in the replay log first, held pushes of
         moved shards replayed, the push delivered and kept until durable (``ack="replay"``)."""
         courier = self._courier
-        if req.ack == "replay":
-            nbytes = 4 * sum(b - a for a, b in (self.shards[s] for s in req.sids))
-            req.urgent = courier.make_room(nbytes)
-        courier.replay_moved()
-        d = courier.deliver(req)
+        try:
+            if req.ack == "replay":
+                nbytes = 4 * sum(b - a for a, b in (self.shards[s] for s in req.sids))
+                req.urgent = courier.make_room(nbytes)
+            courier.replay_moved()
+            d = courier.deliver(req)
+        finally:
+            own = req.args.pop("own_segment", None)  # the deliver did not get to it
+            if own is not None:
+                own.release()
         if req.ack == "replay":
             courier.keep_settling()
         return d
 
-    def _checked(self, delta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``delta`` as a flat float32 array (the same array when it is one: a
-        :meth:`buffer`) and which shards hold a non-zero value; :class:`UpdateRejected` when
-        its length is wrong or it holds NaN/Inf: the one check of the values."""
+    def _checked(self, delta: np.ndarray) -> tuple[np.ndarray, np.ndarray, Any]:
+        """``delta`` as a flat float32 array, which shards hold a non-zero value, and the
+        segment it was copied into; :class:`UpdateRejected` when its length is wrong or it
+        holds NaN/Inf: the one check of the values. A :meth:`buffer` is used where it is;
+        another array is copied once into a buffer of the pool (handed over from there, and
+        held from there until durable, on either transport), unless the plane is off."""
         if not (isinstance(delta, np.ndarray) and delta.dtype == np.float32 and delta.ndim == 1):
             delta = np.ascontiguousarray(delta, dtype=np.float32).reshape(-1)
         delta = np.ascontiguousarray(delta)
@@ -376,6 +385,11 @@ class ParameterServer:
                 "push one value per parameter",
             )
         bad, nonzero = scan_delta(delta, self._bounds)
+        channels = self._courier.channels_or_none()
+        seg = None
+        if bad < 0 and channels is not None and channels.pool.of(delta) is None:
+            seg = channels.pool.take()  # a copy, not fused into the scan: numba's fused
+            np.copyto(seg.array, delta)  # loop measured slower than the two passes
         if bad >= 0:
             sid = shard_of(self.shards, bad)
             raise UpdateRejected(
@@ -383,7 +397,7 @@ class ParameterServer:
                 "check the gradients for overflow",
                 shard=sid,
             )
-        return delta, nonzero
+        return (delta if seg is None else seg.array), nonzero, seg
 
     def _out(self, out: np.ndarray | None) -> np.ndarray:
         if out is None:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from adam_dask.errors import UpdateRejected
-from adam_dask.ps.kernels import first_nonfinite
+from adam_dask.ps.kernels import first_nonfinite, scan_delta
 from adam_dask.ps.state import ShardState, outer_part
 
 
@@ -114,3 +114,21 @@ def test_first_nonfinite():
     assert first_nonfinite(x) == -1
     x[2, 1] = np.inf
     assert first_nonfinite(x) == 9
+
+
+@pytest.mark.parametrize("bad", [None, np.nan, np.inf, -np.inf])
+def test_the_scan_matches_numpy(bad):
+    """The pusher's one check against numpy: the first non-finite index, and which shards
+    hold a non-zero value."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(1000).astype(np.float32)
+    bounds = np.array([[0, 300], [300, 600], [600, 900], [900, 1000]], np.int64)
+    x[300:600] = 0  # an all-zero shard
+    x[950] = -0.0  # zero too: the last shard still holds non-zeros elsewhere
+    if bad is not None:
+        x[[700, 710]] = bad
+    want_bad = int(np.flatnonzero(~np.isfinite(x))[0]) if bad is not None else -1
+    got, nonzero = scan_delta(x, bounds)
+    assert got == want_bad
+    if bad is None:
+        np.testing.assert_array_equal(nonzero, [x[a:b].any() for a, b in bounds])
