@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -499,16 +500,15 @@ def _chaos(ln: dict) -> Figure | None:
     if "completed" not in ln:
         return None
     acc, clean = ln.get("test_accuracy") or [], ln.get("clean_test_accuracy") or []
+    # the faults the line says were sent, by kind (not the kinds it could draw from)
+    sent = Counter(f.get("kind", "?") for f in ln.get("faults") or [])
+    named = ", ".join(f"{n}x {k}" if n > 1 else k for k, n in sorted(sent.items()))
+    where = " on a cluster of network namespaces" if ln.get("netns") else ""
     what = (
-        f"Training through {ln.get('fault_count', '?')} faults from outside (SIGKILL, SIGSTOP "
-        f"of every role and of every copy of a shard), {ln.get('epochs', '?')} epochs"
+        f"Training through {ln.get('fault_count', '?')} faults sent from outside{where}"
+        + (f" ({named})" if named else "")
+        + f", {ln.get('epochs', '?')} epochs of {_num(ln.get('n_train', 0))} images"
     )
-    if ln.get("netns"):  # the namespace cluster: its kinds named
-        what = (
-            f"Training through {ln.get('fault_count', '?')} faults from outside on a cluster "
-            f"of network namespaces ({', '.join(ln.get('kinds') or ['?'])}), "
-            f"{ln.get('epochs', '?')} epochs"
-        )
     peer = "the same run undisturbed: " + (
         f"{_pc(clean[-1])} in {_num(ln['clean_seconds'])} s" if clean else "did not finish"
     )
