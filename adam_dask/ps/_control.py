@@ -133,8 +133,8 @@ class DaskCalls:
         sl = list(sids)
         if req.op == "push" and req.outer is not None:
             o = req.outer
-            cols = {s: np.ascontiguousarray(o.errors[:, a:b]) for s, (a, b) in o.cols.items()}
-            args = ({s: cols[s] for s in sl}, o.offset, o.out, o.inp, o.activations, o.scale)
+            cols = {s: np.ascontiguousarray(o.errors[:, slice(*o.cols[s])]) for s in sl}
+            args = (cols, o.offset, o.out, o.inp, o.activations, o.scale)
             rest = (req.push_id, req.ack, stamps, req.mark)
             return c.start(addr, key, "push_outer", *args, *rest, timeout=timeout)
         if req.op == "push":

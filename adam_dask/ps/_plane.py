@@ -163,7 +163,6 @@ class Channels:
         self._open: dict[tuple[str, str], Channel] = {}
         self._down: dict[tuple[str, str], float] = {}
         self._endpoints: dict[tuple[str, str], dict] = {}
-        self.lock = threading.Lock()  # one call of this handle at a time
         self.counts = {"pushes": 0, "pulls": 0, "to_dask": 0, "failed_calls": 0}
 
     def get(self, addr: str, key: str, endpoint: Callable[[], dict]) -> Channel | None:

@@ -159,17 +159,13 @@ class Delivery:
     def answered(self, addr: str, sids: tuple[int, ...], reply: dict) -> None:
         """``addr`` answered the part for ``sids``: its shards are done but those it says moved
         (another generation, not primary there), which go again after a refresh."""
-        if "error" in reply:
-            raise ConnectionError(f"{reply['error']}: {reply.get('message')}")
         self.replies.setdefault(addr, []).append(reply)
         per_shard = {int(k): v for k, v in reply.get("per_shard", {}).items()}
         for s in sids:
             if s in per_shard:
                 self.results[s] = per_shard[s]
                 self.todo.discard(s)
-        moved = [int(s) for s in reply.get("moved", ())]
-        left = [s for s in sids if s in self.todo]
-        if moved or left:
+        if any(s in self.todo for s in sids):  # moved, or not answered: the routing again
             self.refresh = True
 
     def failed(self, addr: str, sids: tuple[int, ...], exc: BaseException) -> None:
