@@ -80,6 +80,9 @@ class ReplayLog:
 
     def __init__(self) -> None:
         self._held: dict[int, OrderedDict[int, HeldPush]] = {}
+        # shards whose held pushes all come from one primary and generation, at rising versions
+        # (the steady state): confirming walks only what it drops or marks, and nothing moved
+        self._ordered: set[int] = set()
         self.nbytes = 0
         self.replayed = 0
         self._lock = threading.RLock()
@@ -104,6 +107,14 @@ class ReplayLog:
             old = per.pop(held.push_id, None)
             if old is not None:
                 self.nbytes -= old.drop()
+            if not per:
+                self._ordered.add(sid)
+            elif sid in self._ordered:
+                last = next(reversed(per.values()))
+                if (last.primary, last.gen) != (held.primary, held.gen) or (
+                    last.version >= held.version
+                ):
+                    self._ordered.discard(sid)
             per[held.push_id] = held
             self.nbytes += held.nbytes
 
@@ -117,6 +128,8 @@ class ReplayLog:
         per = self._held.get(sid)
         held = per.get(push_id) if per is not None else None
         if held is not None:
+            if len(per) > 1:  # a replayed push takes a new version where it stands
+                self._ordered.discard(sid)
             held.primary, held.gen, held.version = primary, int(gen), int(version)
             held.replicated = False  # the new primary's copies have yet to say so
 
@@ -142,6 +155,8 @@ class ReplayLog:
         if not per:
             return 0
         durable = int(version) if durable is None else min(int(durable), int(version))
+        if sid in self._ordered:
+            return self._confirm_ordered(per, primary, gen, version, durable)
         drop = []
         for p, h in per.items():
             if h.primary != primary or h.gen != gen:
@@ -152,7 +167,40 @@ class ReplayLog:
                 h.replicated = True
         for p in drop:
             self.nbytes -= per.pop(p).drop()
+        if not per or self._in_order(per):
+            self._ordered.add(sid)
         return len(drop)
+
+    def _confirm_ordered(
+        self, per: OrderedDict[int, HeldPush], primary: str, gen: int, version: int, durable: int
+    ) -> int:
+        """:meth:`_confirm` of a shard held in order: drop from the oldest while durable, mark
+        replicated on while every copy holds it, stop at the first newer push."""
+        first = next(iter(per.values()))
+        if (first.primary, first.gen) != (primary, gen):
+            return 0
+        dropped = 0
+        while per:
+            h = next(iter(per.values()))
+            if h.version > durable:
+                break
+            self.nbytes -= per.popitem(last=False)[1].drop()
+            dropped += 1
+        for h in per.values():
+            if h.version > version:
+                break
+            h.replicated = True
+        return dropped
+
+    @staticmethod
+    def _in_order(per: OrderedDict[int, HeldPush]) -> bool:
+        items = iter(per.values())
+        prev = next(items)
+        for h in items:
+            if (h.primary, h.gen) != (prev.primary, prev.gen) or h.version <= prev.version:
+                return False
+            prev = h
+        return True
 
     def shed(self, below: int) -> int:
         """Let go of replicated pushes, each shard's oldest first, until the held ones take at
@@ -180,7 +228,12 @@ class ReplayLog:
         out: dict[int, list[HeldPush]] = {}
         for sid, per in self._held.items():
             now = primaries.get(sid)
-            if now is None:
+            if now is None or not per:
+                continue
+            if sid in self._ordered:  # one primary holds them all: moved all or none
+                first = next(iter(per.values()))
+                if (first.primary, first.gen) != now:
+                    out[sid] = list(per.values())
                 continue
             stale = [h for h in per.values() if (h.primary, h.gen) != now]
             if stale:
@@ -246,6 +299,7 @@ class ReplayLog:
                 for h in per.values():
                     h.drop()
             self._held.clear()
+            self._ordered.clear()
             self.nbytes = 0
 
 

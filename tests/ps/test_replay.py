@@ -111,3 +111,78 @@ def test_answers_fill_and_empty_the_log_and_moved_pushes_become_replays():
     assert asked is not None
     log.answered(asked, "b", {"per_shard": {1: 9}, "durable": {1: 9}, "gens": {1: 2}}, hold)
     assert not log and log.question() is None
+
+
+def test_a_replay_after_newer_pushes_is_confirmed_by_version_not_by_place():
+    log = ReplayLog()
+    log.add(0, held(1, "a", 5))
+    log.add(0, held(2, "a", 6))
+    log.add(0, held(3, "c", 10, gen=1))  # pushed to the new primary before the replays
+    log.acknowledged(0, 1, "c", 1, 11)
+    log.acknowledged(0, 2, "c", 1, 12)
+    assert log.moved({0: ("c", 1)}) == {}
+    assert log.confirm(0, "c", 1, 11) == 2  # 10 and 11: not stopped by the 12 before them
+    assert [h.push_id for h in log.held(0)] == [2]
+    log.add(0, held(4, "c", 13, gen=1))
+    assert log.confirm(0, "c", 1, 13, durable=12) == 1
+    assert [(h.push_id, h.replicated) for h in log.held(0)] == [(4, True)]
+
+
+def test_the_log_agrees_with_a_plain_walk_over_random_histories():
+    """Every operation on random histories (adds from changing primaries, replays, confirms,
+    sheds) leaves the log holding what a plain list walked in full would hold."""
+    import random
+
+    for seed in range(200):
+        rng = random.Random(seed)
+        log = ReplayLog()
+        ref: dict[int, list[list]] = {0: [], 1: []}  # [push_id, primary, gen, version, repl]
+        version = {("a", 0): 0, ("b", 0): 0, ("a", 1): 0}
+        pid = 0
+        for _ in range(60):
+            sid = rng.randrange(2)
+            who = rng.choice(list(version))
+            op = rng.random()
+            if op < 0.45:
+                pid += 1
+                version[who] += 1
+                log.add(sid, held(pid, who[0], version[who], who[1]))
+                ref[sid].append([pid, who[0], who[1], version[who], False])
+            elif op < 0.6 and ref[sid]:
+                entry = rng.choice(ref[sid])
+                version[who] += 1
+                log.acknowledged(sid, entry[0], who[0], who[1], version[who])
+                entry[1:] = [who[0], who[1], version[who], False]
+            elif op < 0.9:
+                v = rng.randrange(version[who] + 2)
+                d = rng.choice([None, max(v - rng.randrange(3), -1)])
+                dur = v if d is None else min(d, v)
+                keep = []
+                for e in ref[sid]:
+                    if (e[1], e[2]) == who and e[3] <= dur:
+                        continue
+                    if (e[1], e[2]) == who and e[3] <= v:
+                        e[4] = True
+                    keep.append(e)
+                dropped = len(ref[sid]) - len(keep)
+                ref[sid] = keep
+                assert log.confirm(sid, who[0], who[1], v, d) == dropped, seed
+            else:
+                below = rng.randrange(0, 10 * (len(ref[0]) + len(ref[1])) + 1)
+                log.shed(below)
+                total = 10 * (len(ref[0]) + len(ref[1]))
+                for s in (0, 1):
+                    keep = []
+                    for e in ref[s]:
+                        if e[4] and total > below:
+                            total -= 10
+                            continue
+                        keep.append(e)
+                    ref[s] = keep
+            for s in (0, 1):
+                got = [(h.push_id, h.primary, h.gen, h.version, h.replicated) for h in log.held(s)]
+                assert got == [tuple(e) for e in ref[s]], seed
+                now = rng.choice(list(version))
+                stale = [e[0] for e in ref[s] if (e[1], e[2]) != now]
+                moved = log.moved({s: now}).get(s, [])
+                assert [h.push_id for h in moved] == stale, seed
