@@ -127,7 +127,7 @@ class ReplayLog:
     def _acknowledged(self, sid: int, push_id: int, primary: str, gen: int, version: int) -> None:
         per = self._held.get(sid)
         held = per.get(push_id) if per is not None else None
-        if held is not None:
+        if per is not None and held is not None:
             if len(per) > 1:  # a replayed push takes a new version where it stands
                 self._ordered.discard(sid)
             held.primary, held.gen, held.version = primary, int(gen), int(version)
