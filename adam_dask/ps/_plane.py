@@ -118,15 +118,15 @@ class Channel:
         self.sock, self.unix, self.server_id = sock, unix, server_id
         self.shared: set[int] = set()  # segment ids the node has mapped
         self.pull_seg: Segment | None = None
+        self._poller = select.poll()  # not select(): a busy process has descriptors past 1024
+        self._poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
 
     def readable(self, seconds: float) -> bool:
         """Whether an answer has started to arrive within ``seconds``."""
         pending = getattr(self.sock, "pending", None)  # TLS: bytes already decrypted
         if pending is not None and pending():
             return True
-        poller = select.poll()  # not select(): a busy process has descriptors past 1024
-        poller.register(self.sock, select.POLLIN | select.POLLERR | select.POLLHUP)
-        return bool(poller.poll(max(seconds, 0.0) * 1000))
+        return bool(self._poller.poll(max(seconds, 0.0) * 1000))
 
     def share(self, seg: Segment) -> None:
         if seg.id in self.shared:
