@@ -32,7 +32,7 @@ from .data.ingest import ingest
 from .data.serving import DataService
 from .errors import AdamError
 from .model.network import Network
-from .ps.server import ParameterServer
+from .ps.client.server import ParameterServer
 from .train.metrics import History
 from .train.trainer import Trainer
 

@@ -1,4 +1,4 @@
-"""The data planes' listeners (the parameter server's, :mod:`adam_dask.ps._plane_server`, and
+"""The data planes' listeners (the parameter server's, :mod:`adam_dask.ps.plane.server`, and
 the images', :mod:`adam_dask.data.serving._plane`): one per worker process and plane.
 
 * a Unix socket in the abstract namespace (the same machine and network namespace: peers hand
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._tls import listen_context
-from .ps._wire import recv_msg
+from .ps.plane.wire import recv_msg
 
 logger = logging.getLogger(__name__)
 

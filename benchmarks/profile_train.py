@@ -14,7 +14,7 @@ recordings (``--nonblocking``, raw stacks with thread ids):
 * ``gil``: the thread holding the GIL.
 
 Each sample's stack is put in one category (first rule that matches, see ``RULES``): the
-engine's kernels (numba, ``step_into`` / ``forward``), PS push / pull (``ps/server.py``,
+engine's kernels (numba, ``step_into`` / ``forward``), PS push / pull (``ps/client/server.py``,
 ``train/_exchange.py``), update bookkeeping (``train/_updates.py``), serialization
 (``distributed/protocol``, pickle), comm I/O (``distributed/comm``, tornado streams), data
 (``data/serving``, zarr, augmentation), the event loop, waiting (queue / lock / select / sleep).
@@ -102,7 +102,7 @@ def role_of(stacks: list[str]) -> str:
         return "TRAIN"
     if "adam_dask/data/serving" in text:
         return "DATA"
-    if "adam_dask/ps/node.py" in text or "adam_dask/ps/_node" in text:
+    if "adam_dask/ps/runtime/node.py" in text or "adam_dask/ps/protocol/node_" in text:
         return "PS"
     if "adam_dask/cli" in text or "adam_dask/train/trainer.py" in text:
         return "client+scheduler"

@@ -1,4 +1,4 @@
-"""Benchmark: the deterministic simulation of the PS protocol (adam_dask.ps.simulation) over
+"""Benchmark: the deterministic simulation of the PS protocol (adam_dask.testing.simulation) over
 many seeds: every invariant after every step, and the healing bound (every shard back at its
 copies within HEAL_BOUND simulated seconds of the end of the last fault).
 
@@ -8,7 +8,7 @@ shared machine may not give it the time) and prints one JSON line, appended to
 benchmarks/results/simulation.jsonl: the seeds run, the wall seconds,
 the failing seeds (a few shown, with the first one's message), the bound and the worst healing
 time seen (with its seed). A failing seed replays with
-``adam_dask.ps.simulation.simulate(seed, trace=True)``.
+``adam_dask.testing.simulation.simulate(seed, trace=True)``.
 
     python benchmarks/simulation.py [--seeds 100000] [--first 0] [--processes 2]
 """
@@ -26,7 +26,7 @@ SHOWN = 10  # failing seeds shown in the line
 
 def _run(seed: int) -> tuple[int, str | None, float, int]:
     """(seed, the failure's first line or None, healed_after, restored shards)."""
-    from adam_dask.ps.simulation import SimulationFailure, simulate
+    from adam_dask.testing.simulation import SimulationFailure, simulate
 
     try:
         r = simulate(seed)
@@ -36,7 +36,7 @@ def _run(seed: int) -> tuple[int, str | None, float, int]:
 
 
 def sweep(first: int, seeds: int, processes: int, max_seconds: float) -> dict:
-    from adam_dask.ps.simulation import HEAL_BOUND
+    from adam_dask.testing.simulation import HEAL_BOUND
 
     failures: list[tuple[int, str]] = []
     worst = (0.0, first)

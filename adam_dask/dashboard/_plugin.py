@@ -31,7 +31,7 @@ from tornado import web
 
 from .. import config
 from .._secrets import install, scrub
-from ..ps._policy import PLUGIN_NAME as PS_PLUGIN_NAME
+from ..ps.protocol.policy import PLUGIN_NAME as PS_PLUGIN_NAME
 from ._html import render_page
 from ._status import PROGRESS_TOPIC, PS_TOPIC, RateMeter, build_status
 

@@ -5,26 +5,24 @@ controller in the scheduler.
 Users call :class:`ParameterServer` (create, restore, attach, push, push_outer, pull, flush,
 stats, close); :class:`ShardPlacement` is the controller, a scheduler plugin
 (``ParameterServer.create`` registers it; preload it with ``dask scheduler --preload
-adam_dask.ps.placement``). The modules, for a reader:
+adam_dask.ps.placement``). The sub-packages, by what they do:
 
-* ``state.py``: one shard's values, version and push ids (pure); ``_node_state.py``: a node's
-  protocol (pure); ``node.py``: the PSNode actor that carries it out.
-* ``_policy.py``: where copies go (pure policy), re-exported with the preload hook by
-  ``placement.py``; ``_controller.py``: the controller's
-  decisions (pure); ``_plugin.py``: the scheduler plugin that carries them out.
-* the client: ``server.py`` (the handle) builds one ``Request`` (``_request.py``, with the
-  pure ``Delivery`` that routes and retries it) for every push, pull and question, which its
-  ``Courier`` (``_courier.py``) carries over the data plane (``_plane.py``; the node's side
-  ``_plane_server.py``) or, for control, Dask (``_control.py``), holding a ``Routing``
-  (``_routing.py``) and a ``ReplayLog`` (``_replay.py``: pushes a pusher keeps until every copy
-  holds them). ``checkpoint.py``: blocks and the manifest.
-* ``simulation.py``: a deterministic simulation of the protocol with faults.
+* :mod:`.protocol`: pure (no Dask, no sockets, no clock): a shard, a node's protocol, the
+  controller's decisions, where copies go, the manifest, the client's request and routing, the
+  replay log, the messages between them;
+* :mod:`.runtime`: carrying them out on Dask: the PSNode actor, the scheduler plugin;
+* :mod:`.client`: the handle and the courier that carries its requests;
+* :mod:`.plane`: the data plane (channels, the node's listeners, forwards, framing).
+
+``placement.py`` is the controller's scheduler preload, ``checkpoint.py`` reads and writes the
+blocks and the manifest, ``kernels.py`` holds the numba kernels. The deterministic simulation
+of the protocol and the client with faults is in :mod:`adam_dask.testing.simulation`.
 """
 
 from __future__ import annotations
 
-from ._plugin import ShardPlacement
-from .server import ParameterServer
+from .client.server import ParameterServer
+from .runtime.plugin import ShardPlacement
 
 ReplicaPlacement = ShardPlacement  # the older name of the controller plugin
 

@@ -14,7 +14,7 @@ Format 2 (no pickles; safe to open from an untrusted place)::
 Blocks are immutable: a primary writes a new one for each write-back, named by its generation
 and version, so nothing ever overwrites data a manifest names, and a primary that lost its
 place (a frozen node that wakes up) can only add a block nobody names. The manifest has one
-writer, the controller (:mod:`adam_dask.ps._controller`): it names a block only after its data
+writer, the controller (:mod:`adam_dask.ps.protocol.controller`): it names a block only after its data
 is written and only from the shard's primary of the current generation; its sequence number and
 each shard's ``(generation, version)`` never go back. A block is deleted two manifests after
 the last one naming it (a reader of the previous manifest finds its data), and blocks no manifest
@@ -41,7 +41,7 @@ import numpy as np
 from .._secrets import redact_urls
 from ..errors import CheckpointError
 from ..storage import filesystem, join_url, normalize_url, zarr_store
-from .state import Mark, Snapshot
+from .protocol.shard import Mark, Snapshot
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Shard placement: the policy (:mod:`adam_dask.ps._policy`, plain functions) and the scheduler
+"""Shard placement: the policy (:mod:`adam_dask.ps.protocol.policy`, plain functions) and the scheduler
 preload that installs the controller plugin: ``dask scheduler --preload adam_dask.ps.placement``
 (the gateway values and operator manifests in ``deploy/`` do this), so a scheduler has the
 controller before any client connects. ``ParameterServer.create`` registers it otherwise.
@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._plugin import ShardPlacement
-from ._policy import (
+from .protocol.policy import (
     PLUGIN_NAME,
     ROLE,
     TOPIC,
@@ -18,6 +17,7 @@ from ._policy import (
     choose_primary,
     plan_placement,
 )
+from .runtime.plugin import ShardPlacement
 
 __all__ = [
     "PLUGIN_NAME",

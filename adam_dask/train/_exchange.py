@@ -13,11 +13,11 @@ A training thread calls :meth:`Exchange.step` every ``push_every`` images (the p
   A barrier that times out is an error naming the replicas that did not arrive.
 
 The server is anything with ``push(delta)``, ``push_outer(offset, errors, activations,
-scale=)`` and ``pull()`` (a :class:`~adam_dask.ps.server.ParameterServer`, or an in-process
+scale=)`` and ``pull()`` (a :class:`~adam_dask.ps.client.server.ParameterServer`, or an in-process
 stand-in in tests). The exchange counts what it pushed: ``pushes``, ``images_pushed`` (images
 whose updates the server acknowledged) and ``items`` (per stream item, the images pushed: the
 replica's data position). With a :class:`~adam_dask.train._position.Marker` every push carries
-its :class:`~adam_dask.ps.state.Mark` (number, what it covers, the position after it), which the
+its :class:`~adam_dask.ps.protocol.shard.Mark` (number, what it covers, the position after it), which the
 parameter server records with it; :meth:`Exchange.push_segment` pushes a re-trained segment
 under a given number.
 """

@@ -5,7 +5,7 @@ it a parameter-server handle; tests run the partitions of a replica as threads o
 
 **Dataflow.** Partition 0 draws mini-batches (from :func:`push_groups`) and runs its layers
 forward; each partition sends its output activations to the next over a long-lived socket
-(the data plane's framing, :mod:`adam_dask.ps._wire`: a msgpack header, then the raw float32
+(the data plane's framing, :mod:`adam_dask.ps.plane.wire`: a msgpack header, then the raw float32
 bytes, read with ``recv_exact_into``); the last partition computes the loss and its error terms
 and the errors travel back the same way. Each partition's ``threads`` threads take whatever
 work is ready (errors coming back first), so several mini-batches are in flight in every
@@ -21,7 +21,7 @@ stashing keeps the forward's weights for the backward; we do not (see docs/desig
 
 **Push groups.** Partition 0 cuts the stream into groups of about ``push_every`` images (a
 re-trained segment is one group) and numbers them; every partition pushes its update of a
-group as part ``p`` of that group's push (one :class:`~adam_dask.ps.state.Mark`: the group's
+group as part ``p`` of that group's push (one :class:`~adam_dask.ps.protocol.shard.Mark`: the group's
 number, the images it covers, ``parts = P``) to the shards of its own span
 (:meth:`ParameterServer.push_range`), then pulls its span. A push of a group holds exactly that
 group's mini-batches: each thread accumulates into one of two buffers by the group's parity,
@@ -47,8 +47,8 @@ import numpy as np
 
 from ..errors import ClusterError
 from ..model.stage import Stage, StageContext
-from ..ps._wire import recv_exact_into, recv_msg, send_msg
-from ..ps.state import Mark
+from ..ps.plane.wire import recv_exact_into, recv_msg, send_msg
+from ..ps.protocol.shard import Mark
 from ._updates import summed
 
 __all__ = ["Group", "Link", "PartitionRunner", "push_groups"]
@@ -101,7 +101,7 @@ def push_groups(
 
 
 class _Stream:
-    """A socket's reading side as the data plane's framing (:mod:`adam_dask.ps._wire`) reads
+    """A socket's reading side as the data plane's framing (:mod:`adam_dask.ps.plane.wire`) reads
     it, in fewer system calls: ``recv_into`` serves small reads from one ``recv`` of whatever
     has arrived (a message's length, header and a small payload in one call); a read of at
     least half the buffer with nothing buffered goes straight into the caller's buffer. (The

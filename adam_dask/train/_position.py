@@ -4,7 +4,7 @@ A replica's share of an epoch is a fixed set of stream batches, each named ``(p,
 ``k`` of partition ``p``, the same in every run of the share, with the same images in the same
 order). One training thread steps through a batch's mini-batches in order, so each push covers a
 range ``[a, b)`` of images of each batch it touches. Every push carries a
-:class:`~adam_dask.ps.state.Mark`: its number (``seq``; ``part`` numbers the calls of one push)
+:class:`~adam_dask.ps.protocol.shard.Mark`: its number (``seq``; ``part`` numbers the calls of one push)
 and what it ``covers`` (``[[p, k, a, b], ...]``). Each shard records the marks of the pushes it
 applied, atomically with its values, and skips a push whose ``(seq, part)`` it applied already.
 
@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import ClusterError
-from ..ps.state import Mark
+from ..ps.protocol.shard import Mark
 
 __all__ = [
     "Key",

@@ -189,7 +189,7 @@ class _Reporter:
 @dataclass(frozen=True, slots=True)
 class BarrierRef:
     """Where the epoch's :class:`SyncBarrier` actor lives. A replica calls it by address and
-    key (:func:`~adam_dask.ps._rpc.call_actor`), not through a Dask ``Actor`` handle: a handle
+    key (:func:`~adam_dask.ps.runtime.rpc.call_actor`), not through a Dask ``Actor`` handle: a handle
     deserialized in a task binds a future in the worker's client, and that future was seen
     reported "cancelled" while the actor was alive, failing the replica."""
 
@@ -200,7 +200,7 @@ class BarrierRef:
         from distributed import get_worker
         from distributed.utils import sync
 
-        from ..ps._rpc import call_actor
+        from ..ps.runtime.rpc import call_actor
 
         worker = get_worker()
         return sync(
@@ -219,7 +219,7 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | N
     """Train replica ``job.replica`` for epoch ``job.epoch``; returns its statistics.
 
     Runs inside a Dask task on a TRAIN worker. ``server`` is a
-    :class:`~adam_dask.ps.server.ParameterServer`, ``data`` a
+    :class:`~adam_dask.ps.client.server.ParameterServer`, ``data`` a
     :class:`~adam_dask.data.serving.DataService`, ``barrier`` a :class:`SyncBarrier` actor
     (sync mode only).
     """

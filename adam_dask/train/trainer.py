@@ -274,7 +274,7 @@ class Trainer:
         self._replicas_now = self._replica_count()
         self.check_partitions()  # before anything starts: refuses what does not fit
         if self.server is None:
-            from ..ps.server import ParameterServer
+            from ..ps.client.server import ParameterServer
 
             self.server = ParameterServer.create(
                 self.client,
@@ -589,7 +589,7 @@ class Trainer:
         """A Trainer that continues the run checkpointed at ``checkpoint``: its weights, epoch,
         history, planned epochs and settings (mode, learning rate and schedule, push_every, ...);
         a keyword given here (not None) replaces the stored setting."""
-        from ..ps.server import ParameterServer
+        from ..ps.client.server import ParameterServer
 
         own = client is None
         if own:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from adam_dask.ps._controller import ServerState
-from adam_dask.ps._messages import (
+from adam_dask.ps.protocol.controller import ServerState
+from adam_dask.ps.protocol.messages import (
     Beat,
     Call,
     CallDone,
@@ -212,7 +212,7 @@ def test_most_nodes_frozen_for_good_are_retired_once_the_doubt_runs_out(ctl):
     itself (most nodes silent: its own link cut?) and retires none; after
     DOUBT_RETIRE_TIMEOUTS retire timeouts it retires the frozen ones (the way they heal),
     rather than leaving them to Dask's worker timeout."""
-    from adam_dask.ps._controller import DOUBT_RETIRE_TIMEOUTS
+    from adam_dask.ps.protocol.controller import DOUBT_RETIRE_TIMEOUTS
 
     limit = DOUBT_RETIRE_TIMEOUTS * ctl.retire_timeout
     retired = {}

@@ -1,4 +1,4 @@
-"""The data plane (adam_dask/ps/_plane.py, _plane_server.py): pushes and pulls from the calling
+"""The data plane (adam_dask/ps/plane/channels.py, ps/plane/server.py): pushes and pulls from the calling
 thread to the PS nodes' sockets, values in shared memory on the same machine or after the
 header over TCP, with the Dask actor path behind it. Real clusters, real signals."""
 
@@ -71,7 +71,7 @@ def test_a_tls_cluster_moves_pushes_pulls_and_forwards_over_tls_on_the_plane():
     import socket
 
     import adam_dask
-    from adam_dask.ps._rpc import call_actor
+    from adam_dask.ps.runtime.rpc import call_actor
 
     with (
         dask.config.set({"adam.ps.data-plane": "tcp"}),
@@ -201,8 +201,8 @@ def test_sigkill_of_the_pusher_mid_push_leaves_no_torn_value_and_no_segment(ps_c
 def test_a_connection_without_the_nodes_token_is_closed_and_changes_nothing(ps_client):
     import socket
 
-    from adam_dask.ps._rpc import call_actor
-    from adam_dask.ps._wire import send_msg
+    from adam_dask.ps.plane.wire import send_msg
+    from adam_dask.ps.runtime.rpc import call_actor
 
     s = ParameterServer.create(ps_client, size=N, shard_bytes=SHARD)
     try:

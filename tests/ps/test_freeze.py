@@ -16,8 +16,8 @@ import pytest
 import adam_dask
 from adam_dask.cluster import PS, workers_with_role
 from adam_dask.ps import ParameterServer
-from adam_dask.ps._rpc import call_actor
-from adam_dask.ps.state import Snapshot
+from adam_dask.ps.protocol.shard import Snapshot
+from adam_dask.ps.runtime.rpc import call_actor
 from adam_dask.testing import PushLoad, freeze, push_on, stop_and_check_sum, thaw
 
 SHARD = 1 << 16

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adam_dask.ps._messages import (
+from adam_dask.ps.protocol.messages import (
     Assign,
     Fence,
     Flush,
@@ -23,7 +23,7 @@ from adam_dask.ps._messages import (
     WriteDone,
     WriteDue,
 )
-from adam_dask.ps._node_state import NodeState
+from adam_dask.ps.protocol.node_state import NodeState
 
 N = 8
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from adam_dask.errors import ConfigError, UpdateRejected
-from adam_dask.ps.state import Mark
+from adam_dask.ps.protocol.shard import Mark
 from adam_dask.train._position import applied_images
 
 N, SHARD = 6000, 4000  # 6 shards of 1000 floats

@@ -3,7 +3,7 @@ with a checkpoint, by the block the manifest names (no Dask)."""
 
 from __future__ import annotations
 
-from adam_dask.ps._replay import HeldPush, ReplayLog
+from adam_dask.ps.protocol.replay import HeldPush, ReplayLog
 
 
 def held(pid: int, primary: str, version: int, gen: int = 0) -> HeldPush:
@@ -80,7 +80,7 @@ def test_answers_fill_and_empty_the_log_and_moved_pushes_become_replays():
     ``confirmed`` answer drops it."""
     import numpy as np
 
-    from adam_dask.ps._request import Request
+    from adam_dask.ps.protocol.request import Request
 
     shards = [(0, 2), (2, 4)]
     values = np.arange(4, dtype=np.float32)

@@ -19,7 +19,7 @@ from adam_dask.cluster import workers_with_role
 from adam_dask.errors import CheckpointError, UpdateRejected
 from adam_dask.model.layout import ParameterLayout
 from adam_dask.ps import ParameterServer
-from adam_dask.ps._request import Request
+from adam_dask.ps.protocol.request import Request
 
 SHARD = 1 << 16  # 16 Ki floats per shard keeps the tests quick
 N = 5 * (SHARD // 4) + 123  # 6 shards

@@ -1,4 +1,4 @@
-"""The deterministic simulation of the PS protocol (adam_dask.ps.simulation): seeds of
+"""The deterministic simulation of the PS protocol (adam_dask.testing.simulation): seeds of
 delayed, reordered, dropped and duplicated messages, killed and frozen nodes, storage outages,
 checked after every step, and healed within the bound after the last fault. ``ADAM_SIM_SEEDS=N``
 runs N seeds instead of the default 1000 (benchmarks/simulation.py sweeps 100,000); a failing
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from adam_dask.ps.simulation import HEAL_BOUND, SimulationFailure, simulate
+from adam_dask.testing.simulation import HEAL_BOUND, SimulationFailure, simulate
 
 SEEDS = int(os.environ.get("ADAM_SIM_SEEDS", "1000"))
 CHUNKS = 10
@@ -27,7 +27,7 @@ def test_protocol_holds_under_faults(chunk):
 def test_the_healing_bound_is_checked(monkeypatch):
     """With a bound shorter than a repair takes, the seeds whose faults needed one fail on
     it (else the bound would be checked by nothing)."""
-    from adam_dask.ps import simulation
+    from adam_dask.testing import simulation
 
     monkeypatch.setattr(simulation, "HEAL_BOUND", 0.3)
     failed = []

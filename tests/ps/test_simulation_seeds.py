@@ -1,4 +1,4 @@
-"""The schedules of the PS simulation (adam_dask.ps.simulation) that once never healed, one
+"""The schedules of the PS simulation (adam_dask.testing.simulation) that once never healed, one
 test each, and the rule each one broke, as a pure-state test.
 
 Each seed test replays a schedule that meets the situation, checks it still does (else it
@@ -17,7 +17,7 @@ import re
 import numpy as np
 import pytest
 
-from adam_dask.ps._messages import (
+from adam_dask.ps.protocol.messages import (
     AddBackups,
     Assign,
     Fence,
@@ -31,8 +31,8 @@ from adam_dask.ps._messages import (
     WriteDone,
     WriteDue,
 )
-from adam_dask.ps._node_state import NodeState
-from adam_dask.ps.simulation import HEAL_BOUND, simulate
+from adam_dask.ps.protocol.node_state import NodeState
+from adam_dask.testing.simulation import HEAL_BOUND, simulate
 
 STILL_PRIMARY = "still its primary"
 

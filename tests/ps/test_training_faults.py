@@ -10,7 +10,7 @@ import dask
 import pytest
 
 import adam_dask
-from adam_dask.ps._rpc import call_actor
+from adam_dask.ps.runtime.rpc import call_actor
 from adam_dask.testing import fit_in_background, freeze, hard_kill, synthetic_store, thaw
 from adam_dask.train.trainer import Trainer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from adam_dask.ps.state import Mark, ShardState
+from adam_dask.ps.protocol.shard import Mark, ShardState
 from adam_dask.train._position import (
     Marker,
     applied_images,

@@ -40,7 +40,7 @@ import numpy as np
 
 from ..._listen import Listeners
 from ...errors import AdamError
-from ...ps._wire import recv_msg, send_msg
+from ...ps.plane.wire import recv_msg, send_msg
 from ._messages import Batch, End, ServerClosed, ServingError, StreamExpired
 from ._partition import PartitionServer
 

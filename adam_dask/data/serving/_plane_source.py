@@ -32,7 +32,7 @@ import numpy as np
 
 from ..._tls import connect_context
 from ...errors import ClusterError, ConfigError
-from ...ps._wire import MAX_HEADER, send_msg
+from ...ps.plane.wire import MAX_HEADER, send_msg
 from ..augment import as_model_input
 from ._messages import (
     Batch,

@@ -1,7 +1,7 @@
 """ParameterServer: the client of the global parameter server (paper section 3.3).
 
 A :class:`ParameterServer` is a small, picklable handle: the server id, the shard ranges and a
-:class:`~adam_dask.ps._courier.Courier` that carries its requests (a copy of the routing, the
+:class:`~adam_dask.ps.client.courier.Courier` that carries its requests (a copy of the routing, the
 data plane's channels, the replay log). Pushes and pulls go from the calling thread straight
 to the PS nodes' data plane; control goes through Dask, from a client (straight to the PS
 workers when the client has ``direct_to_workers``, else through the scheduler) or from inside
@@ -19,7 +19,7 @@ random id, so one retried on a new primary after a fail-over is applied once. ``
 
 * ``"replay"`` (the default): once the primary applied it; the handle keeps the push until the
   primary reports every copy holds it, and sends it again to the new primary after a fail-over
-  (:mod:`adam_dask.ps._replay`). No acknowledged update is lost while one copy or the pusher
+  (:mod:`adam_dask.ps.protocol.replay`). No acknowledged update is lost while one copy or the pusher
   survives, at the cost of a copy of each push kept for about a ``forward-interval``.
 * ``"all"``: once every copy holds it; nothing acknowledged is lost while one copy survives,
   but every push waits for a forward.
@@ -45,17 +45,17 @@ from typing import Any
 
 import numpy as np
 
-from .. import config
-from .._secrets import redact_url, redact_urls
-from ..errors import ConfigError, StorageError, UpdateRejected
-from ..model.layout import ParameterLayout
-from ..storage import normalize_url
-from ._build import build_server, resolve_copies, shard_of
-from ._courier import Courier
-from ._request import Outer, Request, overlapping
-from .checkpoint import read_checkpoint, read_marks
-from .kernels import first_nonfinite, scan_delta
-from .state import Mark, outer_part
+from ... import config
+from ..._secrets import redact_url, redact_urls
+from ...errors import ConfigError, StorageError, UpdateRejected
+from ...model.layout import ParameterLayout
+from ...storage import normalize_url
+from ..checkpoint import read_checkpoint, read_marks
+from ..kernels import first_nonfinite, scan_delta
+from ..protocol.request import Outer, Request, overlapping
+from ..protocol.shard import Mark, outer_part
+from .build import build_server, resolve_copies, shard_of
+from .courier import Courier
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ __all__ = ["ParameterServer"]
 
 class ParameterServer:
     """A handle on a parameter server; make one with :meth:`create`, :meth:`restore` or
-    :meth:`attach`. Its requests go through one :class:`~adam_dask.ps._courier.Courier`
+    :meth:`attach`. Its requests go through one :class:`~adam_dask.ps.client.courier.Courier`
     (routing, the data plane, Dask for control, the replay log)."""
 
     epoch: Any = None
@@ -206,7 +206,7 @@ class ParameterServer:
 
     @classmethod
     def _build(cls, client: Any, **settings: Any) -> ParameterServer:
-        """A new server from resolved settings (:func:`~adam_dask.ps._build.build_server`): the
+        """A new server from resolved settings (:func:`~adam_dask.ps.client.build.build_server`): the
         one constructor ``create`` and ``restore`` share, with no private keywords."""
         return build_server(cls, client, **settings)
 
@@ -297,7 +297,7 @@ class ParameterServer:
     def push(self, delta: np.ndarray, *, ack: str | None = None, mark: Mark | None = None) -> None:
         """Add a flat float32 ``delta`` (length ``size``) to the parameters.
 
-        ``mark`` (:class:`~adam_dask.ps.state.Mark`): what the push covers of the pusher's
+        ``mark`` (:class:`~adam_dask.ps.protocol.shard.Mark`): what the push covers of the pusher's
         data. Each shard records it atomically with the values (replicated, written back) and
         skips a push whose ``(seq, part)`` is at or below the one it recorded for the pusher;
         :meth:`marks` reads them.

@@ -1,16 +1,16 @@
 """A deterministic simulation of the parameter-server protocol, on the pure state machines.
 
-:func:`simulate` runs, from one seed, a few PS nodes (:class:`~adam_dask.ps._node_state.NodeState`),
-the controller (:class:`~adam_dask.ps._controller.ServerState`) and several pushers over a
+:func:`simulate` runs, from one seed, a few PS nodes (:class:`~adam_dask.ps.protocol.node_state.NodeState`),
+the controller (:class:`~adam_dask.ps.protocol.controller.ServerState`) and several pushers over a
 simulated network and clock: messages are delayed, reordered, dropped and duplicated; nodes are
 killed (their worker comes back under a new address, empty), frozen (sockets open, nothing
 answers; after a while they wake and act on what they knew) and storage has outages. Every
 choice comes from ``random.Random(seed)``, so a seed replays exactly.
 
-The pushers run the client's code: each holds a :class:`~adam_dask.ps._routing.Routing` (set
+The pushers run the client's code: each holds a :class:`~adam_dask.ps.protocol.routing.Routing` (set
 from the controller's routing where the client reads the scheduler) and a
-:class:`~adam_dask.ps._replay.ReplayLog`, and walks each request through a
-:class:`~adam_dask.ps._request.Delivery` as the client's courier does: a push, the replay of a
+:class:`~adam_dask.ps.protocol.replay.ReplayLog`, and walks each request through a
+:class:`~adam_dask.ps.protocol.request.Delivery` as the client's courier does: a push, the replay of a
 held push to a new primary (same push id), and, while pushes are held, the settler's rounds
 (the routing read again, then a replay or the ``confirmed`` question). The Delivery's sends are
 the simulated calls to the nodes; their answers, and the calls lost, timed out or made to a node
@@ -54,9 +54,9 @@ from typing import NoReturn
 
 import numpy as np
 
-from ._node_state import NodeState
-from ._sim_world import World
-from .state import ShardState
+from ..ps.protocol.node_state import NodeState
+from ..ps.protocol.shard import ShardState
+from .sim_world import World
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class _Sim(World):
     def fail(self, what: str) -> NoReturn:
         tail = "\n".join(self.trace[-400:])
         raise SimulationFailure(
-            f"seed {self.seed}: {what}\n(replay: adam_dask.ps.simulation.simulate({self.seed}, "
+            f"seed {self.seed}: {what}\n(replay: adam_dask.testing.simulation.simulate({self.seed}, "
             f"trace=True))\n--- trace (last 400 steps) ---\n{tail}"
         )
 

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ClusterError
+from ..errors import ClusterError
 
 logger = logging.getLogger(__name__)
 
@@ -445,7 +445,7 @@ class NetnsCluster:
         """Make host ``name``'s link slow (``rate``, e.g. ``"10mbit"``, both ways), lossy
         (``loss``: the share of packets dropped, each way, on every link of the host) and/or
         long (``delay`` seconds, plus up to ``jitter``, on every packet the host sends: this
-        kernel has no netem, so :mod:`adam_dask._netdelay` holds them in user space).
+        kernel has no netem, so :mod:`adam_dask.testing.netdelay` holds them in user space).
         ``link="eth1"``: a PS host's link to the storage network."""
         host = self.hosts[name]
         if delay > 0 and host.delayer is None:
@@ -467,7 +467,7 @@ class NetnsCluster:
     def _start_delayer(self, host: Host, delay: float, jitter: float) -> None:
         queue = 1 + list(self.hosts).index(host.name)
         host.delayer = subprocess.Popen(
-            ["ip", "netns", "exec", host.ns, sys.executable, "-m", "adam_dask._netdelay"]
+            ["ip", "netns", "exec", host.ns, sys.executable, "-m", "adam_dask.testing.netdelay"]
             + ["--queue", str(queue), "--delay", str(delay), "--jitter", str(jitter)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -1,5 +1,5 @@
 """The controller's commands to a PS node (a mixin of
-:class:`~adam_dask.ps._node_state.NodeState`, pure like it): hold shards, become a primary
+:class:`~adam_dask.ps.protocol.node_state.NodeState`, pure like it): hold shards, become a primary
 (promoted, or rebuilt from the checkpoint), change backup lists, forget shards, flush.
 
 Commands that arrive twice or late change nothing: a promotion or restore of a generation in
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ShardUnavailable, UpdateRejected
-from ._messages import (
+from ...errors import ShardUnavailable, UpdateRejected
+from .messages import (
     AddBackups,
     Assign,
     Cancel,
@@ -30,7 +30,7 @@ from ._messages import (
     SetBackups,
     WriteDue,
 )
-from .state import ShardState
+from .shard import ShardState
 
 logger = logging.getLogger(__name__)
 

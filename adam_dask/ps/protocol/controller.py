@@ -4,8 +4,8 @@ with the events.
 One :class:`ServerState` per parameter server holds the routing (``{shard: [primary,
 backups...]}``), the generation of every shard, the nodes and their heartbeats, and the
 checkpoint's manifest. :meth:`ServerState.handle` takes an event
-(:mod:`adam_dask.ps._messages`) and returns actions; the scheduler plugin
-(:mod:`adam_dask.ps._plugin`) and the simulator carry them out.
+(:mod:`adam_dask.ps.protocol.messages`) and returns actions; the scheduler plugin
+(:mod:`adam_dask.ps.runtime.plugin`) and the simulator carry them out.
 
 Decisions (each change of the routing bumps ``generation``):
 
@@ -37,8 +37,8 @@ import logging
 from collections import Counter
 from typing import Any
 
-from ._manifest import Manifest
-from ._messages import (
+from .manifest import Manifest
+from .messages import (
     Beat,
     Commit,
     LogEvent,
@@ -54,8 +54,8 @@ from ._messages import (
     WorkerRemoved,
     WriteReport,
 )
-from ._node_state import NOT_MEMBER
-from ._repair import Repair, _Op, _Round
+from .node_state import NOT_MEMBER
+from .repair import Repair, _Op, _Round
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ __all__ = ["ServerState"]
 
 class ServerState(Repair):
     """The controller's state for one parameter server (see the module doc); the repair
-    (promotion, restore, copies) is :class:`~adam_dask.ps._repair.Repair`.
+    (promotion, restore, copies) is :class:`~adam_dask.ps.protocol.repair.Repair`.
 
     ``manifest`` is the checkpoint's manifest as written when the server was made (None: no
     checkpoint); ``workers`` the live PS workers {addr: host}; ``nodes`` {addr: actor key}.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ._messages import DeleteBlocks, Reply, WriteManifest
+from .messages import DeleteBlocks, Reply, WriteManifest
 
 logger = logging.getLogger(__name__)
 

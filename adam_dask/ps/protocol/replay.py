@@ -22,8 +22,8 @@ by the one before.
 :class:`ReplayLog` is the bookkeeping, pure (no Dask, no I/O, no clocks): it takes the
 primaries' answers (:meth:`ReplayLog.answered`) and says which requests replay the moved pushes
 (:meth:`ReplayLog.replays`) and which asks what every copy holds (:meth:`ReplayLog.question`).
-The client's :class:`~adam_dask.ps._courier.Courier` and the simulation's pushers
-(:mod:`adam_dask.ps.simulation`) drive it, each with its own transport and clock.
+The client's :class:`~adam_dask.ps.client.courier.Courier` and the simulation's pushers
+(:mod:`adam_dask.testing.simulation`) drive it, each with its own transport and clock.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ._request import Request
+from .request import Request
 
 logger = logging.getLogger(__name__)
 

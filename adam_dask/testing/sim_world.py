@@ -1,4 +1,4 @@
-"""The world of the PS simulation (:mod:`adam_dask.ps.simulation`): a clock, a network of
+"""The world of the PS simulation (:mod:`adam_dask.testing.simulation`): a clock, a network of
 messages that are delayed, reordered, dropped and duplicated, PS nodes that are killed or frozen,
 a storage that has outages, and the controller; every choice drawn from one seeded generator.
 """
@@ -11,8 +11,8 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from ._controller import ServerState
-from ._messages import (
+from ..ps.protocol.controller import ServerState
+from ..ps.protocol.messages import (
     Beat,
     Call,
     Cancel,
@@ -31,10 +31,10 @@ from ._messages import (
     WriteManifest,
     WriteReport,
 )
-from ._node_commands import command
-from ._node_state import NodeState
-from ._policy import plan_placement
-from ._sim_traffic import (
+from ..ps.protocol.node_commands import command
+from ..ps.protocol.node_state import NodeState
+from ..ps.protocol.policy import plan_placement
+from .sim_traffic import (
     BEAT_INTERVAL,
     BEAT_TIMEOUT,
     CALL_TIMEOUT,

@@ -10,10 +10,10 @@ sends a header naming it (the snapshots' metadata); the backup's connection thre
 them from its mapping. To another machine the values follow the header straight from the
 snapshots' arrays (the kernel's copy only) and the backup reads them into its buffer. Either
 way the backup installs under the node state's lock
-(:meth:`~adam_dask.ps.node.PSNode.plane_replicate`): the one copy on that side. The answer (what the backup now holds, what it refused) comes back on the
+(:meth:`~adam_dask.ps.runtime.node.PSNode.plane_replicate`): the one copy on that side. The answer (what the backup now holds, what it refused) comes back on the
 same socket.
 
-Nothing of the protocol changes: the backup's :class:`~adam_dask.ps._node_state.NodeState`
+Nothing of the protocol changes: the backup's :class:`~adam_dask.ps.protocol.node_state.NodeState`
 handles the same ``Replicate`` event and the primary the same ``ForwardDone``. A forward that
 fails on the plane (the backup gone, frozen past ``adam.ps.plane-timeout``, its plane not
 reachable) goes the Dask way with the same snapshots; a backup that gets a batch twice (a
@@ -29,9 +29,9 @@ import os
 import threading
 from typing import Any
 
-from ._plane import Channels, Segment
-from ._wire import recv_msg, send_msg
-from .state import Mark, Snapshot
+from ..protocol.shard import Mark, Snapshot
+from .channels import Channels, Segment
+from .wire import recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ through the scheduler) or from inside a Dask task (peer-to-peer, on the worker's
 
 Control travels here: the routing, flushes, marks, versions, statistics, the data plane's
 endpoints, a new server's first values. Pushes and pulls travel on the data plane
-(:mod:`adam_dask.ps._plane`); this module carries them only where the plane can not go
+(:mod:`adam_dask.ps.plane.channels`); this module carries them only where the plane can not go
 (``adam.ps.data-plane: dask``, a firewall between pusher and node), as :class:`DaskCalls`, with the
 same request and the same answers.
 """
@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ShardUnavailable
-from ._request import Request
-from ._rpc import call_actor
+from ...errors import ShardUnavailable
+from ..protocol.request import Request
+from ..runtime.rpc import call_actor
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class Control:
 
     def tls_context(self) -> Any:
         """The SSL context this process presents on a TLS cluster (:mod:`adam_dask._tls`)."""
-        from .._tls import connect_context
+        from ..._tls import connect_context
 
         return connect_context(self.client)
 

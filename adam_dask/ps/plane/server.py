@@ -1,6 +1,6 @@
 """The node's side of the data plane: pushes and pulls straight from a socket to the shards.
 
-One :class:`PlaneServer` per PS worker process serves every :class:`~adam_dask.ps.node.PSNode`
+One :class:`PlaneServer` per PS worker process serves every :class:`~adam_dask.ps.runtime.node.PSNode`
 of the process (one per server id). It listens on
 
 * a Unix socket in the abstract namespace (same machine, same network namespace): the pusher
@@ -14,13 +14,13 @@ of the process (one per server id). It listens on
 
 A connection is served by one thread: it reads a push (the bytes land once, in the shared
 segment or in the connection's buffer) and hands it to the node's protocol state
-(:class:`~adam_dask.ps._node_state.NodeState`, unchanged: fenced, deduplicated, applied) in
+(:class:`~adam_dask.ps.protocol.node_state.NodeState`, unchanged: fenced, deduplicated, applied) in
 this thread, under the state's lock, batched with the pushes other connections brought
-meanwhile (:meth:`~adam_dask.ps.node.PSNode.plane_push`); then it sends the node's answer. The
+meanwhile (:meth:`~adam_dask.ps.runtime.node.PSNode.plane_push`); then it sends the node's answer. The
 pusher checked the values (NaN/Inf) before sending; the node checks their lengths. A pull
 copies the primaries' values under the same lock, between two batches of pushes, into the
 pusher's segment (or the connection's buffer, then the socket): never a torn value. A primary's
-forwards to its backups come the same way (``replicate``, :mod:`adam_dask.ps._plane_forward`).
+forwards to its backups come the same way (``replicate``, :mod:`adam_dask.ps.plane.forward`).
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from .._listen import Listeners
-from ..errors import AdamError
-from ._plane_forward import snapshots_from
-from ._wire import recv_exact_into, recv_msg, send_msg
-from .state import Mark
+from ..._listen import Listeners
+from ...errors import AdamError
+from ..protocol.shard import Mark
+from .forward import snapshots_from
+from .wire import recv_exact_into, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class _Connection:
             return error_reply(exc)
 
     def _replicate(self, h: dict) -> dict:
-        """A primary's forward (:mod:`adam_dask.ps._plane_forward`): the snapshots' values are
+        """A primary's forward (:mod:`adam_dask.ps.plane.forward`): the snapshots' values are
         read into this connection's buffer and installed (copied into the shards) under the
         state's lock before the buffer is read into again."""
         metas = h["snaps"]

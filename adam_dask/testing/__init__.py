@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ._netns import NetnsCluster, netns_problem
+from .netns import NetnsCluster, netns_problem
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def synthetic_store(
     folder: str | Path, n_train: int = 512, n_test: int = 128, seed: int = 0
 ) -> str:
     """Ingest a synthetic MNIST-like dataset into ``folder/digits.zarr``; returns its path."""
-    from .data.ingest import ingest
+    from ..data.ingest import ingest
 
     folder = Path(folder)
     src = write_mnist_like(folder / "src", n_train=n_train, n_test=n_test, seed=seed)

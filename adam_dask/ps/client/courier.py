@@ -1,13 +1,13 @@
 """The courier of a parameter-server handle: every request (push, pull, a partition's range, the
 offload's activations and errors, a replay, what every copy holds, the control calls) goes
-through :meth:`Courier.deliver`, which routes it (:class:`~adam_dask.ps._request.Delivery`),
-sends each primary its part on the data plane (:class:`~adam_dask.ps._plane.PlaneCalls`) or,
+through :meth:`Courier.deliver`, which routes it (:class:`~adam_dask.ps.protocol.request.Delivery`),
+sends each primary its part on the data plane (:class:`~adam_dask.ps.plane.channels.PlaneCalls`) or,
 where the plane can not reach a node and for control, as a Dask actor call
-(:class:`~adam_dask.ps._control.DaskCalls`), waits for the answers, and retries on the new
+(:class:`~adam_dask.ps.client.control.DaskCalls`), waits for the answers, and retries on the new
 primary after a fail-over with the same push id.
 
 With ``ack="replay"`` the courier keeps what the primaries acknowledged (the
-:class:`~adam_dask.ps._replay.ReplayLog`, a lease on the pushed segment rather than a copy)
+:class:`~adam_dask.ps.protocol.replay.ReplayLog`, a lease on the pushed segment rather than a copy)
 until every copy and the checkpoint hold it, replays it to a new primary before the next
 request, and keeps settling in a thread of its own while pushes are held, so they are replayed
 even when the pusher pushes nothing more.
@@ -21,13 +21,13 @@ import threading
 import time
 from typing import Any
 
-from .. import config
-from ..errors import ShardUnavailable
-from ._control import Control, DaskCalls, part_of
-from ._plane import Channel, Channels, PlaneCalls, Segment
-from ._replay import HeldPush, ReplayLog
-from ._request import Delivery, Outer, Refresh, Request, Send
-from ._routing import Routing
+from ... import config
+from ...errors import ShardUnavailable
+from ..plane.channels import Channel, Channels, PlaneCalls, Segment
+from ..protocol.replay import HeldPush, ReplayLog
+from ..protocol.request import Delivery, Outer, Refresh, Request, Send
+from ..protocol.routing import Routing
+from .control import Control, DaskCalls, part_of
 
 logger = logging.getLogger(__name__)
 

@@ -13,14 +13,14 @@ from typing import Any
 import dask.config
 import numpy as np
 
-from .. import config
-from .._worker_preload import RedactLogs
-from ..errors import ConfigError, UpdateRejected
-from ..model.layout import ParameterLayout, shard_ranges
-from ._plugin import ShardPlacement
-from ._policy import PLUGIN_NAME
-from .checkpoint import init_checkpoint
-from .kernels import first_nonfinite
+from ... import config
+from ..._worker_preload import RedactLogs
+from ...errors import ConfigError, UpdateRejected
+from ...model.layout import ParameterLayout, shard_ranges
+from ..checkpoint import init_checkpoint
+from ..kernels import first_nonfinite
+from ..protocol.policy import PLUGIN_NAME
+from ..runtime.plugin import ShardPlacement
 
 logger = logging.getLogger(__name__)
 

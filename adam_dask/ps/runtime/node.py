@@ -1,13 +1,13 @@
 """PSNode: the parameter-server actor, one per PS worker and server.
 
-The protocol lives in :class:`~adam_dask.ps._node_state.NodeState` (pure); this actor only
+The protocol lives in :class:`~adam_dask.ps.protocol.node_state.NodeState` (pure); this actor only
 carries its actions out on the worker's event loop: it answers callers, sends forwards to
 backups, writes checkpoint blocks (in a thread) and reports them to the controller, and runs
 three timers (forward, write-back, heartbeat). All methods are ``async``: they run on the
 worker's event loop and touch the state from one thread, without locks; the pushes that arrive
 during one turn of the loop are applied as one batch.
 
-The controller (the scheduler plugin, :mod:`adam_dask.ps._plugin`) makes the nodes, tells them
+The controller (the scheduler plugin, :mod:`adam_dask.ps.runtime.plugin`) makes the nodes, tells them
 which shards they hold and in which role, and hears their heartbeats; a node that stops hearing
 it is a member stops serving.
 """
@@ -25,10 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from .._secrets import process_redactor
-from .._tls import connect_context
-from ..errors import ShardUnavailable, StorageError
-from ._messages import (
+from ..._secrets import process_redactor
+from ..._tls import connect_context
+from ...errors import ShardUnavailable, StorageError
+from ..plane.forward import ForwardChannels
+from ..plane.server import PlaneServer, plane_server
+from ..protocol.messages import (
     AddBackups,
     Assign,
     Cancel,
@@ -56,11 +58,9 @@ from ._messages import (
     WriteDue,
     WriteFailed,
 )
-from ._node_state import NodeState
-from ._plane_forward import ForwardChannels
-from ._plane_server import PlaneServer, plane_server
-from ._rpc import call_actor
-from .state import Mark, Snapshot
+from ..protocol.node_state import NodeState
+from ..protocol.shard import Mark, Snapshot
+from .rpc import call_actor
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class PSNode:
             self._worker.address, dedup_window=self.cfg["dedup_window"], checkpoint=bool(ckpt)
         )
         if ckpt:
-            from .checkpoint import BlockStore
+            from ..checkpoint import BlockStore
 
             self._store = BlockStore(ckpt, self.cfg.get("storage_options"))
         self._plane = plane_server(self._worker)
@@ -374,7 +374,7 @@ class PSNode:
     async def start(self, key: str) -> None:
         """Compile the kernels (in a thread: the loop keeps answering), then start the timers;
         ``key`` is this actor's key (it names the node in heartbeats)."""
-        from .kernels import warm_up
+        from ..kernels import warm_up
 
         await asyncio.to_thread(warm_up)
         self.key = key
@@ -409,7 +409,7 @@ class PSNode:
         self._start()
         values, attrs, ids = await asyncio.to_thread(self._store.read, block[0])
         version = int(attrs["version"])
-        from .checkpoint import block_marks
+        from ..checkpoint import block_marks
 
         marks = block_marks(attrs)
         return await self._ask(
@@ -648,7 +648,7 @@ class PSNode:
             return fn(*args)
 
     async def plane(self) -> dict:
-        """Where pushers reach this node's data plane (:mod:`adam_dask.ps._plane_server`)."""
+        """Where pushers reach this node's data plane (:mod:`adam_dask.ps.plane.server`)."""
         self._start()
         assert self._plane is not None
         return {"server_id": self.server_id, **self._plane.endpoint()}

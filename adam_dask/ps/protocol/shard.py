@@ -6,7 +6,7 @@ generation of the primary that produced them (copies compare ``(generation, vers
 fail-over the new primary's values win over an older primary's, even at a lower version), and a
 bounded window of the ids of the last pushes applied, so that a push retried after a fail-over
 is applied once. Everything here is synchronous and deterministic; the actor in
-:mod:`adam_dask.ps.node` owns the I/O around it.
+:mod:`adam_dask.ps.runtime.node` owns the I/O around it.
 
 Shapes: ``n`` = floats in the shard; an outer-product update for a dense layer of ``out``
 outputs and ``inp`` inputs over a batch of ``B`` samples takes ``errors (B, out)`` and
@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import config
-from ..errors import UpdateRejected
-from .kernels import apply_all, first_nonfinite
+from ... import config
+from ...errors import UpdateRejected
+from ..kernels import apply_all, first_nonfinite
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The controller's repair of a parameter server (a mixin of
-:class:`~adam_dask.ps._controller.ServerState`, pure like it): what to call on which node so
+:class:`~adam_dask.ps.protocol.controller.ServerState`, pure like it): what to call on which node so
 that every shard has a primary and its copies again.
 
 * a shard whose primary is gone: a new generation; every surviving copy is fenced with it and
@@ -20,8 +20,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from ._messages import Call, CallDone, CallFailed, Cancel, CreateNode, LogEvent, Peer, Position
-from ._policy import choose_new_holder, choose_primary
+from .messages import Call, CallDone, CallFailed, Cancel, CreateNode, LogEvent, Peer, Position
+from .policy import choose_new_holder, choose_primary
 
 logger = logging.getLogger(__name__)
 

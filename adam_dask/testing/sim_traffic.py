@@ -1,9 +1,9 @@
 """How messages reach the parts of the PS simulation, and what its pushers do (a mixin of
-:class:`~adam_dask.ps._sim_world.World`): a node's answer reaches the incarnation that asked, no
+:class:`~adam_dask.testing.sim_world.World`): a node's answer reaches the incarnation that asked, no
 other; a pusher is a client handle on the simulated network and clock, one request at a time,
-each walked to its primaries by the client's :class:`~adam_dask.ps._request.Delivery` over the
-pusher's :class:`~adam_dask.ps._routing.Routing`, what the primaries acknowledged kept in its
-:class:`~adam_dask.ps._replay.ReplayLog` (which also makes its replays and questions).
+each walked to its primaries by the client's :class:`~adam_dask.ps.protocol.request.Delivery` over the
+pusher's :class:`~adam_dask.ps.protocol.routing.Routing`, what the primaries acknowledged kept in its
+:class:`~adam_dask.ps.protocol.replay.ReplayLog` (which also makes its replays and questions).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import ShardUnavailable
-from ._control import part_of
-from ._controller import ServerState
-from ._messages import (
+from ..ps.client.control import part_of
+from ..ps.protocol.controller import ServerState
+from ..ps.protocol.messages import (
     Beat,
     CallDone,
     CallFailed,
@@ -40,11 +40,11 @@ from ._messages import (
     WriteFailed,
     WriteReport,
 )
-from ._node_commands import command
-from ._node_state import NodeState
-from ._replay import HeldPush, ReplayLog
-from ._request import Delivery, Refresh, Request, Send
-from ._routing import Routing
+from ..ps.protocol.node_commands import command
+from ..ps.protocol.node_state import NodeState
+from ..ps.protocol.replay import HeldPush, ReplayLog
+from ..ps.protocol.request import Delivery, Refresh, Request, Send
+from ..ps.protocol.routing import Routing
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class Traffic:
     """Delivery of messages and the pushers' moves.
 
     A mixin: the state below and the plumbing methods after it are those of
-    :class:`~adam_dask.ps._sim_world.World`, which sets and defines them.
+    :class:`~adam_dask.testing.sim_world.World`, which sets and defines them.
     """
 
     rng: random.Random

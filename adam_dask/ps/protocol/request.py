@@ -1,7 +1,7 @@
 """One request to the parameter server and its way to the primaries, pure (no sockets, no
 Dask, no clocks of its own): the part of the client that routes, retries across fail-overs and
 gives up, written once for every kind of call and driven by the client's transports
-(:mod:`adam_dask.ps.client`) or by the simulation's network (:mod:`adam_dask.ps.simulation`).
+(:mod:`adam_dask.ps.client`) or by the simulation's network (:mod:`adam_dask.testing.simulation`).
 
 A :class:`Request` names its shards and what it carries: ``push`` (a delta per shard, or the
 dense offload's activations and errors), ``pull`` (the shards' values), ``push`` with
@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError, ShardUnavailable, StorageError, UpdateRejected
+from ...errors import ConfigError, ShardUnavailable, StorageError, UpdateRejected
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class Refresh:
 class Delivery:
     """The way of one :class:`Request` to its primaries (see the module doc).
 
-    ``routing`` is the client's :class:`~adam_dask.ps._routing.Routing` (read, never written
+    ``routing`` is the client's :class:`~adam_dask.ps.protocol.routing.Routing` (read, never written
     here); ``now`` and ``timeout`` set the deadline (``adam.ps.failover-timeout``)."""
 
     def __init__(self, request: Request, routing: Any, now: float, timeout: float):

@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, ShardUnavailable, UpdateRejected
-from ._control import part_of, write_pulled
-from ._request import Request
-from ._wire import recv_exact_into, recv_msg, send_msg
+from ...errors import ConfigError, ShardUnavailable, UpdateRejected
+from ..client.control import part_of, write_pulled
+from ..protocol.request import Request
+from .wire import recv_exact_into, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ are queued to user space (netfilter's NFQUEUE, by an iptables rule in the host's
 let go ``delay`` seconds later (plus a uniform jitter), in this small process that runs inside the
 namespace::
 
-    ip netns exec NS python -m adam_dask._netdelay --queue 7 --delay 0.1 [--jitter 0.01]
+    ip netns exec NS python -m adam_dask.testing.netdelay --queue 7 --delay 0.1 [--jitter 0.01]
 
 It speaks the nfnetlink queue protocol directly (a raw netlink socket): bind the queue, ask for
 packet metadata only, then answer each packet with an ACCEPT verdict once its time has come.

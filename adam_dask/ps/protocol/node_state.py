@@ -2,8 +2,8 @@
 
 A :class:`NodeState` holds the copies of shards one PS node keeps for one server: the primaries
 it applies pushes to and the backups it keeps up to date. :meth:`NodeState.handle` takes an
-event (:mod:`adam_dask.ps._messages`) and returns the actions to carry out; the actor
-(:mod:`adam_dask.ps.node`) and the simulator (:mod:`adam_dask.ps.simulation`) do the I/O.
+event (:mod:`adam_dask.ps.protocol.messages`) and returns the actions to carry out; the actor
+(:mod:`adam_dask.ps.runtime.node`) and the simulator (:mod:`adam_dask.testing.simulation`) do the I/O.
 
 The rules:
 
@@ -21,10 +21,10 @@ The rules:
   of its shard (by a backup, the controller's answer to a write-back or a heartbeat) steps down
   and forgets the shard. A node the controller no longer counts as a member stops everything.
 * **Write back**: a primary writes blocks of its dirty shards; the controller names a block in
-  the manifest only when the writer's generation is current (:mod:`adam_dask.ps._controller`).
+  the manifest only when the writer's generation is current (:mod:`adam_dask.ps.protocol.controller`).
 
 The controller's commands (assign, promote, restore, backup lists, flush) are
-:class:`~adam_dask.ps._node_commands.Commands`.
+:class:`~adam_dask.ps.protocol.node_commands.Commands`.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ShardUnavailable, UpdateRejected
-from ._messages import (
+from ...errors import ShardUnavailable, UpdateRejected
+from .messages import (
     Confirmed,
     Fence,
     Forward,
@@ -56,8 +56,8 @@ from ._messages import (
     WriteDue,
     WriteFailed,
 )
-from ._node_commands import NOT_HELD, Commands, _Waiter, command
-from .state import Mark, ShardState
+from .node_commands import NOT_HELD, Commands, _Waiter, command
+from .shard import Mark, ShardState
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@
 * :func:`choose_new_holder`: where a shard's next copy goes (a host the shard does not use).
 * :func:`choose_primary`: which surviving copy becomes the primary (the newest).
 
-The controller's state machine (:mod:`adam_dask.ps._controller`) decides with these; the
-scheduler plugin (:mod:`adam_dask.ps._plugin`) carries its decisions out. The public names
+The controller's state machine (:mod:`adam_dask.ps.protocol.controller`) decides with these; the
+scheduler plugin (:mod:`adam_dask.ps.runtime.plugin`) carries its decisions out. The public names
 are re-exported by :mod:`adam_dask.ps.placement`, the module a scheduler preloads.
 """
 
@@ -18,7 +18,7 @@ import warnings
 from collections import Counter
 from typing import Any
 
-from ..errors import ClusterError
+from ...errors import ClusterError
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """ShardPlacement: the parameter-server controller, a scheduler plugin.
 
-The decisions live in :class:`~adam_dask.ps._controller.ServerState` (pure, one per server);
+The decisions live in :class:`~adam_dask.ps.protocol.controller.ServerState` (pure, one per server);
 this plugin feeds it events (workers joining and leaving, heartbeats, write-back reports,
 answers of calls, a timer) and carries its actions out on the scheduler's event loop: calls to
 nodes, node creation, retiring a silent worker, writing the manifest. The scheduler is the one
@@ -27,10 +27,10 @@ from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from .. import config
-from .._secrets import install, process_redactor, redact_urls, remember
-from ._controller import ServerState
-from ._messages import (
+from ... import config
+from ..._secrets import install, process_redactor, redact_urls, remember
+from ..protocol.controller import ServerState
+from ..protocol.messages import (
     Beat,
     Call,
     CallDone,
@@ -52,9 +52,9 @@ from ._messages import (
     WriteManifest,
     WriteReport,
 )
-from ._policy import PLUGIN_NAME, ROLE, TOPIC, plan_placement
-from ._rpc import call_actor
+from ..protocol.policy import PLUGIN_NAME, ROLE, TOPIC, plan_placement
 from .node import PSNode
+from .rpc import call_actor
 
 logger = logging.getLogger(__name__)
 
@@ -329,7 +329,7 @@ class ShardPlacement(SchedulerPlugin):
             )
 
     async def _write_manifest(self, server_id: str, a: WriteManifest) -> None:
-        from .checkpoint import put_manifest
+        from ..checkpoint import put_manifest
 
         info = self.info.get(server_id)
         if info is None:
@@ -345,7 +345,7 @@ class ShardPlacement(SchedulerPlugin):
         self._feed(server_id, ManifestDone(a.seq))
 
     async def _delete_blocks(self, server_id: str, paths: tuple[str, ...]) -> None:
-        from .checkpoint import BlockStore
+        from ..checkpoint import BlockStore
 
         info = self.info.get(server_id)
         if info is None or not paths:
@@ -357,7 +357,7 @@ class ShardPlacement(SchedulerPlugin):
             logger.info("server %s: deleting old blocks failed (%s)", server_id, exc)
 
     async def _sweep(self, server_id: str, named: set[str]) -> None:
-        from .checkpoint import BlockStore
+        from ..checkpoint import BlockStore
 
         info = self.info[server_id]
         store = BlockStore(info["checkpoint"], info["storage_options"])

@@ -1,9 +1,9 @@
 """Events and actions of the parameter-server protocol, as small frozen dataclasses.
 
-The node (:mod:`adam_dask.ps._node_state`) and the controller (:mod:`adam_dask.ps._controller`)
+The node (:mod:`adam_dask.ps.protocol.node_state`) and the controller (:mod:`adam_dask.ps.protocol.controller`)
 are pure state machines: ``handle(event)`` changes their state and returns the actions to carry
-out. The Dask actor (:mod:`adam_dask.ps.node`), the scheduler plugin
-(:mod:`adam_dask.ps._plugin`) and the simulator (:mod:`adam_dask.ps.simulation`) feed them events
+out. The Dask actor (:mod:`adam_dask.ps.runtime.node`), the scheduler plugin
+(:mod:`adam_dask.ps.runtime.plugin`) and the simulator (:mod:`adam_dask.testing.simulation`) feed them events
 and carry the actions out; nothing else changes protocol state.
 
 ``req`` fields are opaque tokens of the caller: a :class:`Reply` with the same token answers
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .state import Mark, Snapshot
+from .shard import Mark, Snapshot
 
 __all__ = [
     "AddBackups",
@@ -113,7 +113,7 @@ class Confirmed:
 
 @dataclass(frozen=True, slots=True)
 class Marks:
-    """The data positions (:class:`~adam_dask.ps.state.Mark`) of ``epoch`` recorded by each
+    """The data positions (:class:`~adam_dask.ps.protocol.shard.Mark`) of ``epoch`` recorded by each
     primary among ``sids``."""
 
     req: Any
