@@ -268,6 +268,7 @@ class World(Traffic):
 
     def ctl_handle(self, event: Any) -> None:
         actions = self.ctl.handle(event)
+        self.ctl.validate()
         # a tick or a heartbeat that the controller answers with its reply alone changed
         # nothing the checks read (routing, rounds, calls, generations): the controller acts on
         # each change it makes, in the same pass (its repair settles every consequence of an
@@ -278,7 +279,9 @@ class World(Traffic):
 
     def node_handle(self, node: _Node, event: Any) -> None:
         self.dirty.add(node.addr)
-        self.node_actions(node, node.state.handle(event))
+        actions = node.state.handle(event)
+        node.state.validate()
+        self.node_actions(node, actions)
 
     # -- faults ----------------------------------------------------------------------------------
 

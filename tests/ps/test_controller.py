@@ -235,3 +235,32 @@ def test_a_stalled_controller_does_not_blame_the_nodes(ctl):
     ctl.handle(Tick(1.0))
     out = ctl.handle(Tick(9.0))  # the scheduler's loop was blocked for 8 s
     assert not of(out, Retire) and set(ctl.nodes) == {"a", "b", "c"}
+
+
+def test_the_story_says_why_a_shard_was_promoted(ctl):
+    for t in (0.5, 1.0, 1.5, 2.0):
+        for x in "bc":
+            beat(ctl, x, t)
+        ctl.handle(Tick(t))
+    out = ctl.handle(Tick(2.1))  # a silent for 2.1 s: declared dead, survivors fenced
+    fences = {c.addr: c for c in of(out, Call) if c.method == "fence"}
+    ctl.handle(CallDone(fences["b"].op, {0: (0, 5), 1: (0, 9)}))
+    out = ctl.handle(CallDone(fences["c"].op, {0: (0, 7), 1: (0, 9)}))
+    promote = next(c for c in of(out, Call) if c.method == "promote" and 0 in c.args[0])
+    ctl.handle(CallDone(promote.op, {0: 9}))
+    story = ctl.story(0)
+    events = [e.event.split("(")[0] for e in story]
+    assert events[-4:] == ["Tick", "CallDone", "CallDone", "CallDone"]
+    assert "Beat" not in events  # heartbeats that change nothing are not noted
+    declared, fenced_b, fenced_c, promoted = story[-4:]
+    assert {"Call(fence -> b)", "Call(fence -> c)"} <= set(declared.actions)
+    assert "Call(promote -> c)" in fenced_c.actions and 0 in fenced_c.shards
+    assert not any("promote" in a for a in fenced_b.actions)  # c had not answered yet
+    assert promoted.stimulus != declared.stimulus
+
+
+def test_validate_finds_a_broken_invariant(ctl):
+    ctl.validate()
+    ctl.routing[0] = ["a", "a", "b"]
+    with pytest.raises(AssertionError, match="two copies"):
+        ctl.validate()

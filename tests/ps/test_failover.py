@@ -66,6 +66,22 @@ def test_kill_primary_holder_while_pushing(fo_client):
         stop_and_check_sum(s, pushers)
         check_placement(s)
         assert s.stats()["data_plane"]["pushes"] > 10  # the SIGKILL met the data plane
+        # why shard 0 has its new primary, from the system itself: the controller's story
+        # names the loss of the victim and its promotion call, the new primary's the promotion
+        story = s.story(0)
+        ctl = story["controller"]
+        lost = [e for e in ctl if e["event"].startswith("WorkerRemoved(") and victim in e["event"]]
+        lost += [e for e in ctl if e["event"].startswith("Tick(") and e["actions"]]
+        assert lost, ctl
+        new_primary = s.placement()[0][0]
+        promoted = [
+            e
+            for e in ctl
+            if any(a.startswith(f"Call(promote -> {new_primary}") for a in e["actions"])
+        ]
+        assert promoted and 0 in promoted[-1]["shards"], ctl
+        node = story["nodes"][new_primary]
+        assert any(e["event"].startswith("Promote(") for e in node), node
         heal = info["heal_times"][heals_before:]
         assert heal
         logger.warning(

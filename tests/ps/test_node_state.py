@@ -19,6 +19,7 @@ from adam_dask.ps.protocol.messages import (
     Replicate,
     Reply,
     Restore,
+    Tick,
     WriteBlocks,
     WriteDone,
     WriteDue,
@@ -147,3 +148,31 @@ def test_restore_installs_the_block_with_its_push_ids_once():
     ns.handle(Pushes((push("y", 1, 100, gen=9),)))
     again = replies(ns.handle(Restore("r2", 0, 9, 0, N, 4, values, ())))
     assert again["r2"] == 4 and ns.shards[0].version == 5  # the same restore twice: no reset
+
+
+def test_the_story_keeps_commands_and_step_downs_not_every_push(primary, backup):
+    for i in range(5):
+        primary.handle(Pushes((push(f"x{i}", 1, 100 + i),)))
+    assert [e.event.split("(")[0] for e in primary.story(0)] == ["Assign"]  # pushes: not noted
+    snaps = next(f for f in of(primary.handle(ForwardDue()), Forward) if f.addr == "b1").snaps
+    backup.handle(Fence("f", {0: 4}, stimulus_id="ctl-WorkerRemoved-7"))
+    got = replies(backup.handle(Replicate("r", "p", snaps)))["r"]
+    primary.handle(ForwardDone("b1", got["held"], got["refused"]))  # fenced: steps down
+    story = primary.story(0)
+    assert story[-1].event.startswith("ForwardDone(") and story[-1].shards == (0,)
+    fence = backup.story(0)[-1]
+    assert fence.stimulus == "ctl-WorkerRemoved-7" and fence.event.startswith("Fence(")
+    assert fence.actions == ("Reply",)
+    assert primary.stats()["story"][-1]["event"].startswith("ForwardDone(")
+
+
+def test_validate_finds_a_broken_invariant(primary):
+    primary.validate()
+    primary.shards[0].gen = 9  # a copy ahead of the node's fence: nothing may do this
+    with pytest.raises(AssertionError, match="past the fence"):
+        primary.validate()
+
+
+def test_every_event_has_a_handler_and_an_unknown_one_is_refused(primary):
+    with pytest.raises(TypeError, match="does not handle Tick"):
+        primary.handle(Tick(1.0))

@@ -84,6 +84,10 @@ class Control:
         """The controller's record of this server (``adam_ps_routing``)."""
         return self.run(lambda rpc, sched: sched.adam_ps_routing(server_id=self.server_id))
 
+    def story(self, sid: int | None) -> list[dict]:
+        """The controller's story of shard ``sid`` (``adam_ps_story``)."""
+        return self.run(lambda rpc, sched: sched.adam_ps_story(server_id=self.server_id, sid=sid))
+
     def call(self, addr: str, key: str, method: str, *args: Any, timeout: float) -> Any:
         """Call ``method`` of the node ``key`` on ``addr`` and wait for its answer."""
 

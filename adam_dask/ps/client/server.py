@@ -722,6 +722,25 @@ class ParameterServer:
 
         return self._courier.control.run(commit)
 
+    def story(self, sid: int | None = None) -> dict:
+        """Why shard ``sid`` (every shard: ``None``) is where it is: ``{"controller": [...],
+        "nodes": {addr: [...]}}``, each the events of note that machine handled, oldest first
+        (``stimulus``, ``event``, ``shards``, ``actions``): the controller's fail-overs,
+        fences, promotions and restores, each node's commands and step-downs. Bounded: the
+        newest 256 events of each."""
+        courier = self._courier
+        courier.refresh()
+        nodes = dict(courier.routing.nodes)
+        answers = courier.control.each(
+            {a: (k, "story", sid) for a, k in nodes.items()}, float(config.get("ps.call-timeout"))
+        )
+        return {
+            "controller": courier.control.story(sid),
+            "nodes": {
+                a: (r if not isinstance(r, BaseException) else repr(r)) for a, r in answers.items()
+            },
+        }
+
     def _stats(self) -> tuple[dict, dict]:
         courier = self._courier
         routing = courier.control.routing()

@@ -35,12 +35,18 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from .manifest import Manifest
 from .messages import (
+    Action,
     Beat,
+    Call,
+    CallDone,
+    CallFailed,
     Commit,
+    Event,
     LogEvent,
     ManifestDone,
     ManifestFailed,
@@ -56,6 +62,7 @@ from .messages import (
 )
 from .node_state import NOT_MEMBER
 from .repair import Repair, _Op, _Round
+from .story import Story, shards_of
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +129,7 @@ class ServerState(Repair):
         self.failures: Counter = Counter()
         self.last_seen: dict[int, Position] = {}
         self.restored: list[dict] = []
+        self.story = Story(f"controller-{server_id}")
         self.heal_started: float | None = None
         self.heal_times: list[float] = []
         self.declared_dead = 0
@@ -135,13 +143,31 @@ class ServerState(Repair):
 
     # -- the one entry point ---------------------------------------------------------------------
 
-    def handle(self, event: Any) -> list:
-        """Apply ``event``; return the actions to carry out, in order."""
-        method = getattr(self, "_on_" + type(event).__name__, None)
-        if method is None:
+    def handle(self, event: Event) -> list[Action]:
+        """Apply ``event``; return the actions to carry out, in order. Every event but a
+        tick or a heartbeat that only gets its reply goes into the :attr:`story`, the
+        shards of its calls named."""
+        handler = _HANDLERS.get(type(event))
+        if handler is None:
             raise TypeError(f"the PS controller does not handle {type(event).__name__}")
-        out = method(event)
-        return out + self._plan()
+        out = handler(self, event)
+        out = out + self._plan()
+        if type(event) not in (Tick, Beat) or any(not isinstance(a, Reply) for a in out):
+            touched = shards_of(event)
+            for a in out:
+                op = self.ops.get(a.op) if isinstance(a, Call) else None
+                touched.update(op.sids if op is not None else shards_of(a))
+            self.story.record(self.story.stimulus(event), event, touched, out)
+        return out
+
+    def validate(self) -> None:
+        """Raise :class:`AssertionError` when the controller's invariants do not hold (the
+        simulation calls it after every step): a shard's copies are on distinct workers, and a busy shard waits on a call the controller made."""
+        for sid, holders in self.routing.items():
+            assert len(set(holders)) == len(holders), f"shard {sid}: a worker holds two copies"
+            assert 0 <= sid < len(self.shards), f"a copy of shard {sid}, which does not exist"
+        for sid, op in self.busy.items():
+            assert op in self.ops, f"shard {sid} waits on call {op}, which is not under way"
 
     # -- views -----------------------------------------------------------------------------------
 
@@ -442,3 +468,20 @@ class ServerState(Repair):
         if self.manifest is None:
             return []
         return self.manifest.actions(self.now, self._ready("manifest"))
+
+
+# what the controller does with each event: mypy checks every handler exists and takes its event
+_HANDLERS: dict[type[Event], Callable[[ServerState, Any], list[Action]]] = {
+    WorkerAdded: ServerState._on_WorkerAdded,
+    WorkerRemoved: ServerState._on_WorkerRemoved,
+    Beat: ServerState._on_Beat,
+    Tick: ServerState._on_Tick,
+    NodeReady: ServerState._on_NodeReady,
+    NodeFailed: ServerState._on_NodeFailed,
+    WriteReport: ServerState._on_WriteReport,
+    Commit: ServerState._on_Commit,
+    ManifestDone: ServerState._on_ManifestDone,
+    ManifestFailed: ServerState._on_ManifestFailed,
+    CallDone: ServerState._on_CallDone,
+    CallFailed: ServerState._on_CallFailed,
+}

@@ -21,6 +21,7 @@ import numpy as np
 from .shard import Mark, Snapshot
 
 __all__ = [
+    "Action",
     "AddBackups",
     "Assign",
     "Beat",
@@ -33,6 +34,7 @@ __all__ = [
     "CreateNode",
     "DeleteBlocks",
     "Drop",
+    "Event",
     "Fence",
     "Flush",
     "Forward",
@@ -71,6 +73,21 @@ Position = tuple[int, int]
 Peer = tuple[str, str]  # (worker address, node actor key)
 
 
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Something that happened, handed to a state machine's ``handle``. ``stimulus_id`` names
+    its cause (the machine makes one when the caller gives none): the same id on the actions
+    it leads to and in the machine's story."""
+
+    stimulus_id: str = field(default="", kw_only=True, compare=False)
+
+
+class Action:
+    """What a state machine asks its runtime to carry out."""
+
+    __slots__ = ()
+
+
 # -- node events -----------------------------------------------------------------------------
 
 
@@ -90,21 +107,21 @@ class Push:
 
 
 @dataclass(frozen=True, slots=True)
-class Pushes:
+class Pushes(Event):
     """The pushes that arrived during one turn of the event loop, applied as one batch."""
 
     items: tuple[Push, ...]
 
 
 @dataclass(frozen=True, slots=True)
-class Pull:
+class Pull(Event):
     req: Any
     sids: tuple[int, ...]
     stamps: dict[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class Confirmed:
+class Confirmed(Event):
     """What every copy of each primary among ``sids`` holds (a pusher's question)."""
 
     req: Any
@@ -112,7 +129,7 @@ class Confirmed:
 
 
 @dataclass(frozen=True, slots=True)
-class Marks:
+class Marks(Event):
     """The data positions (:class:`~adam_dask.ps.protocol.shard.Mark`) of ``epoch`` recorded by each
     primary among ``sids``."""
 
@@ -122,19 +139,19 @@ class Marks:
 
 
 @dataclass(frozen=True, slots=True)
-class Versions:
+class Versions(Event):
     req: Any
     sids: tuple[int, ...] | None = None
     primaries_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)
-class ForwardDue:
+class ForwardDue(Event):
     """Timer: time to send what changed to the backups."""
 
 
 @dataclass(frozen=True, slots=True)
-class ForwardDone:
+class ForwardDone(Event):
     """A backup answered a forward: ``held`` {sid: position it holds now}, ``refused`` {sid:
     the generation it knows, newer than the one sent, or -1 when it does not hold the shard}."""
 
@@ -144,13 +161,13 @@ class ForwardDone:
 
 
 @dataclass(frozen=True, slots=True)
-class ForwardFailed:
+class ForwardFailed(Event):
     backup: str
     error: str
 
 
 @dataclass(frozen=True, slots=True)
-class Replicate:
+class Replicate(Event):
     """A forward arriving at a backup from ``sender``."""
 
     req: Any
@@ -159,12 +176,12 @@ class Replicate:
 
 
 @dataclass(frozen=True, slots=True)
-class WriteDue:
+class WriteDue(Event):
     """Timer: time to write dirty primaries back to the checkpoint."""
 
 
 @dataclass(frozen=True, slots=True)
-class WriteDone:
+class WriteDone(Event):
     """The controller's answer to a write-back report: {sid: version} accepted (named by the
     manifest), {sid: generation} refused because the writer's generation is stale."""
 
@@ -173,12 +190,12 @@ class WriteDone:
 
 
 @dataclass(frozen=True, slots=True)
-class WriteFailed:
+class WriteFailed(Event):
     error: str
 
 
 @dataclass(frozen=True, slots=True)
-class HeartbeatReply:
+class HeartbeatReply(Event):
     """The controller's answer to a heartbeat: whether this node still belongs to the server,
     and the current generation of the shards it holds."""
 
@@ -187,7 +204,7 @@ class HeartbeatReply:
 
 
 @dataclass(frozen=True, slots=True)
-class Assign:
+class Assign(Event):
     """Hold ``shards`` {sid: (start, stop)} at ``gens`` {sid: gen}; be primary of those in
     ``primaries`` {sid: [peers]} (its backups)."""
 
@@ -199,7 +216,7 @@ class Assign:
 
 
 @dataclass(frozen=True, slots=True)
-class Fence:
+class Fence(Event):
     """Refuse anything of ``gens`` {sid: gen}'s older generations; answer the positions held."""
 
     req: Any
@@ -207,7 +224,7 @@ class Fence:
 
 
 @dataclass(frozen=True, slots=True)
-class Promote:
+class Promote(Event):
     """Become the primary of each shard {sid: (gen, [backup peers])}. ``stamp`` orders the
     controller's backup lists: an older list arriving late changes nothing."""
 
@@ -217,7 +234,7 @@ class Promote:
 
 
 @dataclass(frozen=True, slots=True)
-class Restore:
+class Restore(Event):
     """Become the primary of a shard rebuilt from the checkpoint (values read by the actor)."""
 
     req: Any
@@ -232,14 +249,14 @@ class Restore:
 
 
 @dataclass(frozen=True, slots=True)
-class SetBackups:
+class SetBackups(Event):
     req: Any
     shards: dict[int, list[Peer]]
     stamp: int = 0
 
 
 @dataclass(frozen=True, slots=True)
-class AddBackups:
+class AddBackups(Event):
     """Set backup lists; answer once the new backups hold the shard's current position."""
 
     req: Any
@@ -248,13 +265,13 @@ class AddBackups:
 
 
 @dataclass(frozen=True, slots=True)
-class Drop:
+class Drop(Event):
     req: Any
     sids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
-class Flush:
+class Flush(Event):
     """Answer once every copy (and, with a checkpoint, the manifest) holds the current version
     of each primary among ``sids`` (all primaries when None)."""
 
@@ -267,7 +284,7 @@ class Flush:
 
 
 @dataclass(frozen=True, slots=True)
-class Reply:
+class Reply(Action):
     """Answer request ``req`` with ``value`` (an exception instance is raised to the caller)."""
 
     req: Any
@@ -275,7 +292,7 @@ class Reply:
 
 
 @dataclass(frozen=True, slots=True)
-class Forward:
+class Forward(Action):
     """Send ``snaps`` to the backup ``addr`` (actor ``key``); answer with ForwardDone/Failed."""
 
     addr: str
@@ -284,7 +301,7 @@ class Forward:
 
 
 @dataclass(frozen=True, slots=True)
-class Cancel:
+class Cancel(Action):
     """Stop waiting for the forward to ``addr`` (node) or the call ``op`` (controller)."""
 
     addr: str | None = None
@@ -292,7 +309,7 @@ class Cancel:
 
 
 @dataclass(frozen=True, slots=True)
-class WriteBlocks:
+class WriteBlocks(Action):
     """Write each snapshot as a checkpoint block, then report them to the controller; answer
     with WriteDone/WriteFailed."""
 
@@ -303,20 +320,20 @@ class WriteBlocks:
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerAdded:
+class WorkerAdded(Event):
     addr: str
     host: str
     now: float
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerRemoved:
+class WorkerRemoved(Event):
     addr: str
     now: float
 
 
 @dataclass(frozen=True, slots=True)
-class Beat:
+class Beat(Event):
     """A node's heartbeat: the positions of the shards it is primary of."""
 
     req: Any
@@ -327,37 +344,37 @@ class Beat:
 
 
 @dataclass(frozen=True, slots=True)
-class Tick:
+class Tick(Event):
     now: float
 
 
 @dataclass(frozen=True, slots=True)
-class CallDone:
+class CallDone(Event):
     op: int
     result: Any
 
 
 @dataclass(frozen=True, slots=True)
-class CallFailed:
+class CallFailed(Event):
     op: int
     error: str
 
 
 @dataclass(frozen=True, slots=True)
-class NodeReady:
+class NodeReady(Event):
     addr: str
     key: str
     now: float
 
 
 @dataclass(frozen=True, slots=True)
-class NodeFailed:
+class NodeFailed(Event):
     addr: str
     error: str
 
 
 @dataclass(frozen=True, slots=True)
-class WriteReport:
+class WriteReport(Event):
     """A primary wrote blocks: {sid: (gen, version, block path)}."""
 
     req: Any
@@ -366,19 +383,19 @@ class WriteReport:
 
 
 @dataclass(frozen=True, slots=True)
-class ManifestDone:
+class ManifestDone(Event):
     seq: int
 
 
 @dataclass(frozen=True, slots=True)
-class ManifestFailed:
+class ManifestFailed(Event):
     seq: int
     error: str
     now: float
 
 
 @dataclass(frozen=True, slots=True)
-class Commit:
+class Commit(Event):
     """Store ``epoch``/``meta`` (when not None) in the manifest and answer once it is written."""
 
     req: Any
@@ -390,7 +407,7 @@ class Commit:
 
 
 @dataclass(frozen=True, slots=True)
-class Call:
+class Call(Action):
     """Call ``method(*args)`` on the node at ``addr`` (actor ``key``); answer with
     CallDone/CallFailed carrying ``op``."""
 
@@ -402,21 +419,21 @@ class Call:
 
 
 @dataclass(frozen=True, slots=True)
-class CreateNode:
+class CreateNode(Action):
     """Create this server's node actor on the worker ``addr``; answer NodeReady/NodeFailed."""
 
     addr: str
 
 
 @dataclass(frozen=True, slots=True)
-class Retire:
+class Retire(Action):
     """Remove the worker ``addr`` from the cluster (it missed its heartbeats)."""
 
     addr: str
 
 
 @dataclass(frozen=True, slots=True)
-class WriteManifest:
+class WriteManifest(Action):
     """Write ``doc`` as the checkpoint's manifest; answer ManifestDone/ManifestFailed."""
 
     seq: int
@@ -424,12 +441,12 @@ class WriteManifest:
 
 
 @dataclass(frozen=True, slots=True)
-class DeleteBlocks:
+class DeleteBlocks(Action):
     paths: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
-class LogEvent:
+class LogEvent(Action):
     """Tell clients (the ``adam-ps`` event topic)."""
 
     msg: dict

@@ -30,14 +30,21 @@ The controller's commands (assign, promote, restore, backup lists, flush) are
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ...errors import ShardUnavailable, UpdateRejected
 from .messages import (
+    Action,
+    AddBackups,
+    Assign,
     Confirmed,
+    Drop,
+    Event,
     Fence,
+    Flush,
     Forward,
     ForwardDone,
     ForwardDue,
@@ -46,10 +53,13 @@ from .messages import (
     Marks,
     Peer,
     Position,
+    Promote,
     Pull,
     Pushes,
     Replicate,
     Reply,
+    Restore,
+    SetBackups,
     Versions,
     WriteBlocks,
     WriteDone,
@@ -58,6 +68,7 @@ from .messages import (
 )
 from .node_commands import NOT_HELD, Commands, _Waiter, command
 from .shard import Mark, ShardState
+from .story import Story, shards_of
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +76,7 @@ __all__ = ["NOT_HELD", "NOT_MEMBER", "NodeState", "command"]
 
 NOT_MEMBER = -2  # the controller's refusal of a write-back from a node it no longer counts
 _NOWHERE: Position = (-1, -1)
+STORY_IN_STATS = 16  # the newest entries of the node's story in its stats (all: story())
 
 
 class NodeState(Commands):
@@ -104,6 +116,7 @@ class NodeState(Commands):
         self.writeback_errors = 0
         self.last_writeback_error: str | None = None
         self.stepped_down = 0
+        self.story = Story(f"node-{addr}")
 
     def __repr__(self) -> str:
         backups = sorted(set(self.shards) - set(self.primaries))
@@ -111,12 +124,41 @@ class NodeState(Commands):
 
     # -- the one entry point ---------------------------------------------------------------------
 
-    def handle(self, event: Any) -> list:
-        """Apply ``event``; return the actions to carry out, in order."""
-        method = getattr(self, "_on_" + type(event).__name__, None)
-        if method is None:
+    def handle(self, event: Event) -> list[Action]:
+        """Apply ``event``; return the actions to carry out, in order. An event of note (every
+        one but the data path's, which is recorded only when it changes the node's role) goes
+        into the node's :attr:`story`."""
+        handler = _HANDLERS.get(type(event))
+        if handler is None:
             raise TypeError(f"a PS node does not handle {type(event).__name__}")
-        return method(event)
+        role = (len(self.shards), len(self.primaries), self.member)
+        actions = handler(self, event)
+        if type(event) not in _DATA_PATH or role != (
+            len(self.shards),
+            len(self.primaries),
+            self.member,
+        ):
+            touched = shards_of(event).union(*(shards_of(a) for a in actions))
+            self.story.record(self.story.stimulus(event), event, touched, actions)
+        return actions
+
+    def validate(self) -> None:
+        """Raise :class:`AssertionError` when the node's invariants do not hold (the simulation
+        calls it after every step): a primary holds its shard; no copy is ahead of the fence;
+        the checkpoint never names a version a primary has not reached; a node that left holds
+        nothing."""
+        for sid in self.primaries:
+            assert sid in self.shards, f"{self.addr}: primary of shard {sid} it does not hold"
+        for sid, st in self.shards.items():
+            fence = self.gens.get(sid)
+            assert fence is not None and st.gen <= fence, (
+                f"{self.addr}: shard {sid} at generation {st.gen} past the fence {fence}"
+            )
+        for sid, v in self.written.items():
+            assert sid in self.primaries and v <= self.shards[sid].version, (
+                f"{self.addr}: shard {sid} written at {v}, beyond what it holds"
+            )
+        assert self.member or not self.shards, f"{self.addr}: left the server, holds shards"
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -555,4 +597,50 @@ class NodeState(Commands):
             "stepped_down": self.stepped_down,
             "versions": {s: st.version for s, st in self.shards.items()},
             "generations": {s: st.gen for s, st in self.shards.items()},
+            "story": [e.to_dict() for e in self.story()[-STORY_IN_STATS:]],
         }
+
+
+_Handler = Callable[[NodeState, Any], list[Action]]
+
+# what a node does with each event: mypy checks every handler exists and takes its event
+_HANDLERS: dict[type[Event], _Handler] = {
+    Pushes: NodeState._on_Pushes,
+    Pull: NodeState._on_Pull,
+    Confirmed: NodeState._on_Confirmed,
+    Marks: NodeState._on_Marks,
+    Versions: NodeState._on_Versions,
+    ForwardDue: NodeState._on_ForwardDue,
+    ForwardDone: NodeState._on_ForwardDone,
+    ForwardFailed: NodeState._on_ForwardFailed,
+    Replicate: NodeState._on_Replicate,
+    WriteDue: NodeState._on_WriteDue,
+    WriteDone: NodeState._on_WriteDone,
+    WriteFailed: NodeState._on_WriteFailed,
+    HeartbeatReply: NodeState._on_HeartbeatReply,
+    Fence: NodeState._on_Fence,
+    Assign: NodeState._on_Assign,
+    Promote: NodeState._on_Promote,
+    Restore: NodeState._on_Restore,
+    SetBackups: NodeState._on_SetBackups,
+    AddBackups: NodeState._on_AddBackups,
+    Drop: NodeState._on_Drop,
+    Flush: NodeState._on_Flush,
+}
+
+# the data path's events: in the story only when they change the node's role
+_DATA_PATH: frozenset[type[Event]] = frozenset(
+    {
+        Pushes,
+        Pull,
+        Confirmed,
+        Marks,
+        Versions,
+        ForwardDue,
+        ForwardDone,
+        Replicate,
+        WriteDue,
+        WriteDone,
+        HeartbeatReply,
+    }
+)

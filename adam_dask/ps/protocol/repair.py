@@ -143,8 +143,15 @@ class Repair:
             if self.busy.get(sid) == op.op:
                 del self.busy[sid]
             self.failures.pop(("shard", sid), None)
-        handler = getattr(self, "_done_" + op.kind)
-        return handler(op, ev.result)
+        done = {
+            "fence": self._done_fence,
+            "promote": self._done_promote,
+            "restore": self._done_restore,
+            "assign": self._done_assign,
+            "add": self._done_add,
+            "set_backups": self._done_set_backups,
+        }
+        return done[op.kind](op, ev.result)
 
     def _done_fence(self, op: _Op, result: dict) -> list:
         for sid in op.sids:

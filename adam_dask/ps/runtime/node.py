@@ -710,6 +710,12 @@ class PSNode:
 
     # -- introspection ---------------------------------------------------------------------------
 
+    async def story(self, sid: int | None = None) -> list[dict]:
+        """The node's story of shard ``sid`` (every shard: ``None``), oldest first: the events
+        of note it handled, each with its stimulus id and the actions it led to."""
+        state = self._start()
+        return self._locked(lambda: [e.to_dict() for e in state.story(sid)])
+
     async def stats(self) -> dict:
         """Counters and lags of this node (see ParameterServer.stats)."""
         state = self._start()

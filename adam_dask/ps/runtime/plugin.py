@@ -115,6 +115,7 @@ class ShardPlacement(SchedulerPlugin):
                 "adam_ps_heartbeat": self.heartbeat,
                 "adam_ps_written": self.written,
                 "adam_ps_commit": self.commit,
+                "adam_ps_story": self.story,
             }
         )
         self._ticker = asyncio.ensure_future(self._tick_loop())
@@ -466,6 +467,13 @@ class ShardPlacement(SchedulerPlugin):
             if k not in ("node_config", "storage_options")
         }
         return {**state.routing_info(), "info": redact_urls(info)}
+
+    def story(self, server_id: str, sid: int | None = None) -> list[dict]:
+        """The controller's story of shard ``sid`` of a server (every shard: ``None``)."""
+        state = self.servers.get(server_id)
+        if state is None:
+            raise KeyError(f"no parameter server {server_id!r} on this scheduler")
+        return [e.to_dict() for e in state.story(sid)]
 
     def storage(self, server_id: str) -> tuple[str | None, dict | None]:
         """``(checkpoint URL, storage options)`` of a server, for the scheduler's own readers
