@@ -53,7 +53,9 @@ def _rounded(v: Any) -> Any:
 def record(name: str, result: dict, *, save: bool = True) -> dict:
     """Print ``result`` as one JSON line on stdout and append it to
     ``benchmarks/results/{name}.jsonl`` with ``benchmark``, ``date`` (UTC), ``commit`` and
-    ``cpus``. Returns the stamped line."""
+    ``cpus``, and ``load_at_record`` (os.getloadavg()) when ``result`` records no load of its own
+    (``report.py`` shows each line's load, and makes no claim of speed from a busy machine's).
+    Returns the stamped line."""
     line = {
         "benchmark": name,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -61,6 +63,8 @@ def record(name: str, result: dict, *, save: bool = True) -> dict:
         "cpus": os.cpu_count(),
         **_rounded(result),
     }
+    if not any(k in result for k in ("load", "load_average", "load_before", "load_after")):
+        line["load_at_record"] = [round(v, 2) for v in os.getloadavg()]
     text = json.dumps(line)
     print(text)
     sys.stdout.flush()

@@ -102,6 +102,7 @@ class Figure:
     peer: str  # the peer, named, and its figure
     words: str  # how the two compare, for a person ("0.84x the time PyTorch takes")
     brief: str  # the same, short, for the list of every run
+    timed: bool = True  # a wall-clock figure: a busy machine's line makes no claim of it
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,76 @@ def _is_num(*vs: object) -> bool:
     return all(isinstance(v, int | float) and not isinstance(v, bool) for v in vs)
 
 
+# --- what a line can claim: its load, and differences within noise ---
+
+# a line whose highest recorded load average is above this many runnable tasks per CPU was
+# measured while other work had the machine: its wall-clock figures are shown, not claimed
+BUSY_PER_CPU = 2.0
+# two single measurements less than this far apart (a ratio within 10% of 1) are within noise:
+# stored runs of one benchmark at one setting differ by more than that on this shared machine
+# (the engine alone's images/s in the time_to_accuracy lines at load under 5: 7,361-12,272)
+NOISE = 0.10
+LOAD_KEYS = ("load", "load_average", "load_before", "load_after", "load_at_record")
+
+
+def line_load(line: dict) -> float | None:
+    """The highest load average ``line`` recorded, under any of :data:`LOAD_KEYS` (a number,
+    or a list such as os.getloadavg()'s); None when it recorded none."""
+    seen: list[float] = []
+    for key in LOAD_KEYS:
+        v = line.get(key)
+        seen.extend(float(x) for x in (v if isinstance(v, list) else [v]) if _is_num(x))
+    return max(seen) if seen else None
+
+
+def busy(line: dict) -> str:
+    """Why ``line`` makes no claim of speed (its load was above :data:`BUSY_PER_CPU` per
+    CPU), or "" when it may."""
+    load, cpus = line_load(line), line.get("cpus")
+    if load is None or not _is_num(cpus) or not cpus or load <= BUSY_PER_CPU * cpus:
+        return ""
+    return (
+        f"no claim of speed: measured at load {load:.1f} on {cpus} CPUs (more than "
+        f"{BUSY_PER_CPU:g} runnable per CPU: other work had the machine)"
+    )
+
+
+def _nums(v: object) -> list[float]:
+    return [float(x) for x in v if _is_num(x)] if isinstance(v, list) else []
+
+
+def _overlap(a: list[float], b: list[float]) -> bool:
+    """Both sides measured at least twice and their ranges overlap."""
+    return len(a) > 1 and len(b) > 1 and min(a) <= max(b) and min(b) <= max(a)
+
+
+def _span(v: list[float], unit: str) -> str:
+    return f"{_num(min(v))}-{_num(max(v))} {unit}".rstrip()
+
+
+def speed_words(
+    line: dict,
+    words: str,
+    r: float,
+    *,
+    ours_runs: object = None,
+    peer_runs: object = None,
+    unit: str = "",
+) -> str:
+    """``words`` (a speed ratio ``r`` in words) as the line may claim it: not at all from a busy
+    machine, "within noise" when the runs of the two sides overlap or ``r`` is within
+    :data:`NOISE` of 1."""
+    why = busy(line)
+    if why:
+        return why
+    ours, peer = _nums(ours_runs), _nums(peer_runs)
+    if _overlap(ours, peer):
+        return f"within noise: the runs overlap ({_span(ours, unit)} vs {_span(peer, unit)})"
+    if abs(r - 1) < NOISE:
+        return f"within noise: {words}, under {100 * NOISE:g}% apart"
+    return words
+
+
 def _versus(
     line: dict,
     what: str,
@@ -196,6 +267,8 @@ def _versus(
     ours_note: str = "",
     peer_note: str = "",
     peer_label: str | None = None,
+    ours_runs: object = None,
+    peer_runs: object = None,
 ) -> Figure | None:
     """The common claim: our figure beside the peer's, in ``unit`` (``"s"``, ``"MB/s"``...)."""
     if not _is_num(ours):
@@ -210,12 +283,13 @@ def _versus(
     assert peer is not None
     r = _ratio(line, ratio_key, ours, peer)
     assert r is not None
+    runs = {"ours_runs": ours_runs, "peer_runs": peer_runs, "unit": unit}
     if less_is_better:
-        words = time_words(r, peer_name) + (_goal(line, goal_key, "at most") if goal_key else "")
+        words = speed_words(line, time_words(r, peer_name), r, **runs)
+        words += _goal(line, goal_key, "at most") if goal_key else ""
     else:
-        words = rate_words(r, peer_name, unit) + (
-            _goal(line, goal_key, "at least") if goal_key else ""
-        )
+        words = speed_words(line, rate_words(r, peer_name, unit), r, **runs)
+        words += _goal(line, goal_key, "at least") if goal_key else ""
     return Figure(
         what,
         ours_text,
@@ -270,6 +344,10 @@ def _tta_rate(ln: dict) -> Figure | None:
         ln.get("engine_images_per_second"),
         unit="images/s",
         peer_name="the engine alone",
+        peer_label=(
+            f"the engine alone in the same `time_to_accuracy` run ({ln.get('activation', '?')}, "
+            f"{ln.get('engine_epochs', '?')} epochs, {ln.get('engine_threads', '?')} threads)"
+        ),
         less_is_better=False,
         goal_key="images_per_second_vs_engine",
     )
@@ -278,7 +356,9 @@ def _tta_rate(ln: dict) -> Figure | None:
 def _engine(ln: dict) -> Figure | None:
     return _versus(
         ln,
-        f"Engine training images/s: one replica, {ln.get('threads', '?')} Hogwild threads",
+        f"Engine training images/s (`engine.py`, not the `time_to_accuracy` run): one replica, "
+        f"{ln.get('threads', '?')} Hogwild threads, {ln.get('images', '?')} images, mini-batch "
+        f"{ln.get('batch_size', '?')}",
         ln.get("images_per_s"),
         ln.get("torch_images_per_s"),
         unit="images/s",
@@ -324,10 +404,10 @@ def _plane(kind: str) -> Callable[[dict], Figure | None]:
             f"Data plane {kind}: the MNIST net's {_num(m.get('mb', 0))} MB (and 4 MB) from a "
             "TRAIN worker task to the PS nodes, at a replica's cadence"
         )
-        words = rate_words(r, "a plain TCP socket", "MB/s") + _goal(
+        words = speed_words(ln, rate_words(r, "a plain TCP socket", "MB/s"), r) + _goal(
             ln, f"{kind}_vs_socket", "at least"
         )
-        if _is_num(r4):
+        if _is_num(r4) and not busy(ln):
             words += f"; 4 MB: {_x(r4)}"
         return Figure(
             what,
@@ -357,8 +437,9 @@ def _client_plane(kind: str) -> Callable[[dict], Figure | None]:
             f"{_num(plane['mnist'].get('mb', 0))} MB (and 4 MB): `ParameterServer.{kind}`, "
             "defaults, embedded cluster, mean over every call"
         )
-        words = rate_words(r, "a plain TCP socket", "MB/s") + " (goal: at least 0.80x)"
-        if _is_num(r4):
+        words = speed_words(ln, rate_words(r, "a plain TCP socket", "MB/s"), r)
+        words += " (goal: at least 0.80x)"
+        if _is_num(r4) and not busy(ln):
             words += f"; 4 MB: {_x(r4)}"
         return Figure(
             what,
@@ -407,6 +488,7 @@ def _data_path(ln: dict) -> Figure | None:
         f"as Dask actor calls: {dask:,}",
         f"plane / Dask per fit: {each} (goal: none as Dask actor calls)",
         f"plane {plane:,}, Dask {dask:,}",
+        timed=False,
     )
 
 
@@ -433,7 +515,7 @@ def _failover(signal: str, how: str) -> Callable[[dict], Figure | None]:
             what,
             ours,
             f"the benchmark's goal: {_num(goal)} s",
-            f"{_x(served / goal)} the {_num(goal)} s goal",
+            busy(ln) or f"{_x(served / goal)} the {_num(goal)} s goal",
             f"{_num(served)} s",
         )
 
@@ -491,7 +573,7 @@ def _capacity(ln: dict) -> Figure | None:
         what,
         ours_text,
         f"{peer}: {sink} replicas{_served(_at(ln.get('sink_curve'), sink))}",
-        f"{_x(r)} the replicas the socket sink serves",
+        speed_words(ln, f"{_x(r)} the replicas the socket sink serves", r),
         f"{ours} vs {sink} ({_x(r)})",
     )
 
@@ -500,13 +582,24 @@ def _chaos(ln: dict) -> Figure | None:
     if "completed" not in ln:
         return None
     acc, clean = ln.get("test_accuracy") or [], ln.get("clean_test_accuracy") or []
-    # the faults the line says were sent, by kind (not the kinds it could draw from)
-    sent = Counter(f.get("kind", "?") for f in ln.get("faults") or [])
-    named = ", ".join(f"{n}x {k}" if n > 1 else k for k, n in sorted(sent.items()))
+    # the faults the line says were sent, by kind (not the kinds it could draw from), and
+    # those it could not send (``faults_not_sent``: "kind: error")
+    faults = ln.get("faults")
+    sent = Counter(f.get("kind", "?") for f in faults or [])
+    count = len(faults) if isinstance(faults, list) else ln.get("fault_count", "?")
+    missed = Counter(
+        (str(f).split(":")[0] if not isinstance(f, dict) else f.get("kind", "?"))
+        for f in ln.get("faults_not_sent") or []
+    )
+
+    def kinds(c: Counter) -> str:
+        return ", ".join(f"{n}x {k}" if n > 1 else k for k, n in sorted(c.items()))
+
     where = " on a cluster of network namespaces" if ln.get("netns") else ""
     what = (
-        f"Training through {ln.get('fault_count', '?')} faults sent from outside{where}"
-        + (f" ({named})" if named else "")
+        f"Training through {count} fault{'' if count == 1 else 's'} sent from outside{where}"
+        + (f" ({kinds(sent)})" if sent else "")
+        + (f"; {sum(missed.values())} not sent ({kinds(missed)})" if missed else "")
         + f", {ln.get('epochs', '?')} epochs of {_num(ln.get('n_train', 0))} images"
     )
     peer = "the same run undisturbed: " + (
@@ -531,7 +624,8 @@ def _chaos(ln: dict) -> Figure | None:
         words = f"{100 * (acc[-1] - clean[-1]):+.2f} points of accuracy"
         brief = f"finished, {_pc(acc[-1])} vs {_pc(clean[-1])}"
         if _is_num(ln.get("clean_seconds")) and ln["clean_seconds"]:
-            words += ", " + time_words(ln["seconds"] / ln["clean_seconds"], "the undisturbed run")
+            r = ln["seconds"] / ln["clean_seconds"]
+            words += ", " + speed_words(ln, time_words(r, "the undisturbed run"), r)
     brief += "" if once else ", not every image once"
     return Figure(what, ours, peer, words, brief)
 
@@ -553,6 +647,8 @@ def _quorum(ln: dict) -> Figure | None:
         unit="s",
         peer_name="quorum 1.0",
         less_is_better=True,
+        ours_runs=_get(ln, "detail", "0.75", "epoch_seconds"),
+        peer_runs=_get(ln, "detail", "1.0", "epoch_seconds"),
     )
     a, b = ln.get("accuracy_quorum_0_75"), ln.get("accuracy_quorum_1_0")
     if fig is None or not _is_num(a, b):
@@ -561,7 +657,7 @@ def _quorum(ln: dict) -> Figure | None:
     # the first epoch of a run can hold a warm-up the later ones do not: say what the later
     # epochs alone give, when the line has them
     q_later, full_later = _after_first(ln, "0.75"), _after_first(ln, "1.0")
-    if q_later is not None and full_later:
+    if q_later is not None and full_later and not busy(ln):
         words += (
             f"; {_x(q_later / full_later)} without each run's first epoch "
             f"({_num(q_later)} s vs {_num(full_later)} s)"
@@ -589,6 +685,7 @@ def _table1(ln: dict) -> Figure | None:
             for mode in ("async", "sync")
             if _is_num(ln.get(f"{mode}_accuracy"))
         ),
+        timed=False,
     )
 
 
@@ -635,10 +732,12 @@ def _serving_faults(ln: dict) -> Figure | None:
         unit="s",
         peer_name="the undisturbed epoch",
         less_is_better=True,
+        ours_runs=ln.get("epoch_seconds"),
+        peer_runs=ln.get("baseline_epoch_seconds"),
     )
     if fig is None:
         return None
-    return Figure(fig.what, fig.ours, fig.peer, fig.words, f"{scenario}: {fig.brief}")
+    return Figure(fig.what, fig.ours, fig.peer, fig.words, f"{scenario}: {fig.brief}", fig.timed)
 
 
 def _pipelines(ln: dict) -> Figure | None:
@@ -668,6 +767,7 @@ def _resume(ln: dict) -> Figure | None:
         f"none: what the checkpoint held, {ln.get('images_in_checkpoint', '?')} of {n} images",
         "every image applied once" if applied == n else f"{applied} of {n} images applied",
         f"{_num(first)} s, lost {lost}",
+        timed=False,
     )
 
 
@@ -737,7 +837,7 @@ def _isolation(ln: dict) -> Figure | None:
         f"{_num(ln.get('model_mb', 0))} MB layer fills {ln.get('rate', '?')} links",
         "storage on a link of its own: " + run(iso),
         "storage on the update link: " + run(shared),
-        f"shared storage makes a round {_x(p50)} slower at p50, {_x(p99)} at p99",
+        busy(ln) or f"shared storage makes a round {_x(p50)} slower at p50, {_x(p99)} at p99",
         f"shared/isolated p50 {_x(p50)}, p99 {_x(p99)}",
     )
 
@@ -812,12 +912,32 @@ def _partitions_mnist(ln: dict) -> Figure | None:
         return None
     seeds, n, e = ln.get("seeds"), ln.get("images"), ln.get("epochs")
     d = 100 * (p2 - p1)
+    a1, a2 = _nums(ln.get("accuracy_p1")), _nums(ln.get("accuracy_p2"))
+    acc = f"{d:+.2f} points"
+    if _overlap(a2, a1):
+        acc += (
+            f", within noise: the seeds overlap ({100 * min(a2):.2f}-{_pc(max(a2))} vs "
+            f"{100 * min(a1):.2f}-{_pc(max(a1))})"
+        )
+    r = ln.get("rate_ratio_p2_vs_p1")
+    rate = (
+        speed_words(
+            ln,
+            f"images/s {_x(r)} of P = 1",
+            r,
+            ours_runs=ln.get("images_per_second_p2"),
+            peer_runs=ln.get("images_per_second_p1"),
+            unit="images/s",
+        )
+        if _is_num(r)
+        else "images/s not measured"
+    )
     return Figure(
         f"The paper's MNIST net with one replica over 2 TRAIN workers (partitions), {seeds} "
         f"seeds, {n} images x {e} epochs",
         f"P = 2: {_pc(p2)} mean test accuracy",
         f"P = 1 (the replica on one worker): {_pc(p1)}",
-        f"{d:+.2f} points; images/s {_x(ln.get('rate_ratio_p2_vs_p1', float('nan')))} of P = 1",
+        f"{acc}; {rate}",
         f"{_pc(p2)} vs {_pc(p1)}",
     )
 
@@ -838,6 +958,7 @@ def _partitions_large(ln: dict) -> Figure | None:
         "P = " + ", ".join(refused) + ": refused before starting" if refused else "none refused",
         f"learns with P = {', '.join(acc)} (chance 10%)",
         f"P={best}: {_pc(acc[best])}",
+        timed=False,
     )
 
 
@@ -852,7 +973,7 @@ def _partitions_cache(ln: dict) -> Figure | None:
         f"each layer alone: {_x(r)} the time",
         f"the same layers unpartitioned: {_num(ln.get('unpartitioned_images_per_second', 0))} "
         "images/s",
-        f"{_x(r)} the time with each partition's weights to itself",
+        speed_words(ln, f"{_x(r)} the time with each partition's weights to itself", r),
         f"{_x(r)} the time",
     )
 
@@ -899,15 +1020,13 @@ def load_results(folder: Path = RESULTS) -> dict[str, list[dict]]:
 
 
 def _load(line: dict) -> str:
-    v = line.get("load_average", line.get("load"))
-    if isinstance(v, list):
-        v = max((x for x in v if _is_num(x)), default=None)
-    return f", load {v:.1f}" if _is_num(v) else ""
+    v = line_load(line)
+    return f", load {v:.1f}" if v is not None else ", load not recorded"
 
 
 def run_stamp(line: dict) -> str:
     """``2026-11-23, f7ac4bf, 2 CPUs, load 4.2``: when, at which commit, on what machine (the
-    highest load average the line recorded, when it did)."""
+    highest load average the line recorded, or that it recorded none)."""
     return (
         f"{str(line.get('date', '?'))[:10]}, {line.get('commit', '?')}, "
         f"{line.get('cpus', '?')} CPUs{_load(line)}"
@@ -985,8 +1104,12 @@ def every_run(bench: str, lines: list[dict]) -> str:
     ]
     for ln in lines:
         figs = [c.figure(ln) for c in claims]
+        # a busy machine's line: its timings are listed, not claimed
+        stamp = run_stamp(ln) + (
+            ", no claim of speed" if busy(ln) and any(f and f.timed for f in figs) else ""
+        )
         rows.append(
-            f"| {_cell(run_stamp(ln))} | "
+            f"| {_cell(stamp)} | "
             + " | ".join(_cell(f.brief) if f and f.brief else "—" for f in figs)
             + " |"
         )
@@ -1101,7 +1224,11 @@ def figures_block(results: dict[str, list[dict]]) -> str:
         "One row per claim, from the newest stored line of its benchmark, beside the peer "
         "measured in the same run; *stored runs* counts the benchmark's lines, every one "
         "of them listed below the plots. Wall-clock figures come from a shared machine: each row "
-        "gives the CPU count and the highest load average its line recorded.",
+        "gives the CPU count and the highest load average its line recorded (or that it recorded "
+        f"none). A line recorded at a load above {BUSY_PER_CPU:g} per CPU makes no claim of "
+        "speed; two figures whose repeated runs overlap, or single figures less than "
+        f"{100 * NOISE:g}% apart, are within noise and said to be. The words of each row (which "
+        "faults, how many, which run a figure comes from) are read from its line.",
         headline(results),
     ]
     tta = results.get("time_to_accuracy") or []

@@ -305,3 +305,123 @@ def test_the_plots_draw_from_synthetic_lines(tmp_path):
     ]
     with pytest.raises(SystemExit, match="no time_to_accuracy line"):
         tta.plot({}, tmp_path / "none.png")
+
+
+# --- every generated sentence is true of its line (issue 39) ---
+
+
+def _chaos_line(kinds, **kw):
+    line = _stamp("ch", completed=True, error=None, seconds=30.0, epochs=2, n_train=1024)
+    line.update(test_accuracy=[0.97, 0.98], clean_test_accuracy=[0.97, 0.981], clean_seconds=20.0)
+    line.update({"every_image_applied_once": True, "faults_not_sent": [], **kw})
+    line["faults"] = [
+        {"second": 1.0 + i, "kind": k, "victims": ["tcp://x"]} for i, k in enumerate(kinds)
+    ]
+    line["fault_count"] = len(kinds)
+    return line
+
+
+def test_a_chaos_row_names_only_the_faults_its_line_sent():
+    report = _report()
+    readme = (ROOT / "README.md").read_text()
+    one = _chaos_line(["freeze-ps"])
+    out = report.render(readme, {"chaos": [one]})
+    (row,) = _rows(out, "Training through")
+    assert "Training through 1 fault sent from outside (freeze-ps)," in row, row
+    # no sentence of the README claims faults the line did not send
+    for claim in ("every role", "SIGKILLs and SIGSTOPs of every"):
+        assert claim not in out, claim
+    for kind in ("kill-ps", "kill-shard", "freeze-data"):
+        assert kind not in out.partition("### Measured")[2], kind
+    # faults the line could not send are said, not counted as sent
+    missed = _chaos_line(
+        ["kill-ps", "kill-ps"], faults_not_sent=["kill-shard: TimeoutError: no victim"]
+    )
+    (row,) = _rows(report.headline({"chaos": [missed]}), "Training through")
+    assert (
+        "Training through 2 faults sent from outside (2x kill-ps); 1 not sent (kill-shard)" in row
+    )
+    # a line without the list of faults names no kind
+    bare = _chaos_line([])
+    bare["fault_count"] = 3
+    del bare["faults"]
+    (row,) = _rows(report.headline({"chaos": [bare]}), "Training through")
+    assert "Training through 3 faults sent from outside, 2 epochs" in row
+
+
+def test_a_loaded_lines_row_shows_its_load():
+    report = _report()
+    busy = _capacity_line() | {"load_before": 9.04, "load_after": 3.1}
+    (row,) = _rows(report.headline({"capacity": [busy]}), "PS capacity")
+    assert "2 CPUs, load 9.0" in row  # the highest load the line recorded, in any of its keys
+    # a timing measured on a machine this busy (more than 2 runnable per CPU) is not a claim
+    assert "no claim of speed: measured at load 9.0 on 2 CPUs" in row
+    assert "0.50x the replicas" not in row
+    assert "2 CPUs, load 9.0, no claim of speed |" in report.every_run("capacity", [busy])
+    (row,) = _rows(report.headline({"capacity": [_capacity_line()]}), "PS capacity")
+    assert "2 CPUs, load not recorded" in row and "0.50x the replicas the socket sink serves" in row
+
+
+def _frozen(epoch_seconds, baseline, load=None):
+    line = _stamp("sf", scenario="trainer", data_nodes=1, epoch_seconds=epoch_seconds)
+    line["baseline_epoch_seconds"] = baseline
+    if load is not None:
+        line["load_average"] = load
+    return line
+
+
+def test_a_difference_within_noise_makes_no_claim():
+    report = _report()
+    # the stored line: a frozen data server "made the epoch faster" at load 21 on 2 CPUs
+    (row,) = _rows(
+        report.headline({"serving_faults": [_frozen([155.7, 137.5], [250.7, 261.0], 21.0)]}),
+        "Epoch seconds",
+    )
+    assert "| 147 s | the undisturbed epoch: 256 s |" in row
+    assert "no claim of speed: measured at load 21.0 on 2 CPUs" in row
+    assert "0.57x the time" not in row and "faster" not in row
+    # quiet, but the epochs of the two runs overlap: within noise
+    (row,) = _rows(
+        report.headline({"serving_faults": [_frozen([10.0, 14.0], [12.0, 13.0], 1.0)]}),
+        "Epoch seconds",
+    )
+    assert "within noise: the runs overlap (10-14 s vs 12-13 s)" in row
+    # quiet and apart: the claim stands
+    (row,) = _rows(
+        report.headline({"serving_faults": [_frozen([20.0, 21.0], [12.0, 13.0], 1.0)]}),
+        "Epoch seconds",
+    )
+    assert "1.64x the time the undisturbed epoch takes" in row
+    # one run each, less than 10% apart: within noise, not "1.04x the time PyTorch takes"
+    text = report.headline(
+        {"time_to_accuracy": [_tta("t", 18.68, torch=17.94, ours_over_torch=1.041, load=[1.0])]}
+    )
+    (row,) = _rows(text, "Time to 99% MNIST")
+    assert "within noise: 1.04x the time PyTorch takes, under 10% apart" in row
+    # accuracies of several seeds that overlap: the difference is within noise
+    part = _stamp("p", part="mnist", seeds=3, images=20000, epochs=2, load=[1.0])
+    part.update(accuracy_p1=[0.9735, 0.972, 0.974], accuracy_p2=[0.975, 0.968, 0.967])
+    part.update(mean_accuracy_p1=0.9732, mean_accuracy_p2=0.97, rate_ratio_p2_vs_p1=0.81)
+    part.update(
+        images_per_second_p1=[3988.0, 4501.0, 4348.0], images_per_second_p2=[3438.0, 3574.0, 3425.0]
+    )
+    (row,) = _rows(report.headline({"partitions": [part]}), "The paper's MNIST net")
+    assert "-0.32 points, within noise: the seeds overlap (96.70-97.50% vs 97.20-97.40%)" in row
+    assert "images/s 0.81x of P = 1" in row
+
+
+def test_the_engines_images_per_second_say_which_run_they_come_from():
+    report = _report()
+    tta = _tta("t", 18.7, torch=17.9, engine=20.5, load=[1.0])
+    tta.update(ours_images_per_second=7100.9, engine_images_per_second=10256.9, engine_threads=2)
+    tta.update(activation="relu")
+    engine = _stamp("e", threads=2, images=20000, batch_size=8, images_per_s=12660.9)
+    engine.update(torch_images_per_s=5453.5, load=[1.0])
+    text = report.headline({"time_to_accuracy": [tta], "engine": [engine]})
+    (rate,) = _rows(text, "Training images/s")
+    assert (
+        "the engine alone in the same `time_to_accuracy` run (relu, 4 epochs, 2 threads): 10,257"
+        in rate
+    )
+    (eng,) = _rows(text, "Engine training images/s")
+    assert "`engine.py`, not the `time_to_accuracy` run" in eng and "20000 images" in eng

@@ -29,7 +29,8 @@ Padded: Any = None
 @pytest.fixture(scope="module", autouse=True)
 def _torch():
     global torch, nn, TorchNetwork, ResidualNet, tiny_residual_net, Padded
-    torch = pytest.importorskip("torch")
+    import torch  # a test dependency: without it these tests fail, they do not skip
+
     nn = torch.nn
     from adam_dask.model.torch_engine import TorchNetwork
     from adam_dask.model.torch_examples import ResidualNet, tiny_residual_net

@@ -148,8 +148,27 @@ def test_offload_dense_learns(store, adam_cluster):
 
     spec = "conv5x5:6,maxpool2,fc256,fc10"
     assert profitable_offload(Network.from_spec(spec, (1, 28, 28)), 64) == ["2"]
-    t = fit(store, adam_cluster, model=spec, offload_dense=True, epochs=2)
+    t = Trainer(
+        store,
+        client=adam_cluster,
+        model=spec,
+        offload_dense=True,
+        lr=0.05,
+        push_every=64,
+        batch_size=8,
+        progress=False,
+    )
+    try:
+        t.fit(epochs=2)
+        nodes = [n for n in t.server.stats()["nodes"].values() if isinstance(n, dict)]
+    finally:
+        t.close()
     assert t.history.last["test_accuracy"] >= 0.9, t.history.records
+    # the offload ran: the nodes computed fc256's updates from activations and errors, at least
+    # once per push (768 images an epoch, a push every 64, 2 epochs), not from weight deltas
+    outer = sum(n["outer_products"] for n in nodes)
+    assert outer >= 2 * 768 // 64, [n["outer_products"] for n in nodes]
+    assert t.history.column("images_applied") == t.history.column("images")
 
 
 def test_batch_norm_network_trains_and_evaluates_with_recomputed_statistics(

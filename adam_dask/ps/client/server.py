@@ -647,7 +647,8 @@ class ParameterServer:
         ``to_dask`` (those that went as Dask actor calls: the plane could not reach the node),
         ``failed_calls`` (plane calls given up: the node died, froze or was dropped)),
         ``nodes`` (each node's figures, ``by_transport`` among them: the pushes and pulls it
-        served over the plane and as Dask actor calls)."""
+        served over the plane and as Dask actor calls; ``outer_products``: the dense offload's
+        updates it computed from activations and errors)."""
         nodes, routing = self._stats()
         now = time.monotonic()
         ok = [n for n in nodes.values() if isinstance(n, dict)]

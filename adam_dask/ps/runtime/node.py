@@ -134,6 +134,8 @@ class PSNode:
         self._pending: list[tuple[Push, _Answer]] = []
         # pushes and pulls served, by transport (the data plane's sockets, or Dask actor calls)
         self.by_transport = {"plane": 0, "dask": 0}
+        # the dense offload's outer products this node computed (either transport)
+        self.outer_products = 0
 
     def __repr__(self) -> str:
         return f"PSNode({self.server_id}, {self.state!r})"
@@ -510,6 +512,7 @@ class PSNode:
         and applied like a push."""
         state = self._start()
         self.by_transport["dask"] += 1
+        self.outer_products += 1
         st = None if stamps is None else {int(s): int(g) for s, g in stamps.items()}
         todo = {int(s): e for s, e in parts.items() if state.accepts(int(s), st)}
 
@@ -592,6 +595,7 @@ class PSNode:
         the calling connection thread for the primaries here; the pusher sends it on with
         :meth:`plane_push`. Shards not primary here are left out (the push reports them moved)."""
         state = self._start()
+        self.outer_products += 1
         with self._lock:
             shards = {s: state.shards[s] for s in parts if s in state.primaries}
         return {
@@ -725,6 +729,7 @@ class PSNode:
         fc = self._forward_channels
         out["plane_forwards"] = dict(fc.counts) if fc is not None else None
         out["by_transport"] = dict(self.by_transport)
+        out["outer_products"] = self.outer_products
         lag = out["writeback_lag_versions"]
         out["writeback_lag_seconds"] = time.time() - self._last_write if lag > 0 else 0.0
         return out
