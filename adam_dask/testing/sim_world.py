@@ -32,6 +32,7 @@ from ..ps.protocol.messages import (
     WriteReport,
 )
 from ..ps.protocol.node_commands import command
+from ..ps.protocol.node_machine import handle
 from ..ps.protocol.node_state import NodeState
 from ..ps.protocol.policy import plan_placement
 from .sim_traffic import (
@@ -117,7 +118,7 @@ class World(Traffic):
             prim = {
                 s: [(b, self.nodes_key(b)) for b in h[1:]] for s, h in plan.items() if h[0] == addr
             }
-            st.handle(command("assign", None, (held, dict.fromkeys(held, 0), prim, 0)))
+            handle(st, command("assign", None, (held, dict.fromkeys(held, 0), prim, 0)))
         self.ctl = ServerState(
             "sim",
             shards,
@@ -279,7 +280,7 @@ class World(Traffic):
 
     def node_handle(self, node: _Node, event: Any) -> None:
         self.dirty.add(node.addr)
-        actions = node.state.handle(event)
+        actions = handle(node.state, event)
         node.state.validate()
         self.node_actions(node, actions)
 

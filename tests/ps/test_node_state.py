@@ -24,6 +24,7 @@ from adam_dask.ps.protocol.messages import (
     WriteDone,
     WriteDue,
 )
+from adam_dask.ps.protocol.node_machine import handle
 from adam_dask.ps.protocol.node_state import NodeState
 
 N = 8
@@ -41,14 +42,14 @@ def of(actions, kind):
 def primary():
     """Node "p": primary of shard 0 (generation 3) with backups "b1" and "b2"."""
     ns = NodeState("p", dedup_window=64, checkpoint=True)
-    ns.handle(Assign("a", {0: (0, N)}, {0: 3}, {0: [("b1", "k1"), ("b2", "k2")]}))
+    handle(ns, Assign("a", {0: (0, N)}, {0: 3}, {0: [("b1", "k1"), ("b2", "k2")]}))
     return ns
 
 
 @pytest.fixture
 def backup():
     ns = NodeState("b1", dedup_window=64)
-    ns.handle(Assign("a", {0: (0, N)}, {0: 3}))
+    handle(ns, Assign("a", {0: (0, N)}, {0: 3}))
     return ns
 
 
@@ -57,7 +58,7 @@ def push(req, value, pid, gen=3, ack="replay"):
 
 
 def test_push_applies_once_and_reports_what_every_copy_holds(primary):
-    out = primary.handle(Pushes((push("x", 1, 11), push("y", 2, 12), push("x2", 1, 11))))
+    out = handle(primary, Pushes((push("x", 1, 11), push("y", 2, 12), push("x2", 1, 11))))
     r = replies(out)
     assert r["x"]["per_shard"] == {0: 1} and r["y"]["per_shard"] == {0: 2}
     assert r["x2"]["per_shard"] == {0: 1}  # the same push id again: applied once
@@ -66,98 +67,98 @@ def test_push_applies_once_and_reports_what_every_copy_holds(primary):
 
 
 def test_a_stale_stamp_is_refused_as_moved(primary):
-    r = replies(primary.handle(Pushes((push("x", 1, 1, gen=2),))))
+    r = replies(handle(primary, Pushes((push("x", 1, 1, gen=2),))))
     assert r["x"]["moved"] == [0] and r["x"]["per_shard"] == {}
     assert primary.refused_stale == 1 and primary.shards[0].version == 0
 
 
 def test_forward_then_confirmed_and_ack_all_waits_for_it(primary, backup):
-    out = primary.handle(Pushes((push("all", 1, 7, ack="all"),)))
+    out = handle(primary, Pushes((push("all", 1, 7, ack="all"),)))
     assert "all" not in replies(out)  # waits for the backups
     fwd = {f.addr: f for f in of(out, Forward)}
     assert set(fwd) == {"b1", "b2"}
-    got = replies(backup.handle(Replicate("r", "p", fwd["b1"].snaps)))["r"]
+    got = replies(handle(backup, Replicate("r", "p", fwd["b1"].snaps)))["r"]
     assert got["held"] == {0: (3, 1)} and backup.shards[0].values[0] == 1
-    assert not replies(primary.handle(ForwardDone("b1", got["held"], {})))
-    r = replies(primary.handle(ForwardDone("b2", {0: (3, 1)}, {})))
+    assert not replies(handle(primary, ForwardDone("b1", got["held"], {})))
+    r = replies(handle(primary, ForwardDone("b2", {0: (3, 1)}, {})))
     assert r["all"]["confirmed"] == {0: 1}
     assert primary.confirmed(0) == 1
-    assert not of(primary.handle(ForwardDue()), Forward)  # nothing new to send
+    assert not of(handle(primary, ForwardDue()), Forward)  # nothing new to send
 
 
 def test_fenced_backup_refuses_the_old_primary_which_steps_down(primary, backup):
-    primary.handle(Pushes((push("x", 1, 1),)))
-    snaps = next(f for f in of(primary.handle(ForwardDue()), Forward) if f.addr == "b1").snaps
-    assert replies(backup.handle(Fence("f", {0: 4})))["f"] == {0: (3, 0)}
-    got = replies(backup.handle(Replicate("r", "p", snaps)))["r"]
+    handle(primary, Pushes((push("x", 1, 1),)))
+    snaps = next(f for f in of(handle(primary, ForwardDue()), Forward) if f.addr == "b1").snaps
+    assert replies(handle(backup, Fence("f", {0: 4})))["f"] == {0: (3, 0)}
+    got = replies(handle(backup, Replicate("r", "p", snaps)))["r"]
     assert got == {"held": {}, "refused": {0: 4}}  # generation 3 is over
     assert backup.refused_stale == 1 and backup.shards[0].version == 0
-    primary.handle(ForwardDone("b1", got["held"], got["refused"]))
+    handle(primary, ForwardDone("b1", got["held"], got["refused"]))
     assert 0 not in primary.primaries  # no longer applies, forwards or writes shard 0
-    r = replies(primary.handle(Pushes((push("y", 1, 2),))))
+    r = replies(handle(primary, Pushes((push("y", 1, 2),))))
     assert r["y"]["moved"] == [0]
-    assert not of(primary.handle(WriteDue()), WriteBlocks)
+    assert not of(handle(primary, WriteDue()), WriteBlocks)
 
 
 def test_a_node_the_controller_dropped_stops_serving(primary):
-    primary.handle(HeartbeatReply(False, {}))
+    handle(primary, HeartbeatReply(False, {}))
     assert not primary.member
-    assert replies(primary.handle(Pushes((push("x", 1, 1),))))["x"]["moved"] == [0]
+    assert replies(handle(primary, Pushes((push("x", 1, 1),))))["x"]["moved"] == [0]
 
 
 def test_write_back_refused_as_stale_steps_down_accepted_is_flushed(primary):
-    primary.handle(Pushes((push("x", 1, 1),)))
-    (write,) = of(primary.handle(WriteDue()), WriteBlocks)
+    handle(primary, Pushes((push("x", 1, 1),)))
+    (write,) = of(handle(primary, WriteDue()), WriteBlocks)
     assert [(s.shard, s.gen, s.version) for s in write.snaps] == [(0, 3, 1)]
-    out = primary.handle(Flush("f", None, True))  # waits for the copies and the manifest
+    out = handle(primary, Flush("f", None, True))  # waits for the copies and the manifest
     for b in ("b1", "b2"):
-        out += primary.handle(ForwardDone(b, {0: (3, 1)}, {}))
+        out += handle(primary, ForwardDone(b, {0: (3, 1)}, {}))
     assert "f" not in replies(out)
-    assert replies(primary.handle(WriteDone({0: 1}, {})))["f"]["per_shard"] == {0: 1}
-    primary.handle(Pushes((push("y", 1, 2),)))
-    primary.handle(WriteDue())
-    primary.handle(WriteDone({}, {0: 5}))  # the controller knows generation 5
+    assert replies(handle(primary, WriteDone({0: 1}, {})))["f"]["per_shard"] == {0: 1}
+    handle(primary, Pushes((push("y", 1, 2),)))
+    handle(primary, WriteDue())
+    handle(primary, WriteDone({}, {0: 5}))  # the controller knows generation 5
     assert 0 not in primary.primaries
 
 
 def test_a_flush_of_the_copies_alone_answers_without_the_checkpoint_and_says_what_is_durable(
     primary,
 ):
-    primary.handle(Pushes((push("x", 1, 1),)))
-    out = primary.handle(Flush("f", None, False))  # an epoch's end: storage plays no part
+    handle(primary, Pushes((push("x", 1, 1),)))
+    out = handle(primary, Flush("f", None, False))  # an epoch's end: storage plays no part
     for b in ("b1", "b2"):
-        out += primary.handle(ForwardDone(b, {0: (3, 1)}, {}))
+        out += handle(primary, ForwardDone(b, {0: (3, 1)}, {}))
     r = replies(out)["f"]
     assert r["per_shard"] == {0: 1} and r["durable"][0] < 1  # the pusher keeps its push
-    stuck = primary.handle(Flush("g", None, True))  # waits for the write-back too
+    stuck = handle(primary, Flush("g", None, True))  # waits for the write-back too
     assert "g" not in replies(stuck)
     assert primary.abandon_flush("g") == "checkpoint"  # storage is what is missing
     assert primary.abandon_flush("g") is None  # forgotten
-    primary.handle(Pushes((push("y", 1, 2),)))
-    primary.handle(Flush("h", None, False))
+    handle(primary, Pushes((push("y", 1, 2),)))
+    handle(primary, Flush("h", None, False))
     assert primary.abandon_flush("h") == "copies"  # a backup lacks version 2
 
 
 def test_restore_installs_the_block_with_its_push_ids_once():
     ns = NodeState("n", dedup_window=64)
     values = np.full(N, 4, np.float32)
-    r = replies(ns.handle(Restore("r", 0, 9, 0, N, 4, values, ((4, 99),))))
+    r = replies(handle(ns, Restore("r", 0, 9, 0, N, 4, values, ((4, 99),))))
     assert r["r"] == 4 and ns.shards[0].position == (9, 4)
-    ns.handle(Pushes((push("x", 1, 99, gen=9),)))  # a pusher replays a push the block holds
+    handle(ns, Pushes((push("x", 1, 99, gen=9),)))  # a pusher replays a push the block holds
     assert ns.shards[0].version == 4
-    ns.handle(Pushes((push("y", 1, 100, gen=9),)))
-    again = replies(ns.handle(Restore("r2", 0, 9, 0, N, 4, values, ())))
+    handle(ns, Pushes((push("y", 1, 100, gen=9),)))
+    again = replies(handle(ns, Restore("r2", 0, 9, 0, N, 4, values, ())))
     assert again["r2"] == 4 and ns.shards[0].version == 5  # the same restore twice: no reset
 
 
 def test_the_story_keeps_commands_and_step_downs_not_every_push(primary, backup):
     for i in range(5):
-        primary.handle(Pushes((push(f"x{i}", 1, 100 + i),)))
+        handle(primary, Pushes((push(f"x{i}", 1, 100 + i),)))
     assert [e.event.split("(")[0] for e in primary.story(0)] == ["Assign"]  # pushes: not noted
-    snaps = next(f for f in of(primary.handle(ForwardDue()), Forward) if f.addr == "b1").snaps
-    backup.handle(Fence("f", {0: 4}, stimulus_id="ctl-WorkerRemoved-7"))
-    got = replies(backup.handle(Replicate("r", "p", snaps)))["r"]
-    primary.handle(ForwardDone("b1", got["held"], got["refused"]))  # fenced: steps down
+    snaps = next(f for f in of(handle(primary, ForwardDue()), Forward) if f.addr == "b1").snaps
+    handle(backup, Fence("f", {0: 4}, stimulus_id="ctl-WorkerRemoved-7"))
+    got = replies(handle(backup, Replicate("r", "p", snaps)))["r"]
+    handle(primary, ForwardDone("b1", got["held"], got["refused"]))  # fenced: steps down
     story = primary.story(0)
     assert story[-1].event.startswith("ForwardDone(") and story[-1].shards == (0,)
     fence = backup.story(0)[-1]
@@ -175,4 +176,4 @@ def test_validate_finds_a_broken_invariant(primary):
 
 def test_every_event_has_a_handler_and_an_unknown_one_is_refused(primary):
     with pytest.raises(TypeError, match="does not handle Tick"):
-        primary.handle(Tick(1.0))
+        handle(primary, Tick(1.0))

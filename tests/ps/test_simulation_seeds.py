@@ -31,6 +31,7 @@ from adam_dask.ps.protocol.messages import (
     WriteDone,
     WriteDue,
 )
+from adam_dask.ps.protocol.node_machine import handle
 from adam_dask.ps.protocol.node_state import NodeState
 from adam_dask.testing.simulation import HEAL_BOUND, simulate
 
@@ -56,25 +57,25 @@ def test_a_primary_promoted_again_keeps_its_shard_when_its_older_block_is_refuse
     current generation, or naming a newer one, still deposes it."""
     n = 4
     ns = NodeState("p", dedup_window=16, checkpoint=True)
-    ns.handle(Assign("a", {0: (0, n)}, {0: 2}, {0: []}))
-    ns.handle(Pushes((Push("x", {0: np.ones(n, np.float32)}, 1, {0: 2}, "replay"),)))
-    (old,) = [a for a in ns.handle(WriteDue()) if isinstance(a, WriteBlocks)]
+    handle(ns, Assign("a", {0: (0, n)}, {0: 2}, {0: []}))
+    handle(ns, Pushes((Push("x", {0: np.ones(n, np.float32)}, 1, {0: 2}, "replay"),)))
+    (old,) = [a for a in handle(ns, WriteDue()) if isinstance(a, WriteBlocks)]
     assert old.snaps[0].gen == 2
-    ns.handle(Fence("f", {0: 5}))
+    handle(ns, Fence("f", {0: 5}))
     assert 0 not in ns.primaries
-    ns.handle(Promote("p", {0: (5, [])}))
-    ns.handle(WriteDone({}, {0: 5}))  # the old block's refusal arrives now
+    handle(ns, Promote("p", {0: (5, [])}))
+    handle(ns, WriteDone({}, {0: 5}))  # the old block's refusal arrives now
     assert 0 in ns.primaries and ns.stepped_down == 1  # only the fence stepped it down
-    (new,) = [a for a in ns.handle(WriteDue()) if isinstance(a, WriteBlocks)]
+    (new,) = [a for a in handle(ns, WriteDue()) if isinstance(a, WriteBlocks)]
     assert new.snaps[0].gen == 5
-    ns.handle(WriteDone({}, {0: 5}))  # its generation-5 block refused: not its primary
+    handle(ns, WriteDone({}, {0: 5}))  # its generation-5 block refused: not its primary
     assert 0 not in ns.primaries
 
     other = NodeState("q", dedup_window=16, checkpoint=True)
-    other.handle(Assign("a", {0: (0, n)}, {0: 5}, {0: []}))
-    other.handle(Pushes((Push("x", {0: np.ones(n, np.float32)}, 1, {0: 5}, "replay"),)))
-    other.handle(WriteDue())
-    other.handle(WriteDone({}, {0: 7}))  # a newer generation exists
+    handle(other, Assign("a", {0: (0, n)}, {0: 5}, {0: []}))
+    handle(other, Pushes((Push("x", {0: np.ones(n, np.float32)}, 1, {0: 5}, "replay"),)))
+    handle(other, WriteDue())
+    handle(other, WriteDone({}, {0: 7}))  # a newer generation exists
     assert 0 not in other.primaries
 
 
@@ -143,12 +144,12 @@ def test_a_new_node_on_a_backups_worker_is_sent_everything():
     and sent it nothing: the new copy stayed empty and the shard never converged."""
     n = 4
     ns = NodeState("p", dedup_window=16, checkpoint=True)
-    ns.handle(Assign("a", {0: (0, n)}, {0: 3}, {0: [("b", "k1")]}))
-    ns.handle(Pushes((Push("x", {0: np.ones(n, np.float32)}, 1, {0: 3}, "replay"),)))
-    (fwd,) = [a for a in ns.handle(ForwardDue()) if isinstance(a, Forward)]
-    out = ns.handle(AddBackups("add", {0: [("b", "k2")]}, 5))  # k1's answer still on its way
-    ns.handle(ForwardDone("b", {0: (3, 1)}, {}))  # k1's answer: nothing about k2
-    out += ns.handle(ForwardDue())
+    handle(ns, Assign("a", {0: (0, n)}, {0: 3}, {0: [("b", "k1")]}))
+    handle(ns, Pushes((Push("x", {0: np.ones(n, np.float32)}, 1, {0: 3}, "replay"),)))
+    (fwd,) = [a for a in handle(ns, ForwardDue()) if isinstance(a, Forward)]
+    out = handle(ns, AddBackups("add", {0: [("b", "k2")]}, 5))  # k1's answer still on its way
+    handle(ns, ForwardDone("b", {0: (3, 1)}, {}))  # k1's answer: nothing about k2
+    out += handle(ns, ForwardDue())
     (again,) = [a for a in out if isinstance(a, Forward)]
     assert fwd.key == "k1" and again.key == "k2"
     assert again.snaps[0].full  # everything: k2 holds nothing yet

@@ -1,7 +1,7 @@
 """The parameter-server node's protocol as a pure state machine: no Dask, no I/O, no clocks.
 
 A :class:`NodeState` holds the copies of shards one PS node keeps for one server: the primaries
-it applies pushes to and the backups it keeps up to date. :meth:`NodeState.handle` takes an
+it applies pushes to and the backups it keeps up to date. :func:`.node_machine.handle` takes an
 event (:mod:`adam_dask.ps.protocol.messages`) and returns the actions to carry out; the actor
 (:mod:`adam_dask.ps.runtime.node`) and the simulator (:mod:`adam_dask.testing.simulation`) do the I/O.
 
@@ -23,64 +23,56 @@ The rules:
 * **Write back**: a primary writes blocks of its dirty shards; the controller names a block in
   the manifest only when the writer's generation is current (:mod:`adam_dask.ps.protocol.controller`).
 
-The controller's commands (assign, promote, restore, backup lists, flush) are
-:class:`~adam_dask.ps.protocol.node_commands.Commands`.
+The node is three modules by responsibility, none a mixin of another:
+
+* this one, :class:`NodeState`: what a node holds (shards, fences, backup lists, what each
+  backup acknowledged, waiting requests) and what follows from it (what every copy holds, what
+  is durable, whether a push may be served, answering waiting requests, stepping down);
+* :mod:`.node_data`: the data path, replication and write-back (pushes, pulls, forwards to and
+  from backups, fences, heartbeats' answers), as functions of a ``NodeState`` and an event;
+* :mod:`.node_commands`: the controller's commands (assign, promote, restore, backup lists,
+  drop, flush), the same way;
+
+and :mod:`.node_machine` dispatches an event to its handler by its type and keeps the story.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ...errors import ShardUnavailable, UpdateRejected
-from .messages import (
-    Action,
-    AddBackups,
-    Assign,
-    Confirmed,
-    Drop,
-    Event,
-    Fence,
-    Flush,
-    Forward,
-    ForwardDone,
-    ForwardDue,
-    ForwardFailed,
-    HeartbeatReply,
-    Marks,
-    Peer,
-    Position,
-    Promote,
-    Pull,
-    Pushes,
-    Replicate,
-    Reply,
-    Restore,
-    SetBackups,
-    Versions,
-    WriteBlocks,
-    WriteDone,
-    WriteDue,
-    WriteFailed,
-)
-from .node_commands import NOT_HELD, Commands, _Waiter, command
-from .shard import Mark, ShardState
-from .story import Story, shards_of
+from .messages import Action, Peer, Position, Reply
+from .shard import ShardState
+from .story import Story
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NOT_HELD", "NOT_MEMBER", "NodeState", "command"]
+__all__ = ["NOT_HELD", "NOT_MEMBER", "NOWHERE", "NodeState", "Waiter"]
 
+NOT_HELD = -1  # a refusal's generation when the node does not hold the shard
 NOT_MEMBER = -2  # the controller's refusal of a write-back from a node it no longer counts
-_NOWHERE: Position = (-1, -1)
+NOWHERE: Position = (-1, -1)
 STORY_IN_STATS = 16  # the newest entries of the node's story in its stats (all: story())
 
 
-class NodeState(Commands):
-    """The protocol state of one PS node (see the module doc).
+@dataclass
+class Waiter:
+    """A request answered once copies (and the checkpoint) hold versions of primaries."""
+
+    req: Any
+    kind: str  # "push", "flush" or "add"
+    need: dict[int, int]  # sid -> version
+    value: dict
+    written: bool = False
+    backups: dict[int, set[str]] = field(default_factory=dict)  # "add": only these backups
+
+
+class NodeState:
+    """What one PS node holds for one server, and what follows from it (see the module doc).
 
     Parameters
     ----------
@@ -105,9 +97,9 @@ class NodeState(Commands):
         self.written: dict[int, int] = {}  # primaries: the version the manifest names
         self.writing = False
         self.writing_gens: dict[int, int] = {}  # the write-back on its way: its blocks' gens
-        self.waiters: list[_Waiter] = []
+        self.waiters: list[Waiter] = []
         self.member = True
-        self._cache: dict[int, tuple[Position, np.ndarray]] = {}
+        self.value_cache: dict[int, tuple[Position, np.ndarray]] = {}
         self.pushes = 0
         self.floats_applied = 0
         self.floats_written = 0  # shard values written back to the checkpoint (primaries)
@@ -122,53 +114,13 @@ class NodeState(Commands):
         backups = sorted(set(self.shards) - set(self.primaries))
         return f"NodeState({self.addr}, primaries={sorted(self.primaries)}, backups={backups})"
 
-    # -- the one entry point ---------------------------------------------------------------------
-
-    def handle(self, event: Event) -> list[Action]:
-        """Apply ``event``; return the actions to carry out, in order. An event of note (every
-        one but the data path's, which is recorded only when it changes the node's role) goes
-        into the node's :attr:`story`."""
-        handler = _HANDLERS.get(type(event))
-        if handler is None:
-            raise TypeError(f"a PS node does not handle {type(event).__name__}")
-        role = (len(self.shards), len(self.primaries), self.member)
-        actions = handler(self, event)
-        if type(event) not in _DATA_PATH or role != (
-            len(self.shards),
-            len(self.primaries),
-            self.member,
-        ):
-            touched = shards_of(event).union(*(shards_of(a) for a in actions))
-            self.story.record(self.story.stimulus(event), event, touched, actions)
-        return actions
-
-    def validate(self) -> None:
-        """Raise :class:`AssertionError` when the node's invariants do not hold (the simulation
-        calls it after every step): a primary holds its shard; no copy is ahead of the fence;
-        the checkpoint never names a version a primary has not reached; a node that left holds
-        nothing."""
-        for sid in self.primaries:
-            assert sid in self.shards, f"{self.addr}: primary of shard {sid} it does not hold"
-        for sid, st in self.shards.items():
-            fence = self.gens.get(sid)
-            assert fence is not None and st.gen <= fence, (
-                f"{self.addr}: shard {sid} at generation {st.gen} past the fence {fence}"
-            )
-        for sid, v in self.written.items():
-            assert sid in self.primaries and v <= self.shards[sid].version, (
-                f"{self.addr}: shard {sid} written at {v}, beyond what it holds"
-            )
-        assert self.member or not self.shards, f"{self.addr}: left the server, holds shards"
-
-    # -- reading ---------------------------------------------------------------------------------
-
     def values_of(self, sid: int) -> tuple[Position, np.ndarray]:
         """(position, an immutable copy of the values), cached per position."""
         st = self.shards[sid]
-        cached = self._cache.get(sid)
+        cached = self.value_cache.get(sid)
         if cached is None or cached[0] != st.position:
             cached = (st.position, st.values.copy())
-            self._cache[sid] = cached
+            self.value_cache[sid] = cached
         return cached
 
     def confirmed(self, sid: int) -> int:
@@ -176,7 +128,7 @@ class NodeState(Commands):
         st = self.shards[sid]
         out = st.version
         for addr, _ in self.primaries[sid]:
-            gen, version = self.acked.get(addr, {}).get(sid, _NOWHERE)
+            gen, version = self.acked.get(addr, {}).get(sid, NOWHERE)
             out = min(out, version if gen == st.gen else -1)
         return out
 
@@ -204,73 +156,6 @@ class NodeState(Commands):
             return False
         return True
 
-    # -- update path -----------------------------------------------------------------------------
-
-    def _on_Pushes(self, ev: Pushes) -> list:
-        out: list = []
-        todo: dict[int, list[tuple[int, np.ndarray | None, int | None, Mark | None]]] = {}
-        results = []
-        for i, p in enumerate(ev.items):
-            res: dict = {"per_shard": {}, "moved": [], "confirmed": {}, "gens": {}}
-            checked: dict[int, np.ndarray | None] = {}
-            try:
-                for sid, d in p.deltas.items():
-                    sid = int(sid)
-                    if self.accepts(sid, p.stamps):
-                        checked[sid] = self.shards[sid].check(d, scan=not p.scanned)
-                    else:
-                        res["moved"].append(sid)
-            except UpdateRejected as exc:
-                out.append(Reply(p.req, exc))
-                continue
-            for sid, d in checked.items():
-                todo.setdefault(sid, []).append((i, d, p.push_id, p.mark))
-            results.append((i, p, res))
-        versions: dict[tuple[int, int], int] = {}
-        for sid, items in todo.items():
-            st = self.shards[sid]
-            fenced = st.pushes_fenced
-            applied = st.apply_batch(
-                [d for _, d, _, _ in items],
-                [pid for _, _, pid, _ in items],
-                [m for _, _, _, m in items],
-                checked=True,
-            )
-            n = len(items) - (st.pushes_fenced - fenced)
-            self.pushes += n
-            self.floats_applied += n * st.size
-            for (i, _, _, _), v in zip(items, applied):
-                versions[(i, sid)] = v
-        urgent = False
-        for i, p, res in results:
-            for sid in p.deltas:
-                if (i, int(sid)) in versions:
-                    res["per_shard"][int(sid)] = versions[(i, int(sid))]
-            if p.ack == "all" and res["per_shard"]:
-                self.waiters.append(_Waiter(p.req, "push", dict(res["per_shard"]), res))
-                urgent = True
-            else:
-                res["confirmed"] = {s: self.confirmed(s) for s in res["per_shard"]}
-                res["durable"] = {s: self.durable(s) for s in res["per_shard"]}
-                res["gens"] = {s: self.gens[s] for s in res["per_shard"]}
-                out.append(Reply(p.req, res))
-        if urgent:
-            out += self._settle()
-            out += self._forwards()
-        return out
-
-    def _on_Pull(self, ev: Pull) -> list:
-        ok = [s for s in ev.sids if self.accepts(s, ev.stamps)]
-        return [
-            Reply(
-                ev.req,
-                {
-                    "per_shard": {s: self.values_of(s)[1] for s in ok},
-                    "moved": [s for s in ev.sids if s not in ok],
-                },
-            )
-        ]
-
     def read_into(
         self, sids: list[int], stamps: dict[int, int] | None, dest: Any
     ) -> tuple[list[int], list[int]]:
@@ -287,209 +172,45 @@ class NodeState(Commands):
                 moved.append(s)
         return ok, moved
 
-    def _on_Marks(self, ev: Marks) -> list:
-        ok = [s for s in ev.sids if self.accepts(s, None)]
-        return [
-            Reply(
-                ev.req,
-                {
-                    "per_shard": {s: self.shards[s].marks_of(ev.epoch) for s in ok},
-                    "moved": [s for s in ev.sids if s not in ok],
-                },
-            )
-        ]
-
-    def _on_Confirmed(self, ev: Confirmed) -> list:
-        ok = [s for s in ev.sids if self.accepts(s, None)]
-        return [
-            Reply(
-                ev.req,
-                {
-                    "per_shard": {s: self.confirmed(s) for s in ok},
-                    "durable": {s: self.durable(s) for s in ok},
-                    "gens": {s: self.gens[s] for s in ok},
-                    "moved": [s for s in ev.sids if s not in ok],
-                },
-            )
-        ]
-
-    def _on_Versions(self, ev: Versions) -> list:
-        if ev.primaries_only:
-            sids = list(self.primaries) if ev.sids is None else list(ev.sids)
-            ok = [s for s in sids if self.accepts(s, None)]
-            value: dict = {
-                "per_shard": {s: self.shards[s].version for s in ok},
-                "moved": [s for s in sids if s not in ok],
-            }
-        else:
-            sids = list(self.shards) if ev.sids is None else [s for s in ev.sids]
-            value = {s: self.shards[s].version for s in sids if s in self.shards}
-        return [Reply(ev.req, value)]
-
-    # -- replication -----------------------------------------------------------------------------
-
-    def _on_ForwardDue(self, ev: ForwardDue) -> list:
-        return self._forwards()
-
-    def _forwards(self, only: set[str] | None = None) -> list:
-        """A forward to every idle backup that is behind on some shard."""
-        if not self.member:
-            return []
-        per_backup: dict[str, list] = {}
-        keys: dict[str, str] = {}
-        for sid, peers in self.primaries.items():
-            st = self.shards[sid]
-            for addr, key in peers:
-                if addr in self.inflight or (only is not None and addr not in only):
-                    continue
-                held = self.acked.get(addr, {}).get(sid, _NOWHERE)
-                if held >= st.position:
-                    continue
-                since = held[1] if held[0] == st.gen else -1
-                per_backup.setdefault(addr, []).append(st.snapshot(since, self.values_of(sid)[1]))
-                keys[addr] = key
-        out = []
-        for addr, snaps in per_backup.items():
-            self.inflight.add(addr)
-            out.append(Forward(addr, keys[addr], tuple(snaps)))
-        return out
-
-    def _on_ForwardDone(self, ev: ForwardDone) -> list:
-        self.inflight.discard(ev.backup)
-        acked = self.acked.setdefault(ev.backup, {})
-        for sid, pos in ev.held.items():
-            if ev.backup in self._backups_of(sid):
-                gen, version = pos  # a list if it came over the network
-                acked[sid] = max(acked.get(sid, _NOWHERE), (gen, version))
-        for sid, gen in ev.refused.items():
-            if sid in self.primaries and gen > self.gens[sid]:
-                self._step_down(sid, gen, f"backup {ev.backup} knows generation {gen}")
-        out = self._settle()
-        if any(ev.backup in b for w in self.waiters for b in self._waited_backups(w)):
-            out += self._forwards({ev.backup})
-        return out
-
-    def _on_ForwardFailed(self, ev: ForwardFailed) -> list:
-        self.inflight.discard(ev.backup)
-        self.forward_errors += 1
-        return []
-
-    def _on_Replicate(self, ev: Replicate) -> list:
-        held: dict[int, Position] = {}
-        refused: dict[int, int] = {}
-        for snap in ev.snaps:
-            sid = snap.shard
-            st = self.shards.get(sid)
-            known = self.gens.get(sid, NOT_HELD)
-            if st is None or not self.member:
-                refused[sid] = NOT_HELD
-                continue
-            if snap.gen < known or (sid in self.primaries and snap.gen == known):
-                refused[sid] = known
-                self.refused_stale += 1
-                logger.info(
-                    "node %s: refused a forward of shard %d from %s (generation %d, I know %d)",
-                    self.addr,
-                    sid,
-                    ev.sender,
-                    snap.gen,
-                    known,
+    def load(
+        self,
+        values: dict[int, np.ndarray],
+        versions: dict[int, int],
+        marks: dict[int, Any] | None = None,
+    ) -> None:
+        """Initial values of held shards (a new or restored server): already in the checkpoint;
+        ``marks`` {sid: [Mark]}: the data positions they hold."""
+        marks = {int(s): list(m) for s, m in (marks or {}).items()}
+        for sid, v in values.items():
+            st = self.shards[int(sid)]
+            arr = np.asarray(v, dtype=np.float32).reshape(-1)
+            if arr.shape[0] != st.size:
+                raise UpdateRejected(
+                    f"shard {sid}: {arr.shape[0]} values for {st.size} floats", shard=int(sid)
                 )
-                continue
-            if sid in self.primaries:  # a newer primary exists: this one is a backup now
-                self._step_down(sid, snap.gen, f"{ev.sender} forwards generation {snap.gen}")
-            self.gens[sid] = max(known, snap.gen)
-            st.install(
-                snap.version, snap.values, snap.ids, gen=snap.gen, full=snap.full, marks=snap.marks
-            )
-            held[sid] = st.position
-        return [Reply(ev.req, {"held": held, "refused": refused}), *self._settle()]
+            st.values[:] = arr
+            st.version = int(versions[sid])
+            st.set_marks(marks.get(int(sid), ()))
+            self.value_cache.pop(int(sid), None)
+            if int(sid) in self.primaries:
+                self.written[int(sid)] = st.version
+            for acked in self.acked.values():
+                acked.pop(int(sid), None)
 
-    # -- write-back ------------------------------------------------------------------------------
+    def abandon_flush(self, req: Any) -> str | None:
+        """Forget the flush ``req`` (its caller gave up waiting). Returns what it still waited
+        for: ``"copies"`` (a backup lacks a version), ``"checkpoint"`` (the write-back alone),
+        or None (no such flush: it was answered)."""
+        for i, w in enumerate(self.waiters):
+            if w.kind == "flush" and w.req is req:
+                del self.waiters[i]
+                behind = any(
+                    s in self.primaries and self.confirmed(s) < v for s, v in w.need.items()
+                )
+                return "copies" if behind else "checkpoint"
+        return None
 
-    def _on_WriteDue(self, ev: WriteDue) -> list:
-        if not self.checkpoint or self.writing or not self.member:
-            return []
-        dirty = [s for s in self.primaries if self.shards[s].version > self.written.get(s, -1)]
-        if not dirty:
-            return []
-        self.writing = True
-        self.writing_gens = {s: self.shards[s].gen for s in dirty}
-        return [
-            WriteBlocks(tuple(self.shards[s].snapshot(-1, self.values_of(s)[1]) for s in dirty))
-        ]
-
-    def _on_WriteDone(self, ev: WriteDone) -> list:
-        self.writing = False
-        wrote, self.writing_gens = self.writing_gens, {}
-        for sid, version in ev.accepted.items():
-            if sid in self.primaries:
-                self.written[sid] = max(self.written.get(sid, -1), int(version))
-                self.floats_written += self.shards[sid].stop - self.shards[sid].start
-        for sid, gen in ev.refused.items():
-            if gen == NOT_MEMBER:
-                self._retire("the controller refused a write-back")
-            elif sid in self.primaries:
-                if self._deposed_by(gen, sid, wrote.get(sid)):
-                    self._step_down(sid, gen, "the controller refused its write-back")
-                else:
-                    logger.info(
-                        "node %s: the controller refused a block of shard %d of generation %s; "
-                        "still its primary at generation %d",
-                        self.addr,
-                        sid,
-                        wrote.get(sid),
-                        self.gens[sid],
-                    )
-        return self._settle()
-
-    def _deposed_by(self, gen: int, sid: int, wrote: int | None) -> bool:
-        """Whether the refusal of a block of primary ``sid`` written at generation ``wrote``,
-        naming generation ``gen``, means another primary: a newer generation than this node
-        knows, or this node's own generation when the block was of it too (the controller
-        does not count this node as that generation's primary). A block of an older
-        generation proves nothing about the newer one: the node may have been fenced and
-        promoted again since it wrote it (its promotion's answer lost), and the generation
-        the refusal names, that of the controller's round then, may be its own now. A node
-        that stepped down on it would be named by the routing as the primary and refuse
-        every push and every new backup for good."""
-        if gen > self.gens[sid]:
-            return True
-        return gen == self.gens[sid] and wrote == gen
-
-    def _on_WriteFailed(self, ev: WriteFailed) -> list:
-        self.writing = False
-        self.writeback_errors += 1
-        self.last_writeback_error = ev.error
-        return []
-
-    # -- membership and fencing ------------------------------------------------------------------
-
-    def _on_HeartbeatReply(self, ev: HeartbeatReply) -> list:
-        if not ev.member:
-            if self.member:
-                self._retire("the controller no longer counts this node")
-            return self._settle()
-        for sid, gen in ev.gens.items():
-            if gen > self.gens.get(sid, NOT_HELD):
-                if sid in self.primaries:
-                    self._step_down(sid, gen, "the controller knows a newer generation")
-                elif sid in self.shards:
-                    self.gens[sid] = gen
-        return self._settle()
-
-    def _on_Fence(self, ev: Fence) -> list:
-        positions = {}
-        for sid, gen in ev.gens.items():
-            if sid not in self.shards:
-                continue
-            if sid in self.primaries and gen > self.gens[sid]:
-                self._step_down(sid, gen, "fenced by the controller")
-            self.gens[sid] = max(self.gens[sid], gen)
-            positions[sid] = self.shards[sid].position
-        return [Reply(ev.req, positions), *self._settle()]
-
-    def _step_down(self, sid: int, gen: int, why: str) -> None:
+    def step_down(self, sid: int, gen: int, why: str) -> None:
         """A newer generation of primary ``sid`` exists: stop applying, forwarding and writing
         it back; keep the values as a plain copy (the controller decides what they are worth:
         a fenced copy may still be the newest)."""
@@ -501,33 +222,32 @@ class NodeState(Commands):
         for acked in self.acked.values():
             acked.pop(sid, None)
 
-    def _retire(self, why: str) -> None:
+    def retire(self, why: str) -> None:
         logger.warning("node %s: stops serving (%s)", self.addr, why)
         self.member = False
         for sid in list(self.shards):
-            self._forget(sid)
+            self.forget(sid)
 
-    def _forget(self, sid: int) -> None:
+    def forget(self, sid: int) -> None:
         self.shards.pop(sid, None)
         self.primaries.pop(sid, None)
         self.written.pop(sid, None)
-        self._cache.pop(sid, None)
+        self.value_cache.pop(sid, None)
         for acked in self.acked.values():
             acked.pop(sid, None)
 
-    # -- waiters ---------------------------------------------------------------------------------
-
-    def _backups_of(self, sid: int) -> set[str]:
+    def backups_of(self, sid: int) -> set[str]:
         return {a for a, _ in self.primaries.get(sid, [])}
 
-    def _waited_backups(self, w: _Waiter) -> list[set[str]]:
+    def waited_backups(self, w: Waiter) -> list[set[str]]:
         if w.kind == "add":
             return list(w.backups.values())
-        return [self._backups_of(s) for s in w.need]
+        return [self.backups_of(s) for s in w.need]
 
-    def _settle(self) -> list:
+    def settle(self) -> list[Action]:
         """Answer the waiters whose conditions hold now (or can never hold here)."""
-        out, keep = [], []
+        out: list[Action] = []
+        keep = []
         for w in self.waiters:
             reply = self._check(w)
             if reply is None:
@@ -537,7 +257,7 @@ class NodeState(Commands):
         self.waiters = keep
         return out
 
-    def _check(self, w: _Waiter) -> Any:
+    def _check(self, w: Waiter) -> Any:
         for sid in list(w.need):
             if sid in self.primaries:
                 continue
@@ -550,9 +270,9 @@ class NodeState(Commands):
             st = self.shards[sid]
             if w.kind == "add":
                 for addr in w.backups[sid]:
-                    if addr not in self._backups_of(sid):
+                    if addr not in self.backups_of(sid):
                         return ShardUnavailable(f"backup {addr} of shard {sid} was removed")
-                    if self.acked.get(addr, {}).get(sid, _NOWHERE) < (st.gen, version):
+                    if self.acked.get(addr, {}).get(sid, NOWHERE) < (st.gen, version):
                         return None
             elif self.confirmed(sid) < version:
                 return None
@@ -566,8 +286,6 @@ class NodeState(Commands):
         if w.kind == "add":
             return {s: v for s, v in w.need.items()}
         return w.value
-
-    # -- introspection ---------------------------------------------------------------------------
 
     def stats(self) -> dict:
         """Counters and lags of this node (see ParameterServer.stats)."""
@@ -600,47 +318,20 @@ class NodeState(Commands):
             "story": [e.to_dict() for e in self.story()[-STORY_IN_STATS:]],
         }
 
-
-_Handler = Callable[[NodeState, Any], list[Action]]
-
-# what a node does with each event: mypy checks every handler exists and takes its event
-_HANDLERS: dict[type[Event], _Handler] = {
-    Pushes: NodeState._on_Pushes,
-    Pull: NodeState._on_Pull,
-    Confirmed: NodeState._on_Confirmed,
-    Marks: NodeState._on_Marks,
-    Versions: NodeState._on_Versions,
-    ForwardDue: NodeState._on_ForwardDue,
-    ForwardDone: NodeState._on_ForwardDone,
-    ForwardFailed: NodeState._on_ForwardFailed,
-    Replicate: NodeState._on_Replicate,
-    WriteDue: NodeState._on_WriteDue,
-    WriteDone: NodeState._on_WriteDone,
-    WriteFailed: NodeState._on_WriteFailed,
-    HeartbeatReply: NodeState._on_HeartbeatReply,
-    Fence: NodeState._on_Fence,
-    Assign: NodeState._on_Assign,
-    Promote: NodeState._on_Promote,
-    Restore: NodeState._on_Restore,
-    SetBackups: NodeState._on_SetBackups,
-    AddBackups: NodeState._on_AddBackups,
-    Drop: NodeState._on_Drop,
-    Flush: NodeState._on_Flush,
-}
-
-# the data path's events: in the story only when they change the node's role
-_DATA_PATH: frozenset[type[Event]] = frozenset(
-    {
-        Pushes,
-        Pull,
-        Confirmed,
-        Marks,
-        Versions,
-        ForwardDue,
-        ForwardDone,
-        Replicate,
-        WriteDue,
-        WriteDone,
-        HeartbeatReply,
-    }
-)
+    def validate(self) -> None:
+        """Raise :class:`AssertionError` when the node's invariants do not hold (the simulation
+        calls it after every step): a primary holds its shard; no copy is ahead of the fence;
+        the checkpoint never names a version a primary has not reached; a node that left holds
+        nothing."""
+        for sid in self.primaries:
+            assert sid in self.shards, f"{self.addr}: primary of shard {sid} it does not hold"
+        for sid, st in self.shards.items():
+            fence = self.gens.get(sid)
+            assert fence is not None and st.gen <= fence, (
+                f"{self.addr}: shard {sid} at generation {st.gen} past the fence {fence}"
+            )
+        for sid, v in self.written.items():
+            assert sid in self.primaries and v <= self.shards[sid].version, (
+                f"{self.addr}: shard {sid} written at {v}, beyond what it holds"
+            )
+        assert self.member or not self.shards, f"{self.addr}: left the server, holds shards"

@@ -58,6 +58,7 @@ from ..protocol.messages import (
     WriteDue,
     WriteFailed,
 )
+from ..protocol.node_machine import handle
 from ..protocol.node_state import NodeState
 from ..protocol.shard import Mark, Snapshot
 from .rpc import call_actor
@@ -202,7 +203,7 @@ class PSNode:
     def _handle(self, event: Any) -> None:
         state = self._start()
         with self._lock:
-            actions = state.handle(event)
+            actions = handle(state, event)
         self._do(actions)
 
     async def _ask(self, make: Any) -> Any:
@@ -212,7 +213,7 @@ class PSNode:
         fut = asyncio.get_running_loop().create_future()
         self._futures[req] = fut
         with self._lock:
-            actions = state.handle(make(req))
+            actions = handle(state, make(req))
         self._do(actions)
         try:
             return await fut
@@ -569,14 +570,14 @@ class PSNode:
             if not slot.done:
                 with self._pending_lock:
                     batch, self._pending = self._pending, []
-                actions = state.handle(Pushes(tuple(p for p, _ in batch)))
+                actions = handle(state, Pushes(tuple(p for p, _ in batch)))
                 for a in actions:
                     if isinstance(a, Reply) and isinstance(a.req, _Answer):
                         a.req.set(a.value)
                     else:
                         rest.append(a)
             if urgent:
-                rest += state.handle(ForwardDue())
+                rest += handle(state, ForwardDue())
             if rest:
                 self._worker.loop.asyncio_loop.call_soon_threadsafe(self._do, rest)
         if not slot.event.wait(float(self.cfg["call_timeout"])):
@@ -634,7 +635,7 @@ class PSNode:
         state = self._start()
         slot = _Answer()
         with self._lock:
-            actions = [a for ev in events(slot) for a in state.handle(ev)]
+            actions = [a for ev in events(slot) for a in handle(state, ev)]
         rest = []
         for a in actions:
             if isinstance(a, Reply) and a.req is slot:
