@@ -233,7 +233,7 @@ def tta_curves(line: dict) -> dict[str, list[float]]:
         curve = line.get(f"{key}_curve")
         if not curve:
             continue
-        secs = line.get(f"{key}_seconds_to_target")
+        secs = rules.get(line, f"{key}_seconds_to_target")
         reached = (
             f"{_target(line)} in {rules.num(secs)} s"
             if rules.is_num(secs)

@@ -73,9 +73,8 @@ def p99_key(point: dict) -> str | None:
 
 def _served(curve: object, replicas: object) -> str:
     """`` (900 MB/s, p99 push 15.2 ms)``: the curve's point at ``replicas``."""
-    point = next(
-        (p for p in curve or [] if isinstance(p, dict) and p.get("replicas") == replicas), {}
-    )  # type: ignore[attr-defined]
+    points = curve if isinstance(curve, list) else []
+    point = next((p for p in points if isinstance(p, dict) and p.get("replicas") == replicas), {})
     p99 = p99_key(point)
     parts = [f"{rules.num(point['mb_per_s'])} MB/s" if rules.is_num(point.get("mb_per_s")) else ""]
     parts.append(
@@ -105,7 +104,7 @@ def _after_first(line: dict, quorum: str) -> float | None:
 def quorum(line: dict) -> dict[str, Any]:
     """Each quorum's accuracy, their difference in points, and (the first epoch of a run can
     hold a warm-up the later ones do not) the ratio of the later epochs alone."""
-    a, b = line.get("accuracy_quorum_0_75"), line.get("accuracy_quorum_1_0")
+    a, b = rules.get(line, "accuracy_quorum_0_75"), rules.get(line, "accuracy_quorum_1_0")
     if not rules.is_num(a, b):
         return {}
     out = {"acc_ours": a, "acc_peer": b, "points": 100 * (a - b)}
@@ -161,7 +160,7 @@ def isolation(line: dict) -> dict[str, Any] | None:
 
 def partitions_accuracy(line: dict) -> dict[str, Any]:
     """P = 2's mean accuracy against P = 1's in points; within noise where the seeds overlap."""
-    p1, p2 = line.get("mean_accuracy_p1"), line.get("mean_accuracy_p2")
+    p1, p2 = rules.get(line, "mean_accuracy_p1"), rules.get(line, "mean_accuracy_p2")
     if not rules.is_num(p1, p2):
         return {}
     a1, a2 = rules.nums(line.get("accuracy_p1")), rules.nums(line.get("accuracy_p2"))
@@ -265,7 +264,7 @@ def torch_time(claim: Claim, line: dict) -> Figure | None:
     curve = line.get("torch_curve") or []
     if line.get("torch_seconds_to_target") is not None or not curve or not rules.is_num(*curve):
         return record.versus(claim, line)
-    peer = line.get("numba_seconds_to_target")
+    peer = rules.get(line, "numba_seconds_to_target")
     mb = f", mini-batch {line['torch_batch_size']}" if "torch_batch_size" in line else ""
     ours = f"not reached in {len(curve)} epochs (best {rules.pc(max(curve))}{mb})"
     return Figure(

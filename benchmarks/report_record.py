@@ -134,7 +134,9 @@ class Claim:
         if self.peer and not self.peer_name:
             fail(f"no peer_name (the peer {self.peer!r} is named in its words)")
         for key in TEMPLATES:
-            check_template(getattr(self, key), lambda why, k=key: fail(f"{k}: {why}"))
+            why = template_error(getattr(self, key))
+            if why:
+                fail(f"{key}: {why}")
 
     @property
     def versus(self) -> bool:
@@ -159,19 +161,20 @@ class _Missing(Exception):
     pass
 
 
-def check_template(text: str, fail: Callable[[str], None]) -> None:
-    """Call ``fail`` with why ``text`` is not a template (a stray brace, an unknown spec)."""
+def template_error(text: str) -> str:
+    """Why ``text`` is not a template (a stray brace, an unknown format), or ""."""
     for m in _FIELD.finditer(text):
         spec = m.group(2) or ""
         if spec and spec not in SPECS:
             try:
                 format(1.5, spec)
             except ValueError:
-                fail(f"unknown format {spec!r} in {m.group(0)}")
+                return f"unknown format {spec!r} in {m.group(0)}"
     bare = _GROUP.sub(lambda m: m.group(1), _FIELD.sub("", text))
     for mark in ("{", "}", "[[", "]]"):
         if mark in bare:
-            fail(f"a stray {mark!r} in {text!r}")
+            return f"a stray {mark!r} in {text!r}"
+    return ""
 
 
 def present(v: object) -> bool:
@@ -229,7 +232,9 @@ def _goal(claim: Claim, line: dict) -> str:
     goal = claim.goal if rules.is_num(claim.goal) else rules.get(line, f"goals/{claim.goal}")
     if not claim.goal or not rules.is_num(goal):
         return ""
-    return f" (goal: {'at most' if claim.less_is_better else 'at least'} {rules.ratio(goal)})"
+    return (
+        f" (goal: {'at most' if claim.less_is_better else 'at least'} {rules.ratio(float(goal))})"
+    )
 
 
 def figure(claim: Claim, line: dict) -> Figure | None:

@@ -78,7 +78,7 @@ def mean(v: object) -> float | None:
     if isinstance(v, list):
         v = nums(v)
         return sum(v) / len(v) if v else None
-    return float(v) if is_num(v) else None  # type: ignore[arg-type]
+    return float(v) if isinstance(v, int | float) else None
 
 
 # --- the load shown, and what a loaded line may claim ---
@@ -89,7 +89,7 @@ def line_load(line: dict) -> float | None:
     or a list such as os.getloadavg()'s); None when it recorded none."""
     seen: list[float] = []
     for key in LOAD_KEYS:
-        v = line.get(key)
+        v: Any = line.get(key)
         seen.extend(float(x) for x in (v if isinstance(v, list) else [v]) if is_num(x))
     return max(seen) if seen else None
 

@@ -102,7 +102,8 @@ def table1_by_seed(lines: list[dict], like: dict | None = None) -> str:
         "| seed | run (date, commit) | async final (best) | sync final (best) | async - sync |",
         "| --- | --- | --- | --- | --- |",
     ]
-    diffs, finals = [], {"async": [], "sync": []}
+    diffs: list[float] = []
+    finals: dict[str, list[float]] = {"async": [], "sync": []}
     for seed in sorted(by_seed):
         ln, a, s = by_seed[seed]
         diff = a["accuracy"] - s["accuracy"]
