@@ -59,7 +59,7 @@ def plot(lines: list[dict], out: Path) -> list[str]:
     ax.set_title("Table 1: the paper's network, asynchronous vs synchronous training")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
-    labels = [ln.get_label() for ln in ax.get_lines()]
+    labels = [str(ln.get_label()) for ln in ax.get_lines()]
     report.save_figure(fig, out)
     return labels
 

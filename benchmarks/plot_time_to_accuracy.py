@@ -46,7 +46,7 @@ def plot(line: dict, out: Path) -> list[str]:
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
-    labels = [ln.get_label() for ln in ax.get_lines()]
+    labels = [str(ln.get_label()) for ln in ax.get_lines()]
     report.save_figure(fig, out)
     return labels
 

@@ -425,3 +425,91 @@ def test_the_engines_images_per_second_say_which_run_they_come_from():
     )
     (eng,) = _rows(text, "Engine training images/s")
     assert "`engine.py`, not the `time_to_accuracy` run" in eng and "20000 images" in eng
+
+
+# --- report.py as data (issue 40): claims are records, every stored run is in docs/results.md ---
+
+
+def test_a_claim_record_that_can_not_be_read_fails_with_one_clear_line():
+    _report()
+    rec = sys.modules["report_record"]
+    good = {"bench": "ps", "name": "push", "what": "PS push", "ours": "push_mb_per_s"}
+    good.update(peer="raw_push_mb_per_s", unit="MB/s", peer_name="a raw actor round trip")
+    rec.Claim(**good)  # reads
+    broken = {
+        "claim ps/push: no what": {"what": ""},
+        "claim ps/push: no unit (a claim with a peer or a ratio shows its figures in a unit)": {
+            "unit": ""
+        },
+        "claim ps/push: no peer_name (the peer 'raw_push_mb_per_s' is named in its words)": {
+            "peer_name": ""
+        },
+        "claim ps/push: reads nothing (no ours, needs, values or figure)": {"ours": "", "peer": ""},
+        "claim ps/push: brief: unknown format 'nm' in {ours:nm}": {"brief": "{ours:nm}"},
+        "claim ps/push: words: a stray '}' in '{ratio:x} the MB/s}'": {
+            "words": "{ratio:x} the MB/s}"
+        },
+        "claim ps/push: more: a stray '[[' in '[[; 4 MB {r:x}'": {"more": "[[; 4 MB {r:x}"},
+        "claim ps/push: speed 'fast' is not one of noise, load, none": {"speed": "fast"},
+    }
+    for message, change in broken.items():
+        with pytest.raises(rec.ClaimError) as err:
+            rec.Claim(**(good | change))
+        assert str(err.value) == message
+    # a record without a required field does not build either, in one line
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'what'"):
+        rec.Claim(bench="ps", name="push", ours="push_mb_per_s")
+
+
+def test_the_claims_are_records_the_same_rules_apply_to():
+    report = _report()
+    rec = sys.modules["report_record"]
+    assert all(isinstance(c, rec.Claim) for c in report.CLAIMS)
+    assert len({(c.bench, c.name) for c in report.CLAIMS}) == len(report.CLAIMS)
+    # templates: a field's value, formatted; a [[...]] part left out when a field is missing
+    line = {"a": 1234.5, "b": {"c": 0.5}}
+    assert rec.fill("{a:num} MB[[, {b/c:x}]][[, {b/d:x}]], {e}", [line]) == "1,234 MB, 0.50x, ?"
+    # the busy rule reads the line's load even where a claim's figures sit in a part of it
+    big = _stamp("lm", model="10M", load=[34.4], offload_sent_bytes_ratio=1.13)
+    big["ps"] = {"payload_mb": 40.0, "push_mb_per_s": 19.3, "raw_push_mb_per_s": 113.0}
+    (row,) = _rows(report.headline({"large_model": [big]}), "10M-parameter dense net")
+    assert "no claim of speed: measured at load 34.4 on 2 CPUs" in row
+    assert "the MB/s of a raw actor transfer" not in row
+    assert row.count("; the dense offload sends 1.13x the bytes per image") == 1
+
+
+def test_docs_results_lists_every_stored_run():
+    report = _report()
+    rules = sys.modules["report_rules"]
+    results = report.load_results()
+    page = (ROOT / "docs" / "results.md").read_text()
+    assert report.results_page(results) == page, "run python benchmarks/report.py"
+    for bench, lines in results.items():
+        head = f"<code>{bench}</code>: all {len(lines)} stored run"
+        assert page.count(head) == 1, bench
+        section = page.partition(head)[2].partition("</details>")[0]
+        rows = [
+            r
+            for r in section.splitlines()
+            if r.startswith("| ") and not r.startswith(("| run (date", "| ---"))
+        ]
+        assert len(rows) == len(lines), bench
+        for ln, row in zip(lines, rows):
+            assert row.startswith(f"| {rules.run_stamp(ln)}"), (bench, row)
+    # the README keeps the headline table and links to the page, not the lists
+    readme = (ROOT / "README.md").read_text()
+    block = readme.partition("<!-- figures:start -->")[2].partition("<!-- figures:end -->")[0]
+    assert "(docs/results.md)" in block and "<details>" not in block
+
+
+def test_check_finds_a_stale_readme_or_results_page():
+    report = _report()
+    results = report.load_results()
+    assert report.stale(results) == []
+    assert report.main(["--check"]) == 0
+    fewer = {**results, "engine": results["engine"][:-1]}
+    assert report.stale(fewer) == [report.README, report.RESULTS_MD]
+    # a line no README row reads: only the page is stale
+    sim = results["simulation"]
+    changed = {**results, "simulation": [*sim[:-1], sim[-1] | {"seeds": 1}]}
+    assert report.stale(changed) == [report.RESULTS_MD]
