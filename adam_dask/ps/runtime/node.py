@@ -20,15 +20,11 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from ..._secrets import process_redactor
-from ..._tls import connect_context
 from ...errors import ShardUnavailable, StorageError
-from ..plane.forward import ForwardChannels
 from ..plane.server import PlaneServer, plane_server
 from ..protocol.messages import (
     AddBackups,
@@ -39,9 +35,7 @@ from ..protocol.messages import (
     Fence,
     Flush,
     Forward,
-    ForwardDone,
     ForwardDue,
-    ForwardFailed,
     HeartbeatReply,
     Marks,
     Promote,
@@ -54,20 +48,18 @@ from ..protocol.messages import (
     SetBackups,
     Versions,
     WriteBlocks,
-    WriteDone,
     WriteDue,
-    WriteFailed,
 )
 from ..protocol.node_machine import handle
 from ..protocol.node_state import NodeState
 from ..protocol.shard import Mark, Snapshot
-from .rpc import call_actor
+from .background import spawn
+from .forwarder import Forwarder
+from .writeback import WriteBack
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PSNode"]
-
-_tasks: set[asyncio.Task] = set()  # background tasks of the nodes, kept alive until done
 
 
 class _Answer:
@@ -84,13 +76,6 @@ class _Answer:
     def set(self, value: Any) -> None:
         self.value, self.done = value, True
         self.event.set()
-
-
-def _spawn(coro: Any) -> asyncio.Task:
-    task = asyncio.ensure_future(coro)
-    _tasks.add(task)
-    task.add_done_callback(_tasks.discard)
-    return task
 
 
 class PSNode:
@@ -115,20 +100,13 @@ class PSNode:
         self._reqs = itertools.count()
         self._queue: list[Push] = []
         self._drain_scheduled = False
-        self._forwards: dict[str, asyncio.Task] = {}
         self._timers: list[asyncio.Task] = []
-        self._store: Any = None
         self._worker: Any = None
         self._closed = False
         self._started = time.time()
-        self._last_write = time.time()
-        self._write_retry_at = 0.0
-        self._write_failures = 0
         self._plane: PlaneServer | None = None
-        # forwards on the data plane: their own threads (a frozen backup holds one for up to
-        # call_timeout; asyncio's default executor also carries the write-back)
-        self._forward_channels: ForwardChannels | None = None
-        self._forward_pool: ThreadPoolExecutor | None = None
+        self._forwarder: Forwarder | None = None  # forwards to the backups
+        self._writeback: WriteBack | None = None  # the checkpoint's write-back (when there is one)
         # the state is the event loop's and the data plane's threads': one at a time
         self._lock = threading.RLock()
         self._pending_lock = threading.Lock()
@@ -154,26 +132,17 @@ class PSNode:
             self._worker.address, dedup_window=self.cfg["dedup_window"], checkpoint=bool(ckpt)
         )
         if ckpt:
-            from ..checkpoint import BlockStore
-
-            self._store = BlockStore(ckpt, self.cfg.get("storage_options"))
+            self._writeback = WriteBack(self.server_id, self._worker, self.cfg, self._handle)
         self._plane = plane_server(self._worker)
         self._plane.register(self.server_id, self)
-        if self.cfg.get("data_plane", "auto") != "dask":
-            self._forward_channels = ForwardChannels(
-                self.server_id,
-                str(self.cfg.get("data_plane", "auto")),
-                self.cfg["call_timeout"],
-                connect_context() if self._worker.address.startswith("tls://") else None,
-            )
-            self._forward_pool = ThreadPoolExecutor(8, thread_name_prefix="adam-forward")
+        self._forwarder = Forwarder(self.server_id, self._worker, self.cfg, self._handle)
         self._timers = [
-            _spawn(self._every(self.cfg["forward_interval"], self._forward_tick)),
-            _spawn(self._every(self.cfg["heartbeat_interval"], self._heartbeat)),
+            spawn(self._every(self.cfg["forward_interval"], self._forward_tick)),
+            spawn(self._every(self.cfg["heartbeat_interval"], self._heartbeat)),
         ]
         if ckpt:
             self._timers.append(
-                _spawn(self._every(self.cfg["writeback_interval"], self._write_tick))
+                spawn(self._every(self.cfg["writeback_interval"], self._write_tick))
             )
         return self.state
 
@@ -190,13 +159,14 @@ class PSNode:
                 else:
                     fut.set_result(a.value)
             elif isinstance(a, Forward):
-                self._forwards[a.addr] = _spawn(self._forward(a))
+                assert self._forwarder is not None
+                self._forwarder.start(a)
             elif isinstance(a, Cancel):
-                task = self._forwards.pop(a.addr or "", None)
-                if task is not None:
-                    task.cancel()
+                assert self._forwarder is not None
+                self._forwarder.cancel(a.addr or "")
             elif isinstance(a, WriteBlocks):
-                _spawn(self._write(a.snaps))
+                assert self._writeback is not None
+                spawn(self._writeback.write(a.snaps))
             else:  # pragma: no cover - every action of NodeState is handled above
                 raise TypeError(f"unknown node action {a!r}")
 
@@ -236,7 +206,7 @@ class PSNode:
         self._handle(ForwardDue())
 
     async def _write_tick(self) -> None:
-        if time.monotonic() >= self._write_retry_at:
+        if self._writeback is not None and self._writeback.due():
             self._handle(WriteDue())
 
     async def _heartbeat(self) -> None:
@@ -257,120 +227,6 @@ class PSNode:
             return
         gens = {int(s): int(g) for s, g in reply["gens"].items()}
         self._handle(HeartbeatReply(bool(reply["member"]), gens))
-
-    # -- carrying out actions --------------------------------------------------------------------
-
-    async def _forward(self, a: Forward) -> None:
-        try:
-            got = await self._plane_forward(a)
-            if got is None:  # the Dask way
-                got = await call_actor(
-                    self._worker.rpc,
-                    a.addr,
-                    a.key,
-                    "replicate",
-                    list(a.snaps),
-                    self._worker.address,
-                    timeout=self.cfg["call_timeout"],
-                )
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            failures = getattr(self, "_forward_failures", 0) + 1
-            self._forward_failures = failures
-            delay = min(self.cfg["retry_base"] * 2 ** (failures - 1), self.cfg["forward_retry_max"])
-            logger.warning(
-                "node %s: forwarding %d shard(s) to backup %s failed (%s: %s); retrying in %.1fs",
-                self._worker.address,
-                len(a.snaps),
-                a.addr,
-                type(exc).__name__,
-                exc,
-                delay,
-            )
-            await asyncio.sleep(delay)  # the backup stays busy meanwhile: nothing else is sent
-            if self._forwards.get(a.addr) is asyncio.current_task():
-                self._forwards.pop(a.addr, None)
-                self._handle(ForwardFailed(a.addr, f"{type(exc).__name__}: {exc}"))
-            return
-        self._forward_failures = 0
-        if self._forwards.get(a.addr) is asyncio.current_task():
-            self._forwards.pop(a.addr, None)
-        held = {int(s): (int(p[0]), int(p[1])) for s, p in got["held"].items()}
-        refused = {int(s): int(g) for s, g in got["refused"].items()}
-        self._handle(ForwardDone(a.addr, held, refused))
-
-    async def _plane_forward(self, a: Forward) -> dict | None:
-        """The forward ``a`` over the data plane, in a thread (:mod:`._plane_forward`); None
-        when the plane can not carry it."""
-        fc = self._forward_channels
-        if fc is None:
-            return None
-        if not fc.knows(a.addr, a.key):
-            try:
-                ep = await call_actor(
-                    self._worker.rpc, a.addr, a.key, "plane", timeout=self.cfg["call_timeout"]
-                )
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.debug("node %s: no data plane of %s (%r)", self._worker.address, a.addr, exc)
-                return None
-            fc.remember(a.addr, a.key, ep)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._forward_pool, fc.forward, a.addr, a.key, self._worker.address, a.snaps
-        )
-
-    async def _write(self, snaps: tuple[Snapshot, ...]) -> None:
-        try:
-            paths = await asyncio.to_thread(lambda: [self._store.write(s) for s in snaps])
-            reply = await asyncio.wait_for(
-                self._worker.scheduler.adam_ps_written(
-                    server_id=self.server_id,
-                    addr=self._worker.address,
-                    blocks={s.shard: [s.gen, s.version, p] for s, p in zip(snaps, paths)},
-                ),
-                self.cfg["call_timeout"],
-            )
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self._write_failures += 1
-            delay = min(
-                self.cfg["retry_base"] * 2 ** (self._write_failures - 1), self.cfg["retry_max"]
-            )
-            self._write_retry_at = time.monotonic() + delay
-            error = process_redactor()(f"{type(exc).__name__}: {exc}")  # shown and sent on
-            logger.warning(
-                "node %s: checkpoint write-back of %d shard(s) failed (attempt %d, %s); "
-                "retrying in %.1fs, nothing is dropped",
-                self._worker.address,
-                len(snaps),
-                self._write_failures,
-                error,
-                delay,
-            )
-            self._worker.log_event(
-                "adam-ps-checkpoint",
-                {"server": self.server_id, "worker": self._worker.address, "error": error},
-            )
-            self._handle(WriteFailed(error))
-            return
-        if self._write_failures:
-            logger.info(
-                "node %s: checkpoint write-back succeeded after %d failed attempt(s)",
-                self._worker.address,
-                self._write_failures,
-            )
-        self._write_failures = 0
-        self._last_write = time.time()
-        accepted = {int(s): int(v) for s, v in reply["accepted"].items()}
-        refused = {int(s): int(g) for s, g in reply["refused"].items()}
-        if refused:  # a block nobody will name: remove it
-            stale = [p for s, p in zip(snaps, paths) if s.shard in refused]
-            _spawn(asyncio.to_thread(self._store.delete, stale))
-        self._handle(WriteDone(accepted, refused))
 
     # -- commands from the controller ------------------------------------------------------------
 
@@ -410,7 +266,9 @@ class PSNode:
         """Become the primary of ``sid``, rebuilt from the checkpoint block ``block`` =
         (path, generation, version)."""
         self._start()
-        values, attrs, ids = await asyncio.to_thread(self._store.read, block[0])
+        if self._writeback is None:
+            raise ShardUnavailable(f"shard {sid}: no checkpoint to restore it from")
+        values, attrs, ids = await asyncio.to_thread(self._writeback.store.read, block[0])
         version = int(attrs["version"])
         from ..checkpoint import block_marks
 
@@ -437,12 +295,10 @@ class PSNode:
         self._closed = True
         if self._plane is not None:
             self._plane.unregister(self.server_id, self)
-        for t in [*self._timers, *self._forwards.values()]:
+        for t in self._timers:
             t.cancel()
-        if self._forward_channels is not None:
-            self._forward_channels.close()
-        if self._forward_pool is not None:
-            self._forward_pool.shutdown(wait=False, cancel_futures=True)
+        if self._forwarder is not None:
+            self._forwarder.close()
 
     # -- update path -----------------------------------------------------------------------------
 
@@ -727,10 +583,10 @@ class PSNode:
         out = self._locked(state.stats)
         out["address"] = self._worker.address
         out["uptime"] = time.time() - self._started
-        fc = self._forward_channels
-        out["plane_forwards"] = dict(fc.counts) if fc is not None else None
+        out["plane_forwards"] = self._forwarder.counts() if self._forwarder else None
         out["by_transport"] = dict(self.by_transport)
         out["outer_products"] = self.outer_products
         lag = out["writeback_lag_versions"]
-        out["writeback_lag_seconds"] = time.time() - self._last_write if lag > 0 else 0.0
+        last = self._writeback.last_write if self._writeback is not None else time.time()
+        out["writeback_lag_seconds"] = time.time() - last if lag > 0 else 0.0
         return out
