@@ -8,7 +8,7 @@ neighbours: each partition but the first listens on a port of its worker's host 
 ``(host, port, token)`` in a :class:`distributed.Variable` named for the replica, the attempt
 and the partition; each but the last reads its successor's and connects, presenting the
 token. Partition 0 then feeds the replica from the data service, as an unpartitioned replica
-would: first the pushes some shard misses (the segments of
+would: first the pushes some shard misses (the stretches of
 :func:`~adam_dask.train._position.resume_plan`), then the rest of its share.
 
 :func:`run_partitioned` (the Trainer's epoch when ``partitions > 1``) submits every replica's
@@ -144,7 +144,7 @@ def _meet(job: PartitionJob, host: str, abort: EventPoll) -> tuple[Any, Any] | N
 def _groups(
     job: PartitionJob, server: Any, data: Any, stop: EventPoll, s: Any, report: Any
 ) -> Iterator:
-    """Partition 0's push groups: the segments to re-train, then the rest of the share;
+    """Partition 0's push groups: the stretches to re-train, then the rest of the share;
     ``report(images)`` as each group leaves (the replica's progress events)."""
     from ..errors import ClusterError
     from ._pipeline import Group, push_groups
@@ -164,12 +164,12 @@ def _groups(
     def lr() -> float:
         return rj.schedule.at(rj.epoch + min(1.0, done / max(1, rj.share_images)))
 
-    for seg in plan.segments:
+    for stretch in plan.stretches:
         if stop.is_set():
             return
-        stream = data.stream(rj.replica, rj.replicas, rj.epoch, return_key=True, only=seg.items)
+        stream = data.stream(rj.replica, rj.replicas, rj.epoch, return_key=True, only=stretch.items)
         try:
-            group = Group(seg.seq, encode(seg.items), lr=lr())
+            group = Group(stretch.seq, encode(stretch.items), lr=lr())
             for x, y, _ in stream:
                 for a in range(0, len(y), s.batch_size):
                     group.batches.append((x[a : a + s.batch_size], y[a : a + s.batch_size]))

@@ -20,7 +20,7 @@ flight (at most ``window - 1``) and of pulls in between have landed. PipeDream's
 stashing keeps the forward's weights for the backward; we do not (see docs/design.md).
 
 **Push groups.** Partition 0 cuts the stream into groups of about ``push_every`` images (a
-re-trained segment is one group) and numbers them; every partition pushes its update of a
+re-trained stretch is one group) and numbers them; every partition pushes its update of a
 group as part ``p`` of that group's push (one :class:`~adam_dask.ps.protocol.shard.Mark`: the group's
 number, the images it covers, ``parts = P``) to the shards of its own span
 (:meth:`ParameterServer.push_range`), then pulls its span. A push of a group holds exactly that
