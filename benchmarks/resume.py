@@ -10,7 +10,7 @@ The JSON line (appended to ``benchmarks/results/resume.jsonl``): ``first_push_se
 the call to ``Trainer.resume`` to the first push the parameter server applied; includes
 restoring the server from the checkpoint and starting the data servers),
 ``images_in_checkpoint`` (epoch 1's images the checkpoint held), ``images_retrained`` (images
-the resumed run trained beyond those the checkpoint did not hold: the segments re-trained for
+the resumed run trained beyond those the checkpoint did not hold: the stretches re-trained for
 shards that missed a push), ``images_lost_at_crash`` (images the first run had trained in epoch
 1, by its last progress report before the kill, that the checkpoint did not hold: the lost work,
 bounded by ``adam.ps.writeback-interval``), ``images_applied`` of the resumed epoch (the split's

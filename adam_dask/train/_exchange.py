@@ -18,7 +18,7 @@ stand-in in tests). The exchange counts what it pushed: ``pushes``, ``images_pus
 whose updates the server acknowledged) and ``items`` (per stream item, the images pushed: the
 replica's data position). With a :class:`~adam_dask.train._position.Marker` every push carries
 its :class:`~adam_dask.ps.protocol.shard.Mark` (number, what it covers, the position after it), which the
-parameter server records with it; :meth:`Exchange.push_segment` pushes a re-trained segment
+parameter server records with it; :meth:`Exchange.push_stretch` pushes a re-trained stretch
 under a given number.
 """
 
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ClusterError, ConfigError, UpdateRejected
-from ._position import Marker, Segment
+from ._position import Marker, Stretch
 from ._updates import Update
 from .replica import HogwildReplica
 
@@ -85,10 +85,10 @@ class Exchange:
     def close(self) -> None:
         """Release what the exchange holds after a failed training (never raises)."""
 
-    def push_segment(self, segment: Segment) -> None:
-        """Push everything trained since the last push as the re-trained ``segment`` (under its
+    def push_stretch(self, stretch: Stretch) -> None:
+        """Push everything trained since the last push as the re-trained ``stretch`` (under its
         number; the training threads are idle), then pull and install fresh weights."""
-        self._push_taken(self._take(), segment)
+        self._push_taken(self._take(), stretch)
         weights = self._pull()
         self.replica.install(weights)
         self._give_back(weights)
@@ -106,14 +106,14 @@ class Exchange:
         if self._buffers:
             self.server.release(array)
 
-    def _push_taken(self, update: Update, segment: Segment | None = None) -> None:
+    def _push_taken(self, update: Update, stretch: Stretch | None = None) -> None:
         try:
-            self._push(update, segment)
+            self._push(update, stretch)
         finally:
             self._give_back(update.delta)
 
     def _push(
-        self, update: Update, segment: Segment | None = None, pull: bool = False
+        self, update: Update, stretch: Stretch | None = None, pull: bool = False
     ) -> np.ndarray | None:
         """Push ``update``; with ``pull``, return the weights read back in the same round
         trip when the server can (``push_pull``), else None (the caller pulls)."""
@@ -125,7 +125,7 @@ class Exchange:
         prefixes = sorted(update.terms)
         marks: list = [None] * (1 + len(prefixes))
         if self.marker is not None:
-            marks = self.marker.marks(update.items, 1 + len(prefixes), segment)
+            marks = self.marker.marks(update.items, 1 + len(prefixes), stretch)
         try:  # the server checks every value (NaN/Inf refused, nothing applied)
             delta = update.delta
             if scale != 1.0 and update.ticket is None:

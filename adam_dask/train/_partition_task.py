@@ -3,12 +3,12 @@ worker of its own, joined by TCP sockets, and the epoch driver that re-runs a re
 partition was lost.
 
 :func:`run_partition` secedes, builds its :class:`~adam_dask.model.stage.Stage` from the
-model's skeleton (it never allocates the whole model), pulls its span, and meets its
-neighbours: each partition but the first listens on a port of its worker's host and publishes
-``(host, port, token)`` in a :class:`distributed.Variable` named for the replica, the attempt
-and the partition; each but the last reads its successor's and connects, presenting the
-token. Partition 0 then feeds the replica from the data service, as an unpartitioned replica
-would: first the pushes some shard misses (the segments of
+model's skeleton (it never allocates the whole model), pulls its span, meets its neighbours
+(:func:`~adam_dask.train._links.meet`: through a :class:`distributed.Variable` named for the
+replica, the attempt and the partition, and a token) and runs a
+:class:`~adam_dask.train._pipeline.PartitionRunner`. Partition 0 feeds the replica from the
+data service (:func:`~adam_dask.train._groups.replica_groups`), as an unpartitioned replica
+would: first the pushes some shard misses (the stretches of
 :func:`~adam_dask.train._position.resume_plan`), then the rest of its share.
 
 :func:`run_partitioned` (the Trainer's epoch when ``partitions > 1``) submits every replica's
@@ -23,17 +23,17 @@ its partition 0 plans from the marks the shards hold, so every image is applied 
 from __future__ import annotations
 
 import logging
-import secrets
-import socket
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .. import config
 from ..cluster import TRAIN
 from ._epoch import quorum_size
+from ._groups import replica_groups
+from ._links import meet
 from ._submit import EpochRun
 from .task import EventPoll, ReplicaJob, _Reporter
 
@@ -84,117 +84,6 @@ def _aborted(job: PartitionJob, reason: str, worker: str, t0: float) -> dict:
     }
 
 
-def _meet(job: PartitionJob, host: str, abort: EventPoll) -> tuple[Any, Any] | None:
-    """Connect to the neighbours: returns (up, down) :class:`Link`s, or None when the attempt
-    was aborted meanwhile."""
-    from distributed import Variable
-
-    from ._pipeline import Link
-
-    deadline = time.monotonic() + job.timeout
-    listener = None
-    token = secrets.token_hex(16)
-    if job.partition > 0:
-        listener = socket.create_server((host, 0))
-        listener.settimeout(0.5)
-        port = listener.getsockname()[1]
-        Variable(job.address_name(job.partition)).set({"host": host, "port": port, "token": token})
-    down = up = None
-    try:
-        if job.partition < job.parts - 1:
-            var = Variable(job.address_name(job.partition + 1))
-            while True:
-                if abort.is_set() or time.monotonic() > deadline:
-                    return None
-                try:
-                    addr = var.get(timeout=0.5)
-                    break
-                except TimeoutError:
-                    continue
-            sock = socket.create_connection((addr["host"], int(addr["port"])), timeout=10)
-            sock.settimeout(None)
-            down = Link(sock)
-            down.send({"op": "hello", "token": addr["token"], "from": job.partition})
-        if listener is not None:
-            while True:
-                if abort.is_set() or time.monotonic() > deadline:
-                    return None
-                try:
-                    conn, _ = listener.accept()
-                except TimeoutError:
-                    continue
-                conn.settimeout(None)
-                link = Link(conn)
-                try:
-                    hello, _ = link.recv(lambda h: None)
-                except (OSError, ValueError):
-                    link.close()
-                    continue
-                if hello.get("token") != token:  # not the partition this attempt awaits
-                    link.close()
-                    continue
-                up = link
-                break
-        return up, down
-    finally:
-        if listener is not None:
-            listener.close()
-
-
-def _groups(
-    job: PartitionJob, server: Any, data: Any, stop: EventPoll, s: Any, report: Any
-) -> Iterator:
-    """Partition 0's push groups: the segments to re-train, then the rest of the share;
-    ``report(images)`` as each group leaves (the replica's progress events)."""
-    from ..errors import ClusterError
-    from ._pipeline import Group, push_groups
-    from ._position import Marker, encode, resume_plan
-
-    rj = job.replica
-    plan = resume_plan({sid: m.get(rj.replica, ()) for sid, m in server.marks(rj.epoch).items()})
-    if plan.replicas is not None and plan.replicas != rj.replicas:
-        raise ClusterError(
-            f"replica {rj.replica} of epoch {rj.epoch} runs as one of {rj.replicas}, but its "
-            f"data position was recorded as one of {plan.replicas}",
-            f"resume the epoch with {plan.replicas} replicas",
-        )
-    marker = Marker(rj.epoch, rj.replica, rj.replicas, plan)
-    done = plan.images_done
-
-    def lr() -> float:
-        return rj.schedule.at(rj.epoch + min(1.0, done / max(1, rj.share_images)))
-
-    for seg in plan.segments:
-        if stop.is_set():
-            return
-        stream = data.stream(rj.replica, rj.replicas, rj.epoch, return_key=True, only=seg.items)
-        try:
-            group = Group(seg.seq, encode(seg.items), lr=lr())
-            for x, y, _ in stream:
-                for a in range(0, len(y), s.batch_size):
-                    group.batches.append((x[a : a + s.batch_size], y[a : a + s.batch_size]))
-        finally:
-            stream.close()
-        yield group
-    if stop.is_set():
-        return
-    stream = data.stream(rj.replica, rj.replicas, rj.epoch, return_key=True, resume=marker.position)
-
-    def marks(counts: dict) -> tuple[int, list]:
-        m = marker.marks(counts, 1)[0]
-        marker.commit(m)
-        return m.seq, m.covers
-
-    try:
-        for group in push_groups(stream, s.batch_size, s.push_every, marks):
-            group.lr = lr()
-            done += group.images
-            yield group
-            report(done)
-    finally:
-        stream.close()
-
-
 def run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
     """Partition ``job.partition`` of replica ``job.replica.replica`` for one epoch, with the
     worker's switch interval at ``job.switch_interval``; returns its statistics (``aborted``:
@@ -228,7 +117,14 @@ def _run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
     stage = Stage(Skeleton(rj.model), first, stop_layer, rows=(r0, r1))
     server.pull_range(stage.start, stage.stop, out=stage.flat)
     logger.debug("%s-p%d pulled its weights; meeting its neighbours", job.name, job.partition)
-    links = _meet(job, get_address_host(worker.address), abort)
+    links = meet(
+        job.partition,
+        job.parts,
+        job.address_name,
+        get_address_host(worker.address),
+        job.timeout,
+        abort,
+    )
     if links is None:
         why = "aborted" if abort.is_set() else f"not within {job.timeout:.0f} s"
         return _aborted(job, f"the neighbours did not meet ({why})", worker.address, t0)
@@ -252,7 +148,7 @@ def _run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
     reporter = _Reporter(worker, rj, t0)
     groups = None
     if job.partition == 0:
-        groups = _groups(job, server, data, stop, s, lambda n: reporter.report(n, runner.pushes))
+        groups = replica_groups(rj, server, data, stop, lambda n: reporter.report(n, runner.pushes))
     out = runner.run(groups)
     if job.partition == 0:
         reporter.report(runner.images, runner.pushes, final=True)

@@ -1,16 +1,16 @@
 """One partition of a partitioned model replica at work (paper 3.2, Figure 6): its stage's
-Hogwild threads, the sockets to its neighbour partitions, its push groups and its exchange with
-the parameter server. No Dask: the task (``_partition_task.py``) connects the sockets and gives
-it a parameter-server handle; tests run the partitions of a replica as threads of one process.
+Hogwild threads, the messages to and from its neighbour partitions, its push groups' accounting
+and its exchange with the parameter server. No Dask: the task (``_partition_task.py``)
+connects the sockets (:mod:`._links`), cuts partition 0's groups (:mod:`._groups`) and gives it
+a parameter-server handle; tests run the partitions of a replica as threads of one process.
 
-**Dataflow.** Partition 0 draws mini-batches (from :func:`push_groups`) and runs its layers
-forward; each partition sends its output activations to the next over a long-lived socket
-(the data plane's framing, :mod:`adam_dask.ps.plane.wire`: a msgpack header, then the raw float32
-bytes, read with ``recv_exact_into``); the last partition computes the loss and its error terms
-and the errors travel back the same way. Each partition's ``threads`` threads take whatever
-work is ready (errors coming back first), so several mini-batches are in flight in every
-partition at once (at most ``window`` in the replica) and the partitions overlap instead of
-waiting for one another. A partition keeps a mini-batch's activations (its
+**Dataflow.** Partition 0 draws mini-batches (from its push groups, :class:`~._groups.Group`)
+and runs its layers forward; each partition sends its output activations to the next over a
+long-lived socket (a :class:`~._links.Link`); the last partition computes the loss and its
+error terms and the errors travel back the same way. Each partition's ``threads`` threads take
+whatever work is ready (errors coming back first), so several mini-batches are in flight in
+every partition at once (at most ``window`` in the replica) and the partitions overlap instead
+of waiting for one another. A partition keeps a mini-batch's activations (its
 :class:`~adam_dask.model.stage.StageContext`) until its errors come back; its weights are
 updated lock-free by its threads (Hogwild) as each backward pass ends.
 
@@ -20,7 +20,7 @@ flight (at most ``window - 1``) and of pulls in between have landed. PipeDream's
 stashing keeps the forward's weights for the backward; we do not (see docs/design.md).
 
 **Push groups.** Partition 0 cuts the stream into groups of about ``push_every`` images (a
-re-trained segment is one group) and numbers them; every partition pushes its update of a
+re-trained stretch is one group) and numbers them; every partition pushes its update of a
 group as part ``p`` of that group's push (one :class:`~adam_dask.ps.protocol.shard.Mark`: the group's
 number, the images it covers, ``parts = P``) to the shards of its own span
 (:meth:`ParameterServer.push_range`), then pulls its span. A push of a group holds exactly that
@@ -39,128 +39,22 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..errors import ClusterError
 from ..model.stage import Stage, StageContext
-from ..ps.plane.wire import recv_exact_into, recv_msg, send_msg
 from ..ps.protocol.shard import Mark
+from ._groups import Group
+from ._links import Link
 from ._updates import summed
 
-__all__ = ["Group", "Link", "PartitionRunner", "push_groups"]
+__all__ = ["PartitionRunner", "check_parts"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Group:
-    """A push group: mini-batches ``(x, y)`` whose updates every partition pushes as push
-    ``seq`` covering ``covers`` (encoded ranges of the replica's data)."""
-
-    seq: int
-    covers: list
-    batches: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
-    lr: float = 0.0
-
-    @property
-    def images(self) -> int:
-        return sum(len(y) for _, y in self.batches)
-
-
-def push_groups(
-    items: Iterable[tuple[np.ndarray, np.ndarray, Any]],
-    batch_size: int,
-    push_every: int,
-    marks: Callable[[dict], tuple[int, list]],
-) -> Iterator[Group]:
-    """Groups of the stream ``items`` ((x, y, key) batches): whole mini-batches of up to
-    ``batch_size`` until at least ``push_every`` images, the last group what is left.
-    ``marks(items)`` ({key: images}) numbers a group and says what it covers (a
-    :class:`~adam_dask.train._position.Marker`'s next mark, committed at once: the group
-    is formed in order)."""
-    batches: list[tuple[np.ndarray, np.ndarray]] = []
-    counts: dict[Any, int] = {}
-    n = 0
-    for x, y, key in items:
-        for s in range(0, len(y), batch_size):
-            xs, ys = x[s : s + batch_size], y[s : s + batch_size]
-            batches.append((xs, ys))
-            counts[key] = counts.get(key, 0) + len(ys)
-            n += len(ys)
-            if n >= push_every:
-                seq, covers = marks(counts)
-                yield Group(seq, covers, batches)
-                batches, counts, n = [], {}, 0
-    if batches:
-        seq, covers = marks(counts)
-        yield Group(seq, covers, batches)
-
-
-class _Stream:
-    """A socket's reading side as the data plane's framing (:mod:`adam_dask.ps.plane.wire`) reads
-    it, in fewer system calls: ``recv_into`` serves small reads from one ``recv`` of whatever
-    has arrived (a message's length, header and a small payload in one call); a read of at
-    least half the buffer with nothing buffered goes straight into the caller's buffer. (The
-    framing's ``send_msg`` sends a message in one ``sendmsg`` itself.)"""
-
-    def __init__(self, sock: socket.socket, size: int = 1 << 18):
-        self.sock = sock
-        self._view = memoryview(bytearray(size))
-        self._lo = self._hi = 0
-
-    def recv_into(self, view: memoryview, nbytes: int = 0) -> int:
-        n = nbytes or view.nbytes
-        if self._lo == self._hi:
-            if n >= self._view.nbytes // 2:
-                return self.sock.recv_into(view, n)
-            self._lo, self._hi = 0, self.sock.recv_into(self._view)
-            if self._hi == 0:
-                return 0
-        k = min(n, self._hi - self._lo)
-        view[:k] = self._view[self._lo : self._lo + k]
-        self._lo += k
-        return k
-
-
-class Link:
-    """A socket to a neighbour partition: whole messages sent under a lock (several threads
-    send), each in one system call, read by one thread through a buffer; bytes counted."""
-
-    def __init__(self, sock: socket.socket):
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock = sock
-        self._stream = _Stream(sock)
-        self.lock = threading.Lock()
-        self.bytes_sent = 0
-
-    def send(self, header: dict, payload: np.ndarray | None = None) -> None:
-        with self.lock:
-            if payload is None:
-                send_msg(self.sock, header)
-            else:
-                send_msg(self.sock, header, payload)
-                self.bytes_sent += payload.nbytes
-
-    def recv(self, shape_of: Callable[[dict], tuple[int, ...] | None]) -> tuple[dict, Any]:
-        header = recv_msg(self._stream)  # type: ignore[arg-type]
-        shape = shape_of(header)
-        if shape is None:
-            return header, None
-        buf = np.empty(shape, np.float32)
-        recv_exact_into(self._stream, buf)  # type: ignore[arg-type]
-        return header, buf
-
-    def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
 
 
 @dataclass(slots=True)

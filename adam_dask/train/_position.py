@@ -11,9 +11,9 @@ applied, atomically with its values, and skips a push whose ``(seq, part)`` it a
 A re-run of the replica (its TRAIN worker died, or the whole cluster was lost and the run
 resumed) reads every shard's marks and plans (:func:`resume_plan`). Shards may disagree: a push
 in flight when the pusher died reached some of them. Each push some shard misses is re-trained
-alone, as a *segment* of exactly its images, and pushed under its number: the shards that hold
+alone, as a *stretch* of exactly its images, and pushed under its number: the shards that hold
 it skip it, the others apply it. Images no shard holds before the last one a push covered
-(a push lost everywhere) are re-trained as segments under new numbers; then the rest of the
+(a push lost everywhere) are re-trained as stretches under new numbers; then the rest of the
 share, from the position every batch has reached, under the following numbers. Every image's
 update is applied once by every shard.
 
@@ -33,7 +33,7 @@ __all__ = [
     "Key",
     "Marker",
     "Plan",
-    "Segment",
+    "Stretch",
     "applied_images",
     "cover_images",
     "decode",
@@ -64,8 +64,9 @@ def cover_images(doc: Sequence) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class Segment:
-    """Images to re-train and push alone as push number ``seq``."""
+class Stretch:
+    """A stretch of the share: images to re-train and push alone as push number ``seq``
+    (``items``: the ranges of each batch it covers)."""
 
     seq: int
     items: Ranges
@@ -77,11 +78,11 @@ class Segment:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """Where a (re-)run of a replica starts: the segments to re-train first, then the rest of
+    """Where a (re-)run of a replica starts: the stretches to re-train first, then the rest of
     the share from ``position`` ({(p, k): images of it done}) with push numbers from
     ``next_seq``."""
 
-    segments: tuple[Segment, ...] = ()
+    stretches: tuple[Stretch, ...] = ()
     position: dict[Key, int] = field(default_factory=dict)
     next_seq: int = 0
     replicas: int | None = None  # the replica count the positions were recorded with
@@ -92,7 +93,7 @@ class Plan:
 
     @property
     def images_done(self) -> int:
-        """Images of the share done once the segments are (held by some shard, or a segment)."""
+        """Images of the share done once the stretches are (held by some shard, or a stretch)."""
         return sum(self.position.values())
 
 
@@ -128,7 +129,7 @@ def resume_plan(shards: Mapping[int, Sequence[Mark]]) -> Plan:
             f"replica counts {sorted(replicas)}",
             "resume the epoch with its replica count, or start the epoch again",
         )
-    segments = []
+    stretches = []
     covered: dict[Key, list[tuple[int, int]]] = {}
     for seq in sorted(parts):
         per = parts[seq]
@@ -140,14 +141,14 @@ def resume_plan(shards: Mapping[int, Sequence[Mark]]) -> Plan:
             j in per and _targets(per[j][0], sids) <= per[j][1] for j in range(first.parts)
         )
         if not complete:  # some shard misses (a part of) it: re-trained, pushed under seq
-            segments.append(Segment(seq, ranges))
+            stretches.append(Stretch(seq, ranges))
     next_seq = max(parts) + 1
     holes = {key: _holes(r) for key, r in covered.items()}
     while any(holes.values()):  # images of pushes lost on every shard: new numbers
-        segments.append(Segment(next_seq, {key: h.pop(0) for key, h in holes.items() if h}))
+        stretches.append(Stretch(next_seq, {key: h.pop(0) for key, h in holes.items() if h}))
         next_seq += 1
     position = {key: max(b for _, b in r) for key, r in covered.items()}
-    return Plan(tuple(segments), position, next_seq, replicas.pop())
+    return Plan(tuple(stretches), position, next_seq, replicas.pop())
 
 
 def applied_images(marks: Mapping[int, Mapping[int, Sequence[Mark]]]) -> int:
@@ -209,18 +210,18 @@ class Marker:
         self.seq = plan.next_seq
 
     def marks(
-        self, items: Mapping[Key, int], parts: int, segment: Segment | None = None
+        self, items: Mapping[Key, int], parts: int, stretch: Stretch | None = None
     ) -> list[Mark]:
         """The marks of the next push (``parts`` calls) of ``items`` {(p, k): images}: of
-        ``segment`` when given (its number and images), else of the rest of the share."""
-        if segment is not None:
-            if {k: b - a for k, (a, b) in segment.items.items()} != dict(items):
+        ``stretch`` when given (its number and images), else of the rest of the share."""
+        if stretch is not None:
+            if {k: b - a for k, (a, b) in stretch.items.items()} != dict(items):
                 raise ClusterError(
-                    f"the re-trained segment {segment.seq} of replica {self.replica} in epoch "
+                    f"the re-trained stretch {stretch.seq} of replica {self.replica} in epoch "
                     f"{self.epoch} covers other images than recorded (the data changed?)",
                     "start the epoch again",
                 )
-            seq, ranges = segment.seq, segment.items
+            seq, ranges = stretch.seq, stretch.items
         else:
             seq = self.seq
             ranges = {

@@ -260,13 +260,13 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | N
         )
     if plan.resumed:
         logger.info(
-            "replica %d of epoch %d resumes at %d images, of which %d in %d segment(s) to "
+            "replica %d of epoch %d resumes at %d images, of which %d in %d stretch(es) to "
             "re-train for some shards; next push %d",
             job.replica,
             job.epoch,
             plan.images_done,
-            sum(seg.images for seg in plan.segments),
-            len(plan.segments),
+            sum(stretch.images for stretch in plan.stretches),
+            len(plan.stretches),
             plan.next_seq,
         )
     marker = Marker(job.epoch, job.replica, job.replicas, plan)
@@ -293,19 +293,19 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | N
     batches = _Counted(())
     done = False
     try:
-        for seg in () if stopped else plan.segments:  # images some shards miss, pushed alone
+        for stretch in () if stopped else plan.stretches:  # images some shards miss, pushed alone
             seg_stream = data.stream(
-                job.replica, job.replicas, job.epoch, return_key=True, only=seg.items
+                job.replica, job.replicas, job.epoch, return_key=True, only=stretch.items
             )
             try:
                 st = rep.train(_Counted(seg_stream, job.delay), stop_event=EventPoll(stop))
             finally:
                 seg_stream.close()
-            if st.stopped:  # a part of a segment must not be pushed: its number covers all of it
+            if st.stopped:  # a part of a stretch must not be pushed: its number covers all of it
                 rep.take()
                 stopped = True
                 break
-            exchange.push_segment(seg)
+            exchange.push_stretch(stretch)
             retrained += st.images
         base = sum(marker.position.values())
         if not stopped:

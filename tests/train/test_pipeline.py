@@ -14,7 +14,9 @@ from adam_dask.model import Network
 from adam_dask.model.stage import stages_of
 from adam_dask.ps.protocol.shard import Mark
 from adam_dask.testing import synthetic_digits
-from adam_dask.train._pipeline import Link, PartitionRunner, push_groups
+from adam_dask.train._groups import push_groups
+from adam_dask.train._links import Link
+from adam_dask.train._pipeline import PartitionRunner
 from adam_dask.train._position import Marker, applied_images
 
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"
@@ -226,7 +228,7 @@ def test_a_link_delivers_every_message_whole_and_in_order(size):
     """Headers with payloads from none to larger than the socket's buffers, sent by two
     threads at once (each message in one gathered send), read through the link's buffer
     (small reads served from it, large ones straight into the array)."""
-    from adam_dask.train._pipeline import _Stream
+    from adam_dask.train._links import _Stream
 
     a, b = socket.socketpair()
     send, recv = Link(a), Link(b)

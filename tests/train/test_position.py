@@ -38,11 +38,11 @@ def _apply(st: ShardState, mark: Mark, counts: dict) -> None:
 
 
 def _rerun(shards: list[ShardState], counted: list[dict], epoch: int, rest: list[dict]) -> None:
-    """A re-run: plan from the shards' marks, push the segments, then ``rest``."""
+    """A re-run: plan from the shards' marks, push the stretches, then ``rest``."""
     plan = resume_plan({s: st.marks_of(epoch).get(0, ()) for s, st in enumerate(shards)})
     marker = Marker(epoch, 0, plan.replicas or 1, plan)
-    for seg in plan.segments:
-        mark = marker.marks({k: b - a for k, (a, b) in seg.items.items()}, 1, seg)[0]
+    for stretch in plan.stretches:
+        mark = marker.marks({k: b - a for k, (a, b) in stretch.items.items()}, 1, stretch)[0]
         for st, c in zip(shards, counted):
             _apply(st, mark, c)
         marker.commit(mark)
@@ -103,7 +103,7 @@ def test_shard_keeps_the_newest_epochs_marks_only():
 
 def test_a_rerun_applies_each_image_once_on_every_shard():
     """Shards at different pushes (one in flight when the pusher died, one lost with a
-    primary): the segments, pushed under their numbers, and the rest leave every shard with
+    primary): the stretches, pushed under their numbers, and the rest leave every shard with
     every image once."""
     pushes = _pushes(Marker(3, 0, 2), COVERS[:3])
     shards = [ShardState(s, 0, 1) for s in range(4)]
@@ -112,7 +112,7 @@ def test_a_rerun_applies_each_image_once_on_every_shard():
         for i in got:
             _apply(shards[s], pushes[i][0], counted[s])
     plan = resume_plan({s: st.marks_of(3).get(0, ()) for s, st in enumerate(shards)})
-    assert plan.replicas == 2 and [seg.seq for seg in plan.segments] == [0, 1, 2]
+    assert plan.replicas == 2 and [stretch.seq for stretch in plan.stretches] == [0, 1, 2]
     assert plan.next_seq == 3
     _rerun(shards, counted, 3, [COVERS[3]])
     assert _every_image_once(counted, COVERS)
@@ -129,9 +129,9 @@ def test_a_push_lost_on_every_shard_is_retrained_under_a_new_number():
         for i in (0, 2, 3):  # push 1 reached no shard
             _apply(st, pushes[i][0], c)
     plan = resume_plan({s: st.marks_of(0).get(0, ()) for s, st in enumerate(shards)})
-    # the images of batch (0, 1) before those push 2 holds are a segment; those of (0, 0) come
+    # the images of batch (0, 1) before those push 2 holds are a stretch; those of (0, 0) come
     # after every range recorded: the rest of the share trains them
-    assert [(seg.seq, seg.images) for seg in plan.segments] == [(4, 4)]
+    assert [(stretch.seq, stretch.images) for stretch in plan.stretches] == [(4, 4)]
     assert plan.position[(0, 0)] == 8
     _rerun(shards, counted, 0, [{(0, 0): 8}])
     assert _every_image_once(counted, COVERS)
@@ -143,14 +143,14 @@ def test_offloaded_parts_are_fenced_one_by_one_and_checked_per_target():
     a, b = ShardState(0, 0, 1), ShardState(1, 0, 1)
     for st in (a, b):
         st.apply(np.ones(1, np.float32), mark=marks[0])
-    assert not resume_plan({0: a.marks_of(0)[0], 1: b.marks_of(0)[0]}).segments == ()
+    assert not resume_plan({0: a.marks_of(0)[0], 1: b.marks_of(0)[0]}).stretches == ()
     b.apply(np.ones(1, np.float32), mark=outer)
     assert b.fenced(outer) and not a.fenced(outer)
     plan = resume_plan({0: a.marks_of(0)[0], 1: b.marks_of(0)[0]})
-    assert plan.segments == () and plan.position == {(0, 0): 8} and plan.next_seq == 1
+    assert plan.stretches == () and plan.position == {(0, 0): 8} and plan.next_seq == 1
 
 
 def test_no_marks_no_plan():
     plan = resume_plan({0: (), 1: ()})
-    assert not plan.resumed and plan.next_seq == 0 and plan.segments == ()
+    assert not plan.resumed and plan.next_seq == 0 and plan.stretches == ()
     assert applied_images({0: {}, 1: {}}) == 0 and recorded_replicas({0: {}}) is None

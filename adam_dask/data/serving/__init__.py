@@ -16,6 +16,8 @@ The parts, each in its own module:
 * ``_messages``: what a request answers (a batch, the end, an error, a lost server);
 * ``_actor``: the DataServer actor around a partition server;
 * ``_service``: the DataService (create, server generations, close);
+* ``_types``: what the others share about the service without importing it (``ServerRef``, a
+  stream's handle on one server; ``Servers``, what a stream asks of its service);
 * ``_stream``: the BatchStream (requests in flight, exactly-once delivery, recovery);
 * ``_plane`` and ``_plane_source``: the images' data plane (a DataServer's listener and a
   stream's socket: shared slots on one machine, bytes over TCP across machines), which carries

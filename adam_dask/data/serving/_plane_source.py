@@ -25,7 +25,7 @@ import struct
 import time
 from collections import deque
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -43,9 +43,7 @@ from ._messages import (
     StreamExpired,
 )
 from ._sources import ActorSource, Remote, Timing
-
-if TYPE_CHECKING:
-    from ._service import ServerRef
+from ._types import ServerRef
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ import logging
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,21 +29,11 @@ from ._actor import DataServer
 from ._layout import PartitionLayout, check_share
 from ._partition import PartitionServer, ServerSettings
 from ._stream import BatchStream
+from ._types import ServerRef
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DataService", "ServerRef"]
-
-
-@dataclass(frozen=True, slots=True)
-class ServerRef:
-    """Partition ``partition``'s DataServer as a stream knows it: the actor handle, its
-    generation, and the address of the worker that holds it."""
-
-    partition: int
-    actor: Any
-    generation: int
-    address: str
+__all__ = ["DataService"]
 
 
 def _as_augment(augment: Augment | bool | None) -> Augment | None:

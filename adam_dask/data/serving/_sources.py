@@ -14,11 +14,10 @@ from ... import config
 from ...errors import AdamError
 from ._messages import Message, ServerLost
 from ._partition import PartitionServer
+from ._types import ServerRef
 
 if TYPE_CHECKING:
     from tornado.ioloop import IOLoop
-
-    from ._service import ServerRef
 
 logger = logging.getLogger(__name__)
 

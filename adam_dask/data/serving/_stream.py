@@ -24,7 +24,6 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -42,9 +41,7 @@ from ._messages import (
 )
 from ._plane_source import PlaneSource, check_mode, open_plane
 from ._sources import ActorSource, LocalSource, Remote, Timing
-
-if TYPE_CHECKING:
-    from ._service import DataService, ServerRef
+from ._types import ServerRef, Servers
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +70,7 @@ class BatchStream:
 
     def __init__(
         self,
-        service: DataService,
+        service: Servers,
         replica: int,
         replicas: int,
         epoch: int,

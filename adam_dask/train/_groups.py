@@ -1,0 +1,123 @@
+"""Partition 0's push groups: the replica's stream cut into groups of whole mini-batches,
+each pushed by every partition as one push (part ``p`` of it from partition ``p``).
+
+:func:`push_groups` cuts a stream into groups of about ``push_every`` images, numbered and
+marked in order (a :class:`~adam_dask.train._position.Marker`); :func:`replica_groups` is what
+partition 0 feeds its pipeline with: first the stretches some shard misses (each re-trained
+alone, one group under its own number), then the rest of the share. The runner
+(:mod:`._pipeline`) only takes the groups in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import ClusterError
+from ._position import Marker, encode, resume_plan
+
+if TYPE_CHECKING:
+    from .replica import Flag
+    from .task import ReplicaJob
+
+__all__ = ["Group", "push_groups", "replica_groups"]
+
+
+@dataclass(slots=True)
+class Group:
+    """A push group: mini-batches ``(x, y)`` whose updates every partition pushes as push
+    ``seq`` covering ``covers`` (encoded ranges of the replica's data)."""
+
+    seq: int
+    covers: list
+    batches: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    lr: float = 0.0
+
+    @property
+    def images(self) -> int:
+        return sum(len(y) for _, y in self.batches)
+
+
+def push_groups(
+    items: Iterable[tuple[np.ndarray, np.ndarray, Any]],
+    batch_size: int,
+    push_every: int,
+    marks: Callable[[dict], tuple[int, list]],
+) -> Iterator[Group]:
+    """Groups of the stream ``items`` ((x, y, key) batches): whole mini-batches of up to
+    ``batch_size`` until at least ``push_every`` images, the last group what is left.
+    ``marks(items)`` ({key: images}) numbers a group and says what it covers (a
+    :class:`~adam_dask.train._position.Marker`'s next mark, committed at once: the group
+    is formed in order)."""
+    batches: list[tuple[np.ndarray, np.ndarray]] = []
+    counts: dict[Any, int] = {}
+    n = 0
+    for x, y, key in items:
+        for s in range(0, len(y), batch_size):
+            xs, ys = x[s : s + batch_size], y[s : s + batch_size]
+            batches.append((xs, ys))
+            counts[key] = counts.get(key, 0) + len(ys)
+            n += len(ys)
+            if n >= push_every:
+                seq, covers = marks(counts)
+                yield Group(seq, covers, batches)
+                batches, counts, n = [], {}, 0
+    if batches:
+        seq, covers = marks(counts)
+        yield Group(seq, covers, batches)
+
+
+def replica_groups(
+    rj: ReplicaJob, server: Any, data: Any, stop: Flag, report: Callable[[int], None]
+) -> Iterator[Group]:
+    """Partition 0's push groups of replica ``rj``'s share: the stretches the shards' marks
+    say to re-train (:func:`~adam_dask.train._position.resume_plan`), each one group under its
+    number, then the rest of the share from the data service ``data``; ``report(images)`` as
+    each group leaves (the replica's progress events). Stops between groups once ``stop`` is
+    set."""
+    s = rj.settings
+    plan = resume_plan({sid: m.get(rj.replica, ()) for sid, m in server.marks(rj.epoch).items()})
+    if plan.replicas is not None and plan.replicas != rj.replicas:
+        raise ClusterError(
+            f"replica {rj.replica} of epoch {rj.epoch} runs as one of {rj.replicas}, but its "
+            f"data position was recorded as one of {plan.replicas}",
+            f"resume the epoch with {plan.replicas} replicas",
+        )
+    marker = Marker(rj.epoch, rj.replica, rj.replicas, plan)
+    done = plan.images_done
+
+    def lr() -> float:
+        return rj.schedule.at(rj.epoch + min(1.0, done / max(1, rj.share_images)))
+
+    for stretch in plan.stretches:
+        if stop.is_set():
+            return
+        stream = data.stream(rj.replica, rj.replicas, rj.epoch, return_key=True, only=stretch.items)
+        try:
+            group = Group(stretch.seq, encode(stretch.items), lr=lr())
+            for x, y, _ in stream:
+                for a in range(0, len(y), s.batch_size):
+                    group.batches.append((x[a : a + s.batch_size], y[a : a + s.batch_size]))
+        finally:
+            stream.close()
+        yield group
+    if stop.is_set():
+        return
+    stream = data.stream(rj.replica, rj.replicas, rj.epoch, return_key=True, resume=marker.position)
+
+    def marks(counts: dict) -> tuple[int, list]:
+        m = marker.marks(counts, 1)[0]
+        marker.commit(m)
+        return m.seq, m.covers
+
+    try:
+        for group in push_groups(stream, s.batch_size, s.push_every, marks):
+            group.lr = lr()
+            done += group.images
+            yield group
+            report(done)
+    finally:
+        stream.close()
