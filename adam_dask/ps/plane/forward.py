@@ -10,7 +10,7 @@ sends a header naming it (the snapshots' metadata); the backup's connection thre
 them from its mapping. To another machine the values follow the header straight from the
 snapshots' arrays (the kernel's copy only) and the backup reads them into its buffer. Either
 way the backup installs under the node state's lock
-(:meth:`~adam_dask.ps.runtime.node.PSNode.plane_replicate`): the one copy on that side. The answer (what the backup now holds, what it refused) comes back on the
+(:meth:`~adam_dask.ps.runtime.node_plane.NodePlane.replicate`): the one copy on that side. The answer (what the backup now holds, what it refused) comes back on the
 same socket.
 
 Nothing of the protocol changes: the backup's :class:`~adam_dask.ps.protocol.node_state.NodeState`

@@ -16,7 +16,7 @@ A connection is served by one thread: it reads a push (the bytes land once, in t
 segment or in the connection's buffer) and hands it to the node's protocol state
 (:class:`~adam_dask.ps.protocol.node_state.NodeState`, unchanged: fenced, deduplicated, applied) in
 this thread, under the state's lock, batched with the pushes other connections brought
-meanwhile (:meth:`~adam_dask.ps.runtime.node.PSNode.plane_push`); then it sends the node's answer. The
+meanwhile (:meth:`~adam_dask.ps.runtime.node_plane.NodePlane.push`); then it sends the node's answer. The
 pusher checked the values (NaN/Inf) before sending; the node checks their lengths. A pull
 copies the primaries' values under the same lock, between two batches of pushes, into the
 pusher's segment (or the connection's buffer, then the socket): never a torn value. A primary's
@@ -201,12 +201,10 @@ class _Connection:
         try:
             if outer is not None:
                 parts_of = {s: (errs[:, r0:r1], acts) for s, (r0, r1) in cols.items()}
-                deltas = node.plane_outer(
-                    parts_of, int(outer["offset"]), out, inp, float(outer["scale"])
-                )
+                deltas = node.outer(parts_of, int(outer["offset"]), out, inp, float(outer["scale"]))
                 if not deltas:
                     return {"per_shard": {}, "moved": sids, "gens": {}}
-            reply = node.plane_push(
+            reply = node.push(
                 deltas, int(h["push_id"]), h["ack"], stamps, mark, bool(h.get("urgent"))
             )
         except Exception as exc:
@@ -221,7 +219,7 @@ class _Connection:
         if node is None:
             return {"per_shard": {}, "durable": {}, "gens": {}, "moved": sids}
         try:
-            return node.plane_confirmed(sids, bool(h.get("urgent")))
+            return node.confirmed(sids, bool(h.get("urgent")))
         except Exception as exc:
             return error_reply(exc)
 
@@ -244,7 +242,7 @@ class _Connection:
         if node is None:
             return {"error": "ShardUnavailable", "message": "no such server here", "hint": None}
         try:
-            return node.plane_replicate(str(h["sender"]), snapshots_from(metas, values))
+            return node.replicate(str(h["sender"]), snapshots_from(metas, values))
         except Exception as exc:
             return error_reply(exc)
 
@@ -292,7 +290,7 @@ class _Connection:
             def dest(start: int, stop: int, i: int) -> np.ndarray:
                 return seg[start:stop]
 
-            ok, moved = node.plane_read(sids, stamps, dest)
+            ok, moved = node.read(sids, stamps, dest)
             return ok, moved, []
         sizes = [int(n) for n in h["sizes"]]
         offs = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
@@ -305,6 +303,6 @@ class _Connection:
                 raise ConnectionError(f"a pull of {sizes[j]} floats for {stop - start}")
             return buf[offs[j] : offs[j] + sizes[j]]
 
-        ok, moved = node.plane_read(sids, stamps, dest_tcp)
+        ok, moved = node.read(sids, stamps, dest_tcp)
         views = [buf[offs[at[s]] : offs[at[s]] + sizes[at[s]]] for s in ok]
         return ok, moved, views

@@ -55,27 +55,12 @@ from ..protocol.node_state import NodeState
 from ..protocol.shard import Mark, Snapshot
 from .background import spawn
 from .forwarder import Forwarder
+from .node_plane import Answer, NodePlane
 from .writeback import WriteBack
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PSNode"]
-
-
-class _Answer:
-    """The answer to one data-plane request (its request id in the state machine): set in the
-    thread that applied it, or later on the event loop (``ack="all"`` waits for the forwards)."""
-
-    __slots__ = ("done", "event", "value")
-
-    def __init__(self) -> None:
-        self.done = False
-        self.value: Any = None
-        self.event = threading.Event()
-
-    def set(self, value: Any) -> None:
-        self.value, self.done = value, True
-        self.event.set()
 
 
 class PSNode:
@@ -109,12 +94,11 @@ class PSNode:
         self._writeback: WriteBack | None = None  # the checkpoint's write-back (when there is one)
         # the state is the event loop's and the data plane's threads': one at a time
         self._lock = threading.RLock()
-        self._pending_lock = threading.Lock()
-        self._pending: list[tuple[Push, _Answer]] = []
         # pushes and pulls served, by transport (the data plane's sockets, or Dask actor calls)
-        self.by_transport = {"plane": 0, "dask": 0}
-        # the dense offload's outer products this node computed (either transport)
-        self.outer_products = 0
+        # pushes and pulls served, by transport (the data plane's sockets, or Dask actor
+        # calls), and the dense offload's outer products computed (either transport)
+        self.counts = {"plane": 0, "dask": 0, "outer_products": 0}
+        self._entry: NodePlane | None = None  # the data plane's way in
 
     def __repr__(self) -> str:
         return f"PSNode({self.server_id}, {self.state!r})"
@@ -134,7 +118,10 @@ class PSNode:
         if ckpt:
             self._writeback = WriteBack(self.server_id, self._worker, self.cfg, self._handle)
         self._plane = plane_server(self._worker)
-        self._plane.register(self.server_id, self)
+        self._entry = NodePlane(
+            self.state, self._lock, self._worker, self.cfg, self._do, self.counts
+        )
+        self._plane.register(self.server_id, self._entry)
         self._forwarder = Forwarder(self.server_id, self._worker, self.cfg, self._handle)
         self._timers = [
             spawn(self._every(self.cfg["forward_interval"], self._forward_tick)),
@@ -148,7 +135,7 @@ class PSNode:
 
     def _do(self, actions: list) -> None:
         for a in actions:
-            if isinstance(a, Reply) and isinstance(a.req, _Answer):  # a data-plane request
+            if isinstance(a, Reply) and isinstance(a.req, Answer):  # a data-plane request
                 a.req.set(a.value)
             elif isinstance(a, Reply):
                 fut = self._futures.pop(a.req, None)
@@ -294,7 +281,7 @@ class PSNode:
         """Stop the timers and forwards (called before the actor is released)."""
         self._closed = True
         if self._plane is not None:
-            self._plane.unregister(self.server_id, self)
+            self._plane.unregister(self.server_id, self._entry)
         for t in self._timers:
             t.cancel()
         if self._forwarder is not None:
@@ -318,7 +305,7 @@ class PSNode:
         and retries them). Raises :class:`UpdateRejected` (nothing applied) for a bad delta.
         ``mark``: what the push covers of the pusher's data (:class:`Mark`), recorded with it.
         ``scanned``: the pusher checked the values for NaN/Inf."""
-        self.by_transport["dask"] += 1
+        self.counts["dask"] += 1
         return await self._push(deltas, push_id, ack, stamps, mark, scanned)
 
     async def _push(
@@ -368,8 +355,8 @@ class PSNode:
         the error columns of the rows touching it. The product is computed here, in a thread,
         and applied like a push."""
         state = self._start()
-        self.by_transport["dask"] += 1
-        self.outer_products += 1
+        self.counts["dask"] += 1
+        self.counts["outer_products"] += 1
         st = None if stamps is None else {int(s): int(g) for s, g in stamps.items()}
         todo = {int(s): e for s, e in parts.items() if state.accepts(int(s), st)}
 
@@ -391,118 +378,10 @@ class PSNode:
     async def pull(self, sids: Iterable[int] | None = None, stamps: dict | None = None) -> dict:
         """``{"per_shard": {sid: values}, "moved": [...]}`` for the primaries among ``sids``."""
         state = self._start()
-        self.by_transport["dask"] += 1
+        self.counts["dask"] += 1
         sids = tuple(state.primaries) if sids is None else tuple(int(s) for s in sids)
         st = None if stamps is None else {int(s): int(g) for s, g in stamps.items()}
         return await self._ask(lambda r: Pull(r, sids, st))
-
-    # -- the data plane (called from its connection threads, not the event loop) ---------------
-
-    def plane_push(
-        self,
-        deltas: dict,
-        push_id: int,
-        ack: str,
-        stamps: dict,
-        mark: Mark | None,
-        urgent: bool = False,
-    ) -> dict:
-        """A data-plane push (values scanned by the pusher), applied in the calling thread.
-
-        Flat combining: the push joins the pending ones; the thread that holds the state's lock
-        applies every pending push as one batch (:class:`Pushes`, as the event loop batches
-        actor calls) and hands each its answer, so a lone push costs no hop to the event loop
-        and many at once are applied together. Other actions (forwards) go to the loop.
-        ``urgent``: the pusher holds as many pushes as it may, forward to the backups now (its
-        next answers then confirm them) instead of at the next ``forward-interval``. With
-        ``ack="all"`` the answer comes once the backups hold the push (up to ``call_timeout``)."""
-        state = self._start()
-        self.by_transport["plane"] += 1
-        slot = _Answer()
-        with self._pending_lock:
-            self._pending.append((Push(slot, deltas, push_id, stamps, ack, mark, True), slot))
-        with self._lock:
-            rest = []
-            if not slot.done:
-                with self._pending_lock:
-                    batch, self._pending = self._pending, []
-                actions = handle(state, Pushes(tuple(p for p, _ in batch)))
-                for a in actions:
-                    if isinstance(a, Reply) and isinstance(a.req, _Answer):
-                        a.req.set(a.value)
-                    else:
-                        rest.append(a)
-            if urgent:
-                rest += handle(state, ForwardDue())
-            if rest:
-                self._worker.loop.asyncio_loop.call_soon_threadsafe(self._do, rest)
-        if not slot.event.wait(float(self.cfg["call_timeout"])):
-            raise ShardUnavailable(
-                f"node {self._worker.address}: the backups did not take push {push_id:x} in "
-                f"{self.cfg['call_timeout']}s (ack='all')",
-                "check the PS workers",
-            )
-        if isinstance(slot.value, BaseException):
-            raise slot.value
-        return slot.value
-
-    def plane_outer(self, parts: dict, offset: int, out: int, inp: int, scale: float) -> dict:
-        """The dense offload's update where it arrives: each shard's delta of ``scale *
-        errors.T @ activations`` (``parts`` {sid: (error columns, activations)}), computed in
-        the calling connection thread for the primaries here; the pusher sends it on with
-        :meth:`plane_push`. Shards not primary here are left out (the push reports them moved)."""
-        state = self._start()
-        self.outer_products += 1
-        with self._lock:
-            shards = {s: state.shards[s] for s in parts if s in state.primaries}
-        return {
-            s: st.outer_as_delta(offset, out, inp, parts[s][0], parts[s][1], scale)
-            for s, st in shards.items()
-        }
-
-    def plane_replicate(self, sender: str, snaps: tuple[Snapshot, ...]) -> dict:
-        """A data-plane forward from the primary ``sender``, installed in the calling thread
-        (the same :class:`Replicate` event as :meth:`replicate`); other actions go to the loop."""
-        slot = self._here(lambda req: [Replicate(req, sender, tuple(snaps))])
-        held = {int(s): [int(p[0]), int(p[1])] for s, p in slot.value["held"].items()}
-        refused = {int(s): int(g) for s, g in slot.value["refused"].items()}
-        return {"held": held, "refused": refused}
-
-    def plane_read(self, sids: list[int], stamps: dict | None, dest: Any) -> tuple:
-        """A data-plane pull (:meth:`NodeState.read_into`), between two batches of pushes."""
-        state = self._start()
-        self.by_transport["plane"] += 1
-        with self._lock:
-            return state.read_into(sids, stamps, dest)
-
-    def plane_confirmed(self, sids: list[int], urgent: bool = False) -> dict:
-        """What every copy (and the checkpoint) holds of the primaries among ``sids``, asked on
-        the data plane; ``urgent``: forward to the backups now (a pusher waits for room)."""
-        return self._here(
-            lambda req: (
-                [Confirmed(req, tuple(int(s) for s in sids))] + ([ForwardDue()] if urgent else [])
-            )
-        ).value
-
-    def _here(self, events: Any) -> _Answer:
-        """Feed ``events(slot)`` in the calling thread (a data-plane connection's) under the
-        state's lock; the reply to ``slot`` comes back here at once, other actions go to the
-        event loop."""
-        state = self._start()
-        slot = _Answer()
-        with self._lock:
-            actions = [a for ev in events(slot) for a in handle(state, ev)]
-        rest = []
-        for a in actions:
-            if isinstance(a, Reply) and a.req is slot:
-                slot.set(a.value)
-            else:
-                rest.append(a)
-        if rest:
-            self._worker.loop.asyncio_loop.call_soon_threadsafe(self._do, rest)
-        if not slot.done:  # pragma: no cover - these events are answered at once
-            raise RuntimeError("a data-plane request was not answered")
-        return slot
 
     def _locked(self, fn: Any, *args: Any) -> Any:
         with self._lock:
@@ -584,8 +463,8 @@ class PSNode:
         out["address"] = self._worker.address
         out["uptime"] = time.time() - self._started
         out["plane_forwards"] = self._forwarder.counts() if self._forwarder else None
-        out["by_transport"] = dict(self.by_transport)
-        out["outer_products"] = self.outer_products
+        out["by_transport"] = {t: self.counts[t] for t in ("plane", "dask")}
+        out["outer_products"] = self.counts["outer_products"]
         lag = out["writeback_lag_versions"]
         last = self._writeback.last_write if self._writeback is not None else time.time()
         out["writeback_lag_seconds"] = time.time() - last if lag > 0 else 0.0
