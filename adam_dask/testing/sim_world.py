@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import numpy as np
@@ -19,14 +20,12 @@ from ..ps.protocol.messages import (
     CreateNode,
     DeleteBlocks,
     Forward,
-    ForwardDue,
     LogEvent,
     Replicate,
     Reply,
     Retire,
     Tick,
     WriteBlocks,
-    WriteDue,
     WriteFailed,
     WriteManifest,
     WriteReport,
@@ -35,27 +34,81 @@ from ..ps.protocol.node_commands import command
 from ..ps.protocol.node_machine import handle
 from ..ps.protocol.node_state import NodeState
 from ..ps.protocol.policy import plan_placement
-from .sim_traffic import (
-    BEAT_INTERVAL,
-    BEAT_TIMEOUT,
-    CALL_TIMEOUT,
-    FORWARD_INTERVAL,
-    RETIRE_TIMEOUT,
-    TICK_INTERVAL,
-    WRITE_INTERVAL,
-    Traffic,
-    _brief,
-    _Callrec,
-    _Node,
-    _Pusher,
-)
+from ..ps.protocol.replay import ReplayLog
+from ..ps.protocol.request import Delivery, Request
+from ..ps.protocol.routing import Routing
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["World"]
+__all__ = [
+    "BEAT_INTERVAL",
+    "CallRecord",
+    "Pusher",
+    "SimNode",
+    "SimulationFailure",
+    "World",
+    "brief",
+]
 
 
-class World(Traffic):
+CALL_TIMEOUT = 30.0
+FAILOVER_TIMEOUT = 60.0
+FORWARD_INTERVAL = 0.25
+WRITE_INTERVAL = 1.0
+BEAT_INTERVAL = 0.25
+BEAT_TIMEOUT = 2.0
+RETIRE_TIMEOUT = 4.0
+TICK_INTERVAL = 0.1
+
+
+def brief(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) < 160 else text[:157] + "..."
+
+
+@dataclass
+class SimNode:
+    addr: str
+    key: str
+    state: NodeState
+    frozen_until: float | None = None
+    doomed_after: int | None = None  # steps it still takes after waking (it was retired)
+    next_forward: float = 0.0
+    next_write: float = 0.0
+    next_beat: float = 0.0
+    forwards: dict[str, int] = field(default_factory=dict)  # backup -> call id
+
+
+@dataclass
+class CallRecord:
+    caller: str
+    callee: str
+    kind: str
+    info: Any
+    deadline: float
+    caller_key: str | None = None  # the node incarnation that called (its answer goes to it)
+    callee_key: str | None = None  # the node incarnation called (another one does not answer)
+
+
+@dataclass
+class Pusher:
+    """A client handle: its routing, its replay log and the request under way."""
+
+    name: str
+    routing: Routing = field(default_factory=lambda: Routing("sim"))
+    log: ReplayLog = field(default_factory=ReplayLog)
+    delivery: Delivery | None = None  # the request under way
+    calls: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # id -> Send
+    refresh: bool = False  # read the routing before the next move
+    retry: Request | None = None  # a push given up, to deliver again
+    next_act: float = 0.0
+
+
+class SimulationFailure(AssertionError):
+    """An invariant of the simulation broke; the message holds the seed and the trace."""
+
+
+class World:
     """Nodes, controller, pushers and the network between them (see the module doc)."""
 
     def __init__(self, seed: int, faults: bool, ack: str | None = None):
@@ -77,11 +130,11 @@ class World(Traffic):
         self.outage_until = -1.0
         self.faults_end = 0.0  # when the last fault so far ends (a freeze or outage lasts)
         self.msgs: list[tuple[float, int, str, str, int, Any]] = []  # due, seq, dst, kind, call, x
-        self.calls: dict[int, _Callrec] = {}
+        self.calls: dict[int, CallRecord] = {}
         self.next_deadline = float("inf")  # no call's deadline comes before (a lower bound)
         self.seqno = 0
         self.worker_no = 0
-        self.nodes: dict[str, _Node] = {}
+        self.nodes: dict[str, SimNode] = {}
         self.crashed: set[str] = set()
         self.blocks: dict[str, tuple[np.ndarray, int, int, tuple]] = {}
         self.manifests: list[dict] = []
@@ -137,7 +190,7 @@ class World(Traffic):
             retry_max=2.0,
         )
         self.next_tick = 0.0
-        self.pushers = [_Pusher(f"pusher{i}") for i in range(rng.randint(2, 3))]
+        self.pushers = [Pusher(f"pusher{i}") for i in range(rng.randint(2, 3))]
         for p in self.pushers:
             p.routing.set(self.ctl.routing_info())
 
@@ -147,9 +200,12 @@ class World(Traffic):
         self.trace.append(f"{self.now:8.2f} {text}")
 
     def fail(self, what: str) -> NoReturn:
-        """An invariant broke (the checked simulation raises its SimulationFailure, with the
-        trace)."""
-        raise AssertionError(f"seed {self.seed}: {what}")
+        """An invariant broke: the seed, how to replay it and the trace's last 400 steps."""
+        tail = "\n".join(self.trace[-400:])
+        raise SimulationFailure(
+            f"seed {self.seed}: {what}\n(replay: adam_dask.testing.simulation.simulate({self.seed}, "
+            f"trace=True))\n--- trace (last 400 steps) ---\n{tail}"
+        )
 
     def nodes_key(self, addr: str) -> str:
         """The key of the node incarnation on ``addr`` now."""
@@ -159,12 +215,12 @@ class World(Traffic):
         self.worker_no += 1
         return f"w{self.worker_no}"
 
-    def _make_node(self, addr: str) -> _Node:
+    def _make_node(self, addr: str) -> SimNode:
         st = NodeState(addr, dedup_window=4 * self.total_pushes, checkpoint=True)
         off = self.rng.random()
         self.seqno += 1
         key = f"key-{addr}-{self.seqno}"
-        return _Node(addr, key, st, None, None, off * 0.25, off, off * 0.25)
+        return SimNode(addr, key, st, None, None, off * 0.25, off, off * 0.25)
 
     def send(self, dst: str, kind: str, call: int, x: Any, delay: float | None = None) -> None:
         """A message; over the network (not to the scheduler's own storage or bookkeeping) it
@@ -190,7 +246,7 @@ class World(Traffic):
         self.seqno += 1
         cid = self.seqno
         caller_key = self.nodes[caller].key if caller in self.nodes else None
-        rec = _Callrec(caller, callee, kind, info, self.now + CALL_TIMEOUT, caller_key, key)
+        rec = CallRecord(caller, callee, kind, info, self.now + CALL_TIMEOUT, caller_key, key)
         self.calls[cid] = rec
         self.next_deadline = min(self.next_deadline, rec.deadline)
         self.send(callee, "request", cid, (kind, event))
@@ -210,7 +266,7 @@ class World(Traffic):
 
     # -- carrying out actions --------------------------------------------------------------------
 
-    def node_actions(self, node: _Node, actions: list) -> None:
+    def node_actions(self, node: SimNode, actions: list) -> None:
         for a in actions:
             if isinstance(a, Reply):
                 self.reply(a.req, a.value)
@@ -242,7 +298,7 @@ class World(Traffic):
             if isinstance(a, Reply):
                 self.reply(a.req, a.value)
             elif isinstance(a, Call):
-                self.log(f"  ctl op {a.op}: {a.method} on {a.addr} {_brief(a.args)}")
+                self.log(f"  ctl op {a.op}: {a.method} on {a.addr} {brief(a.args)}")
                 self.request("ctl", a.addr, "command", (a.method, a.args), info=a.op, key=a.key)
             elif isinstance(a, Cancel):
                 for cid, rec in list(self.calls.items()):
@@ -278,7 +334,7 @@ class World(Traffic):
             self.changed = True
         self.ctl_actions(actions)
 
-    def node_handle(self, node: _Node, event: Any) -> None:
+    def node_handle(self, node: SimNode, event: Any) -> None:
         self.dirty.add(node.addr)
         actions = handle(node.state, event)
         node.state.validate()
@@ -391,49 +447,3 @@ class World(Traffic):
             if not p.calls and now < p.next_act < later:
                 later = p.next_act
         self.now = later if later != float("inf") else now + 0.1
-
-    def step(self) -> None:
-        now = self.now
-        for node in self.nodes.values():
-            if node.frozen_until is not None and node.frozen_until <= now:
-                node.frozen_until = None
-                self.log(f"thaw {node.addr}")
-        if self.next_deadline <= now:
-            self.next_deadline = float("inf")
-            for cid, rec in self.calls.items():
-                if rec.deadline <= now:
-                    self.seqno += 1
-                    err = TimeoutError("no answer")
-                    self.msgs.append((now, self.seqno, rec.caller, "reply", cid, err))
-                    rec.deadline = float("inf")
-                self.next_deadline = min(self.next_deadline, rec.deadline)
-        self.pusher_guard()
-        if self.fault_budget > 0 and self.rng.random() < 0.01:
-            self.fault()
-        choices = self.ready()
-        if not choices:
-            self.advance()
-            return
-        kind, x = self.rng.choice(choices)
-        if kind == "msg":
-            self.msgs.remove(x)
-            self.deliver(x)
-        elif kind == "timer":
-            node, timer = x
-            self.spend(node)
-            if timer == "next_forward":
-                node.next_forward = self.now + FORWARD_INTERVAL
-                self.node_handle(node, ForwardDue())
-            elif timer == "next_write":
-                node.next_write = self.now + WRITE_INTERVAL
-                self.node_handle(node, WriteDue())
-            else:
-                node.next_beat = self.now + BEAT_INTERVAL
-                beat = Beat(None, node.addr, node.key, self.now, node.state.heartbeat())
-                self.request(node.addr, "ctl", "beat", beat)
-        elif kind == "tick":
-            self.next_tick = self.now + TICK_INTERVAL
-            self.ctl_handle(Tick(self.now))
-        elif kind == "pusher":
-            x.next_act = self.now + self.rng.choice([0.002, 0.02, 0.1])
-            self.pusher_act(x)

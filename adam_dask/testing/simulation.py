@@ -50,13 +50,21 @@ pushes it holds and how many times.
 from __future__ import annotations
 
 import logging
-from typing import NoReturn
 
 import numpy as np
 
+from ..ps.protocol.messages import Beat, ForwardDue, Tick, WriteDue
 from ..ps.protocol.node_state import NodeState
 from ..ps.protocol.shard import ShardState
-from .sim_world import World
+from .sim_traffic import Traffic
+from .sim_world import (
+    BEAT_INTERVAL,
+    FORWARD_INTERVAL,
+    TICK_INTERVAL,
+    WRITE_INTERVAL,
+    SimulationFailure,
+    World,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +74,6 @@ HEAL_BOUND = 30.0
 FAULT_STEPS = 3000
 
 __all__ = ["SimulationFailure", "simulate"]
-
-
-class SimulationFailure(AssertionError):
-    """An invariant broke; the message names the seed and ends with the trace."""
 
 
 def _ones(values: np.ndarray) -> int:
@@ -87,27 +91,69 @@ def _view(ns: NodeState) -> tuple:
     )
 
 
-class _Sim(World):
+class _Sim:
     """The world, checked."""
 
     def __init__(self, seed: int, faults: bool, ack: str | None = None):
-        super().__init__(seed, faults, ack)
+        self.w = World(seed, faults, ack)
+        self.t = Traffic(self.w)
         self.healed_since: float | None = 0.0  # since when every shard is back at its copies
         self._bits: dict[tuple[str, int], tuple[ShardState, tuple[int, int], int]] = {}
         self._block_bits: dict[str, tuple[np.ndarray, int]] = {}
         self._views: dict[str, tuple] = {}  # what the checks last read of each node
 
+    # -- one step --------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        now = self.w.now
+        for node in self.w.nodes.values():
+            if node.frozen_until is not None and node.frozen_until <= now:
+                node.frozen_until = None
+                self.w.log(f"thaw {node.addr}")
+        if self.w.next_deadline <= now:
+            self.w.next_deadline = float("inf")
+            for cid, rec in self.w.calls.items():
+                if rec.deadline <= now:
+                    self.w.seqno += 1
+                    err = TimeoutError("no answer")
+                    self.w.msgs.append((now, self.w.seqno, rec.caller, "reply", cid, err))
+                    rec.deadline = float("inf")
+                self.w.next_deadline = min(self.w.next_deadline, rec.deadline)
+        self.t.pusher_guard()
+        if self.w.fault_budget > 0 and self.w.rng.random() < 0.01:
+            self.w.fault()
+        choices = self.w.ready()
+        if not choices:
+            self.w.advance()
+            return
+        kind, x = self.w.rng.choice(choices)
+        if kind == "msg":
+            self.w.msgs.remove(x)
+            self.t.deliver(x)
+        elif kind == "timer":
+            node, timer = x
+            self.t.spend(node)
+            if timer == "next_forward":
+                node.next_forward = self.w.now + FORWARD_INTERVAL
+                self.w.node_handle(node, ForwardDue())
+            elif timer == "next_write":
+                node.next_write = self.w.now + WRITE_INTERVAL
+                self.w.node_handle(node, WriteDue())
+            else:
+                node.next_beat = self.w.now + BEAT_INTERVAL
+                beat = Beat(None, node.addr, node.key, self.w.now, node.state.heartbeat())
+                self.w.request(node.addr, "ctl", "beat", beat)
+        elif kind == "tick":
+            self.w.next_tick = self.w.now + TICK_INTERVAL
+            self.w.ctl_handle(Tick(self.w.now))
+        elif kind == "pusher":
+            x.next_act = self.w.now + self.w.rng.choice([0.002, 0.02, 0.1])
+            self.t.pusher_act(x)
+
     # -- invariants ------------------------------------------------------------------------------
 
-    def fail(self, what: str) -> NoReturn:
-        tail = "\n".join(self.trace[-400:])
-        raise SimulationFailure(
-            f"seed {self.seed}: {what}\n(replay: adam_dask.testing.simulation.simulate({self.seed}, "
-            f"trace=True))\n--- trace (last 400 steps) ---\n{tail}"
-        )
-
     def holders(self, sid: int) -> set[str]:
-        ctl = self.ctl
+        ctl = self.w.ctl
         hs = set(ctl.routing.get(sid, ()))
         rnd = ctl.rounds.get(sid)
         if rnd is not None:
@@ -115,7 +161,7 @@ class _Sim(World):
         for op in ctl.ops.values():
             if op.kind == "promote" and sid in op.sids:
                 hs.add(op.addr)
-        return {a for a in hs if a in self.nodes and a not in self.crashed}
+        return {a for a in hs if a in self.w.nodes and a not in self.w.crashed}
 
     def copy_bits(self, addr: str, sid: int, st: ShardState) -> int:
         """The pushes the copy ``st`` of ``sid`` on ``addr`` holds, a bit each; checks it holds
@@ -127,13 +173,13 @@ class _Sim(World):
             return cached[2]
         v = st.values
         if v.max(initial=0) > 1 or v.min(initial=0) < 0:
-            self.fail(f"{addr} holds a push of shard {sid} twice: {v}")
+            self.w.fail(f"{addr} holds a push of shard {sid} twice: {v}")
         bits = _ones(v)
         self._bits[key] = (st, st.position, bits)
         return bits
 
     def block_bits(self, path: str) -> int:
-        values = self.blocks[path][0]
+        values = self.w.blocks[path][0]
         cached = self._block_bits.get(path)
         if cached is None or cached[0] is not values:
             cached = (values, _ones(values))
@@ -145,17 +191,17 @@ class _Sim(World):
         primary the routing names is alive (the incarnation the controller knows), is the
         primary of the shard at the shard's generation and forwards to the backups the routing
         names, each alive and holding the shard."""
-        ctl = self.ctl
+        ctl = self.w.ctl
         if not ctl.healthy():
             return False
         for sid, holders in ctl.routing.items():
             for a in holders:
-                node = self.nodes.get(a)
-                if node is None or a in self.crashed or node.key != ctl.nodes.get(a):
+                node = self.w.nodes.get(a)
+                if node is None or a in self.w.crashed or node.key != ctl.nodes.get(a):
                     return False
                 if sid not in node.state.shards:
                     return False
-            ns = self.nodes[holders[0]].state
+            ns = self.w.nodes[holders[0]].state
             if ns.gens.get(sid) != ctl.gens[sid] or sid not in ns.primaries:
                 return False
             if {a for a, _ in ns.primaries[sid]} != set(holders[1:]):
@@ -163,7 +209,7 @@ class _Sim(World):
             for b in holders[1:]:  # what the primary believes a backup holds, it holds
                 if (
                     ns.acked.get(b, {}).get(sid, (-1, -1))
-                    > self.nodes[b].state.shards[sid].position
+                    > self.w.nodes[b].state.shards[sid].position
                 ):
                     return False
         return True
@@ -175,20 +221,20 @@ class _Sim(World):
             if not self.healed():
                 self.healed_since = None
             elif self.healed_since is None:
-                self.healed_since = self.now
-        if self.healed_since is None and self.now > self.faults_end + HEAL_BOUND:
-            self.fail(
+                self.healed_since = self.w.now
+        if self.healed_since is None and self.w.now > self.w.faults_end + HEAL_BOUND:
+            self.w.fail(
                 f"not healed {HEAL_BOUND:g}s after the last fault (it ended at "
-                f"{self.faults_end:.2f}): {self.status()}"
+                f"{self.w.faults_end:.2f}): {self.status()}"
             )
 
     def check(self) -> None:
-        dirty, self.dirty = self.dirty, set()
-        changed = self.changed
+        dirty, self.w.dirty = self.w.dirty, set()
+        changed = self.w.changed
         for addr in dirty:
-            if addr in self.crashed:
+            if addr in self.w.crashed:
                 continue
-            ns = self.nodes[addr].state
+            ns = self.w.nodes[addr].state
             for sid, st in ns.shards.items():
                 self.copy_bits(addr, sid, st)
             view = _view(ns)
@@ -199,59 +245,59 @@ class _Sim(World):
         self.check_healing(changed)
         if not changed:
             return
-        self.changed = False
-        blocks = self.manifests[-1]["blocks"]
-        for sid in range(self.n_shards):
+        self.w.changed = False
+        blocks = self.w.manifests[-1]["blocks"]
+        for sid in range(self.w.n_shards):
             # acknowledged, not gone with every copy (a restore accounts for those), not in
             # the checkpoint's block: some pusher or some copy must hold it
-            ok = self.acked_bits[sid] & ~self.lost_bits[sid] & ~self.block_bits(blocks[sid])
+            ok = self.w.acked_bits[sid] & ~self.w.lost_bits[sid] & ~self.block_bits(blocks[sid])
             if not ok:
                 continue
             holders = self.holders(sid)
             if not holders:
                 continue  # every copy lost: the restore accounts for what goes
             for a in holders:
-                held = self.nodes[a].state.shards.get(sid)
+                held = self.w.nodes[a].state.shards.get(sid)
                 if held is not None:
                     ok &= ~self.copy_bits(a, sid, held)
             if ok:
-                for p in self.pushers:
+                for p in self.w.pushers:
                     for h in p.log.held(sid):
                         ok &= ~(1 << h.push_id)
             if ok:
                 k = (ok & -ok).bit_length() - 1
-                self.fail(f"acknowledged push {k} of shard {sid} is lost (holders {holders})")
+                self.w.fail(f"acknowledged push {k} of shard {sid} is lost (holders {holders})")
 
     def check_manifest(self) -> None:
-        if len(self.manifests) == self.checked_manifests:
+        if len(self.w.manifests) == self.w.checked_manifests:
             return
-        self.checked_manifests = len(self.manifests)
-        m = self.manifests[-1]
-        if len(self.manifests) > 1:
-            prev = self.manifests[-2]
+        self.w.checked_manifests = len(self.w.manifests)
+        m = self.w.manifests[-1]
+        if len(self.w.manifests) > 1:
+            prev = self.w.manifests[-2]
             if m["sequence"] <= prev["sequence"]:
-                self.fail(f"manifest sequence went from {prev['sequence']} to {m['sequence']}")
-            for s in range(self.n_shards):
+                self.w.fail(f"manifest sequence went from {prev['sequence']} to {m['sequence']}")
+            for s in range(self.w.n_shards):
                 a = (prev["generations"][s], prev["versions"][s])
                 b = (m["generations"][s], m["versions"][s])
                 if b < a:
-                    self.fail(f"manifest went back for shard {s}: {a} -> {b}")
+                    self.w.fail(f"manifest went back for shard {s}: {a} -> {b}")
         for s, path in enumerate(m["blocks"]):
-            if path not in self.blocks:
-                self.fail(f"the manifest names {path}, which is not there")
-            if self.blocks[path][1] != m["versions"][s]:
-                self.fail(f"the manifest names {path} at another version")
+            if path not in self.w.blocks:
+                self.w.fail(f"the manifest names {path}, which is not there")
+            if self.w.blocks[path][1] != m["versions"][s]:
+                self.w.fail(f"the manifest names {path} at another version")
 
     def settled(self) -> bool:
-        if self.pushes_started < self.total_pushes or any(
-            p.delivery or p.retry or p.calls or p.log for p in self.pushers
+        if self.w.pushes_started < self.w.total_pushes or any(
+            p.delivery or p.retry or p.calls or p.log for p in self.w.pushers
         ):
             return False
-        if self.healed_since is None or self.ctl.ops:
+        if self.healed_since is None or self.w.ctl.ops:
             return False
-        m = self.manifests[-1]
-        for sid, holders in self.ctl.routing.items():
-            copies = [self.nodes[a].state.shards.get(sid) for a in holders]
+        m = self.w.manifests[-1]
+        for sid, holders in self.w.ctl.routing.items():
+            copies = [self.w.nodes[a].state.shards.get(sid) for a in holders]
             states = [st for st in copies if st is not None]
             if len(states) != len(copies):
                 return False
@@ -263,8 +309,8 @@ class _Sim(World):
 
     def status(self) -> str:
         positions = {
-            sid: {a: getattr(self.nodes[a].state.shards.get(sid), "position", None) for a in h}
-            for sid, h in self.ctl.routing.items()
+            sid: {a: getattr(self.w.nodes[a].state.shards.get(sid), "position", None) for a in h}
+            for sid, h in self.w.ctl.routing.items()
         }
         pushers = {
             p.name: (
@@ -272,28 +318,28 @@ class _Sim(World):
                 len(p.calls),
                 len(p.log),
             )
-            for p in self.pushers
+            for p in self.w.pushers
         }
         return (
-            f"healthy={self.ctl.healthy()} ops={list(self.ctl.ops.values())} "
-            f"positions={positions} manifest={self.manifests[-1]['versions']} "
-            f"pushers={pushers} started={self.pushes_started}/{self.total_pushes}"
+            f"healthy={self.w.ctl.healthy()} ops={list(self.w.ctl.ops.values())} "
+            f"positions={positions} manifest={self.w.manifests[-1]['versions']} "
+            f"pushers={pushers} started={self.w.pushes_started}/{self.w.total_pushes}"
         )
 
     def final_check(self) -> None:
         self.acked_lost = 0  # acknowledged pushes gone with every copy (accounted by a restore)
-        for sid, holders in self.ctl.routing.items():
-            states = [self.nodes[a].state.shards[sid] for a in holders]
+        for sid, holders in self.w.ctl.routing.items():
+            states = [self.w.nodes[a].state.shards[sid] for a in holders]
             for st in states[1:]:
                 if not np.array_equal(st.values, states[0].values):
-                    self.fail(f"copies of shard {sid} differ at the end")
+                    self.w.fail(f"copies of shard {sid} differ at the end")
             values = states[0].values
-            for k, shards in self.acked.items():
+            for k, shards in self.w.acked.items():
                 if sid in shards and values[k] != 1:
                     # a replaying pusher keeps each push until the checkpoint holds it too, so
                     # not even the loss of every copy may take one
-                    if self.ack == "replay" or k not in self.lost_ok.get(sid, ()):
-                        self.fail(f"acknowledged push {k} of shard {sid} missing at the end")
+                    if self.w.ack == "replay" or k not in self.w.lost_ok.get(sid, ()):
+                        self.w.fail(f"acknowledged push {k} of shard {sid} missing at the end")
                     self.acked_lost += 1
 
 
@@ -320,29 +366,29 @@ def simulate(
         for i in range(steps):
             sim.step()
             sim.check()
-            if trace and sim.trace:
-                print("\n".join(sim.trace))
-                sim.trace.clear()
-            elif len(sim.trace) > 4000:
-                del sim.trace[:-400]  # a failure shows the last 400
-            if i > FAULT_STEPS and sim.fault_budget > 0:
-                sim.fault_budget = 0
-            if sim.fault_budget == 0 and sim.settled():
+            if trace and sim.w.trace:
+                print("\n".join(sim.w.trace))
+                sim.w.trace.clear()
+            elif len(sim.w.trace) > 4000:
+                del sim.w.trace[:-400]  # a failure shows the last 400
+            if i > FAULT_STEPS and sim.w.fault_budget > 0:
+                sim.w.fault_budget = 0
+            if sim.w.fault_budget == 0 and sim.settled():
                 break
         else:
-            sim.fail(f"the system did not settle in {steps} steps: {sim.status()}")
+            sim.w.fail(f"the system did not settle in {steps} steps: {sim.status()}")
         sim.final_check()
         return {
             "seed": seed,
-            "nodes": sim.n_nodes,
-            "shards": sim.n_shards,
-            "pushes": len(sim.acked),
-            "ack": sim.ack,
-            "lost_with_all_copies": sum(len(v) for v in sim.lost_ok.values()),
+            "nodes": sim.w.n_nodes,
+            "shards": sim.w.n_shards,
+            "pushes": len(sim.w.acked),
+            "ack": sim.w.ack,
+            "lost_with_all_copies": sum(len(v) for v in sim.w.lost_ok.values()),
             "acknowledged_lost": sim.acked_lost,
-            "restored": len(sim.ctl.restored),
-            "healed_after": max(0.0, (sim.healed_since or 0.0) - sim.faults_end),
-            "seconds": sim.now,
+            "restored": len(sim.w.ctl.restored),
+            "healed_after": max(0.0, (sim.healed_since or 0.0) - sim.w.faults_end),
+            "seconds": sim.w.now,
         }
     finally:
         quiet.setLevel(level)
