@@ -119,9 +119,8 @@ def _table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def draw_curves(records: list[dict], title: str = "") -> bytes:
-    """The curves of a run as PNG bytes: loss, test accuracy (and the tail average's) and
-    images/s per epoch, as the notebook's ``History.plot`` draws the first two."""
+def _figure_class() -> Any:
+    """matplotlib's Figure (no pyplot: no GUI backend, no global state), or the error line."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -129,6 +128,13 @@ def draw_curves(records: list[dict], title: str = "") -> bytes:
             "drawing the curves needs matplotlib, which is not installed",
             "pip install 'adam_dask[plot]', or give --no-png",
         ) from None
+    return Figure
+
+
+def draw_curves(records: list[dict], title: str = "") -> bytes:
+    """The curves of a run as PNG bytes: loss, test accuracy (and the tail average's) and
+    images/s per epoch, as the notebook's ``History.plot`` draws the first two."""
+    Figure = _figure_class()
     from ..train.metrics import History
 
     fig = Figure(figsize=(14, 3.8))
@@ -151,6 +157,8 @@ def cmd_show(args: argparse.Namespace) -> dict:
     from ..checkpoint_io import read_manifest
 
     so = args.storage_options
+    if not args.no_png:
+        _figure_class()  # a missing matplotlib is one error line, before any output
     run = normalize_url(args.run).rstrip("/")
     records = _history(run, so)
     try:

@@ -106,3 +106,16 @@ def test_bad_run_folders_are_one_error_line(tmp_path, capsys, make, words):
     lines = [line for line in err.splitlines() if line.strip()]
     assert status == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
     assert all(w in lines[0] for w in words), lines[0]
+
+
+def test_without_matplotlib_the_png_is_refused_in_one_line(run_folder, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    status, _, err = show(capsys, str(run_folder))
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1, err
+    assert "needs matplotlib" in lines[0] and "--no-png" in lines[0]
+    status, result, err = show(capsys, str(run_folder), "--no-png")
+    assert status == 0 and result["epochs"] == 3, err
