@@ -4,11 +4,13 @@ the embedded cluster sized for what was asked."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import dask
 import pytest
 
-from adam_dask.cli import run
 from adam_dask.testing import synthetic_store
 from adam_dask.train.startup import train_workers
 
@@ -30,17 +32,21 @@ def test_train_workers_are_one_per_partition_of_each_replica():
         assert train_workers(None, None, None) == 2
 
 
-def test_partitions_alone_train_on_the_embedded_cluster(store, capsys):
+def test_partitions_alone_train_on_the_embedded_cluster(store, tmp_path):
     """``adam-dask train --partitions 2`` on a machine sized for one replica (2 cores: one
-    TRAIN worker) starts two TRAIN workers, one per partition, instead of refusing."""
-    with dask.config.set({"adam.cluster.trainers": 1, "adam.cluster.memory-limit": "1 GiB"}):
-        status = run(
-            ["train", "--data", store, "--partitions", "2", "--model", SPEC, "--epochs", "1"]
-            + ["--push-every", "64", "--no-checkpoint", "--no-progress"]
-        )
-    out, err = capsys.readouterr()
-    assert status == 0, err[-3000:]
-    result = json.loads(out.strip().splitlines()[-1])
+    TRAIN worker) starts two TRAIN workers, one per partition, instead of refusing. In a
+    process of its own, as a user runs it (the embedded cluster ends with it)."""
+    env = dict(os.environ)
+    env["DASK_ADAM__CLUSTER__TRAINERS"] = "1"  # what `auto` gives on 2 cores
+    env["DASK_ADAM__CLUSTER__MEMORY_LIMIT"] = "1 GiB"
+    env["DASK_ADAM__TRAIN__RUNS_DIR"] = str(tmp_path / "runs")
+    proc = subprocess.run(
+        [sys.executable, "-m", "adam_dask.cli", "train", "--data", store, "--partitions", "2"]
+        + ["--model", SPEC, "--epochs", "1", "--push-every", "64", "--no-progress"],
+        capture_output=True, text=True, env=env, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["replicas"] == 1 and result["epochs"] == 1, result
     assert result["test_accuracy"] >= 0.3, result  # chance is 0.1
-    assert "partition 1" in err, err[-3000:]  # the plan of the two partitions, printed
+    assert "partition 1" in proc.stderr, proc.stderr[-3000:]  # the plan, printed
