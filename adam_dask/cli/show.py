@@ -145,6 +145,10 @@ def draw_curves(records: list[dict], title: str = "") -> bytes:
     ax_speed.set(xlabel="epoch", ylabel="images/s", title="training speed")
     ax_speed.set_ylim(bottom=0)
     ax_speed.grid(alpha=0.3)
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (ax_loss, ax_acc, ax_speed):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole
     if title:
         fig.suptitle(title)
     fig.tight_layout()
