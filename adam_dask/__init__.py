@@ -7,6 +7,7 @@ Asynchronous data-parallel training with a replicated parameter server::
     with adam_dask.cluster.local() as client:
         trainer = adam_dask.Trainer("data/mnist.zarr", client=client)
         trainer.fit(epochs=3)
+    net = adam_dask.load(trainer.checkpoint)  # the trained network, either engine, no cluster
 
 The public names are listed in ``__all__``; the subpackages (``data``, ``model``, ``ps``,
 ``train``) export what their users call, and everything in a module whose name starts with an
@@ -31,6 +32,7 @@ from .data.augment import Augment
 from .data.ingest import ingest
 from .data.serving import DataService
 from .errors import AdamError
+from .model.engines import load
 from .model.network import Network
 from .ps.client.server import ParameterServer
 from .train.metrics import History
@@ -55,6 +57,7 @@ __all__ = [
     "data",
     "errors",
     "ingest",
+    "load",
     "model",
     "ps",
     "train",

@@ -43,6 +43,7 @@ __all__ = [
     "dashboard_link",
     "local",
     "local_spec",
+    "resolve_trainers",
     "workers_with_role",
 ]
 
@@ -97,6 +98,12 @@ def _trainers(trainers: Any, threads: Any) -> tuple[int, int]:
     n = auto_trainers if str(trainers).lower() == sizing.AUTO else _count("trainers", trainers)
     t = auto_threads if str(threads).lower() == sizing.AUTO else _count("trainer_threads", threads)
     return n, t
+
+
+def resolve_trainers(value: Any) -> int:
+    """The TRAIN worker count a setting (``adam.cluster.trainers``) names: a number, or
+    ``"auto"`` for the count this machine is sized for (:mod:`.sizing`)."""
+    return _trainers(value, 1)[0]
 
 
 def _count(name: str, value: Any) -> int:

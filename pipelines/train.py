@@ -61,10 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-accuracy", type=fraction, default=None, metavar="A")
     p.add_argument("--max-seconds", type=positive_float, default=None)
     p.add_argument("--mode", choices=("async", "sync"), default=None)
-    p.add_argument("--model", default=None, metavar="SPEC", help="a new run's network spec")
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="SPEC",
+        help="a new run's network: a spec, or package.module:factory for a PyTorch module "
+        "(importable on every TRAIN worker); a rerun may repeat it",
+    )
     p.add_argument("--lr", type=positive_float, default=None)
     p.add_argument("--push-every", type=positive_int, default=None, metavar="K")
     p.add_argument("--replicas", type=positive_int, default=None)
+    p.add_argument(
+        "--partitions", type=positive_int, default=None, help="TRAIN workers each replica spans"
+    )
     p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--augment", action="store_true", default=None)
     p.add_argument("--seed", type=int, default=None)
@@ -99,58 +108,50 @@ def _has_run(checkpoint: str, storage_options: dict | None) -> bool:
 def train(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Train ``args.data`` into ``args.checkpoint``; returns the JSON result. ``say`` shows
     a line of news (the dashboard's link, a resumed run) to whoever watches."""
-    from adam_dask.cluster import client_for, dashboard_link
-    from adam_dask.data.datasets import open_split
-    from adam_dask.model import Network
-    from adam_dask.train import Trainer
+    from adam_dask.cluster import dashboard_link
+    from adam_dask.train import startup
 
     t0 = time.perf_counter()
     so = args.storage_options
-    # bad input fails before any cluster starts: the store, then a new run's network
-    split = open_split(args.data, "train", so)
     resume = not args.overwrite and _has_run(args.checkpoint, so)
-    if not resume:
-        Network.from_spec(config.get("model.spec", args.model), input_shape=split.input_shape)
-    client = client_for(
-        args.scheduler,
-        args.gateway,
+    # the start-up adam-dask train makes: bad input fails before any cluster starts
+    start = startup.Start(
+        data=args.data,
+        checkpoint=args.checkpoint,
+        resume=resume,
+        overwrite=args.overwrite,
+        model=args.model,
+        storage_options=so,
+        seed=args.seed,
+        replicas=args.replicas,
+        partitions=args.partitions,
+        scheduler=args.scheduler,
+        gateway=args.gateway,
+        tls=args.tls,
         ps_nodes=args.ps_nodes,
         data_nodes=args.data_nodes,
         trainers=args.trainers,
-        trainer_threads=args.threads,
-        tls=args.tls,
+        threads=args.threads,
     )
-    assert client is not None  # the embedded cluster is the default
+    startup.check(start)
+    client = startup.connect(start)
     link = dashboard_link(client)
     if link:
         say(f"dashboard: {link}")
     trainer = None
     try:
-        given = dict(
+        if resume:
+            say(f"continuing the run at {args.checkpoint}")
+        trainer = startup.open_trainer(
+            start,
+            client,
             mode=args.mode,
             lr=args.lr,
             push_every=args.push_every,
-            replicas=args.replicas,
-            threads=args.threads,
             augment=args.augment,
-            seed=args.seed,
             metrics_out=args.metrics_out,
+            progress=False,
         )
-        kw = {k: v for k, v in given.items() if v is not None}
-        kw["progress"] = False
-        if resume:
-            say(f"continuing the run at {args.checkpoint}")
-            trainer = Trainer.resume(args.checkpoint, args.data, client, storage_options=so, **kw)
-        else:
-            trainer = Trainer(
-                args.data,
-                model=args.model,
-                client=client,
-                checkpoint=args.checkpoint,
-                storage_options=so,
-                overwrite=args.overwrite,
-                **kw,
-            )
         first = trainer.epoch
         # --epochs is the run's total (None: the resumed run's plan, or the configured default)
         trainer.fit(

@@ -1,4 +1,5 @@
-"""The ``adam-dask`` command: ingest, info (``data.py``), train, evaluate (``train.py``).
+"""The ``adam-dask`` command: ingest, info (``data.py``), train, evaluate (``train.py``), show
+(``show.py``: a finished run's summary and curves).
 
 Each command prints progress on stderr and, as its last line on stdout, one JSON object of its
 results. Bad input exits with status 2 and one line ``error: <what was wrong>; <what to do>``,
@@ -17,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from .. import __version__
 from ..jobs import ArgumentParser, Redactor, run_job, setup_logging
-from . import data, train
+from . import data, show, train
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     data.register(sub)
     train.register(sub)
+    show.register(sub)
     return parser
 
 

@@ -9,8 +9,8 @@ import time
 from typing import Any
 
 from .. import config
-from ..cluster import client_for, dashboard_link
-from ..errors import CheckpointError, ConfigError, DestinationExistsError
+from ..cluster import dashboard_link
+from ..errors import ConfigError
 from ..jobs import count, fraction, non_negative_float, positive_float, positive_int
 from ..storage import redact_url
 from ._common import add_cluster, add_storage
@@ -184,50 +184,29 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_evaluate)
 
 
-def _check_before_start(args: argparse.Namespace) -> None:
-    """The checks that need no cluster, so bad input fails in a second, not after a start-up."""
-    from ..data.datasets import open_split
-    from ..model.engines import is_factory_path
-    from ..model.network import Network
-    from ..ps.checkpoint import read_manifest
+def _start(args: argparse.Namespace) -> Any:
+    """What ``train`` was asked, for the start-up it shares with the pipelines."""
+    from ..train.startup import Start
 
-    if args.resume and not args.checkpoint:
-        raise ConfigError(
-            "--resume needs --checkpoint URL",
-            "give the checkpoint to continue (a run's folder, printed when it started)",
-        )
-    if args.no_checkpoint and (args.checkpoint or args.overwrite):
-        raise ConfigError(
-            "--no-checkpoint contradicts --checkpoint and --overwrite", "drop one of them"
-        )
-    if args.resume and args.overwrite:
-        raise ConfigError(
-            "--resume and --overwrite contradict each other",
-            "continue the run with --resume, or start afresh with --overwrite",
-        )
-    if args.resume and args.model:
-        raise ConfigError(
-            "--model cannot change the network of a resumed run",
-            "drop --model (the checkpoint names its network)",
-        )
-    split = open_split(args.data, "train", args.storage_options)
-    if not args.resume and is_factory_path(args.model):
-        from ..model.torch_engine import TorchNetwork
-
-        TorchNetwork.build(args.model, split.input_shape)  # importable, builds, fits the images
-    elif not args.resume:
-        Network.from_spec(config.get("model.spec", args.model), input_shape=split.input_shape)
-    if args.resume:
-        read_manifest(args.checkpoint, args.storage_options)  # CheckpointError when none
-    elif args.checkpoint and not args.overwrite:
-        try:
-            read_manifest(args.checkpoint, args.storage_options)
-        except CheckpointError:
-            return  # nothing complete there: a new run may write it
-        raise DestinationExistsError(
-            f"a checkpoint already exists at {args.checkpoint}",
-            "continue it with --resume, replace it with --overwrite, or choose another URL",
-        )
+    return Start(
+        data=args.data,
+        checkpoint=args.checkpoint,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        no_checkpoint=args.no_checkpoint,
+        model=args.model,
+        storage_options=args.storage_options,
+        seed=args.seed,
+        replicas=args.replicas,
+        partitions=args.partitions,
+        scheduler=args.scheduler,
+        gateway=args.gateway,
+        tls=args.tls,
+        ps_nodes=args.ps_nodes,
+        data_nodes=args.data_nodes,
+        trainers=args.trainers,
+        threads=args.threads,
+    )
 
 
 def _fraction_below_one(text: str) -> float:
@@ -270,57 +249,32 @@ def train_result(trainer: Any, first_epoch: int, seconds: float, target: float |
 
 
 def cmd_train(args: argparse.Namespace) -> dict:
-    from ..train import Trainer
+    from ..train import startup
 
-    _check_before_start(args)
+    start = _start(args)
+    startup.check(start)  # bad input fails in a second, before a cluster starts
     t0 = time.perf_counter()
-    client = client_for(
-        args.scheduler,
-        args.gateway,
-        ps_nodes=args.ps_nodes,
-        data_nodes=args.data_nodes,
-        trainers=args.trainers,
-        trainer_threads=args.threads,
-        tls=args.tls,
-    )
-    assert client is not None  # with the embedded default there is always one
+    client = startup.connect(start)
     link = dashboard_link(client)
     if link:
         sys.stderr.write(f"dashboard: {link}\n")
     trainer = None
     try:
-        given = dict(
-            replicas=args.replicas,
+        trainer = startup.open_trainer(
+            start,
+            client,
             mode=args.mode,  # None on --resume: the run keeps its own mode
             push_every=args.push_every,
             lr=args.lr,
             lr_warmup=args.lr_warmup,
             lr_replicas=args.lr_replicas,
-            threads=args.threads,
             epoch_quorum=args.epoch_quorum,
             augment=args.augment,
             metrics_out=args.metrics_out,
-            seed=args.seed,
             offload_dense=args.offload_dense,
             average_from=args.average_from,
-            partitions=args.partitions,
+            progress=not args.no_progress,
         )
-        kw = {k: v for k, v in given.items() if v is not None}
-        kw["progress"] = not args.no_progress
-        if args.resume:
-            trainer = Trainer.resume(
-                args.checkpoint, args.data, client, storage_options=args.storage_options, **kw
-            )
-        else:
-            trainer = Trainer(
-                args.data,
-                model=args.model,
-                client=client,
-                checkpoint=False if args.no_checkpoint else args.checkpoint,
-                storage_options=args.storage_options,
-                overwrite=args.overwrite,
-                **kw,
-            )
         if trainer.checkpoint:
             sys.stderr.write(f"checkpoint: {redact_url(trainer.checkpoint)}\n")
         if trainer.partitions > 1:  # checked before anything starts
@@ -346,21 +300,14 @@ def cmd_train(args: argparse.Namespace) -> dict:
 def cmd_evaluate(args: argparse.Namespace) -> dict:
     """Evaluate a checkpoint in this process: no cluster needed to read a manifest and weights."""
     from ..data.datasets import open_split
-    from ..model.engines import network_from_dict
-    from ..ps.checkpoint import read_checkpoint
+    from ..model.engines import read_network
     from ..train._validation import calibration_images
 
     t0 = time.perf_counter()
     split_name = config.get("cli.evaluate-split", args.split)
-    manifest, values = read_checkpoint(args.checkpoint, args.storage_options)
-    meta = manifest.get("meta") or {}
-    if "model" not in meta:
-        raise ConfigError(
-            f"the checkpoint at {args.checkpoint} names no model",
-            "it was not written by adam-dask train",
-        )
-    net = network_from_dict(meta["model"], model=args.model)
-    net.flat = values
+    manifest, net = read_network(
+        args.checkpoint, model=args.model, storage_options=args.storage_options
+    )
     split = open_split(args.data, split_name, args.storage_options)
     if tuple(split.input_shape) != tuple(net.input_shape):
         raise ConfigError(

@@ -19,7 +19,15 @@ from ._factory_path import TORCH, is_factory_path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TORCH", "is_factory_path", "is_torch_model", "network_from_dict", "shipped"]
+__all__ = [
+    "TORCH",
+    "is_factory_path",
+    "is_torch_model",
+    "load",
+    "network_from_dict",
+    "read_network",
+    "shipped",
+]
 
 
 def is_torch_model(model: Any) -> bool:
@@ -55,3 +63,32 @@ def shipped(net: Any) -> dict:
     stored in a checkpoint)."""
     job = getattr(net, "job_dict", None)
     return job() if job is not None else net.to_dict()
+
+
+def read_network(
+    url: str, model: Any = None, storage_options: dict | None = None
+) -> tuple[dict, Any]:
+    """(manifest, network) of the checkpoint at ``url``: the network its manifest describes
+    (either engine, as :func:`network_from_dict`; ``model`` for a run that trained a module
+    object) holding the checkpoint's weights."""
+    from ..checkpoint_io import read_model
+
+    manifest, d, values = read_model(url, storage_options)
+    net = network_from_dict(d, model=model)
+    net.flat = values
+    return manifest, net
+
+
+def load(url: str, model: Any = None, storage_options: dict | None = None) -> Any:
+    """The trained network of the checkpoint (a run folder) at ``url``, for either engine: a
+    numba :class:`~adam_dask.model.network.Network` or a
+    :class:`~adam_dask.model.torch_engine.TorchNetwork` (its module rebuilt from the factory
+    path the run trained; ``model``, an ``nn.Module`` or factory, for a run that trained a
+    module object), holding the checkpoint's weights. No cluster is needed, and no pickle is
+    read. A network with batch norm needs ``calibrate(training images)`` before inference (its
+    running statistics are not stored)::
+
+        net = adam_dask.load("runs/20261126-101500-ab12cd")
+        net.evaluate(x_test, y_test)
+    """
+    return read_network(url, model=model, storage_options=storage_options)[1]

@@ -196,6 +196,24 @@ class Network:
         }
 
     @classmethod
+    def from_checkpoint(cls, url: str, storage_options: dict | None = None) -> Network:
+        """The network a checkpoint at ``url`` (a run folder) was trained with, holding the
+        checkpoint's weights (:func:`adam_dask.load` reads either engine's); a spec with
+        ``bn`` layers then needs :meth:`calibrate` before inference."""
+        from ..checkpoint_io import read_model
+        from ._factory_path import TORCH
+
+        _, d, values = read_model(url, storage_options)
+        if d.get("engine") == TORCH:
+            raise ModelSpecError(
+                f"the checkpoint at {url} holds a PyTorch model ({d.get('factory')})",
+                "read it with adam_dask.load(url), which gives either engine's network",
+            )
+        net = cls.from_dict(d)
+        net.flat = values
+        return net
+
+    @classmethod
     def from_dict(cls, d: dict, seed: int = 0) -> Network:
         """The network ``d`` (from :meth:`to_dict`) describes, freshly initialised from ``seed``."""
         try:

@@ -114,16 +114,24 @@ def _build(factory: Callable[[], Any], seed: int | None, what: str) -> nn.Module
 
 
 def _float32(module: nn.Module) -> nn.Module:
-    """``module`` on the CPU in float32 (the parameter server holds float32 values)."""
+    """``module`` in float32 (the parameter server holds float32 values), refused when a
+    parameter is not on the CPU: the engine trains on the CPU (each parameter is a view of the
+    numpy buffer the server shards), and moving a CUDA module there without a word would train
+    it far from where its author meant it to run."""
     for name, p in module.named_parameters():
+        if p.device.type != "cpu":
+            raise ModelSpecError(
+                f"parameter {name!r} is on {p.device}; adam_dask's torch engine trains on the CPU "
+                "(its parameters are views of the parameter server's numpy buffer)",
+                "build the module on the CPU (drop .cuda() / .to(device) from the factory)",
+            )
         if not p.is_floating_point():
             raise ModelSpecError(
                 f"parameter {name!r} is {p.dtype}; the parameter server holds float32 values",
                 "keep integer tensors in buffers, not parameters",
             )
-        if p.device.type != "cpu" or p.dtype != torch.float32:
-            module = module.to("cpu", torch.float32)
-            break
+    if any(p.dtype != torch.float32 for p in module.parameters()):
+        module = module.to(torch.float32)
     return module
 
 
@@ -332,14 +340,13 @@ class TorchNetwork:
         """The module a checkpoint at ``url`` was trained with (rebuilt from its factory path,
         or ``model`` as in :meth:`from_dict`), holding the checkpoint's weights; a module with
         batch norm then needs :meth:`calibrate` before inference."""
-        from ..ps.checkpoint import read_checkpoint
+        from ..checkpoint_io import read_model
 
-        manifest, values = read_checkpoint(url, storage_options)
-        d = (manifest.get("meta") or {}).get("model") or {}
+        _, d, values = read_model(url, storage_options)
         if d.get("engine") != TORCH:
             raise ModelSpecError(
-                f"the checkpoint at {url} holds no PyTorch model",
-                "read it with adam-dask evaluate, or Network.from_dict(manifest model)",
+                f"the checkpoint at {url} holds no PyTorch model ({d.get('spec')})",
+                "read it with adam_dask.load(url), which gives either engine's network",
             )
         net = cls.from_dict(d, model=model)
         net.flat = values

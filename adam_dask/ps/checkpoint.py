@@ -20,7 +20,9 @@ each shard's ``(generation, version)`` never go back. A block is deleted two man
 the last one naming it (a reader of the previous manifest finds its data), and blocks no manifest
 names are swept when a server starts.
 
-Format 1 (``params``, one chunk per shard, rewritten in place) is still read.
+Format 1 (``params``, one chunk per shard, rewritten in place) is still read. Reading (the
+manifest's checks, the blocks, the values) is :mod:`adam_dask.checkpoint_io`'s, below both the
+model and this package, re-exported here.
 
 ``memory://`` URLs are per process: they work only when the PS workers share the client's
 process.
@@ -39,6 +41,16 @@ from typing import Any
 import numpy as np
 
 from .._secrets import redact_urls
+from ..checkpoint_io import (
+    BLOCKS,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    manifest_problem,
+    read_block,
+    read_checkpoint,
+    read_manifest,
+)
 from ..errors import CheckpointError
 from ..storage import filesystem, join_url, normalize_url, zarr_store
 from .protocol.shard import Mark, Snapshot
@@ -52,16 +64,12 @@ __all__ = [
     "BlockStore",
     "block_path",
     "init_checkpoint",
+    "manifest_problem",
     "put_manifest",
     "read_checkpoint",
     "read_manifest",
     "read_marks",
 ]
-
-MANIFEST = "manifest.json"
-FORMAT = "adam-ps-checkpoint"
-FORMAT_VERSION = 2
-BLOCKS = "shards"
 
 
 def block_path(sid: int, gen: int, version: int) -> str:
@@ -71,11 +79,6 @@ def block_path(sid: int, gen: int, version: int) -> str:
 
 def _encode_ids(ids: Any) -> str:
     return base64.b64encode(np.asarray(list(ids), dtype="<i8").reshape(-1, 2).tobytes()).decode()
-
-
-def _decode_ids(text: str) -> tuple[tuple[int, int], ...]:
-    a = np.frombuffer(base64.b64decode(text), dtype="<i8").reshape(-1, 2)
-    return tuple((int(v), int(p)) for v, p in a)
 
 
 def write_json(fs: Any, path: str, obj: dict) -> None:
@@ -99,81 +102,6 @@ def put_manifest(url: str, storage_options: dict | None, doc: dict) -> None:
     messages of errors (:class:`CheckpointError`) never show credentials either."""
     fs, path = filesystem(url, storage_options)
     write_json(fs, join_url(path, MANIFEST), {**redact_urls(doc), "time": time.time()})
-
-
-def read_manifest(url: str, storage_options: dict | None = None) -> dict:
-    """The manifest of the checkpoint at ``url``; :class:`CheckpointError` if there is none
-    (no complete checkpoint) or it is not one of ours."""
-    fs, path = filesystem(url, storage_options)
-    mpath = join_url(path, MANIFEST)
-    try:
-        raw = fs.cat_file(mpath)
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"no complete checkpoint at {normalize_url(url)} ({MANIFEST} is missing)",
-            "check the URL, or flush the server first",
-        ) from None
-    except Exception as exc:
-        raise CheckpointError(
-            f"cannot read {mpath}: {exc}", "check the storage endpoint and credentials"
-        ) from exc
-    try:
-        m = json.loads(raw)
-    except ValueError as exc:
-        raise CheckpointError(f"{mpath} is not valid JSON: {exc}") from exc
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{mpath} is not an adam_dask parameter-server manifest", f"expected format {FORMAT!r}"
-        )
-    if int(m.get("format_version", 0)) > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{mpath} has format version {m['format_version']}, newer than {FORMAT_VERSION}",
-            "upgrade adam_dask",
-        )
-    if int(m.get("format_version", 1)) >= 2:
-        problem = manifest_problem(m)
-        if problem:
-            raise CheckpointError(
-                f"{mpath} is not a sound checkpoint manifest: {problem}",
-                "restore from a checkpoint this parameter server wrote",
-            )
-    return m
-
-
-# A manifest is read from storage that may not be ours to trust: everything it names is
-# checked before a byte is allocated for it or a path is opened.
-_MAX_BYTES_FRACTION = 0.5  # of this machine's available memory, for the flat values
-_CODECS = {"bytes", "blosc", "zstd", "gzip", "crc32c", "transpose"}  # zarr v3, none executes code
-
-
-def manifest_problem(m: dict) -> str | None:
-    """What is wrong with a (format 2) manifest's layout, or None: sizes, shards, blocks,
-    versions consistent, the values small enough to hold, block paths inside the checkpoint."""
-    try:
-        size = int(m["size"])
-        shards = [(int(a), int(b)) for a, b in m["shards"]]
-        blocks, versions = list(m["blocks"]), [int(v) for v in m["versions"]]
-        shard_floats = int(m["shard_bytes"]) // 4
-    except (KeyError, TypeError, ValueError) as exc:
-        return f"a missing or malformed field ({exc!r})"
-    if size <= 0 or not shards or shards[0][0] != 0 or shards[-1][1] != size:
-        return f"shards {shards[:1]}...{shards[-1:]} do not cover size {size}"
-    if any(b <= a or b - a > shard_floats for a, b in shards):
-        return f"a shard is empty or larger than shard_bytes {m['shard_bytes']}"
-    if any(b0 != a1 for (_, b0), (a1, _) in zip(shards, shards[1:])):
-        return "the shards are not contiguous"
-    if not len(blocks) == len(shards) == len(versions):
-        return f"{len(shards)} shards, {len(blocks)} blocks, {len(versions)} versions"
-    for path in blocks:
-        parts = str(path).split("/")
-        if not isinstance(path, str) or parts[0] != BLOCKS or ".." in parts or "" in parts:
-            return f"block path {path!r} is not inside the checkpoint"
-    import psutil
-
-    limit = psutil.virtual_memory().available * _MAX_BYTES_FRACTION
-    if size * 4 > limit:
-        return f"{size} parameters ({size * 4 / 1e9:.1f} GB) would not fit in memory here"
-    return None
 
 
 class BlockStore:
@@ -219,22 +147,7 @@ class BlockStore:
 
     def read(self, path: str) -> tuple[np.ndarray, dict, tuple[tuple[int, int], ...]]:
         """(values, attributes, push ids) of the block at ``path``."""
-        import zarr
-
-        arr = zarr.open_array(store=self._zarr(), path=path, mode="r")
-        listed = getattr(arr.metadata, "codecs", None)  # zarr v3 (ours); v2 is not
-        codecs = {type(c).__name__.removesuffix("Codec").lower() for c in listed or ()}
-        if listed is None or arr.dtype != np.float32 or arr.ndim != 1 or not codecs <= _CODECS:
-            raise CheckpointError(
-                f"block {path} is not a float32 vector stored with known codecs "
-                f"({arr.dtype}, {arr.ndim} dims, codecs {sorted(codecs)})",
-                "restore from a checkpoint this parameter server wrote",
-            )
-        attrs = dict(arr.attrs)
-        ids = attrs.get("ids", "")
-        if not isinstance(ids, str):
-            raise TypeError(f"the push ids of block {path} are not a string: {ids!r}")
-        return np.asarray(arr[:], dtype=np.float32), attrs, _decode_ids(ids)
+        return read_block(self._zarr(), path)
 
     def delete(self, paths: list[str] | tuple[str, ...]) -> None:
         fs, root = filesystem(self.url, self.storage_options)
@@ -348,56 +261,3 @@ def init_checkpoint(
             "check the storage and try again",
         ) from exc
     return manifest
-
-
-def read_checkpoint(url: str, storage_options: dict | None = None) -> tuple[dict, np.ndarray]:
-    """(manifest, flat float32 values) of the last complete checkpoint at ``url``.
-
-    A block replaced long enough ago may be deleted while this reads an older manifest: then
-    the newer manifest is read again (a few times)."""
-    for attempt in range(3):
-        try:
-            return _read_checkpoint(url, storage_options)
-        except FileNotFoundError:
-            if attempt == 2:
-                raise CheckpointError(
-                    f"the checkpoint at {normalize_url(url)} changed under three reads",
-                    "retry when the parameter server writes less often",
-                ) from None
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _read_checkpoint(url: str, storage_options: dict | None) -> tuple[dict, np.ndarray]:
-    import zarr
-
-    m = read_manifest(url, storage_options)
-    try:
-        if int(m.get("format_version", 1)) < 2:
-            g = zarr.open_group(store=zarr_store(url, storage_options, read_only=True), mode="r")
-            params = g["params"]
-            if not isinstance(params, zarr.Array):
-                raise TypeError("params is a group, not an array")
-            values = np.asarray(params[:], dtype=np.float32)
-        else:
-            reader = BlockStore(url, storage_options)
-            values = np.zeros(int(m["size"]), np.float32)
-            for sid, ((a, b), path) in enumerate(zip(m["shards"], m["blocks"])):
-                block, attrs, _ = reader.read(path)
-                if int(attrs["version"]) != int(m["versions"][sid]) or block.shape != (b - a,):
-                    raise CheckpointError(f"block {path} does not match the manifest")
-                values[a:b] = block
-    except FileNotFoundError:
-        raise
-    except Exception as exc:
-        raise CheckpointError(
-            f"the checkpoint at {normalize_url(url)} has a manifest but its "
-            f"data cannot be read: {exc}",
-            "the checkpoint is damaged",
-        ) from exc
-    if values.shape != (int(m["size"]),):
-        raise CheckpointError(
-            f"the checkpoint at {normalize_url(url)} holds {values.shape[0]} "
-            f"values, its manifest says {m['size']}",
-            "the checkpoint is damaged",
-        )
-    return m, values

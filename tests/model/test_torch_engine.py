@@ -193,3 +193,18 @@ def test_a_torch_model_is_not_partitioned_and_asking_for_it_is_one_error():
     assert cluster_plan(None, net, None, 1) is None
     with pytest.raises(PartitionError, match="partitions=2: a PyTorch model trains on one worker"):
         cluster_plan(None, net, None, 2)
+
+
+def test_a_module_off_the_cpu_is_refused_in_one_line():
+    """The engine trains on the CPU (the flat buffer is numpy): a module whose parameters live
+    on another device (a CUDA module; the meta device stands in for it on a machine without a
+    GPU) is refused, saying where they are and what to do, not moved without a word."""
+    module = nn.Sequential(nn.Flatten(), nn.Linear(144, 3, device="meta"))
+    with pytest.raises(ModelSpecError) as err:
+        TorchNetwork(module, SHAPE)
+    msg = str(err.value)
+    assert "'1.weight' is on meta" in msg and "build the module on the CPU" in msg, msg
+    assert "\n" not in msg
+    # a float64 module on the CPU is still converted: that loses nothing the server keeps
+    net = TorchNetwork(nn.Sequential(nn.Flatten(), nn.Linear(144, 3).double()), SHAPE)
+    assert net.flat.dtype == np.float32

@@ -63,6 +63,28 @@ def test_train_pipeline_continues_a_run_when_run_again(store, adam_cluster, tmp_
     assert third["epochs_trained"] == 0 and third["test_accuracy"] == second["test_accuracy"]
 
 
+def test_train_pipeline_trains_a_pytorch_module_and_continues_it(store, adam_cluster, tmp_path):
+    """--model package.module:factory: the torch engine, checked and started as adam-dask train
+    does (one start-up); a rerun of the same job, --model included, continues the run."""
+    pytest.importorskip("torch")
+    ckpt = str(tmp_path / "ck")
+    factory = "adam_dask.model.torch_examples:tiny_residual_net"
+    argv = ["--data", store, "--checkpoint", ckpt, "--model", factory, "--lr", "0.05"]
+    where = ["--scheduler", adam_cluster.scheduler.address]
+    proc, first = job(*argv, "--epochs", "1", *where)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert first["epochs_trained"] == 1 and first["test_accuracy"] is not None
+    model = read_manifest(ckpt)["meta"]["model"]
+    assert model["engine"] == "torch" and model["factory"] == factory
+    proc, second = job(*argv, "--epochs", "2", *where)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert second["resumed"] is True and second["epochs_trained"] == 1 and second["epoch"] == 1
+    # another network for the same run is refused, before any cluster is reached
+    proc, _ = job(*argv[:-4], "--model", SPEC, "--epochs", "3", "--scheduler", "tcp://127.0.0.1:9")
+    assert proc.returncode == 2
+    assert "is not the network of the run" in one_error_line(proc)
+
+
 def test_train_pipeline_bad_input_exits_2(store, tmp_path, capsys):
     proc, _ = job("--data", str(tmp_path / "none"), "--checkpoint", str(tmp_path / "ck"))
     assert proc.returncode == 2
