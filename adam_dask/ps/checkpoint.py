@@ -52,6 +52,7 @@ __all__ = [
     "BlockStore",
     "block_path",
     "init_checkpoint",
+    "manifest_unreachable",
     "put_manifest",
     "read_checkpoint",
     "read_manifest",
@@ -99,6 +100,29 @@ def put_manifest(url: str, storage_options: dict | None, doc: dict) -> None:
     messages of errors (:class:`CheckpointError`) never show credentials either."""
     fs, path = filesystem(url, storage_options)
     write_json(fs, join_url(path, MANIFEST), {**redact_urls(doc), "time": time.time()})
+
+
+def manifest_unreachable(url: str, storage_options: dict | None, doc: dict) -> str | None:
+    """What keeps this process (the scheduler, the manifest's writer) from the checkpoint whose
+    manifest ``doc`` another process (the job) has just written at ``url``, or None.
+
+    It reads the manifest back (the same sequence and blocks: the same storage, not a folder of
+    the same name on another disk) and writes ``doc`` there again, the one operation the
+    controller needs. A path that does not exist here is not created."""
+    fs, path = filesystem(url, storage_options)
+    mpath = join_url(path, MANIFEST)
+    try:
+        found = json.loads(fs.cat_file(mpath))
+    except Exception as exc:
+        return f"cannot read {mpath}: {type(exc).__name__}: {exc}"
+    mine = (doc.get("sequence"), doc.get("blocks"))
+    if not isinstance(found, dict) or (found.get("sequence"), found.get("blocks")) != mine:
+        return f"{mpath} is not the manifest the job wrote there: a different storage"
+    try:
+        put_manifest(url, storage_options, doc)
+    except Exception as exc:
+        return f"cannot write {mpath}: {type(exc).__name__}: {exc}"
+    return None
 
 
 def read_manifest(url: str, storage_options: dict | None = None) -> dict:
