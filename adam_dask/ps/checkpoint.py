@@ -106,8 +106,8 @@ def manifest_unreachable(url: str, storage_options: dict | None, doc: dict) -> s
     """What keeps this process (the scheduler, the manifest's writer) from the checkpoint whose
     manifest ``doc`` another process (the job) has just written at ``url``, or None.
 
-    It reads the manifest back (the same sequence and blocks: the same storage, not a folder of
-    the same name on another disk) and writes ``doc`` there again, the one operation the
+    It reads the manifest back (the same server, sequence and blocks: the same storage, not a
+    folder of the same name on another disk) and writes ``doc`` there again, the one operation the
     controller needs. A path that does not exist here is not created."""
     fs, path = filesystem(url, storage_options)
     mpath = join_url(path, MANIFEST)
@@ -115,9 +115,14 @@ def manifest_unreachable(url: str, storage_options: dict | None, doc: dict) -> s
         found = json.loads(fs.cat_file(mpath))
     except Exception as exc:
         return f"cannot read {mpath}: {type(exc).__name__}: {exc}"
-    mine = (doc.get("sequence"), doc.get("blocks"))
-    if not isinstance(found, dict) or (found.get("sequence"), found.get("blocks")) != mine:
-        return f"{mpath} is not the manifest the job wrote there: a different storage"
+
+    def key(m: Any) -> tuple:  # a message may bring lists as tuples
+        if not isinstance(m, dict):
+            return (None,)
+        return (m.get("server"), m.get("sequence"), [str(b) for b in m.get("blocks") or ()])
+
+    if key(found) != key(doc):
+        return f"{mpath} is not the manifest the job wrote there: another storage"
     try:
         put_manifest(url, storage_options, doc)
     except Exception as exc:
