@@ -65,6 +65,7 @@ __all__ = [
     "block_path",
     "init_checkpoint",
     "manifest_problem",
+    "manifest_unreachable",
     "put_manifest",
     "read_checkpoint",
     "read_manifest",
@@ -102,6 +103,34 @@ def put_manifest(url: str, storage_options: dict | None, doc: dict) -> None:
     messages of errors (:class:`CheckpointError`) never show credentials either."""
     fs, path = filesystem(url, storage_options)
     write_json(fs, join_url(path, MANIFEST), {**redact_urls(doc), "time": time.time()})
+
+
+def manifest_unreachable(url: str, storage_options: dict | None, doc: dict) -> str | None:
+    """What keeps this process (the scheduler, the manifest's writer) from the checkpoint whose
+    manifest ``doc`` another process (the job) has just written at ``url``, or None.
+
+    It reads the manifest back (the same server, sequence and blocks: the same storage, not a
+    folder of the same name on another disk) and writes ``doc`` there again, the one operation the
+    controller needs. A path that does not exist here is not created."""
+    fs, path = filesystem(url, storage_options)
+    mpath = join_url(path, MANIFEST)
+    try:
+        found = json.loads(fs.cat_file(mpath))
+    except Exception as exc:
+        return f"cannot read {mpath}: {type(exc).__name__}: {exc}"
+
+    def key(m: Any) -> tuple:  # a message may bring lists as tuples
+        if not isinstance(m, dict):
+            return (None,)
+        return (m.get("server"), m.get("sequence"), [str(b) for b in m.get("blocks") or ()])
+
+    if key(found) != key(doc):
+        return f"{mpath} is not the manifest the job wrote there: another storage"
+    try:
+        put_manifest(url, storage_options, doc)
+    except Exception as exc:
+        return f"cannot write {mpath}: {type(exc).__name__}: {exc}"
+    return None
 
 
 class BlockStore:

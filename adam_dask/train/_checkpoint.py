@@ -231,7 +231,8 @@ class EpochCommits:
     ``adam.ps.flush-timeout`` and the next begins at once, a newer epoch's commit taking the
     place of one still waiting, while training goes on and the pushes wait in the copies (and,
     within ``adam.ps.replay-bytes``, with their pushers); the outage is reported once, naming
-    storage, and so is its end.
+    storage, and so is its end: at the first epoch's end that finds the scheduler failing to
+    write the manifest (:meth:`watch`), else when a try fails.
     """
 
     def __init__(self, server: Any, url: str, storage_options: dict | None):
@@ -241,6 +242,7 @@ class EpochCommits:
         # the newest epoch the checkpoint holds (a restored server's: its manifest's)
         self.committed: int | None = server.epoch
         self.error: BaseException | None = None  # the last failure, while storage fails
+        self._written = 0  # commits written so far
         self._job: _Commit | None = None
         self._cond = threading.Condition()
         self._closed = False
@@ -320,6 +322,7 @@ class EpochCommits:
                 if self._job is job:
                     self._job = None
                 self.committed = job.epoch
+                self._written += 1
                 back, self.error = self.error is not None, None
                 self._cond.notify_all()
             if back:
@@ -350,8 +353,39 @@ class EpochCommits:
                 )
 
     def _failed(self, job: _Commit, exc: BaseException) -> None:
-        first = self.error is None
-        self.error = exc
+        self._outage(exc, job.epoch)
+        with self._cond:  # a short pause: a failing store answers at once
+            if not self._closed:
+                self._cond.wait(float(config.get("ps.retry-max")))
+
+    def watch(self) -> None:
+        """Say it at once when the scheduler fails to write the manifest while a commit waits
+        for it (asked at an epoch's end), rather than when that commit's flush times out
+        (``adam.ps.flush-timeout``, minutes): once per outage, as a failed commit would."""
+        with self._cond:
+            job, written = self._job, self._written
+        if job is None:
+            return
+        try:
+            info = self.server.routing_info()
+        except Exception:  # the controller's record is news, never a failure
+            logger.debug("no routing info", exc_info=True)
+            return
+        if not int(info.get("manifest_failing") or 0):
+            return
+        why = info.get("last_manifest_error") or "no answer"
+        exc = StorageError(f"the scheduler could not write the manifest ({why})")
+        self._outage(exc, job.epoch, written)
+
+    def _outage(self, exc: BaseException, epoch: int, written: int | None = None) -> None:
+        """Storage failed a commit of ``epoch``: logged once per outage (its end once too).
+        ``written``: the commits written when the failure was seen (none since, or it is
+        stale)."""
+        with self._cond:
+            if written is not None and written != self._written:
+                return
+            first = self.error is None
+            self.error = exc
         if first:
             held = "nothing yet" if self.committed is None else f"epoch {self.committed}"
             logger.warning(
@@ -359,13 +393,10 @@ class EpochCommits:
                 "when storage answers",
                 self._describe(exc),
                 held,
-                job.epoch,
+                epoch,
             )
         else:
-            logger.debug("checkpoint commit of epoch %d failed again: %s", job.epoch, exc)
-        with self._cond:  # a short pause: a failing store answers at once
-            if not self._closed:
-                self._cond.wait(float(config.get("ps.retry-max")))
+            logger.debug("checkpoint commit of epoch %d failed again: %s", epoch, exc)
 
     def _shown(self) -> str:
         from ..storage import redact_url

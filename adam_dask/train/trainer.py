@@ -541,14 +541,32 @@ class Trainer:
         manifest, the history, the weight average (:class:`EpochCommits`)."""
         if self._commits is not None:
             self._commits.submit(epoch, self._meta(), self.history.records, self.average)
+            self._commits.watch()  # storage out: said now, not when the commit times out
 
     def _caught_up(self, what: str) -> None:
-        """Wait for the checkpoint to hold every epoch committed (``adam.ps.flush-timeout``);
-        :class:`StorageError` naming storage when it does not."""
-        if self._commits is not None and not self._commits.wait(
-            float(config.get("ps.flush-timeout"))
-        ):
-            raise self._commits.failure(what)
+        """Wait for the checkpoint to hold every epoch committed (``adam.ps.flush-timeout``),
+        saying once that it waits when storage is out; :class:`StorageError` naming storage
+        when it does not."""
+        commits = self._commits
+        if commits is None:
+            return
+        timeout = float(config.get("ps.flush-timeout"))
+        deadline = time.monotonic() + timeout
+        pause = float(config.get("ps.retry-max"))
+        said = False
+        while not commits.wait(max(min(pause, deadline - time.monotonic()), 0.0)):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise commits.failure(what)
+            commits.watch()  # an outage that began in the last epoch is said here
+            if commits.error is not None and not said:
+                said = True
+                logger.warning(
+                    "waiting up to %.0fs more for storage %s to take the checkpoint of %s",
+                    left,
+                    self._shown_checkpoint(),
+                    what,
+                )
 
     def _shown_checkpoint(self) -> str:
         from ..storage import redact_url

@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 
 from adam_dask.errors import CheckpointError
-from adam_dask.ps.checkpoint import read_checkpoint
+from adam_dask.model.layout import shard_ranges
+from adam_dask.ps.checkpoint import (
+    init_checkpoint,
+    manifest_unreachable,
+    read_checkpoint,
+    read_manifest,
+)
 
 SHARD = 1 << 12
 N = 3 * (SHARD // 4) + 5  # 4 shards
@@ -96,3 +102,26 @@ def test_a_block_with_a_foreign_codec_is_refused(written, tmp_path):
     with pytest.raises(CheckpointError) as err:
         read_checkpoint(url)
     assert "codec" in str(err.value) or "not" in str(err.value)
+
+
+def test_the_scheduler_s_probe_tells_a_missing_or_another_storage_from_the_checkpoint(tmp_path):
+    """What the controller checks before a server is made: it reads back the manifest the job
+    wrote (the same one, not a folder of the same name on another disk) and writes it again;
+    a path that is not there is not made."""
+    shards = shard_ranges(100, 256)
+
+    def made(url: str, server: str) -> dict:
+        return init_checkpoint(
+            url, None, size=100, shard_bytes=256, shards=shards, server_id=server
+        )
+
+    doc = made(str(tmp_path / "ck"), "s1")
+    assert manifest_unreachable(str(tmp_path / "ck"), None, doc) is None
+    assert read_manifest(str(tmp_path / "ck"))["server"] == "s1"
+    why = manifest_unreachable(str(tmp_path / "gone" / "ck"), None, doc)
+    assert why is not None and why.startswith("cannot read ") and "FileNotFoundError" in why
+    assert not (tmp_path / "gone").exists()
+    made(str(tmp_path / "other"), "s2")  # the same shape, another server's
+    why = manifest_unreachable(str(tmp_path / "other"), None, doc)
+    assert why is not None and "another storage" in why
+    assert read_manifest(str(tmp_path / "other"))["server"] == "s2"  # left as it was

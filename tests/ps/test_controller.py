@@ -3,6 +3,8 @@ restore from the checkpoint, the single manifest writer."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from adam_dask.ps.protocol.controller import ServerState
@@ -11,9 +13,11 @@ from adam_dask.ps.protocol.messages import (
     Call,
     CallDone,
     CallFailed,
+    Commit,
     CreateNode,
     DeleteBlocks,
     ManifestDone,
+    ManifestFailed,
     NodeReady,
     Reply,
     Retire,
@@ -150,6 +154,43 @@ def test_stale_writer_refused_manifest_never_goes_back(ctl):
     out = ctl.handle(Tick(1.5))
     deleted = [p for d in of(out, DeleteBlocks) for p in d.paths]
     assert deleted == ["shards/0/g0-v0"]  # g0-v4 was named by the previous manifest: kept
+
+
+def test_a_manifest_outage_backs_off_is_logged_once_and_a_waiting_commit_is_answered_after(
+    ctl, caplog
+):
+    """The scheduler can not write the manifest (its storage is out): the write is tried again
+    after a back-off that doubles, one warning says it for the whole outage (not one per try),
+    the controller's record shows it, and once a write succeeds the waiting commit is answered
+    and the end of the outage is logged once."""
+    caplog.set_level(logging.DEBUG, logger="adam_dask.ps._controller")
+    (w,) = of(ctl.handle(WriteReport("w", "a", {0: (0, 4, "shards/0/g0-v4")})), WriteManifest)
+    assert ctl.handle(Commit("c", 7, None)) == []  # answered once a manifest holds it
+    ctl.handle(ManifestFailed(w.seq, "FileNotFoundError: no such folder", 0.0))
+    # retry_base 0.1, doubling: tried again at 0.1 after the first failure, 0.2 after the second
+    for early, due in ((0.09, 0.15), (0.3, 0.4)):
+        assert not of(ctl.handle(Tick(early)), WriteManifest)
+        (w,) = of(ctl.handle(Tick(due)), WriteManifest)
+        ctl.handle(ManifestFailed(w.seq, "FileNotFoundError: no such folder", due))
+    assert not of(ctl.handle(Tick(0.75)), WriteManifest)  # 0.4 after the third
+    info = ctl.routing_info()
+    assert info["manifest_failing"] == 3 and info["manifest_errors"] == 3
+    assert info["last_manifest_error"] == "FileNotFoundError: no such folder"
+    said = [r for r in caplog.records if "manifest" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING, logging.DEBUG, logging.DEBUG], said
+    assert "training go on" in said[0].getMessage()
+    (w,) = of(ctl.handle(Tick(0.85)), WriteManifest)
+    assert w.doc["epoch"] == 7 and w.doc["versions"] == [4, 0]
+    (answer,) = of(ctl.handle(ManifestDone(w.seq)), Reply)
+    assert answer.req == "c" and answer.value["epoch"] == 7
+    assert ctl.routing_info()["manifest_failing"] == 0
+    back = [r for r in caplog.records if "written again" in r.getMessage()]
+    assert len(back) == 1 and "after 3 failed tries" in back[0].getMessage()
+    # a later outage is said again, once
+    (w,) = of(ctl.handle(WriteReport("w2", "a", {0: (0, 5, "shards/0/g0-v5")})), WriteManifest)
+    ctl.handle(ManifestFailed(w.seq, "PermissionError: read-only", 0.9))
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "failed (" in r.msg]
+    assert len(warned) == 2 and "read-only" in warned[1].getMessage()
 
 
 def test_all_copies_lost_restores_from_the_checkpoint(ctl):

@@ -14,8 +14,9 @@ import dask.config
 import numpy as np
 
 from ... import config
+from ..._secrets import redact_url
 from ..._worker_preload import RedactLogs
-from ...errors import ConfigError, UpdateRejected
+from ...errors import ConfigError, StorageError, UpdateRejected
 from ...model.layout import ParameterLayout, shard_ranges
 from ..checkpoint import init_checkpoint
 from ..kernels import first_nonfinite
@@ -170,6 +171,13 @@ def build_server(
         manifest=manifest,
         generation=generation,
     )
+    if "refused" in routing:  # the scheduler, the manifest's writer, can not reach it
+        raise StorageError(
+            f"the scheduler can not reach the checkpoint at {redact_url(str(checkpoint))} "
+            f"({routing['refused']})",
+            "the scheduler writes the checkpoint's manifest: give it the storage the workers "
+            "and this process reach (the same volume or bucket, endpoint and credentials)",
+        )
     server = cls(
         server_id,
         size,

@@ -291,7 +291,9 @@ class ParameterServer:
         ``pending`` (shards without a primary right now), ``lost``, ``healthy``, ``target``,
         ``generation``, ``heal_times`` (seconds from each loss to full copies again),
         ``restored`` (shards rebuilt from the checkpoint), ``declared_dead``,
-        ``refused_writes``, ``manifest_errors``, ``info``."""
+        ``refused_writes``, ``manifest_errors`` (failed writes of the manifest),
+        ``manifest_failing`` (those since the last one written: storage is out while > 0),
+        ``last_manifest_error``, ``info``."""
         return self._courier.control.routing()
 
     def push(self, delta: np.ndarray, *, ack: str | None = None, mark: Mark | None = None) -> None:
@@ -640,7 +642,8 @@ class ParameterServer:
         is behind), ``writeback_errors``, ``healthy``, ``heal_times``, ``restored`` (shards
         rebuilt from the checkpoint, each with ``lost_at_least``: updates after its last
         write-back the heartbeats had reported), ``updates_lost_at_least``, ``declared_dead``,
-        ``refused_stale`` (calls refused for a stale generation), ``replayed`` /
+        ``refused_stale`` (calls refused for a stale generation), ``manifest_errors`` /
+        ``manifest_failing`` / ``last_manifest_error`` (see :meth:`routing_info`), ``replayed`` /
         ``held_pushes`` / ``held_bytes`` (this handle's pushes sent again to a new primary, and
         those it keeps until they are durable: ``ack="replay"``), ``data_plane`` (what this
         handle sent, one count per primary a request reached: ``pushes``, ``pulls``,
@@ -679,6 +682,8 @@ class ParameterServer:
             "declared_dead": routing["declared_dead"],
             "refused_writes": routing["refused_writes"],
             "manifest_errors": routing["manifest_errors"],
+            "manifest_failing": routing.get("manifest_failing", 0),
+            "last_manifest_error": routing.get("last_manifest_error"),
             "refused_stale": sum(n["refused_stale"] for n in ok) + routing["refused_writes"],
             "replayed": self._courier.log.replayed,
             "held_pushes": len(self._courier.log),

@@ -207,6 +207,7 @@ class ServerState(Repair):
             "declared_dead": self.declared_dead,
             "refused_writes": self.refused_writes,
             "manifest_errors": self.manifest.errors if self.manifest else 0,
+            "manifest_failing": self.manifest.failing if self.manifest else 0,
             "last_manifest_error": self.manifest.last_error if self.manifest else None,
         }
 
@@ -452,16 +453,40 @@ class ServerState(Repair):
 
     def _on_ManifestDone(self, ev: ManifestDone) -> list:
         self.failures.pop("manifest", None)
-        return self.manifest.written(ev.seq) if self.manifest else []
+        if self.manifest is None:
+            return []
+        if self.manifest.failing:
+            logger.warning(
+                "server %s: the manifest is written again, after %d failed tries",
+                self.server_id,
+                self.manifest.failing,
+            )
+        return self.manifest.written(ev.seq)
 
     def _on_ManifestFailed(self, ev: ManifestFailed) -> list:
+        """A failed write is tried again after a back-off (``retry_base`` doubling up to
+        ``retry_max``); the write-back and training go on. An outage is logged once, at its
+        first failure (the further ones at DEBUG), and once more when a write succeeds."""
         self.now = max(self.now, ev.now)
         if self.manifest is not None:
             self.manifest.failed(ev.error)
         self._backoff("manifest")
-        logger.warning(
-            "server %s: writing the manifest failed (%s); retrying", self.server_id, ev.error
-        )
+        failing = self.manifest.failing if self.manifest is not None else 1
+        if failing == 1:
+            logger.warning(
+                "server %s: writing the manifest failed (%s); the write-back and training go "
+                "on, and the manifest is tried again every %gs at most until storage answers",
+                self.server_id,
+                ev.error,
+                self.retry_max,
+            )
+        else:
+            logger.debug(
+                "server %s: writing the manifest failed again (%d in a row): %s",
+                self.server_id,
+                failing,
+                ev.error,
+            )
         return []
 
     def _manifest_actions(self) -> list:

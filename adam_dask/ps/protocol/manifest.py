@@ -32,6 +32,7 @@ class Manifest:
         self.dirty = False
         self.writing: int | None = None
         self.errors = 0
+        self.failing = 0  # failed writes since the last one written: an outage while > 0
         self.last_error: str | None = None
         # (block path, first manifest sequence without it, when it was replaced)
         self.superseded: list[tuple[str, int, float]] = []
@@ -67,6 +68,7 @@ class Manifest:
     def written(self, seq: int) -> list:
         """The write of ``seq`` is done: answer the commits it holds."""
         self.writing = None
+        self.failing = 0
         self.written_seq = max(self.written_seq, seq)
         out, keep = [], []
         for req, s in self.commits:
@@ -81,6 +83,7 @@ class Manifest:
         self.writing = None
         self.dirty = True
         self.errors += 1
+        self.failing += 1
         self.last_error = error
 
     def actions(self, now: float, ready: bool) -> list:

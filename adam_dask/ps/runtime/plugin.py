@@ -28,7 +28,7 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from ... import config
-from ..._secrets import install, process_redactor, redact_urls, remember
+from ..._secrets import install, process_redactor, redact_url, redact_urls, remember
 from ..protocol.controller import ServerState
 from ..protocol.messages import (
     Beat,
@@ -386,9 +386,23 @@ class ShardPlacement(SchedulerPlugin):
         manifest: dict | None = None,
         generation: int = 0,
     ) -> dict:
-        """Place and make the nodes of a new server; returns its routing."""
+        """Place and make the nodes of a new server; returns its routing, or ``{"refused":
+        why}`` when this scheduler can not reach the checkpoint (it writes the manifest): such
+        a server could never checkpoint, so it is not made."""
         if server_id in self.servers:
             raise ValueError(f"a parameter server {server_id!r} exists already")
+        remember((info or {}).get("storage_options"))
+        checkpoint = (info or {}).get("checkpoint")
+        if checkpoint is not None and manifest is not None:
+            why = await self._unreachable(checkpoint, (info or {}).get("storage_options"), manifest)
+            if why is not None:
+                logger.warning(
+                    "server %s refused: the scheduler can not reach the checkpoint at %s (%s)",
+                    server_id,
+                    redact_url(str(checkpoint)),
+                    why,
+                )
+                return {"refused": process_redactor()(why)}
         live = self._ps_workers()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -396,7 +410,6 @@ class ShardPlacement(SchedulerPlugin):
         for w in caught:
             logger.warning("server %s: %s", server_id, w.message)
         shards = [tuple(s) for s in shards]
-        remember((info or {}).get("storage_options"))
         self.info[server_id] = {**(info or {}), "node_config": dict(node_config)}
         self._creating.add(server_id)
         addrs = sorted({a for h in plan.values() for a in h})
@@ -453,6 +466,18 @@ class ShardPlacement(SchedulerPlugin):
             len(addrs),
         )
         return self.routing(server_id)
+
+    async def _unreachable(self, url: str, storage_options: dict | None, doc: dict) -> str | None:
+        """Why this scheduler can not read and write the manifest at ``url`` (None: it can),
+        within ``adam.ps.call-timeout``."""
+        from .checkpoint import manifest_unreachable
+
+        try:
+            return await asyncio.wait_for(
+                asyncio.to_thread(manifest_unreachable, url, storage_options, doc), self._timeout
+            )
+        except TimeoutError:
+            return f"no answer from its storage in {self._timeout:g}s"
 
     def routing(self, server_id: str) -> dict:
         """The routing of a server (see ``ParameterServer.routing_info``), and ``info``: every
