@@ -48,8 +48,8 @@ def register(sub) -> None:
 
 
 def _history(run: str, storage_options: dict | None) -> list[dict]:
-    from ..train._checkpoint import history_url
     from ..train.metrics import History
+    from ..train.run_state import history_url
 
     url = history_url(run)
     try:

@@ -301,7 +301,7 @@ def cmd_evaluate(args: argparse.Namespace) -> dict:
     """Evaluate a checkpoint in this process: no cluster needed to read a manifest and weights."""
     from ..data.datasets import open_split
     from ..model.engines import read_network
-    from ..train._validation import calibration_images
+    from ..train.validation import calibration_images
 
     t0 = time.perf_counter()
     split_name = config.get("cli.evaluate-split", args.split)

@@ -29,7 +29,12 @@ from ..cluster import PS, TRAIN, workers_with_role
 from ..errors import ClusterError, ConfigError
 from ..model.engines import shipped
 from ._average import TailAverage
-from ._checkpoint import (
+from ._epoch import async_rate_factor, epoch_record, replica_count, share_sizes
+from ._position import applied_images, recorded_replicas
+from ._settings import RunSettings, network_for, resolve_augment
+from ._submit import run_replicas
+from .metrics import History, Progress
+from .run_state import (
     EpochCommits,
     far_hosts,
     load_average,
@@ -37,14 +42,9 @@ from ._checkpoint import (
     resumed_state,
     run_folder,
 )
-from ._epoch import async_rate_factor, epoch_record, replica_count, share_sizes
-from ._position import applied_images, recorded_replicas
-from ._settings import RunSettings, network_for, resolve_augment
-from ._submit import run_replicas
-from ._validation import Validation
-from .metrics import History, Progress
 from .schedule import Schedule
 from .task import PROGRESS_TOPIC, ReplicaJob
+from .validation import Validation
 
 __all__ = ["Trainer"]
 

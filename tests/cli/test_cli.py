@@ -260,7 +260,7 @@ def test_a_run_checkpoints_to_its_run_folder_unless_told_not_to(
     printed when training starts and given in the JSON line, and evaluate reads it;
     --no-checkpoint writes nothing there."""
     from adam_dask.ps.checkpoint import read_manifest
-    from adam_dask.train._checkpoint import HISTORY
+    from adam_dask.train.run_state import HISTORY
 
     common = ["--data", store, "--model", SPEC, "--epochs", "1", "--no-progress"]
     common += ["--scheduler", adam_cluster.scheduler.address]

@@ -163,7 +163,7 @@ def test_a_manifest_outage_backs_off_is_logged_once_and_a_waiting_commit_is_answ
     after a back-off that doubles, one warning says it for the whole outage (not one per try),
     the controller's record shows it, and once a write succeeds the waiting commit is answered
     and the end of the outage is logged once."""
-    caplog.set_level(logging.DEBUG, logger="adam_dask.ps._controller")
+    caplog.set_level(logging.DEBUG, logger="adam_dask.ps.protocol.controller")
     (w,) = of(ctl.handle(WriteReport("w", "a", {0: (0, 4, "shards/0/g0-v4")})), WriteManifest)
     assert ctl.handle(Commit("c", 7, None)) == []  # answered once a manifest holds it
     ctl.handle(ManifestFailed(w.seq, "FileNotFoundError: no such folder", 0.0))

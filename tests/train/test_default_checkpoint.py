@@ -26,8 +26,8 @@ from adam_dask.errors import ConfigError, StorageError
 from adam_dask.ps import ParameterServer
 from adam_dask.ps.checkpoint import read_checkpoint, read_manifest
 from adam_dask.testing import fit_in_background, hard_kill, synthetic_store
-from adam_dask.train._checkpoint import HISTORY, far_hosts, history_url, run_folder
 from adam_dask.train.metrics import History
+from adam_dask.train.run_state import HISTORY, far_hosts, history_url, run_folder
 from adam_dask.train.trainer import Trainer
 
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"
@@ -215,7 +215,7 @@ EPOCHS = 6  # two end in the outage, the rest after it
 def test_training_goes_on_through_a_storage_outage_at_epochs_ends(
     store, short_cluster, moto_process, caplog
 ):
-    caplog.set_level(logging.WARNING, logger="adam_dask.train._checkpoint")
+    caplog.set_level(logging.WARNING, logger="adam_dask.train.run_state")
     url = f"s3://{BUCKET}/run"
     opts = moto_process["options"]
     # epochs of several seconds: the outage spans two epochs' ends, and four follow it

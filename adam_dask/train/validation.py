@@ -19,7 +19,7 @@ from .. import config
 from ..data.augment import to_float
 from ..errors import ConfigError, DatasetError
 from ._average import TailAverage
-from ._checkpoint import save_average
+from .run_state import save_average
 
 logger = logging.getLogger(__name__)
 
