@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from ..ps.protocol.controller import ServerState
+from ..ps.protocol.controller_machine import handle as handle_ctl
 from ..ps.protocol.messages import (
     Beat,
     Call,
@@ -324,7 +325,7 @@ class World:
                 raise TypeError(a)
 
     def ctl_handle(self, event: Any) -> None:
-        actions = self.ctl.handle(event)
+        actions = handle_ctl(self.ctl, event)
         self.ctl.validate()
         # a tick or a heartbeat that the controller answers with its reply alone changed
         # nothing the checks read (routing, rounds, calls, generations): the controller acts on

@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from adam_dask.ps.protocol.controller import ServerState
+from adam_dask.ps.protocol.controller_machine import handle
 from adam_dask.ps.protocol.messages import (
     Beat,
     Call,
@@ -65,15 +66,15 @@ def ctl():
 
 
 def beat(ctl, addr, now, positions=None):
-    return ctl.handle(Beat("r", addr, f"k{addr}", now, positions or {}))
+    return handle(ctl, Beat("r", addr, f"k{addr}", now, positions or {}))
 
 
 def test_missed_heartbeats_fence_survivors_then_promote_the_newest(ctl):
     for t in (0.5, 1.0, 1.5, 2.0):
         for x in "bc":
             beat(ctl, x, t)
-        assert not of(ctl.handle(Tick(t)), Retire)
-    out = ctl.handle(Tick(2.1))  # a has been silent for 2.1 s
+        assert not of(handle(ctl, Tick(t)), Retire)
+    out = handle(ctl, Tick(2.1))  # a has been silent for 2.1 s
     assert ctl.declared_dead == 1 and "a" not in ctl.nodes
     assert not of(out, Retire)  # its worker goes only if it stays silent
     fences = {c.addr: c for c in of(out, Call) if c.method == "fence"}
@@ -81,15 +82,15 @@ def test_missed_heartbeats_fence_survivors_then_promote_the_newest(ctl):
     gens = fences["b"].args[0]
     assert set(gens) == {0, 1} and min(gens.values()) > 0
     assert ctl.pending() == {0, 1} and not ctl.healthy()
-    out = ctl.handle(CallDone(fences["b"].op, {0: (0, 5), 1: (0, 9)}))
+    out = handle(ctl, CallDone(fences["b"].op, {0: (0, 5), 1: (0, 9)}))
     assert not of(out, Call)  # c has not answered yet: nobody is promoted
-    out = ctl.handle(CallDone(fences["c"].op, {0: (0, 7), 1: (0, 9)}))
+    out = handle(ctl, CallDone(fences["c"].op, {0: (0, 7), 1: (0, 9)}))
     promotes = {c.args[0].popitem()[0]: c for c in of(out, Call) if c.method == "promote"}
     assert promotes[0].addr == "c"  # the newest copy of shard 0
     # while the promotions are in flight the shards have no primary to push to yet
     assert ctl.pending() == {0, 1} and "a" not in ctl.routing[0]
     for sid, call in promotes.items():
-        ctl.handle(CallDone(call.op, {sid: 9}))
+        handle(ctl, CallDone(call.op, {sid: 9}))
     assert ctl.routing[0][0] == "c" and "a" not in ctl.routing[0] + ctl.routing[1]
     assert ctl.gens[0] == gens[0] and not ctl.pending()
 
@@ -100,16 +101,16 @@ def test_survivors_never_filled_are_not_promoted_the_shard_is_restored(ctl):
     backup die before that forward arrives, the empty copy must not be promoted (the
     acknowledged pushes the checkpoint holds would be lost): the shard is rebuilt from the
     checkpoint, as when every copy is lost. A survivor with data is still promoted."""
-    ctl.handle(WriteReport("w", "a", {0: (0, 9, "shards/0/g0-v9")}))
-    ctl.handle(ManifestDone(1))
+    handle(ctl, WriteReport("w", "a", {0: (0, 9, "shards/0/g0-v9")}))
+    handle(ctl, ManifestDone(1))
     out = []
     for x in "ab":
-        out += ctl.handle(WorkerRemoved(x, 1.0))
+        out += handle(ctl, WorkerRemoved(x, 1.0))
     fences = {c.addr: c for c in of(out, Call) if c.method == "fence"}
     if "b" in fences:  # asked before b was lost too: that call fails
-        out = ctl.handle(CallFailed(fences["b"].op, "b is gone"))
+        out = handle(ctl, CallFailed(fences["b"].op, "b is gone"))
         fences.update({c.addr: c for c in of(out, Call) if c.method == "fence"})
-    out = ctl.handle(CallDone(fences["c"].op, {0: (0, -1), 1: (0, 4)}))
+    out = handle(ctl, CallDone(fences["c"].op, {0: (0, -1), 1: (0, 4)}))
     calls = of(out, Call)
     promoted = {c.args[0].popitem()[0] for c in calls if c.method == "promote"}
     assert promoted == {1}  # shard 1: c holds its data
@@ -129,29 +130,29 @@ def test_a_silent_worker_is_retired_a_slow_one_comes_back_empty(ctl):
             r = beat(ctl, "a", t)
             assert of(r, Reply)[0].value == {"member": False, "gens": {}}
             assert "a" in ctl.live() and "a" not in ctl.nodes
-        retired += of(ctl.handle(Tick(t)), Retire)
+        retired += of(handle(ctl, Tick(t)), Retire)
         if t == 2.5:
             assert "a" not in ctl.nodes and "a" not in ctl.live()
     assert retired == [Retire("b")]  # silent past the retire timeout
 
 
 def test_stale_writer_refused_manifest_never_goes_back(ctl):
-    out = ctl.handle(WriteReport("w1", "a", {0: (0, 4, "shards/0/g0-v4")}))
+    out = handle(ctl, WriteReport("w1", "a", {0: (0, 4, "shards/0/g0-v4")}))
     assert of(out, Reply)[0].value == {"accepted": {0: 4}, "refused": {}}
     (w1,) = of(out, WriteManifest)
     assert w1.doc["versions"] == [4, 0] and w1.doc["sequence"] == 1
-    out = ctl.handle(WriteReport("w2", "b", {0: (0, 6, "shards/0/g0-v6")}))  # not the primary
+    out = handle(ctl, WriteReport("w2", "b", {0: (0, 6, "shards/0/g0-v6")}))  # not the primary
     assert of(out, Reply)[0].value["refused"] == {0: 0} and ctl.refused_writes == 1
-    out = ctl.handle(WriteReport("w3", "a", {0: (0, 3, "shards/0/g0-v3")}))  # older
+    out = handle(ctl, WriteReport("w3", "a", {0: (0, 3, "shards/0/g0-v3")}))  # older
     assert not of(out, WriteManifest)  # one write at a time
-    ctl.handle(ManifestDone(1))
+    handle(ctl, ManifestDone(1))
     assert ctl.manifest.position(0) == (0, 4)  # an older block never replaces a newer one
-    out = ctl.handle(WriteReport("w4", "a", {0: (0, 8, "shards/0/g0-v8")}))
+    out = handle(ctl, WriteReport("w4", "a", {0: (0, 8, "shards/0/g0-v8")}))
     (w2,) = of(out, WriteManifest)
     assert w2.doc["sequence"] == 2 and w2.doc["blocks"][0] == "shards/0/g0-v8"
-    out = ctl.handle(ManifestDone(2))
+    out = handle(ctl, ManifestDone(2))
     assert not of(out, DeleteBlocks)  # replaced less than block_grace ago: a reader may need it
-    out = ctl.handle(Tick(1.5))
+    out = handle(ctl, Tick(1.5))
     deleted = [p for d in of(out, DeleteBlocks) for p in d.paths]
     assert deleted == ["shards/0/g0-v0"]  # g0-v4 was named by the previous manifest: kept
 
@@ -163,49 +164,49 @@ def test_a_manifest_outage_backs_off_is_logged_once_and_a_waiting_commit_is_answ
     after a back-off that doubles, one warning says it for the whole outage (not one per try),
     the controller's record shows it, and once a write succeeds the waiting commit is answered
     and the end of the outage is logged once."""
-    caplog.set_level(logging.DEBUG, logger="adam_dask.ps.protocol.controller")
-    (w,) = of(ctl.handle(WriteReport("w", "a", {0: (0, 4, "shards/0/g0-v4")})), WriteManifest)
-    assert ctl.handle(Commit("c", 7, None)) == []  # answered once a manifest holds it
-    ctl.handle(ManifestFailed(w.seq, "FileNotFoundError: no such folder", 0.0))
+    caplog.set_level(logging.DEBUG, logger="adam_dask.ps.protocol.controller_manifest")
+    (w,) = of(handle(ctl, WriteReport("w", "a", {0: (0, 4, "shards/0/g0-v4")})), WriteManifest)
+    assert handle(ctl, Commit("c", 7, None)) == []  # answered once a manifest holds it
+    handle(ctl, ManifestFailed(w.seq, "FileNotFoundError: no such folder", 0.0))
     # retry_base 0.1, doubling: tried again at 0.1 after the first failure, 0.2 after the second
     for early, due in ((0.09, 0.15), (0.3, 0.4)):
-        assert not of(ctl.handle(Tick(early)), WriteManifest)
-        (w,) = of(ctl.handle(Tick(due)), WriteManifest)
-        ctl.handle(ManifestFailed(w.seq, "FileNotFoundError: no such folder", due))
-    assert not of(ctl.handle(Tick(0.75)), WriteManifest)  # 0.4 after the third
+        assert not of(handle(ctl, Tick(early)), WriteManifest)
+        (w,) = of(handle(ctl, Tick(due)), WriteManifest)
+        handle(ctl, ManifestFailed(w.seq, "FileNotFoundError: no such folder", due))
+    assert not of(handle(ctl, Tick(0.75)), WriteManifest)  # 0.4 after the third
     info = ctl.routing_info()
     assert info["manifest_failing"] == 3 and info["manifest_errors"] == 3
     assert info["last_manifest_error"] == "FileNotFoundError: no such folder"
     said = [r for r in caplog.records if "manifest" in r.getMessage()]
     assert [r.levelno for r in said] == [logging.WARNING, logging.DEBUG, logging.DEBUG], said
     assert "training go on" in said[0].getMessage()
-    (w,) = of(ctl.handle(Tick(0.85)), WriteManifest)
+    (w,) = of(handle(ctl, Tick(0.85)), WriteManifest)
     assert w.doc["epoch"] == 7 and w.doc["versions"] == [4, 0]
-    (answer,) = of(ctl.handle(ManifestDone(w.seq)), Reply)
+    (answer,) = of(handle(ctl, ManifestDone(w.seq)), Reply)
     assert answer.req == "c" and answer.value["epoch"] == 7
     assert ctl.routing_info()["manifest_failing"] == 0
     back = [r for r in caplog.records if "written again" in r.getMessage()]
     assert len(back) == 1 and "after 3 failed tries" in back[0].getMessage()
     # a later outage is said again, once
-    (w,) = of(ctl.handle(WriteReport("w2", "a", {0: (0, 5, "shards/0/g0-v5")})), WriteManifest)
-    ctl.handle(ManifestFailed(w.seq, "PermissionError: read-only", 0.9))
+    (w,) = of(handle(ctl, WriteReport("w2", "a", {0: (0, 5, "shards/0/g0-v5")})), WriteManifest)
+    handle(ctl, ManifestFailed(w.seq, "PermissionError: read-only", 0.9))
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and "failed (" in r.msg]
     assert len(warned) == 2 and "read-only" in warned[1].getMessage()
 
 
 def test_all_copies_lost_restores_from_the_checkpoint(ctl):
     beat(ctl, "a", 0.5, {1: (0, 12)})  # the primary had applied 12 updates to shard 1
-    ctl.handle(WriteReport("w", "a", {1: (0, 9, "shards/1/g0-v9")}))
-    ctl.handle(ManifestDone(1))
+    handle(ctl, WriteReport("w", "a", {1: (0, 9, "shards/1/g0-v9")}))
+    handle(ctl, ManifestDone(1))
     out = []
     for x in "abc":
-        out += ctl.handle(WorkerRemoved(x, 1.0))
+        out += handle(ctl, WorkerRemoved(x, 1.0))
     assert of(out, CreateNode) == [CreateNode("d")]  # the spare worker gets a node first
     assert ctl.pending() == {0, 1}
-    out = ctl.handle(NodeReady("d", "kd", 1.1))
+    out = handle(ctl, NodeReady("d", "kd", 1.1))
     restores = {c.args[0]: c for c in of(out, Call) if c.method == "restore"}
     assert restores[1].args[4] == ("shards/1/g0-v9", 0, 9) and restores[1].addr == "d"
-    ctl.handle(CallDone(restores[1].op, 9))
+    handle(ctl, CallDone(restores[1].op, 9))
     assert ctl.routing[1] == ["d"] and ctl.gens[1] > 0
     assert ctl.restored[-1] == {
         "shard": 1,
@@ -222,7 +223,7 @@ def test_most_nodes_silent_at_once_is_a_stall_not_a_massacre(ctl):
         beat(ctl, "c", t)
         if t > 5:
             beat(ctl, "b", t)  # b comes back after 5 s
-        retired += of(ctl.handle(Tick(t)), Retire)
+        retired += of(handle(ctl, Tick(t)), Retire)
         if t == 3.0:  # 2 of 3 silent: nobody is declared dead yet
             assert ctl.declared_dead == 0 and ctl.healthy()
     assert ctl.declared_dead == 1 and "a" not in ctl.nodes and "b" in ctl.nodes
@@ -238,7 +239,7 @@ def test_the_controller_cut_from_every_node_retires_none(ctl):
         for x, back in (("a", 99.0), ("b", 16.5), ("c", 16.0)):  # a never speaks again
             if t <= 1.0 or t >= back:
                 beat(ctl, x, t)
-        for r in of(ctl.handle(Tick(t)), Retire):
+        for r in of(handle(ctl, Tick(t)), Retire):
             retired[r.addr] = t
         if t == 15.0:  # most nodes silent for 14 s: the controller doubts itself
             assert not retired and ctl.declared_dead == 0 and set(ctl.nodes) == {"a", "b", "c"}
@@ -263,7 +264,7 @@ def test_most_nodes_frozen_for_good_are_retired_once_the_doubt_runs_out(ctl):
         if t <= 1.0:
             beat(ctl, "a", t)
             beat(ctl, "b", t)
-        for r in of(ctl.handle(Tick(t)), Retire):
+        for r in of(handle(ctl, Tick(t)), Retire):
             retired[r.addr] = t
     assert set(retired) == {"a", "b"}
     # the doubt began once a and b missed their heartbeats, a few seconds after 1.0
@@ -273,8 +274,8 @@ def test_most_nodes_frozen_for_good_are_retired_once_the_doubt_runs_out(ctl):
 def test_a_stalled_controller_does_not_blame_the_nodes(ctl):
     for x in "abc":
         beat(ctl, x, 1.0)
-    ctl.handle(Tick(1.0))
-    out = ctl.handle(Tick(9.0))  # the scheduler's loop was blocked for 8 s
+    handle(ctl, Tick(1.0))
+    out = handle(ctl, Tick(9.0))  # the scheduler's loop was blocked for 8 s
     assert not of(out, Retire) and set(ctl.nodes) == {"a", "b", "c"}
 
 
@@ -282,13 +283,13 @@ def test_the_story_says_why_a_shard_was_promoted(ctl):
     for t in (0.5, 1.0, 1.5, 2.0):
         for x in "bc":
             beat(ctl, x, t)
-        ctl.handle(Tick(t))
-    out = ctl.handle(Tick(2.1))  # a silent for 2.1 s: declared dead, survivors fenced
+        handle(ctl, Tick(t))
+    out = handle(ctl, Tick(2.1))  # a silent for 2.1 s: declared dead, survivors fenced
     fences = {c.addr: c for c in of(out, Call) if c.method == "fence"}
-    ctl.handle(CallDone(fences["b"].op, {0: (0, 5), 1: (0, 9)}))
-    out = ctl.handle(CallDone(fences["c"].op, {0: (0, 7), 1: (0, 9)}))
+    handle(ctl, CallDone(fences["b"].op, {0: (0, 5), 1: (0, 9)}))
+    out = handle(ctl, CallDone(fences["c"].op, {0: (0, 7), 1: (0, 9)}))
     promote = next(c for c in of(out, Call) if c.method == "promote" and 0 in c.args[0])
-    ctl.handle(CallDone(promote.op, {0: 9}))
+    handle(ctl, CallDone(promote.op, {0: 9}))
     story = ctl.story(0)
     events = [e.event.split("(")[0] for e in story]
     assert events[-4:] == ["Tick", "CallDone", "CallDone", "CallDone"]

@@ -1,9 +1,12 @@
 """The parameter-server controller as a pure state machine: no Dask, no I/O; time comes in
-with the events.
+with the events. Three modules by responsibility, none a mixin of another: this one (what the
+controller knows, and its answers to membership, heartbeats, write-backs and the manifest),
+:mod:`.repair` (what to call on which node so every shard has its primary and copies again)
+and :mod:`.controller_machine` (dispatch by the event's type, the story).
 
 One :class:`ServerState` per parameter server holds the routing (``{shard: [primary,
 backups...]}``), the generation of every shard, the nodes and their heartbeats, and the
-checkpoint's manifest. :meth:`ServerState.handle` takes an event
+checkpoint's manifest. :func:`.controller_machine.handle` takes an event
 (:mod:`adam_dask.ps.protocol.messages`) and returns actions; the scheduler plugin
 (:mod:`adam_dask.ps.runtime.plugin`) and the simulator carry them out.
 
@@ -35,21 +38,14 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .manifest import Manifest
 from .messages import (
-    Action,
     Beat,
-    Call,
-    CallDone,
-    CallFailed,
-    Commit,
-    Event,
+    Cancel,
     LogEvent,
-    ManifestDone,
-    ManifestFailed,
     NodeFailed,
     NodeReady,
     Position,
@@ -58,11 +54,8 @@ from .messages import (
     Tick,
     WorkerAdded,
     WorkerRemoved,
-    WriteReport,
 )
-from .node_state import NOT_MEMBER
-from .repair import Repair, _Op, _Round
-from .story import Story, shards_of
+from .story import Story
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +66,29 @@ DOUBT_RETIRE_TIMEOUTS = 3
 __all__ = ["ServerState"]
 
 
-class ServerState(Repair):
+@dataclass
+class Op:
+    """A call to a node the controller waits for."""
+
+    op: int
+    kind: str  # fence, promote, restore, assign, add, set_backups
+    addr: str
+    sids: tuple[int, ...]
+    involves: frozenset[str]
+    data: Any = None
+
+
+@dataclass
+class Round:
+    """The fencing of one shard's surviving copies before a promotion."""
+
+    gen: int
+    waiting: set[str]
+    asked: set[str]
+    replies: dict[str, Position]
+
+
+class ServerState:
     """The controller's state for one parameter server (see the module doc); the repair
     (promotion, restore, copies) is :class:`~adam_dask.ps.protocol.repair.Repair`.
 
@@ -119,12 +134,12 @@ class ServerState(Repair):
         self.retired: set[str] = set()  # workers this controller asked Dask to remove
         self.creating: set[str] = set()
         self.needs_primary: set[int] = set()
-        self.rounds: dict[int, _Round] = {}
+        self.rounds: dict[int, Round] = {}
         self.restoring: set[int] = set()
         self.lost: set[int] = set()
         self.backups_changed: set[int] = set()
         self.busy: dict[int, int] = {}
-        self.ops: dict[int, _Op] = {}
+        self.ops: dict[int, Op] = {}
         self.retry_at: dict[Any, float] = {}
         self.failures: Counter = Counter()
         self.last_seen: dict[int, Position] = {}
@@ -134,31 +149,12 @@ class ServerState(Repair):
         self.heal_times: list[float] = []
         self.declared_dead = 0
         self.refused_writes = 0
-        self._ids = itertools.count(1)
+        self.op_ids = itertools.count(1)
         self._last_tick: float | None = None
         self._stalled = False  # declaring held back: most nodes silent (logged once)
         self._doubted = False  # retiring held back: most nodes silent
         self._doubt_since: float | None = None  # when the current such spell began
         self._trusted_since = float("-inf")  # when the last such spell ended
-
-    # -- the one entry point ---------------------------------------------------------------------
-
-    def handle(self, event: Event) -> list[Action]:
-        """Apply ``event``; return the actions to carry out, in order. Every event but a
-        tick or a heartbeat that only gets its reply goes into the :attr:`story`, the
-        shards of its calls named."""
-        handler = _HANDLERS.get(type(event))
-        if handler is None:
-            raise TypeError(f"the PS controller does not handle {type(event).__name__}")
-        out = handler(self, event)
-        out = out + self._plan()
-        if type(event) not in (Tick, Beat) or any(not isinstance(a, Reply) for a in out):
-            touched = shards_of(event)
-            for a in out:
-                op = self.ops.get(a.op) if isinstance(a, Call) else None
-                touched.update(op.sids if op is not None else shards_of(a))
-            self.story.record(self.story.stimulus(event), event, touched, out)
-        return out
 
     def validate(self) -> None:
         """Raise :class:`AssertionError` when the controller's invariants do not hold (the
@@ -168,8 +164,6 @@ class ServerState(Repair):
             assert 0 <= sid < len(self.shards), f"a copy of shard {sid}, which does not exist"
         for sid, op in self.busy.items():
             assert op in self.ops, f"shard {sid} waits on call {op}, which is not under way"
-
-    # -- views -----------------------------------------------------------------------------------
 
     def live(self) -> dict[str, str]:
         """{addr: host} of the PS workers that may hold copies."""
@@ -211,20 +205,18 @@ class ServerState(Repair):
             "last_manifest_error": self.manifest.last_error if self.manifest else None,
         }
 
-    # -- workers and heartbeats ------------------------------------------------------------------
-
-    def _on_WorkerAdded(self, ev: WorkerAdded) -> list:
+    def on_worker_added(self, ev: WorkerAdded) -> list:
         self.now = max(self.now, ev.now)
         self.workers[ev.addr] = ev.host
         return []
 
-    def _on_WorkerRemoved(self, ev: WorkerRemoved) -> list:
+    def on_worker_removed(self, ev: WorkerRemoved) -> list:
         self.now = max(self.now, ev.now)
         self.workers.pop(ev.addr, None)
         self.suspects.pop(ev.addr, None)
-        return self._lose(ev.addr, "its worker left the cluster")
+        return self.lose(ev.addr, "its worker left the cluster")
 
-    def _on_Beat(self, ev: Beat) -> list:
+    def on_beat(self, ev: Beat) -> list:
         self.now = max(self.now, ev.now)
         if self.nodes.get(ev.addr) != ev.key:
             if self.suspects.pop(ev.addr, None) is not None:
@@ -245,7 +237,7 @@ class ServerState(Repair):
         gens = {s: self.gens[s] for s, h in self.routing.items() if ev.addr in h}
         return [Reply(ev.req, {"member": True, "gens": gens})]
 
-    def _on_Tick(self, ev: Tick) -> list:
+    def on_tick(self, ev: Tick) -> list:
         now = ev.now
         if self._last_tick is not None and now - self._last_tick > self.timeout / 2:
             lag = now - self._last_tick  # the controller itself stalled: nobody is to blame
@@ -261,7 +253,7 @@ class ServerState(Repair):
                 addr,
                 now - self.beats[addr],
             )
-            out += self._lose(addr, "it missed its heartbeats")
+            out += self.lose(addr, "it missed its heartbeats")
             self.suspects[addr] = now
         for addr in self._to_retire(now):
             self.retired.add(addr)
@@ -337,7 +329,7 @@ class ServerState(Repair):
                 declare.append(addr)
         return declare
 
-    def _lose(self, addr: str, why: str) -> list:
+    def lose(self, addr: str, why: str) -> list:
         """Take ``addr`` out of the server: routing, fence rounds, calls in flight."""
         was_node = self.nodes.pop(addr, None) is not None
         self.beats.pop(addr, None)
@@ -360,7 +352,7 @@ class ServerState(Repair):
         out: list = []
         for op in list(self.ops.values()):
             if addr in op.involves:
-                out += self._drop_op(op)
+                out += self.drop_op(op)
         if not touched and not was_node:
             return out
         self.generation += 1
@@ -389,9 +381,7 @@ class ServerState(Repair):
         )
         return out
 
-    # -- node creation ---------------------------------------------------------------------------
-
-    def _on_NodeReady(self, ev: NodeReady) -> list:
+    def on_node_ready(self, ev: NodeReady) -> list:
         self.now = max(self.now, ev.now)
         self.creating.discard(ev.addr)
         if ev.addr in self.dead or ev.addr not in self.workers:
@@ -400,113 +390,33 @@ class ServerState(Repair):
         self.beats[ev.addr] = ev.now
         return []
 
-    def _on_NodeFailed(self, ev: NodeFailed) -> list:
+    def on_node_failed(self, ev: NodeFailed) -> list:
         self.creating.discard(ev.addr)
-        self._backoff(("node", ev.addr))
+        self.backoff(("node", ev.addr))
         logger.warning("server %s: no PS node on %s (%s)", self.server_id, ev.addr, ev.error)
         return []
 
-    def _backoff(self, key: Any) -> None:
+    def backoff(self, key: Any) -> None:
         self.failures[key] += 1
         delay = min(self.retry_base * 2 ** (self.failures[key] - 1), self.retry_max)
         self.retry_at[key] = self.now + delay
 
-    def _ready(self, key: Any) -> bool:
+    def ready(self, key: Any) -> bool:
         return self.retry_at.get(key, float("-inf")) <= self.now
 
-    # -- write-back and the manifest -------------------------------------------------------------
-
-    def _on_WriteReport(self, ev: WriteReport) -> list:
-        accepted: dict[int, int] = {}
-        refused: dict[int, int] = {}
-        for sid, (gen, version, path) in ev.blocks.items():
-            if ev.addr not in self.nodes:
-                refused[sid] = NOT_MEMBER
-            elif (
-                self.manifest is None
-                or self.routing[sid][:1] != [ev.addr]
-                or gen != self.gens[sid]
-                or sid in self.pending()
-            ):
-                rnd = self.rounds.get(sid)
-                refused[sid] = max(self.gens[sid], rnd.gen if rnd else -1)
-            else:
-                accepted[sid] = version
-                self.manifest.name(sid, gen, version, path, self.now)
-            self.last_seen[sid] = max(self.last_seen.get(sid, (-1, -1)), (gen, version))
-        if refused:
-            self.refused_writes += len(refused)
-            logger.warning(
-                "server %s: refused write-backs of shards %s from %s (stale generation or not "
-                "a member)",
-                self.server_id,
-                sorted(refused),
-                ev.addr,
-            )
-        return [Reply(ev.req, {"accepted": accepted, "refused": refused})]
-
-    def _on_Commit(self, ev: Commit) -> list:
-        if self.manifest is None:
-            return [Reply(ev.req, None)]
-        self.manifest.commit(ev.req, ev.epoch, ev.meta)
-        return []
-
-    def _on_ManifestDone(self, ev: ManifestDone) -> list:
-        self.failures.pop("manifest", None)
-        if self.manifest is None:
-            return []
-        if self.manifest.failing:
-            logger.warning(
-                "server %s: the manifest is written again, after %d failed tries",
-                self.server_id,
-                self.manifest.failing,
-            )
-        return self.manifest.written(ev.seq)
-
-    def _on_ManifestFailed(self, ev: ManifestFailed) -> list:
-        """A failed write is tried again after a back-off (``retry_base`` doubling up to
-        ``retry_max``); the write-back and training go on. An outage is logged once, at its
-        first failure (the further ones at DEBUG), and once more when a write succeeds."""
-        self.now = max(self.now, ev.now)
-        if self.manifest is not None:
-            self.manifest.failed(ev.error)
-        self._backoff("manifest")
-        failing = self.manifest.failing if self.manifest is not None else 1
-        if failing == 1:
-            logger.warning(
-                "server %s: writing the manifest failed (%s); the write-back and training go "
-                "on, and the manifest is tried again every %gs at most until storage answers",
-                self.server_id,
-                ev.error,
-                self.retry_max,
-            )
-        else:
-            logger.debug(
-                "server %s: writing the manifest failed again (%d in a row): %s",
-                self.server_id,
-                failing,
-                ev.error,
-            )
-        return []
-
-    def _manifest_actions(self) -> list:
-        if self.manifest is None:
-            return []
-        return self.manifest.actions(self.now, self._ready("manifest"))
-
-
-# what the controller does with each event: mypy checks every handler exists and takes its event
-_HANDLERS: dict[type[Event], Callable[[ServerState, Any], list[Action]]] = {
-    WorkerAdded: ServerState._on_WorkerAdded,
-    WorkerRemoved: ServerState._on_WorkerRemoved,
-    Beat: ServerState._on_Beat,
-    Tick: ServerState._on_Tick,
-    NodeReady: ServerState._on_NodeReady,
-    NodeFailed: ServerState._on_NodeFailed,
-    WriteReport: ServerState._on_WriteReport,
-    Commit: ServerState._on_Commit,
-    ManifestDone: ServerState._on_ManifestDone,
-    ManifestFailed: ServerState._on_ManifestFailed,
-    CallDone: ServerState._on_CallDone,
-    CallFailed: ServerState._on_CallFailed,
-}
+    def drop_op(self, op: Op) -> list:
+        self.ops.pop(op.op, None)
+        for sid in op.sids:
+            if self.busy.get(sid) == op.op:
+                del self.busy[sid]
+        if op.kind == "fence":
+            for sid in op.sids:
+                if sid in self.rounds:
+                    self.rounds[sid].asked.discard(op.addr)
+        elif op.kind == "promote":
+            self.needs_primary.update(op.sids)
+        elif op.kind == "restore":
+            self.restoring.update(op.sids)
+        elif op.kind == "set_backups":
+            self.backups_changed.update(op.sids)
+        return [Cancel(op=op.op)]

@@ -30,6 +30,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from ... import config
 from ..._secrets import install, process_redactor, redact_url, redact_urls, remember
 from ..protocol.controller import ServerState
+from ..protocol.controller_machine import handle
 from ..protocol.messages import (
     Beat,
     Call,
@@ -167,7 +168,7 @@ class ShardPlacement(SchedulerPlugin):
     def _feed(self, server_id: str, event: Any) -> None:
         state = self.servers.get(server_id)
         if state is not None:
-            self._do(server_id, state.handle(event))
+            self._do(server_id, handle(state, event))
 
     def _do(self, server_id: str, actions: list) -> None:
         for a in actions:
