@@ -90,7 +90,7 @@ class Round:
 
 class ServerState:
     """The controller's state for one parameter server (see the module doc); the repair
-    (promotion, restore, copies) is :class:`~adam_dask.ps.protocol.repair.Repair`.
+    (promotion, restore, copies) is in :mod:`~adam_dask.ps.protocol.repair`.
 
     ``manifest`` is the checkpoint's manifest as written when the server was made (None: no
     checkpoint); ``workers`` the live PS workers {addr: host}; ``nodes`` {addr: actor key}.
