@@ -7,6 +7,8 @@
   ``pkg.name`` when that is a module, else to ``pkg``. A package's ``__init__`` re-exporting its
   own submodules is not a cycle, so edges from an ``__init__`` into its own package are left
   out.
+* **No import of a module of the package that does not exist** (mypy is told to ignore missing
+  imports, for the third-party libraries without types, so it would not say).
 * **No private module reached from another package**: ``a/b/_c.py`` is imported only from
   inside ``a/b/``; what packages share is public in its package.
 * **No module over 500 lines**, numba kernel files excepted (``LONG_OK``: a kernel file is a set
@@ -116,6 +118,28 @@ BASES_OK = {
 }
 
 
+def missing_modules(root: Path, package: str, known: dict[str, Path]) -> list[str]:
+    """``importer: module`` for each import of a module of ``package`` that is not there."""
+    out = []
+    for name, path in known.items():
+        base = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            mods: list[str] = []
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    parts = base.split(".")
+                    parts = parts[: len(parts) - (node.level - 1)]
+                    mods = [".".join(parts + ([node.module] if node.module else []))]
+                else:
+                    mods = [node.module or ""]
+            for m in mods:
+                if (m == package or m.startswith(package + ".")) and m not in known:
+                    out.append(f"{name}: {m} (line {node.lineno})")
+    return sorted(out)
+
+
 def private_reaches(graph: dict[str, set[str]], known: dict[str, Path]) -> list[str]:
     """``importer -> module`` for each private module imported from outside its package."""
     out = []
@@ -188,6 +212,7 @@ def main(argv: list[str]) -> int:
     graph = {name: imports(name, path, known) for name, path in known.items()}
     breaches = [
         *("import cycle: " + " <-> ".join(comp) for comp in cycles(graph)),
+        *("import of a missing module: " + m for m in missing_modules(root, package, known)),
         *(
             "private module reached from another package: " + p
             for p in private_reaches(graph, known)

@@ -24,6 +24,4 @@ from __future__ import annotations
 from .client.server import ParameterServer
 from .runtime.plugin import ShardPlacement
 
-ReplicaPlacement = ShardPlacement  # the older name of the controller plugin
-
-__all__ = ["ParameterServer", "ReplicaPlacement", "ShardPlacement"]
+__all__ = ["ParameterServer", "ShardPlacement"]

@@ -18,16 +18,39 @@ from ..._secrets import redact_url
 from ..._worker_preload import RedactLogs
 from ...errors import ConfigError, StorageError, UpdateRejected
 from ...model.layout import ParameterLayout, shard_ranges
-from ..checkpoint import init_checkpoint
+from ...storage import normalize_url
+from ..checkpoint import init_checkpoint, read_checkpoint, read_marks
 from ..kernels import first_nonfinite
 from ..protocol.policy import PLUGIN_NAME
 from ..runtime.plugin import ShardPlacement
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ACKS", "build_server", "resolve_copies", "shard_of"]
+__all__ = [
+    "ACKS",
+    "attach_server",
+    "build_server",
+    "resolve_copies",
+    "resolve_size",
+    "restore_server",
+    "shard_of",
+]
 
 ACKS = ("replay", "all", "primary")
+"""When a push returns (``adam.ps.ack``, ``ack=``) and what a lost primary may take with it:
+
+* ``"replay"`` (the default): once the primary applied it; the handle keeps the push until the
+  primary reports every copy holds it, and sends it again to the new primary after a fail-over
+  (:mod:`adam_dask.ps.protocol.replay`). No acknowledged update is lost while one copy or the pusher
+  survives, at the cost of a copy of each push kept for about a ``forward-interval``.
+* ``"all"``: once every copy holds it; nothing acknowledged is lost while one copy survives,
+  but every push waits for a forward.
+* ``"primary"``: once the primary applied it, as in the paper; the updates of the last
+  ``forward-interval`` are lost when that primary dies before forwarding.
+
+A shard whose copies are all lost is rebuilt from its last write-back in the checkpoint while
+training goes on; the updates after that write-back are lost (``stats()["restored"]``).
+"""
 
 
 def resolve_copies(copies: int | None, replicas: int | None) -> int:
@@ -199,3 +222,85 @@ def build_server(
     server.epoch = epoch
     logger.info("created %r", server)
     return server
+
+
+def restore_server(
+    cls: Any,
+    client: Any,
+    url: str,
+    storage_options: dict | None,
+    checkpoint: str | None,
+    kwargs: dict,
+) -> Any:
+    """``ParameterServer.restore``: a new server of class ``cls`` holding the last complete
+    checkpoint at ``url``, writing back to ``checkpoint`` (default: ``url``); ``kwargs``: the
+    other keywords of ``create``."""
+    manifest, values = read_checkpoint(url, storage_options)
+    layout = ParameterLayout.from_dict(manifest["layout"]) if manifest.get("layout") else None
+    target = checkpoint if checkpoint is not None else url
+    shard_bytes = int(kwargs.pop("shard_bytes", None) or manifest["shard_bytes"])
+    same_shards = shard_bytes == int(manifest["shard_bytes"])
+    keep = (
+        normalize_url(str(target)) == normalize_url(str(url))
+        and same_shards
+        and int(manifest.get("format_version", 1)) >= 2
+    )
+    server = build_server(
+        cls,
+        client,
+        size=int(manifest["size"]),
+        layout=layout,
+        shard_bytes=shard_bytes,
+        copies=resolve_copies(kwargs.pop("copies", None), kwargs.pop("replicas", None)),
+        checkpoint=target,
+        storage_options=storage_options,
+        init=values,
+        meta=manifest.get("meta") or {},
+        ack=kwargs.pop("ack", None),
+        name=kwargs.pop("name", None),
+        epoch=manifest.get("epoch"),
+        versions=[int(v) for v in manifest["versions"]] if same_shards else None,
+        manifest=manifest if keep else None,
+        generation=max(manifest.get("generations") or [0]) + 1,
+        marks=read_marks(url, storage_options, manifest) if same_shards else None,
+    )
+    if kwargs:
+        raise ConfigError(f"restore() got unexpected keywords {sorted(kwargs)}")
+    logger.info("restored %r from %s (epoch %s)", server, url, server.epoch)
+    return server
+
+
+def attach_server(cls: Any, client: Any, name: str) -> Any:
+    """``ParameterServer.attach``: a handle of class ``cls`` on the running server ``name``."""
+    routing = client.sync(client.scheduler.adam_ps_routing, server_id=name)
+    info = routing["info"]
+    layout = ParameterLayout.from_dict(info["layout"]) if info.get("layout") else None
+    server = cls(
+        name,
+        info["size"],
+        [tuple(s) for s in info["shards"]],
+        shard_bytes=info["shard_bytes"],
+        copies=info["copies"],
+        ack=info["ack"],
+        checkpoint=info["checkpoint"],
+        storage_options=None,  # the controller sends them to no one
+        layout=layout,
+        meta=info["meta"],
+        client=client,
+    )
+    server._courier.routing.set(routing)
+    return server
+
+
+def resolve_size(size: int | None, layout: ParameterLayout | None) -> int:
+    """The server's size: ``size``, or the layout's (which ``size`` must then match)."""
+    if layout is not None:
+        if size is not None and int(size) != layout.size:
+            raise ConfigError(
+                f"size={size} does not match the layout's {layout.size} floats",
+                "give one of size= or layout=",
+            )
+        size = layout.size
+    if size is None:
+        raise ConfigError("a parameter server needs size= or layout=")
+    return int(size)

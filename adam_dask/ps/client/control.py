@@ -84,6 +84,17 @@ class Control:
         """The controller's record of this server (``adam_ps_routing``)."""
         return self.run(lambda rpc, sched: sched.adam_ps_routing(server_id=self.server_id))
 
+    def commit(self, epoch: Any, meta: dict | None, timeout: float | None = None) -> dict:
+        """Store ``epoch`` and ``meta`` in the manifest (``adam_ps_commit``): answered once the
+        controller has written a manifest naming them."""
+        server_id = self.server_id
+
+        async def commit(rpc: Any, sched: Any) -> dict:
+            coro = sched.adam_ps_commit(server_id=server_id, epoch=epoch, meta=meta)
+            return await asyncio.wait_for(coro, timeout)
+
+        return self.run(commit)
+
     def story(self, sid: int | None) -> list[dict]:
         """The controller's story of shard ``sid`` (``adam_ps_story``)."""
         return self.run(lambda rpc, sched: sched.adam_ps_story(server_id=self.server_id, sid=sid))

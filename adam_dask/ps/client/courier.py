@@ -230,6 +230,57 @@ class Courier:
             req.push_id, "push", payload, addr, gen, version, nbytes, req.mark, lease=lease
         )
 
+    def send_push(self, req: Request) -> Delivery:
+        """One push through the courier: room made in the replay log first, held pushes of
+        moved shards replayed, the push delivered and kept until durable (``ack="replay"``)."""
+        try:
+            if req.ack == "replay":
+                nbytes = 4 * sum(b - a for a, b in (self.shards[s] for s in req.sids))
+                req.urgent = self.make_room(nbytes)
+            self.replay_moved()
+            d = self.deliver(req)
+        finally:
+            own = req.args.pop("own_segment", None)  # the deliver did not get to it
+            if own is not None:
+                own.release()
+        if req.ack == "replay":
+            self.keep_settling()
+        return d
+
+    def ask_nodes(self, method: str, *args: Any) -> dict[str, Any]:
+        """{addr: answer, or the error's repr} of ``method(*args)`` on every node the routing
+        names, all at once (control: stats, stories)."""
+        calls = {a: (k, method, *args) for a, k in self.routing.nodes.items()}
+        answers = self.control.each(calls, self.call_timeout)
+        return {a: (r if not isinstance(r, BaseException) else repr(r)) for a, r in answers.items()}
+
+    def flush(self, timeout: float, checkpoint: bool, copies: int) -> dict[int, int]:
+        """Wait for a running fail-over (up to the fail-over timeout), replay what moved, then
+        have every primary wait until its copies (and ``checkpoint``) hold its shards; returns
+        {shard: version} flushed."""
+        deadline = time.monotonic() + timeout
+        wait_heal = time.monotonic() + min(timeout, self.failover_timeout)
+        while True:
+            self.refresh()
+            if self.routing.healthy or time.monotonic() > wait_heal:
+                break
+            time.sleep(0.1)
+        if not self.routing.healthy:
+            logger.warning(
+                "server %s: flushing with fewer than %d copies of some shards (a "
+                "PS worker is missing)",
+                self.server_id,
+                copies,
+            )
+        self.replay_moved()
+        remaining = max(deadline - time.monotonic(), 1.0)
+        req = Request(
+            "flush",
+            tuple(range(len(self.shards))),
+            args={"limit": remaining, "checkpoint": checkpoint},
+        )
+        return self.deliver(req, call_timeout=remaining + 5).results
+
     # -- replay ----------------------------------------------------------------------------------
 
     def replay_moved(self) -> int:

@@ -13,21 +13,9 @@ Usage (on a cluster, so not a doctest)::
     server.push(delta); server.flush(epoch=1)
     ParameterServer.restore(client, "file:///srv/ckpt").pull()
 
-Delivery: a push is split per shard and sent to the primaries concurrently; a push carries a
-random id, so one retried on a new primary after a fail-over is applied once. ``ack`` says when
-``push`` returns and what a lost primary may take with it:
-
-* ``"replay"`` (the default): once the primary applied it; the handle keeps the push until the
-  primary reports every copy holds it, and sends it again to the new primary after a fail-over
-  (:mod:`adam_dask.ps.protocol.replay`). No acknowledged update is lost while one copy or the pusher
-  survives, at the cost of a copy of each push kept for about a ``forward-interval``.
-* ``"all"``: once every copy holds it; nothing acknowledged is lost while one copy survives,
-  but every push waits for a forward.
-* ``"primary"``: once the primary applied it, as in the paper; the updates of the last
-  ``forward-interval`` are lost when that primary dies before forwarding.
-
-A shard whose copies are all lost is rebuilt from its last write-back in the checkpoint while
-training goes on; the updates after that write-back are lost (``stats()["restored"]``).
+Delivery: a push is split per shard and sent to the primaries concurrently, with a random id,
+so one retried on a new primary after a fail-over is applied once; ``ack`` says when ``push``
+returns and what a lost primary may take with it (:data:`~adam_dask.ps.client.build.ACKS`).
 
 Epochs: ``flush(epoch=...)`` stores the epoch number (and ``meta=``) in the manifest;
 ``checkpoint_meta(epoch=..., meta=...)`` does it without waiting for the flush.
@@ -35,27 +23,31 @@ Epochs: ``flush(epoch=...)`` stores the epoch number (and ``meta=``) in the mani
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from ... import config
-from ..._secrets import redact_url, redact_urls
-from ...errors import ConfigError, StorageError, UpdateRejected
+from ..._secrets import redact_urls
+from ...errors import ConfigError, StorageError
 from ...model.layout import ParameterLayout
-from ...storage import normalize_url
-from ..checkpoint import read_checkpoint, read_marks
-from ..kernels import first_nonfinite, scan_delta
-from ..protocol.request import Outer, Request, overlapping
-from ..protocol.shard import Mark, outer_part
-from .build import build_server, resolve_copies, shard_of
+from ..protocol.request import Request, overlapping
+from ..protocol.shard import Mark
+from .build import attach_server, build_server, resolve_copies, resolve_size, restore_server
 from .courier import Courier
+from .figures import RETRIED, server_figures, storage_error
+from .shaping import (
+    checked_delta,
+    out_buffer,
+    outer_request,
+    range_request,
+    shard_ids,
+    span,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +90,6 @@ class ParameterServer:
         self._last_stats: tuple[float, int] | None = None
         self._bounds = np.array(self.shards, dtype=np.int64).reshape(-1, 2)
         self._courier = Courier(server_id, self.size, self.shards, client)
-
-    @property
-    def replicas(self) -> int:
-        """The copies of each shard (the older name)."""
-        return self.copies
 
     def __repr__(self) -> str:
         return (
@@ -180,18 +167,10 @@ class ParameterServer:
         epoch : int, optional
             Epoch number written to the initial manifest.
         """
-        if layout is not None:
-            if size is not None and int(size) != layout.size:
-                raise ConfigError(
-                    f"size={size} does not match the layout's {layout.size} floats",
-                    "give one of size= or layout=",
-                )
-            size = layout.size
-        if size is None:
-            raise ConfigError("a parameter server needs size= or layout=")
-        return cls._build(
+        return build_server(
+            cls,
             client,
-            size=int(size),
+            size=resolve_size(size, layout),
             layout=layout,
             shard_bytes=shard_bytes,
             copies=resolve_copies(copies, replicas),
@@ -203,12 +182,6 @@ class ParameterServer:
             name=name,
             epoch=epoch,
         )
-
-    @classmethod
-    def _build(cls, client: Any, **settings: Any) -> ParameterServer:
-        """A new server from resolved settings (:func:`~adam_dask.ps.client.build.build_server`): the
-        one constructor ``create`` and ``restore`` share, with no private keywords."""
-        return build_server(cls, client, **settings)
 
     @classmethod
     def restore(
@@ -223,61 +196,13 @@ class ParameterServer:
         """A new server holding the last complete checkpoint at ``url`` (values, versions,
         layout, ``meta``; ``server.epoch`` is the manifest's epoch). It keeps writing back to
         ``checkpoint`` (default: ``url`` itself). Other keywords are those of :meth:`create`."""
-        manifest, values = read_checkpoint(url, storage_options)
-        layout = ParameterLayout.from_dict(manifest["layout"]) if manifest.get("layout") else None
-        target = checkpoint if checkpoint is not None else url
-        shard_bytes = int(kwargs.pop("shard_bytes", None) or manifest["shard_bytes"])
-        same_shards = shard_bytes == int(manifest["shard_bytes"])
-        keep = (
-            normalize_url(str(target)) == normalize_url(str(url))
-            and same_shards
-            and int(manifest.get("format_version", 1)) >= 2
-        )
-        server = cls._build(
-            client,
-            size=int(manifest["size"]),
-            layout=layout,
-            shard_bytes=shard_bytes,
-            copies=resolve_copies(kwargs.pop("copies", None), kwargs.pop("replicas", None)),
-            checkpoint=target,
-            storage_options=storage_options,
-            init=values,
-            meta=manifest.get("meta") or {},
-            ack=kwargs.pop("ack", None),
-            name=kwargs.pop("name", None),
-            epoch=manifest.get("epoch"),
-            versions=[int(v) for v in manifest["versions"]] if same_shards else None,
-            manifest=manifest if keep else None,
-            generation=max(manifest.get("generations") or [0]) + 1,
-            marks=read_marks(url, storage_options, manifest) if same_shards else None,
-        )
-        if kwargs:
-            raise ConfigError(f"restore() got unexpected keywords {sorted(kwargs)}")
-        logger.info("restored %r from %s (epoch %s)", server, url, server.epoch)
-        return server
+        return restore_server(cls, client, url, storage_options, checkpoint, kwargs)
 
     @classmethod
     def attach(cls, client: Any, name: str) -> ParameterServer:
         """A handle on the running server ``name`` (e.g. after the creating client restarted;
         the nodes live as long as the scheduler, held by the placement plugin)."""
-        routing = client.sync(client.scheduler.adam_ps_routing, server_id=name)
-        info = routing["info"]
-        layout = ParameterLayout.from_dict(info["layout"]) if info.get("layout") else None
-        server = cls(
-            name,
-            info["size"],
-            [tuple(s) for s in info["shards"]],
-            shard_bytes=info["shard_bytes"],
-            copies=info["copies"],
-            ack=info["ack"],
-            checkpoint=info["checkpoint"],
-            storage_options=None,  # the controller sends them to no one
-            layout=layout,
-            meta=info["meta"],
-            client=client,
-        )
-        server._courier.routing.set(routing)
-        return server
+        return attach_server(cls, client, name)
 
     # -- public API ------------------------------------------------------------------------------
 
@@ -325,7 +250,7 @@ class ParameterServer:
         """:meth:`push`, then :meth:`pull` into ``out`` (a flat float32 buffer, a new one if
         omitted) and return it: what a replica does every *k* images, in one round trip per
         primary on the data plane (the values read after the push was applied)."""
-        out = self._out(out)
+        out = out_buffer(out, self.size)
         d = self._push_now(delta, ack, mark, out)
         pulled = {int(s) for rs in d.replies.values() for r in rs for s in r.get("pulled", ())}
         missing = [s for s in range(len(self.shards)) if s not in pulled]
@@ -338,7 +263,9 @@ class ParameterServer:
     ) -> Any:
         """Check ``delta`` once and send it to the primaries (reading the shards back into
         ``pull`` on the way)."""
-        delta, nonzero, seg = self._checked(delta)
+        channels = self._courier.channels_or_none()  # a copy goes into its pool (the plane on)
+        pool = channels.pool if channels is not None else None
+        delta, nonzero, seg = checked_delta(delta, self.size, self.shards, self._bounds, pool)
         req = Request(
             "push",
             tuple(range(len(self.shards))),
@@ -352,61 +279,7 @@ class ParameterServer:
         )
         if seg is not None:  # released when delivered (held parts keep a lease on it)
             req.args["own_segment"] = seg
-        return self._send(req)
-
-    def _send(self, req: Request) -> Any:
-        """One push through the courier: room made in the replay log first, held pushes of
-        moved shards replayed, the push delivered and kept until durable (``ack="replay"``)."""
-        courier = self._courier
-        try:
-            if req.ack == "replay":
-                nbytes = 4 * sum(b - a for a, b in (self.shards[s] for s in req.sids))
-                req.urgent = courier.make_room(nbytes)
-            courier.replay_moved()
-            d = courier.deliver(req)
-        finally:
-            own = req.args.pop("own_segment", None)  # the deliver did not get to it
-            if own is not None:
-                own.release()
-        if req.ack == "replay":
-            courier.keep_settling()
-        return d
-
-    def _checked(self, delta: np.ndarray) -> tuple[np.ndarray, np.ndarray, Any]:
-        """``delta`` as a flat float32 array, which shards hold a non-zero value, and the
-        segment it was copied into; :class:`UpdateRejected` when its length is wrong or it
-        holds NaN/Inf: the one check of the values. A :meth:`buffer` is used where it is;
-        another array is copied once into a buffer of the pool (handed over from there, and
-        held from there until durable, on either transport), unless the plane is off."""
-        if not (isinstance(delta, np.ndarray) and delta.dtype == np.float32 and delta.ndim == 1):
-            delta = np.ascontiguousarray(delta, dtype=np.float32).reshape(-1)
-        delta = np.ascontiguousarray(delta)
-        if delta.shape[0] != self.size:
-            raise UpdateRejected(
-                f"a delta of {delta.shape[0]} values for a server of {self.size}",
-                "push one value per parameter",
-            )
-        bad, nonzero = scan_delta(delta, self._bounds)
-        channels = self._courier.channels_or_none()
-        seg = None
-        if bad < 0 and channels is not None and channels.pool.of(delta) is None:
-            seg = channels.pool.take()  # a copy, not fused into the scan: numba's fused
-            np.copyto(seg.array, delta)  # loop measured slower than the two passes
-        if bad >= 0:
-            sid = shard_of(self.shards, bad)
-            raise UpdateRejected(
-                f"non-finite update at flat index {bad} (shard {sid}); nothing was applied",
-                "check the gradients for overflow",
-                shard=sid,
-            )
-        return (delta if seg is None else seg.array), nonzero, seg
-
-    def _out(self, out: np.ndarray | None) -> np.ndarray:
-        if out is None:
-            return np.zeros(self.size, dtype=np.float32)
-        if out.dtype != np.float32 or out.shape != (self.size,):
-            raise ConfigError(f"out must be a flat float32 array of {self.size} values")
-        return out
+        return self._courier.send_push(req)
 
     def push_outer(
         self,
@@ -424,40 +297,19 @@ class ParameterServer:
         ``errors`` is (B, out), ``activations`` (B, in), float32; the (out, in) product is
         row-major (a dense layer's weight), computed on the PS nodes that hold it.
         """
-        errors = np.ascontiguousarray(errors, dtype=np.float32)
-        activations = np.ascontiguousarray(activations, dtype=np.float32)
-        if errors.ndim != 2 or activations.ndim != 2 or errors.shape[0] != activations.shape[0]:
-            raise UpdateRejected(
-                f"push_outer needs errors (B, out) and activations (B, in), got "
-                f"{errors.shape} and {activations.shape}"
-            )
-        out, inp = errors.shape[1], activations.shape[1]
-        if offset < 0 or offset + out * inp > self.size:
-            raise UpdateRejected(
-                f"an ({out}, {inp}) update at offset {offset} does not fit in "
-                f"{self.size} parameters"
-            )
-        for name, m in (("errors", errors), ("activations", activations)):
-            if first_nonfinite(m) >= 0:
-                raise UpdateRejected(f"non-finite {name} in push_outer; nothing was applied")
-        cols: dict[int, tuple[int, int]] = {}
-        for s, (a, b) in enumerate(self.shards):
-            p = outer_part(offset, out, inp, a, b)
-            if p is not None:
-                cols[s] = (p.row0, p.row1)
-        if mark is not None:  # the shards this part goes to: a re-run checks each has it
-            mark = replace(mark, targets=tuple(sorted(cols)))
-        outer = Outer(int(offset), out, inp, float(scale), errors, activations, cols)
-        self._send(
-            Request(
-                "push",
-                tuple(sorted(cols)),
-                self._rng.getrandbits(62),
-                ack or self.ack,
-                mark,
-                outer=outer,
-            )
+        push_id = self._rng.getrandbits(62)
+        req = outer_request(
+            offset,
+            errors,
+            activations,
+            scale,
+            self.size,
+            self.shards,
+            push_id,
+            ack or self.ack,
+            mark,
         )
+        self._courier.send_push(req)
 
     def push_range(
         self,
@@ -472,52 +324,17 @@ class ParameterServer:
         span; a shard straddling its edge gets zeros outside it). ``mark`` as for ``push``
         (its ``targets`` become those shards). Raises :class:`UpdateRejected` (nothing
         applied) on NaN/Inf."""
-        values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
-        start, stop = self._span(start, values.shape[0])
-        bad = first_nonfinite(values)
-        if bad >= 0:
-            raise UpdateRejected(
-                f"non-finite update at flat index {start + bad}; nothing was applied",
-                "check the gradients for overflow (lower the learning rate)",
-            )
-        sids = tuple(overlapping(self.shards, start, stop))
-        nonzero = {}
-        for s in sids:
-            a, b = self.shards[s]
-            nonzero[s] = bool(values[max(a, start) - start : min(b, stop) - start].any())
-        if mark is not None:
-            mark = replace(mark, targets=sids)
-        self._send(
-            Request(
-                "push",
-                sids,
-                self._rng.getrandbits(62),
-                ack or self.ack,
-                mark,
-                values=values,
-                base=start,
-                nonzero=nonzero,
-            )
-        )
+        push_id = self._rng.getrandbits(62)
+        req = range_request(values, start, self.size, self.shards, push_id, ack or self.ack, mark)
+        self._courier.send_push(req)
 
     def pull_range(self, start: int, stop: int, *, out: np.ndarray | None = None) -> np.ndarray:
         """The current parameters ``[start, stop)`` (from the primaries of the shards that
         overlap it), written into ``out`` (float32 (stop - start,), a new array if omitted)."""
-        start, stop = self._span(start, int(stop) - int(start))
-        if out is None:
-            out = np.zeros(stop - start, np.float32)
-        elif out.dtype != np.float32 or out.shape != (stop - start,):
-            raise ConfigError(f"out must be a flat float32 array of {stop - start} values")
+        start, stop = span(start, int(stop) - int(start), self.size)
+        out = out_buffer(out, stop - start)
         self._pull(tuple(overlapping(self.shards, start, stop)), out, start)
         return out
-
-    def _span(self, start: int, n: int) -> tuple[int, int]:
-        start, stop = int(start), int(start) + int(n)
-        if start < 0 or stop > self.size or n < 1:
-            raise ConfigError(
-                f"the range [{start}, {stop}) is not inside a server of {self.size} values"
-            )
-        return start, stop
 
     def _pull(self, sids: tuple[int, ...], out: np.ndarray, base: int = 0) -> None:
         courier = self._courier
@@ -532,12 +349,8 @@ class ParameterServer:
         With ``shards``, only those shards are fetched and written into ``out`` (a flat float32
         buffer, zeros if omitted); the rest of ``out`` is left as it is.
         """
-        out = self._out(out)
-        sids = range(len(self.shards)) if shards is None else sorted({int(s) for s in shards})
-        for s in sids:
-            if not 0 <= s < len(self.shards):
-                raise ConfigError(f"no shard {s}: the server has {len(self.shards)}")
-        self._pull(tuple(sids), out)
+        out = out_buffer(out, self.size)
+        self._pull(shard_ids(shards, len(self.shards)), out)
         return out
 
     def marks(self, epoch: int) -> dict[int, dict[int, tuple[Mark, ...]]]:
@@ -594,14 +407,14 @@ class ParameterServer:
             )
         t0 = time.monotonic()
         try:
-            versions = self._flush(timeout, durable)
+            versions = self._courier.flush(timeout, durable, self.copies)
             if durable:
                 left = max(timeout - (time.monotonic() - t0), 1.0)
                 try:
-                    self._commit(epoch, meta, left)
+                    self._courier.control.commit(epoch, meta, left)
                 except TimeoutError:
                     raise StorageError(
-                        f"the manifest was not written in {timeout:g}s", self._retried
+                        f"the manifest was not written in {timeout:g}s", RETRIED
                     ) from None
         except StorageError as exc:
             raise self.storage_error(exc) from exc
@@ -611,122 +424,31 @@ class ParameterServer:
             self.meta = meta
         return versions
 
-    _retried = "the updates are kept and written back when it answers"
-
     def storage_error(self, exc: BaseException) -> StorageError:
         """One line that names the checkpoint's storage (its URL without secrets) as the cause
         of ``exc``."""
-        text = " ".join(str(getattr(exc, "message", None) or exc).split())
-        if text.startswith("storage "):
-            return exc if isinstance(exc, StorageError) else StorageError(text)
-        return StorageError(
-            f"storage {redact_url(str(self.checkpoint))}: {text}",
-            f"{self._retried}; check its endpoint, credentials and network",
-        )
+        return storage_error(self.checkpoint, exc)
 
     def checkpoint_meta(self, epoch: Any = None, meta: dict | None = None) -> None:
         """Store ``epoch`` and/or ``meta`` in the manifest now (no flush)."""
         if self.checkpoint is None:
             raise ConfigError("this server has no checkpoint", "create it with checkpoint=URL")
-        self._commit(epoch, meta)
+        self._courier.control.commit(epoch, meta)
         if epoch is not None:
             self.epoch = epoch
         if meta is not None:
             self.meta = meta
 
     def stats(self) -> dict:
-        """Figures from the controller and every node: ``pushes_applied`` (shard updates
-        applied by primaries), ``update_rate`` (shard updates/s since the previous ``stats()``,
-        or since the nodes started), ``max_replication_lag`` (versions a backup is behind its
-        primary), ``writeback_lag_versions`` / ``writeback_lag_seconds`` (how far the checkpoint
-        is behind), ``writeback_errors``, ``healthy``, ``heal_times``, ``restored`` (shards
-        rebuilt from the checkpoint, each with ``lost_at_least``: updates after its last
-        write-back the heartbeats had reported), ``updates_lost_at_least``, ``declared_dead``,
-        ``refused_stale`` (calls refused for a stale generation), ``manifest_errors`` /
-        ``manifest_failing`` / ``last_manifest_error`` (see :meth:`routing_info`), ``replayed`` /
-        ``held_pushes`` / ``held_bytes`` (this handle's pushes sent again to a new primary, and
-        those it keeps until they are durable: ``ack="replay"``), ``data_plane`` (what this
-        handle sent, one count per primary a request reached: ``pushes``, ``pulls``,
-        ``to_dask`` (those that went as Dask actor calls: the plane could not reach the node),
-        ``failed_calls`` (plane calls given up: the node died, froze or was dropped)),
-        ``nodes`` (each node's figures, ``by_transport`` among them: the pushes and pulls it
-        served over the plane and as Dask actor calls; ``outer_products``: the dense offload's
-        updates it computed from activations and errors)."""
+        """Figures from the controller, every node and this handle: what was applied, how far
+        the copies and the checkpoint lag, fail-overs and restores, what this handle holds and
+        sent by transport, and each node's own (:func:`~.figures.server_figures` names every
+        key)."""
         nodes, routing = self._stats()
         now = time.monotonic()
-        ok = [n for n in nodes.values() if isinstance(n, dict)]
-        total = sum(n["pushes"] for n in ok)
-        if self._last_stats is None:
-            span = max((n["uptime"] for n in ok), default=0.0)
-            rate = total / span if span > 0 else 0.0
-        else:
-            t0, c0 = self._last_stats
-            rate = (total - c0) / (now - t0) if now > t0 else 0.0
-        self._last_stats = (now, total)
-        return {
-            "server": self.server_id,
-            "shards": len(self.shards),
-            "copies": self.copies,
-            "replicas": self.copies,
-            "pushes_applied": total,
-            "update_rate": rate,
-            "max_replication_lag": max((n["replication_lag"] for n in ok), default=0),
-            "writeback_lag_versions": max((n["writeback_lag_versions"] for n in ok), default=0),
-            "writeback_lag_seconds": max((n["writeback_lag_seconds"] for n in ok), default=0.0),
-            "writeback_errors": sum(n["writeback_errors"] for n in ok),
-            "healthy": routing["healthy"],
-            "heal_times": routing["heal_times"],
-            "generation": routing["generation"],
-            "restored": routing["restored"],
-            "updates_lost_at_least": sum(r["lost_at_least"] for r in routing["restored"]),
-            "declared_dead": routing["declared_dead"],
-            "refused_writes": routing["refused_writes"],
-            "manifest_errors": routing["manifest_errors"],
-            "manifest_failing": routing.get("manifest_failing", 0),
-            "last_manifest_error": routing.get("last_manifest_error"),
-            "refused_stale": sum(n["refused_stale"] for n in ok) + routing["refused_writes"],
-            "replayed": self._courier.log.replayed,
-            "held_pushes": len(self._courier.log),
-            "held_bytes": self._courier.log.nbytes,
-            "data_plane": (
-                dict(self._courier.channels.counts) if self._courier.channels is not None else None
-            ),
-            "nodes": nodes,
-        }
-
-    def _flush(self, timeout: float, checkpoint: bool) -> dict[int, int]:
-        """Wait for a running fail-over (up to the fail-over timeout), replay what moved, then
-        have every primary wait until its copies (and ``checkpoint``) hold its shards."""
-        courier = self._courier
-        deadline = time.monotonic() + timeout
-        wait_heal = time.monotonic() + min(timeout, float(config.get("ps.failover-timeout")))
-        while True:
-            courier.refresh()
-            if courier.routing.healthy or time.monotonic() > wait_heal:
-                break
-            time.sleep(0.1)
-        if not courier.routing.healthy:
-            logger.warning(
-                "server %s: flushing with fewer than %d copies of some shards (a "
-                "PS worker is missing)",
-                self.server_id,
-                self.copies,
-            )
-        courier.replay_moved()
-        remaining = max(deadline - time.monotonic(), 1.0)
-        req = Request(
-            "flush",
-            tuple(range(len(self.shards))),
-            args={"limit": remaining, "checkpoint": checkpoint},
-        )
-        return courier.deliver(req, call_timeout=remaining + 5).results
-
-    def _commit(self, epoch: Any, meta: dict | None, timeout: float | None = None) -> dict:
-        async def commit(rpc: Any, sched: Any) -> dict:
-            coro = sched.adam_ps_commit(server_id=self.server_id, epoch=epoch, meta=meta)
-            return await asyncio.wait_for(coro, timeout)
-
-        return self._courier.control.run(commit)
+        figures = server_figures(self, self._courier, nodes, routing, now, self._last_stats)
+        self._last_stats = (now, figures["pushes_applied"])
+        return figures
 
     def story(self, sid: int | None = None) -> dict:
         """Why shard ``sid`` (every shard: ``None``) is where it is: ``{"controller": [...],
@@ -736,28 +458,13 @@ class ParameterServer:
         newest 256 events of each."""
         courier = self._courier
         courier.refresh()
-        nodes = dict(courier.routing.nodes)
-        answers = courier.control.each(
-            {a: (k, "story", sid) for a, k in nodes.items()}, float(config.get("ps.call-timeout"))
-        )
-        return {
-            "controller": courier.control.story(sid),
-            "nodes": {
-                a: (r if not isinstance(r, BaseException) else repr(r)) for a, r in answers.items()
-            },
-        }
+        return {"controller": courier.control.story(sid), "nodes": courier.ask_nodes("story", sid)}
 
     def _stats(self) -> tuple[dict, dict]:
         courier = self._courier
         routing = courier.control.routing()
         courier.routing.set(routing)
-        nodes = dict(courier.routing.nodes)
-        answers = courier.control.each(
-            {a: (k, "stats") for a, k in nodes.items()}, float(config.get("ps.call-timeout"))
-        )
-        return {
-            a: (r if not isinstance(r, BaseException) else repr(r)) for a, r in answers.items()
-        }, routing
+        return courier.ask_nodes("stats"), routing
 
     def buffer(self) -> np.ndarray:
         """A float32 array of the server's size from the handle's pool, for a delta to push

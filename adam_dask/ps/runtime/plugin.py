@@ -471,7 +471,7 @@ class ShardPlacement(SchedulerPlugin):
     async def _unreachable(self, url: str, storage_options: dict | None, doc: dict) -> str | None:
         """Why this scheduler can not read and write the manifest at ``url`` (None: it can),
         within ``adam.ps.call-timeout``."""
-        from .checkpoint import manifest_unreachable
+        from ..checkpoint import manifest_unreachable
 
         try:
             return await asyncio.wait_for(
