@@ -15,12 +15,10 @@ than the context's works in both paths.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .network import Network
+from .protocol import NetworkPlan
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +67,9 @@ class Context:
     :data:`PLAN_COLUMNS`) for the fused step.
     """
 
-    def __init__(self, net: Network, batch_size: int):
+    def __init__(self, net: NetworkPlan, batch_size: int):
         B = self.batch_size = int(batch_size)
+        self.network_id = id(net)  # a step checks that its context is its network's
         self.spec = net.spec
         self.input_shape = net.input_shape
         layers = net.layers
