@@ -3,8 +3,8 @@
 Every buffer is one flat array (activations, error terms, im2col patches, pooling winners, ...)
 with per-layer views into it, so two paths share a :class:`Context`:
 
-* the layer-by-layer path in :mod:`adam_dask.model.network` (one kernel call per layer and pass)
-  reads the named views (``ctx.acts[i]``, ``ctx.cols[i]``, ...);
+* the layer-by-layer passes in :mod:`adam_dask.model.passes` (one kernel call per layer and
+  pass) read the named views (``ctx.acts[i]``, ``ctx.cols[i]``, ...);
 * the fused step in :mod:`adam_dask.model.fused` (one numba call per mini-batch) reads the flat
   buffers through the offsets in ``ctx.plan``.
 

@@ -355,7 +355,10 @@ class Network:
 
         ``x`` float32 C-contiguous (B, C, H, W), ``y`` int64 (B,), already checked
         (:meth:`check_input`, :meth:`check_labels`); ``ctx.grad`` must be zero (as every step
-        leaves it). With ``dense_terms`` a dict, it is filled like :meth:`backward_into`'s."""
+        leaves it). With ``dense_terms`` a dict, it is filled like :meth:`backward_into`'s. The
+        other arguments are checked as the torch engine's are
+        (:func:`~adam_dask.model.checks.check_step`: ``ctx`` made by this network, ``n``,
+        ``velocity``, ``acc``)."""
         return F.step(self, ctx, x, y, n, lr, momentum, velocity, acc, dense_terms)
 
     # -- the public passes ------------------------------------------------------------------------

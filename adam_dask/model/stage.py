@@ -4,7 +4,7 @@ stage's error terms (paper 3.2, Figure 6: a model replica split over several mac
 
 A :class:`Stage` holds only its layers' parameters: ``flat`` is the slice ``[start, stop)`` of
 the whole network's flat buffer (layers are laid out in order, so consecutive layers are one
-contiguous span). The passes use the same kernels as :class:`~adam_dask.model.network.Network`,
+contiguous span). The passes are the network's own layer loops (:mod:`adam_dask.model.passes`),
 in a :class:`StageContext` per mini-batch in flight (its activations must survive until that
 mini-batch's error terms come back from the next stage):
 

@@ -337,7 +337,7 @@ class TorchNetwork:
         ``module.load_state_dict``."""
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
-    # -- input checks (model/checks.py, as the numba engine's) ---------------------------------------
+    # -- input checks (model/checks.py, as the numba engine's) -------------------------------------
 
     def check_input(self, x) -> np.ndarray:
         """``x`` as a C-contiguous float32 (B, C, H, W) array, or :class:`InputShapeError`."""
@@ -373,7 +373,8 @@ class TorchNetwork:
         into ``ctx.grad`` (a flat float32 buffer), then ``flat += u`` (and ``acc += u``),
         ``u = momentum * velocity - lr * grad`` by the numba engine's kernel, which zeroes
         ``ctx.grad`` again. Returns the mean loss. ``dense_terms`` (the numba engine's
-        dense-layer offload) is not supported and must be None."""
+        dense-layer offload) is not supported and must be None; the other arguments are checked
+        as the numba engine's are (:func:`~adam_dask.model.checks.check_step`)."""
         if dense_terms is not None:
             raise ModelSpecError(
                 "the dense-layer offload needs the numba engine", "set offload_dense=False"
