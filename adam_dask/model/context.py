@@ -3,8 +3,8 @@
 Every buffer is one flat array (activations, error terms, im2col patches, pooling winners, ...)
 with per-layer views into it, so two paths share a :class:`Context`:
 
-* the layer-by-layer path in :mod:`adam_dask.model.network` (one kernel call per layer and pass)
-  reads the named views (``ctx.acts[i]``, ``ctx.cols[i]``, ...);
+* the layer-by-layer passes in :mod:`adam_dask.model.passes` (one kernel call per layer and
+  pass) read the named views (``ctx.acts[i]``, ``ctx.cols[i]``, ...);
 * the fused step in :mod:`adam_dask.model.fused` (one numba call per mini-batch) reads the flat
   buffers through the offsets in ``ctx.plan``.
 
@@ -15,12 +15,10 @@ than the context's works in both paths.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .network import Network
+from .protocol import NetworkPlan
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +67,9 @@ class Context:
     :data:`PLAN_COLUMNS`) for the fused step.
     """
 
-    def __init__(self, net: Network, batch_size: int):
+    def __init__(self, net: NetworkPlan, batch_size: int):
         B = self.batch_size = int(batch_size)
+        self.network_id = id(net)  # a step checks that its context is its network's
         self.spec = net.spec
         self.input_shape = net.input_shape
         layers = net.layers

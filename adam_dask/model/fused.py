@@ -29,18 +29,15 @@ file), or the cached step keeps the old kernel.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
 
-from ..errors import InputShapeError
 from . import kernels as K
+from .checks import check_step
+from .context import Context
 from .kernels import _kernel
-
-if TYPE_CHECKING:
-    from .context import Context
-    from .network import Network
+from .protocol import Trainable
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +48,6 @@ _KIND, _ACT, _C, _H, _W, _OC, _OH, _OW, _KH, _KW = range(10)
 _WOFF, _BOFF, _AOFF, _COFF, _DCOFF, _MOFF, _SOFF = range(10, 17)
 _CONV, _POOL, _FC, _BN = 0, 1, 2, 3
 _TANH, _RELU = 1, 2
-_NO_ACC = np.zeros(0, np.float32)
 
 
 @njit(nogil=True, cache=True, fastmath=K._FASTMATH, error_model="numpy", inline="always")
@@ -398,7 +394,7 @@ def train_step(
 
 
 def step(
-    net: Network,
+    net: Trainable,
     ctx: Context,
     x: np.ndarray,
     y: np.ndarray,
@@ -410,32 +406,12 @@ def step(
     dense_terms: dict | None = None,
     seed: int = -1,
 ) -> float:
-    """:meth:`Network.step_into`: check what would corrupt memory (the kernels check nothing),
-    run :func:`train_step` (with the network's dropout and label smoothing; ``seed`` >= 0 reseeds
+    """:meth:`Network.step_into`: check what would corrupt memory (the kernels check nothing;
+    :func:`~adam_dask.model.checks.check_step`, as the torch engine does), run
+    :func:`train_step` (with the network's dropout and label smoothing; ``seed`` >= 0 reseeds
     its draws), and copy the dense layers' offload terms out of the context."""
-    n = x.shape[0] if n is None else n
-    if not 0 < n <= min(ctx.batch_size, x.shape[0], y.shape[0]):
-        raise InputShapeError(
-            f"a step of {n} images needs n <= the context's batch size "
-            f"({ctx.batch_size}) and the {x.shape[0]} images and {y.shape[0]} labels given"
-        )
-    if ctx.spec != net.spec or ctx.input_shape != net.input_shape:
-        raise InputShapeError(
-            f"{ctx!r} was made for another network", "make it with net.context(batch_size)"
-        )
+    n, acc = check_step(net, ctx, x, y, n, momentum, velocity, acc)
     flat = net.flat
-    if momentum > 0 and velocity.shape[0] != flat.shape[0]:
-        raise InputShapeError(
-            f"momentum {momentum} needs a velocity of {flat.shape[0]} values, "
-            f"got {velocity.shape[0]}"
-        )
-    if acc is None:
-        acc = _NO_ACC
-    elif acc.shape != flat.shape or acc.dtype != np.float32:
-        raise InputShapeError(
-            f"an accumulator must be float32 like net.flat ({flat.shape[0]} values), "
-            f"got {acc.dtype} {acc.shape}"
-        )
     loss = train_step(
         ctx.plan,
         flat,

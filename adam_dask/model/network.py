@@ -20,19 +20,18 @@ import threading
 import numpy as np
 
 from .. import config
-from ..errors import InputShapeError, ModelSpecError
+from ..errors import ModelSpecError
+from . import checks
 from . import fused as F
-from . import kernels as K
 from .context import Context
-from .layout import ParameterLayout, assign_flat
+from .layout import ParameterLayout
+from .passes import Accumulate, backward_layers, forward_layers, softmax_loss
+from .protocol import FlatBuffer, accuracy, describe, predict
 from .spec import ACTIVATIONS, Layer, parse_spec
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ACTIVATIONS", "Context", "Layer", "Network", "parameter_entries", "parse_spec"]
-
-_ACT_FWD = {"tanh": K.tanh_forward, "relu": K.relu_forward}
-_ACT_BWD = {"tanh": K.tanh_backward, "relu": K.relu_backward}
 
 
 def _fraction(name: str, value: float | None) -> float:
@@ -114,13 +113,7 @@ class Network:
             )
         self.dropout = dropout
         self.label_smoothing = _fraction("label_smoothing", label_smoothing)
-        input_shape = tuple(int(d) for d in input_shape)
-        if len(input_shape) == 2:
-            input_shape = (1, *input_shape)
-        if len(input_shape) != 3 or min(input_shape) < 1:
-            raise ModelSpecError(
-                f"input_shape must be (C, H, W) with positive sizes, got {input_shape}"
-            )
+        input_shape = checks.image_shape(input_shape)
         self.spec = (
             ",".join(t.strip().lower() for t in spec.split(",")) if isinstance(spec, str) else spec
         )
@@ -251,69 +244,28 @@ class Network:
         return any(L.kind == "bn" for L in self.layers)
 
     def __repr__(self) -> str:
-        return (
-            f"Network({self.spec!r}, input_shape={self.input_shape}, "
-            f"activation={self.activation!r}, {self.layout.size} parameters)"
-        )
+        return describe(self, activation=self.activation)
 
-    @property
-    def flat(self) -> np.ndarray:
-        return self._flat
+    flat = FlatBuffer()
 
-    @flat.setter
-    def flat(self, values: np.ndarray) -> None:
-        assign_flat(self._flat, values)
-        self.population = {}  # new weights: the old statistics no longer describe them
+    def weights_assigned(self) -> None:
+        """New weights in ``flat``: the old population statistics no longer describe them."""
+        self.population = {}
 
     # -- input checks -----------------------------------------------------------------------------
 
     def check_input(self, x) -> np.ndarray:
         """``x`` as a C-contiguous float32 (B, C, H, W) array, or :class:`InputShapeError`."""
-        if not isinstance(x, np.ndarray):
-            x = np.asarray(x)
-        want = self.input_shape
-        if x.ndim != 4 or tuple(x.shape[1:]) != want:
-            raise InputShapeError(
-                f"expected images of shape (B, {', '.join(map(str, want))}), got {x.shape}",
-                "add the batch and channel axes, e.g. x[:, None]",
-            )
-        if x.shape[0] == 0:
-            raise InputShapeError("got an empty batch (0 images)")
-        if x.dtype != np.float32:
-            if not np.issubdtype(x.dtype, np.floating):
-                raise InputShapeError(
-                    f"expected float32 images, got dtype {x.dtype}",
-                    "scale uint8 images to [0, 1] first (x / 255) or use "
-                    "evaluate(), which accepts uint8",
-                )
-            x = x.astype(np.float32)
-        return np.ascontiguousarray(x)
+        return checks.check_input(x, self.input_shape)
 
     def check_labels(self, y, n: int) -> np.ndarray:
         """``y`` as int64 (n,) within [0, classes), or :class:`InputShapeError`."""
-        y = np.asarray(y)
-        if y.shape != (n,):
-            raise InputShapeError(f"expected {n} labels of shape ({n},), got shape {y.shape}")
-        if not np.issubdtype(y.dtype, np.integer):
-            raise InputShapeError(f"expected integer labels, got dtype {y.dtype}")
-        if n and (y.min() < 0 or y.max() >= self.classes):
-            raise InputShapeError(
-                f"labels must lie in [0, {self.classes}), got [{y.min()}, {y.max()}]"
-            )
-        return np.ascontiguousarray(y, dtype=np.int64)
+        return checks.check_labels(y, n, self.classes)
 
     def as_images(self, x) -> np.ndarray:
         """Images of any common form as float32 (N, C, H, W): uint8 (N, H, W) / (N, H, W, C) /
         (N, C, H, W) scaled by 1/255, or float arrays as they are."""
-        x = np.asarray(x)
-        c, h, w = self.input_shape
-        if x.ndim == 3 and c == 1 and x.shape[1:] == (h, w):
-            x = x[:, None]
-        elif x.ndim == 4 and x.shape[1:] == (h, w, c) and x.shape[1:] != (c, h, w):
-            x = x.transpose(0, 3, 1, 2)
-        if x.dtype == np.uint8:
-            x = x.astype(np.float32) / np.float32(255.0)
-        return self.check_input(x)
+        return checks.as_images(x, self.input_shape)
 
     # -- contexts ---------------------------------------------------------------------------------
 
@@ -349,42 +301,16 @@ class Network:
         first bn layer without population statistics adds its input's per-channel sum and sum
         of squares into it and the pass stops there (returns None): :meth:`calibrate`."""
         n = x.shape[0] if n is None else n
-        inp = x[:n]
-        p = self.parameters
-        for L in self.layers:
-            i = L.index
-            out = ctx.acts[i][:n]
-            if L.kind == "conv":
-                K.conv2d_forward(out, ctx.cols[i][:n], inp, p[f"{i}.weight"], p[f"{i}.bias"])
-            elif L.kind == "maxpool":
-                K.maxpool2_forward(out, ctx.argmax[i][:n], inp)
-            elif L.kind == "bn":
-                c = L.out_shape[0]
-                x3, o3 = inp.reshape(n, c, -1), out.reshape(n, c, -1)
-                gamma, beta = p[f"{i}.weight"], p[f"{i}.bias"]
-                if train:
-                    K.batchnorm_forward(o3, ctx.stats[i], x3, gamma, beta, K.BN_EPS)
-                elif i in self.population:
-                    mean, var = self.population[i]
-                    K.batchnorm_infer(o3, x3, mean, var, gamma, beta, K.BN_EPS)
-                elif collect is not None:
-                    x64 = x3.astype(np.float64)
-                    collect[0] += x64.sum(axis=(0, 2))
-                    collect[1] += (x64 * x64).sum(axis=(0, 2))
-                    return None
-                else:
-                    raise ModelSpecError(
-                        f"layer {i} normalises by population statistics this network does not "
-                        "have yet (new or just-assigned weights)",
-                        "call net.calibrate(training_images) before inference",
-                        layer=i,
-                    )
-            else:
-                K.dense_forward(out, inp.reshape(n, -1), p[f"{i}.weight"], p[f"{i}.bias"])
-            if L.act is not None:
-                _ACT_FWD[L.act](out)
-            inp = out
-        return inp
+        return forward_layers(
+            self.layers,
+            self.parameters,
+            ctx,
+            x,
+            n,
+            train=train,
+            population=self.population,
+            collect=collect,
+        )
 
     def backward_into(
         self,
@@ -401,55 +327,11 @@ class Network:
         n = x.shape[0] if n is None else n
         logits = self.forward_into(ctx, x, n, train=True)
         assert logits is not None
-        y = y[:n]
-        g = ctx.gviews if grads is None else grads
-        p = self.parameters
-        probs = ctx.probs[:n]
-        eps = self.label_smoothing
-        loss = K.softmax_cross_entropy_forward(probs, ctx.losses[:n], logits, y, eps)
         last = self.layers[-1].index
-        K.softmax_cross_entropy_backward(ctx.errs[last][:n], probs, y, np.float32(1.0 / n), eps)
-        for j in range(len(self.layers) - 1, -1, -1):
-            L = self.layers[j]
-            i = L.index
-            dout = ctx.errs[i][:n]
-            if L.act is not None:
-                _ACT_BWD[L.act](dout, ctx.acts[i][:n])
-            inp = x[:n] if j == 0 else ctx.acts[i - 1][:n]
-            need_dx = j > 0
-            dinp = ctx.errs[i - 1][:n] if need_dx else ctx.dummy
-            if L.kind == "conv":
-                K.conv2d_backward_weights(g[f"{i}.weight"], g[f"{i}.bias"], dout, ctx.cols[i][:n])
-                if need_dx:
-                    K.conv2d_backward_input(dinp, ctx.dcols[i], dout, p[f"{i}.weight"])
-            elif L.kind == "maxpool":
-                if need_dx:
-                    K.maxpool2_backward(dinp, dout, ctx.argmax[i][:n])
-            elif L.kind == "bn":  # never first: it follows a conv or fc layer
-                c = L.out_shape[0]
-                K.batchnorm_backward(
-                    dinp.reshape(n, c, -1),
-                    g[f"{i}.weight"],
-                    g[f"{i}.bias"],
-                    dout.reshape(n, c, -1),
-                    inp.reshape(n, c, -1),
-                    ctx.stats[i],
-                    p[f"{i}.weight"],
-                )
-            else:
-                a2 = inp.reshape(n, -1)
-                if dense_terms is not None:
-                    dense_terms[str(i)] = (a2.copy(), dout.copy())
-                K.dense_backward(
-                    dinp.reshape(n, -1) if need_dx else ctx.dummy,
-                    g[f"{i}.weight"],
-                    g[f"{i}.bias"],
-                    dout,
-                    a2,
-                    p[f"{i}.weight"],
-                    need_dx,
-                )
-        return float(loss)
+        loss = softmax_loss(ctx, logits, ctx.errs[last][:n], y, n, self.label_smoothing)
+        sink = Accumulate(ctx.gviews if grads is None else grads, dense_terms)
+        backward_layers(self.layers, self.parameters, ctx, x, n, sink)
+        return loss
 
     def step_into(
         self,
@@ -473,7 +355,10 @@ class Network:
 
         ``x`` float32 C-contiguous (B, C, H, W), ``y`` int64 (B,), already checked
         (:meth:`check_input`, :meth:`check_labels`); ``ctx.grad`` must be zero (as every step
-        leaves it). With ``dense_terms`` a dict, it is filled like :meth:`backward_into`'s."""
+        leaves it). With ``dense_terms`` a dict, it is filled like :meth:`backward_into`'s. The
+        other arguments are checked as the torch engine's are
+        (:func:`~adam_dask.model.checks.check_step`: ``ctx`` made by this network, ``n``,
+        ``velocity``, ``acc``)."""
         return F.step(self, ctx, x, y, n, lr, momentum, velocity, acc, dense_terms)
 
     # -- the public passes ------------------------------------------------------------------------
@@ -549,11 +434,9 @@ class Network:
 
     def predict(self, x, batch_size: int = 256) -> np.ndarray:
         """Class labels (B,) int64 of images ``x`` (any form :meth:`as_images` accepts)."""
-        return self.forward(self.as_images(x), batch_size).argmax(axis=1)
+        return predict(self, x, batch_size)
 
     def evaluate(self, x, y, batch_size: int = 256) -> float:
         """Accuracy in [0, 1] on images ``x`` (float32 (N, C, H, W), or uint8 (N, H, W) /
         (N, H, W, C) scaled by 1/255) with labels ``y`` (N,)."""
-        x = self.as_images(x)
-        y = self.check_labels(y, x.shape[0])
-        return float((self.predict(x, batch_size) == y).mean())
+        return accuracy(self, x, y, batch_size)

@@ -4,7 +4,7 @@ stage's error terms (paper 3.2, Figure 6: a model replica split over several mac
 
 A :class:`Stage` holds only its layers' parameters: ``flat`` is the slice ``[start, stop)`` of
 the whole network's flat buffer (layers are laid out in order, so consecutive layers are one
-contiguous span). The passes use the same kernels as :class:`~adam_dask.model.network.Network`,
+contiguous span). The passes are the network's own layer loops (:mod:`adam_dask.model.passes`),
 in a :class:`StageContext` per mini-batch in flight (its activations must survive until that
 mini-batch's error terms come back from the next stage):
 
@@ -35,14 +35,12 @@ from . import fused as F
 from . import kernels as K
 from .layout import ParameterLayout
 from .network import Network, parameter_entries
+from .passes import ACT_BWD, ACT_FWD, Update, backward_layers, forward_layers, softmax_loss
 from .spec import Layer, parse_spec
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Skeleton", "Stage", "StageContext", "stages_of"]
-
-_ACT_FWD = {"tanh": K.tanh_forward, "relu": K.relu_forward}
-_ACT_BWD = {"tanh": K.tanh_backward, "relu": K.relu_backward}
 
 
 class Skeleton:
@@ -180,31 +178,9 @@ class Stage:
         ctx.x = x
         if self.rows is not None:
             return self._slice_forward(ctx, x, n)
-        inp = x[:n]
-        p = self.parameters
-        for j, L in enumerate(self.layers):
-            i = L.index
-            out = ctx.acts[j][:n]
-            if L.kind == "conv":
-                K.conv2d_forward(out, ctx.cols[j][:n], inp, p[f"{i}.weight"], p[f"{i}.bias"])
-            elif L.kind == "maxpool":
-                K.maxpool2_forward(out, ctx.argmax[j][:n], inp)
-            elif L.kind == "bn":
-                c = L.out_shape[0]
-                K.batchnorm_forward(
-                    out.reshape(n, c, -1),
-                    ctx.stats[j],
-                    inp.reshape(n, c, -1),
-                    p[f"{i}.weight"],
-                    p[f"{i}.bias"],
-                    K.BN_EPS,
-                )
-            else:
-                K.dense_forward(out, inp.reshape(n, -1), p[f"{i}.weight"], p[f"{i}.bias"])
-            if L.act is not None:
-                _ACT_FWD[L.act](out)
-            inp = out
-        return inp
+        out = forward_layers(self.layers, self.parameters, ctx, x, n)
+        assert out is not None  # training: bn layers need no population
+        return out
 
     def backward_update(
         self,
@@ -226,78 +202,16 @@ class Stage:
         if self.rows is not None:
             return self._slice_backward(ctx, n, lr, acc, dout, labels)
         loss = 0.0
-        last = len(self.layers) - 1
+        dlast = ctx.errs[-1][:n]
         if self.last:
             assert labels is not None
-            logits = ctx.acts[last][:n]
-            eps = self.label_smoothing
-            probs = ctx.probs[:n]
-            loss = float(
-                K.softmax_cross_entropy_forward(probs, ctx.losses[:n], logits, labels[:n], eps)
-            )
-            K.softmax_cross_entropy_backward(
-                ctx.errs[last][:n], probs, labels[:n], np.float32(1.0 / n), eps
-            )
+            loss = softmax_loss(ctx, ctx.acts[-1][:n], dlast, labels, n, self.label_smoothing)
         else:
             assert dout is not None
-            ctx.errs[last][:n] = dout[:n]
-        p = self.parameters
-        first_in_net = self.first == 0
-        for j in range(last, -1, -1):
-            L = self.layers[j]
-            i = L.index
-            d = ctx.errs[j][:n]
-            if L.act is not None:
-                _ACT_BWD[L.act](d, ctx.acts[j][:n])
-            inp = ctx.x[:n] if j == 0 else ctx.acts[j - 1][:n]
-            need_dx = j > 0 or not first_in_net
-            dinp = (ctx.errs[j - 1] if j > 0 else ctx.din)[:n]
-            if L.kind == "maxpool":
-                if need_dx:
-                    K.maxpool2_backward(dinp, d, ctx.argmax[j][:n])
-                continue
-            w, b = p[f"{i}.weight"], p[f"{i}.bias"]
-            lo = self.offsets[f"{i}.weight"]
-            hi = lo + w.size + b.size
-            if L.kind == "fc":
-                a2 = inp.reshape(n, -1)
-                o, isz = w.shape
-                aw = acc[lo : lo + w.size].reshape(o, isz)
-                ab = acc[lo + w.size : hi]
-                F.dense_backward_update(
-                    dinp.reshape(n, -1) if need_dx else ctx.dummy,
-                    w,
-                    b,
-                    ctx.novel[:0].reshape(0, isz),
-                    ctx.novel[:0],
-                    aw,
-                    ab,
-                    ctx.row[:isz],
-                    d,
-                    a2,
-                    lr,
-                    0.0,
-                    need_dx,
-                )
-                continue
-            g = ctx.grads[j]
-            gw, gb = g[: w.size].reshape(w.shape), g[w.size :]
-            if L.kind == "conv":
-                K.conv2d_backward_weights(gw, gb, d, ctx.cols[j][:n])
-                if need_dx:
-                    K.conv2d_backward_input(dinp, ctx.dcols[j], d, w)
-            else:  # bn (never first in a network; may be first in a stage)
-                c = L.out_shape[0]
-                K.batchnorm_backward(
-                    dinp.reshape(n, c, -1),
-                    gw,
-                    gb,
-                    d.reshape(n, c, -1),
-                    inp.reshape(n, c, -1),
-                    ctx.stats[j],
-                    w,
-                )
-            F.sgd_update_into(self.flat[lo:hi], acc[lo:hi], g, ctx.novel[:0], lr, 0.0)
+            dlast[...] = dout[:n]
+        sink = Update(self.flat, self.offsets, acc, lr, ctx.grads, ctx.row)
+        din = None if self.first == 0 else ctx.din  # the network's first layer: no input error
+        backward_layers(self.layers, self.parameters, ctx, ctx.x, n, sink, din)
         return loss
 
     def _slice_forward(self, ctx: StageContext, x: np.ndarray, n: int) -> np.ndarray:
@@ -317,7 +231,7 @@ class Stage:
             out[:, r0:] = z
             out += self.bias
             if L.act is not None:
-                _ACT_FWD[L.act](out)
+                ACT_FWD[L.act](out)
         else:
             out[:, :I] = xs
             if r0:
@@ -347,17 +261,12 @@ class Stage:
             y = ctx.acts[0][:n].reshape(n, -1)
             if self.last:
                 assert labels is not None
-                eps = self.label_smoothing
-                probs = ctx.probs[:n]
-                loss = float(
-                    K.softmax_cross_entropy_forward(probs, ctx.losses[:n], y, labels[:n], eps)
-                )
-                K.softmax_cross_entropy_backward(dz, probs, labels[:n], np.float32(1.0 / n), eps)
+                loss = softmax_loss(ctx, y, dz, labels, n, self.label_smoothing)
             else:
                 assert dout is not None
                 dz[...] = dout[:n].reshape(n, -1)
                 if L.act is not None:
-                    _ACT_BWD[L.act](dz, y)
+                    ACT_BWD[L.act](dz, y)
             ctx.gbias[...] = dz.sum(axis=0)
             nb = self.O
             F.sgd_update_into(self.bias, acc[acc.shape[0] - nb :], ctx.gbias, ctx.novel, lr, 0.0)

@@ -40,7 +40,6 @@ engines.
 from __future__ import annotations
 
 import copy
-import importlib
 import logging
 import threading
 from collections.abc import Callable
@@ -48,113 +47,30 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputShapeError, ModelSpecError
-from ._factory_path import TORCH, is_factory_path
+from ..errors import ModelSpecError
+from . import checks
+from ._factory_path import TORCH
 from .fused import sgd_update_into
-from .layout import ParameterLayout, assign_flat
-
-try:
-    import torch
-    from torch import nn
-except ImportError as exc:  # pragma: no cover - the optional extra is missing
-    raise ModelSpecError(
-        f"a PyTorch model needs torch ({exc})", 'pip install "adam_dask[torch]"'
-    ) from None
+from .layout import ParameterLayout
+from .protocol import FlatBuffer, accuracy, describe, predict
+from .torch_module import (  # first: it says what to install when torch is missing
+    as_float32,
+    bind,
+    build_module,
+    describe_module,
+    is_bn,
+    load_factory,
+    loss_name,
+    nn,
+    tensor,
+    torch,
+)
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["TorchContext", "TorchNetwork", "load_factory"]
 
-_NO_ACC = np.zeros(0, np.float32)
 _threads = threading.local()  # whether this thread has set torch to one intra-op thread
-
-
-def load_factory(path: str) -> Callable[[], Any]:
-    """The callable that ``"package.module:name"`` names (``name`` may be dotted), or one
-    :class:`ModelSpecError` saying what to fix."""
-    if not is_factory_path(path):
-        raise ModelSpecError(
-            f"{path!r} is not a model factory path",
-            "write it as package.module:factory (a zero-argument callable returning an nn.Module)",
-        )
-    mod_name, _, attr = path.strip().partition(":")
-    try:
-        obj: Any = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise ModelSpecError(
-            f"cannot import {mod_name!r} for the model factory {path!r}: {exc}",
-            "install the package (or put it on PYTHONPATH) on the client and every TRAIN worker",
-        ) from None
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ModelSpecError(
-                f"{mod_name!r} has no {attr!r} (model factory {path!r})",
-                "name a zero-argument callable that returns an nn.Module",
-            ) from None
-    if not callable(obj):
-        raise ModelSpecError(f"the model factory {path!r} is not callable")
-    return obj
-
-
-def _build(factory: Callable[[], Any], seed: int | None, what: str) -> nn.Module:
-    """``factory()`` (with torch's generator seeded from ``seed`` when given, restored after)
-    checked to be an ``nn.Module``."""
-    with torch.random.fork_rng(devices=[]):
-        if seed is not None:
-            torch.manual_seed(int(seed))
-        module = factory()
-    if not isinstance(module, nn.Module):
-        raise ModelSpecError(
-            f"the model factory {what} returned {type(module).__name__}, not an nn.Module",
-            "return the module from a zero-argument callable",
-        )
-    return module
-
-
-def _float32(module: nn.Module) -> nn.Module:
-    """``module`` in float32 (the parameter server holds float32 values), refused when a
-    parameter is not on the CPU: the engine trains on the CPU (each parameter is a view of the
-    numpy buffer the server shards), and moving a CUDA module there without a word would train
-    it far from where its author meant it to run."""
-    for name, p in module.named_parameters():
-        if p.device.type != "cpu":
-            raise ModelSpecError(
-                f"parameter {name!r} is on {p.device}; adam_dask's torch engine trains on the CPU "
-                "(its parameters are views of the parameter server's numpy buffer)",
-                "build the module on the CPU (drop .cuda() / .to(device) from the factory)",
-            )
-        if not p.is_floating_point():
-            raise ModelSpecError(
-                f"parameter {name!r} is {p.dtype}; the parameter server holds float32 values",
-                "keep integer tensors in buffers, not parameters",
-            )
-    if any(p.dtype != torch.float32 for p in module.parameters()):
-        module = module.to(torch.float32)
-    return module
-
-
-def _bind(module: nn.Module, layout: ParameterLayout, flat: np.ndarray, grad=None) -> None:
-    """Make every parameter of ``module`` a view into ``flat`` (and its ``.grad`` a view into
-    ``grad`` when given)."""
-    params = dict(module.named_parameters())
-    for e in layout:
-        p = params[e.name]
-        p.data = torch.from_numpy(flat[e.offset : e.offset + e.size]).view(e.shape)
-        if grad is not None:
-            p.grad = torch.from_numpy(grad[e.offset : e.offset + e.size]).view(e.shape)
-
-
-def _describe(module: nn.Module) -> str:
-    cls = type(module)
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _loss_name(loss: Callable | None) -> str:
-    if loss is None:
-        return "cross_entropy"
-    return getattr(loss, "__qualname__", None) or type(loss).__qualname__
 
 
 class TorchContext:
@@ -163,14 +79,15 @@ class TorchContext:
 
     def __init__(self, net: TorchNetwork, batch_size: int):
         self.batch_size = int(batch_size)
-        self.network_id = id(net)
+        self.network_id = id(net)  # a step checks that its context is its network's
+        self.spec, self.input_shape = net.spec, net.input_shape
         self.grad = net.layout.allocate()
         self.module = copy.deepcopy(net.module)
-        _bind(self.module, net.layout, net.flat, self.grad)
+        bind(self.module, net.layout, net.flat, self.grad)
         self.module.train()
 
     def __repr__(self) -> str:
-        return f"TorchContext({_describe(self.module)}, batch_size={self.batch_size})"
+        return f"TorchContext({describe_module(self.module)}, batch_size={self.batch_size})"
 
 
 class TorchNetwork:
@@ -207,29 +124,22 @@ class TorchNetwork:
                 f"expected an nn.Module, got {type(module).__name__}",
                 "pass the module, a zero-argument callable returning one, or package.module:factory",
             )
-        module = _float32(module)
-        input_shape = tuple(int(d) for d in input_shape)
-        if len(input_shape) == 2:
-            input_shape = (1, *input_shape)
-        if len(input_shape) != 3 or min(input_shape) < 1:
-            raise ModelSpecError(
-                f"input_shape must be (C, H, W) with positive sizes, got {input_shape}"
-            )
-        self.input_shape = input_shape
+        module = as_float32(module)
+        self.input_shape = input_shape = checks.image_shape(input_shape)
         self.factory = factory
         self.loss = loss
         self._loss: Callable = loss if loss is not None else nn.functional.cross_entropy
-        self.spec = f"torch:{factory or _describe(module)}"
+        self.spec = f"torch:{factory or describe_module(module)}"
         named = list(module.named_parameters())
         if not named:
-            raise ModelSpecError(f"the module {_describe(module)} has no parameters to train")
+            raise ModelSpecError(f"the module {describe_module(module)} has no parameters to train")
         self.layout = ParameterLayout((name, tuple(p.shape)) for name, p in named)
         self._flat = self.layout.allocate()
         with torch.no_grad():
             for e, (_, p) in zip(self.layout, named):
                 self._flat[e.offset : e.offset + e.size] = p.detach().reshape(-1).numpy()
         self.module = module
-        _bind(module, self.layout, self._flat)
+        bind(module, self.layout, self._flat)
         self.parameters: dict[str, np.ndarray] = self.layout.views(self._flat)
         #: whether the batch-norm running statistics describe the current weights: a module
         #: as given (or just calibrated) yes; after ``flat`` is assigned, no
@@ -257,10 +167,12 @@ class TorchNetwork:
         if isinstance(model, nn.Module):
             return cls(model, input_shape, loss=loss)
         if isinstance(model, str):
-            return cls(_build(load_factory(model), seed, repr(model)), input_shape, model, loss)
+            return cls(
+                build_module(load_factory(model), seed, repr(model)), input_shape, model, loss
+            )
         if callable(model):
             what = getattr(model, "__qualname__", type(model).__name__)
-            return cls(_build(model, seed, what), input_shape, loss=loss)
+            return cls(build_module(model, seed, what), input_shape, loss=loss)
         raise ModelSpecError(
             f"model={model!r} is not an nn.Module, a callable or a factory path",
             "pass an nn.Module, a zero-argument callable returning one, or package.module:factory",
@@ -271,10 +183,10 @@ class TorchNetwork:
         return {
             "engine": TORCH,
             "factory": self.factory,
-            "module": _describe(self.module),
+            "module": describe_module(self.module),
             "input_shape": list(self.input_shape),
             "classes": self.classes,
-            "loss": _loss_name(self.loss),
+            "loss": loss_name(self.loss),
             "parameters": self.layout.size,
             "layout": self.layout.to_dict(),
         }
@@ -319,7 +231,7 @@ class TorchNetwork:
             net = cls(cloudpickle.loads(d["module_pickle"]), input_shape, loss=loss)
         elif d.get("factory"):
             net = cls(
-                _build(load_factory(d["factory"]), None, repr(d["factory"])),
+                build_module(load_factory(d["factory"]), None, repr(d["factory"])),
                 input_shape,
                 d["factory"],
                 loss,
@@ -390,7 +302,7 @@ class TorchNetwork:
                 out = module(torch.zeros((2, *self.input_shape), dtype=torch.float32))
         except Exception as exc:
             raise ModelSpecError(
-                f"the module {_describe(module)} fails on images of shape "
+                f"the module {describe_module(module)} fails on images of shape "
                 f"(B, {', '.join(map(str, self.input_shape))}): {type(exc).__name__}: {exc}",
                 "make its forward take float32 (B, C, H, W) images of the data store",
             ) from None
@@ -399,57 +311,45 @@ class TorchNetwork:
         if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != 2:
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise ModelSpecError(
-                f"the module {_describe(module)} returns {shape} for 2 images; expected "
+                f"the module {describe_module(module)} returns {shape} for 2 images; expected "
                 "logits (2, classes)",
                 "return one row of class scores per image",
             )
         return int(out.shape[1])
 
     def __repr__(self) -> str:
-        return (
-            f"TorchNetwork({self.spec!r}, input_shape={self.input_shape}, "
-            f"{self.layout.size} parameters)"
-        )
+        return describe(self)
 
-    @property
-    def flat(self) -> np.ndarray:
-        return self._flat
+    flat = FlatBuffer()
 
-    @flat.setter
-    def flat(self, values: np.ndarray) -> None:
-        assign_flat(self._flat, values)
-        self.calibrated = False  # new weights: the running statistics no longer describe them
+    def weights_assigned(self) -> None:
+        """New weights in ``flat``: the running statistics no longer describe them."""
+        self.calibrated = False
 
     @property
     def batch_norm(self) -> bool:
         """Whether the module keeps batch-norm running statistics (inference then needs
         :meth:`calibrate` after the weights change)."""
-        return any(_is_bn(m) for m in self.module.modules())
+        return any(is_bn(m) for m in self.module.modules())
 
     def state_dict(self) -> dict[str, Any]:
         """The trained weights (and buffers) as a PyTorch ``state_dict`` of copies, for
         ``module.load_state_dict``."""
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
-    # -- input checks (the numba engine's) --------------------------------------------------------
+    # -- input checks (model/checks.py, as the numba engine's) -------------------------------------
 
     def check_input(self, x) -> np.ndarray:
         """``x`` as a C-contiguous float32 (B, C, H, W) array, or :class:`InputShapeError`."""
-        from .network import Network
-
-        return Network.check_input(self, x)  # type: ignore[arg-type]
+        return checks.check_input(x, self.input_shape)
 
     def check_labels(self, y, n: int) -> np.ndarray:
         """``y`` as int64 (n,) in [0, classes), or :class:`InputShapeError`."""
-        from .network import Network
-
-        return Network.check_labels(self, y, n)  # type: ignore[arg-type]
+        return checks.check_labels(y, n, self.classes)
 
     def as_images(self, x) -> np.ndarray:
         """Images of any common form as float32 (N, C, H, W) (uint8 scaled by 1/255)."""
-        from .network import Network
-
-        return Network.as_images(self, x)  # type: ignore[arg-type]
+        return checks.as_images(x, self.input_shape)
 
     # -- training -------------------------------------------------------------------------------
 
@@ -473,36 +373,20 @@ class TorchNetwork:
         into ``ctx.grad`` (a flat float32 buffer), then ``flat += u`` (and ``acc += u``),
         ``u = momentum * velocity - lr * grad`` by the numba engine's kernel, which zeroes
         ``ctx.grad`` again. Returns the mean loss. ``dense_terms`` (the numba engine's
-        dense-layer offload) is not supported and must be None."""
+        dense-layer offload) is not supported and must be None; the other arguments are checked
+        as the numba engine's are (:func:`~adam_dask.model.checks.check_step`)."""
         if dense_terms is not None:
             raise ModelSpecError(
                 "the dense-layer offload needs the numba engine", "set offload_dense=False"
             )
-        n = x.shape[0] if n is None else n
-        if not 0 < n <= min(ctx.batch_size, x.shape[0], y.shape[0]):
-            raise InputShapeError(
-                f"a step of {n} images needs n <= the context's batch size "
-                f"({ctx.batch_size}) and the {x.shape[0]} images and {y.shape[0]} labels given"
-            )
-        if ctx.network_id != id(self):
-            raise InputShapeError(
-                f"{ctx!r} was made for another network", "make it with net.context(batch_size)"
-            )
-        flat = self._flat
-        if momentum > 0 and velocity.shape[0] != flat.shape[0]:
-            raise InputShapeError(
-                f"momentum {momentum} needs a velocity of {flat.shape[0]} values, "
-                f"got {velocity.shape[0]}"
-            )
-        if acc is None:
-            acc = _NO_ACC
+        n, acc = checks.check_step(self, ctx, x, y, n, momentum, velocity, acc)
         if not getattr(_threads, "one", False):
             torch.set_num_threads(1)  # the replica's parallelism is its Hogwild threads
             _threads.one = True
-        logits = ctx.module(_tensor(x[:n]))
-        loss = self._loss(logits, _tensor(y[:n]))
+        logits = ctx.module(tensor(x[:n]))
+        loss = self._loss(logits, tensor(y[:n]))
         loss.backward()
-        sgd_update_into(flat, acc, ctx.grad, velocity, lr, momentum)
+        sgd_update_into(self._flat, acc, ctx.grad, velocity, lr, momentum)
         return float(loss.detach())
 
     # -- inference ----------------------------------------------------------------------------------
@@ -524,7 +408,7 @@ class TorchNetwork:
         try:
             with torch.no_grad():
                 for s in range(0, x.shape[0], int(batch_size)):
-                    chunk = _tensor(x[s : s + int(batch_size)])
+                    chunk = tensor(x[s : s + int(batch_size)])
                     out[s : s + len(chunk)] = module(chunk).numpy()
         finally:
             module.train(was)
@@ -532,13 +416,11 @@ class TorchNetwork:
 
     def predict(self, x, batch_size: int = 256) -> np.ndarray:
         """Class labels (B,) int64 of images ``x`` (any form :meth:`as_images` accepts)."""
-        return self.forward(self.as_images(x), batch_size).argmax(axis=1)
+        return predict(self, x, batch_size)
 
     def evaluate(self, x, y, batch_size: int = 256) -> float:
         """Accuracy in [0, 1] on images ``x`` with labels ``y`` (N,)."""
-        x = self.as_images(x)
-        y = self.check_labels(y, x.shape[0])
-        return float((self.predict(x, batch_size) == y).mean())
+        return accuracy(self, x, y, batch_size)
 
     def calibrate(self, x, batch_size: int = 256) -> None:
         """Recompute the batch-norm running statistics from images ``x`` (training images,
@@ -548,7 +430,7 @@ class TorchNetwork:
             return
         x = self.as_images(x)
         module = self.module
-        bns: list[Any] = [m for m in module.modules() if _is_bn(m)]
+        bns: list[Any] = [m for m in module.modules() if is_bn(m)]
         momenta = [m.momentum for m in bns]
         was = module.training
         try:
@@ -558,19 +440,9 @@ class TorchNetwork:
             module.train()
             with torch.no_grad():
                 for s in range(0, x.shape[0], int(batch_size)):
-                    module(_tensor(x[s : s + int(batch_size)]))
+                    module(tensor(x[s : s + int(batch_size)]))
         finally:
             for m, mom in zip(bns, momenta):
                 m.momentum = mom
             module.train(was)
         self.calibrated = True
-
-
-def _tensor(a: np.ndarray) -> torch.Tensor:
-    """``a`` as a tensor sharing its memory (a copy when it is read-only, which
-    ``torch.from_numpy`` warns about)."""
-    return torch.from_numpy(a if a.flags.writeable else a.copy())
-
-
-def _is_bn(m: nn.Module) -> bool:
-    return isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
