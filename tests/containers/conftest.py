@@ -237,11 +237,12 @@ class PodCluster:
         self.podman("network", "rm", "--force", self.network, check=False)
 
 
-@pytest.fixture
-def pod_cluster_factory(podman_image, tmp_path):
+@pytest.fixture(scope="module")
+def pod_cluster_factory(podman_image, tmp_path_factory):
     """``make(data, checkpoint_on_scheduler=True) -> PodCluster`` (not yet started); every
     cluster made is removed at the end."""
     made: list[PodCluster] = []
+    tmp_path = tmp_path_factory.mktemp("pods")
 
     def make(data: Path, *, checkpoint_on_scheduler: bool = True) -> PodCluster:
         ckpt = tmp_path / f"ckpt-{len(made)}"
