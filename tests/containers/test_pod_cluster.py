@@ -15,6 +15,8 @@ import pytest
 from adam_dask.testing import write_mnist_like
 from adam_dask.train._checkpoint import HISTORY
 
+pytestmark = pytest.mark.slow
+
 N_TRAIN = 40000  # a few seconds an epoch once the workers' kernels are compiled
 N_TEST = 1000
 EPOCHS = 5
@@ -24,14 +26,14 @@ FAULTS = [("kill", "PS"), ("stop", "TRAIN"), ("stop", "PS")]
 FIRST = 2
 
 
-def wait_for(predicate, timeout: float, what: str, poll: float = 0.3):
+def wait_for(predicate, timeout: float, what, poll: float = 0.3):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(poll)
-    raise AssertionError(f"{what}: not within {timeout:.0f}s")
+    raise AssertionError(f"not within {timeout:.0f}s: {what() if callable(what) else what}")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +83,8 @@ def run(pod_cluster_factory, data) -> dict:
             records = wait_for(
                 lambda n=epoch: len(h := history(cluster)) >= n and h,
                 timeout=600,
-                what=f"epoch {epoch - 1}'s record",
+                what=lambda n=epoch: f"epoch {n - 1}'s record; the job's log ends "
+                + cluster.logs(job_pod, tail=10)[-1500:],
             )
             assert cluster.running(job_pod), cluster.logs(job_pod)
             time.sleep(0.3 * records[-1]["seconds"])
