@@ -83,8 +83,10 @@ def run(pod_cluster_factory, data) -> dict:
             records = wait_for(
                 lambda n=epoch: len(h := history(cluster)) >= n and h,
                 timeout=600,
-                what=lambda n=epoch: f"epoch {n - 1}'s record; the job's log ends "
-                + cluster.logs(job_pod, tail=10)[-1500:],
+                what=lambda n=epoch: (
+                    f"epoch {n - 1}'s record; the job's log ends "
+                    + cluster.logs(job_pod, tail=10)[-1500:]
+                ),
             )
             assert cluster.running(job_pod), cluster.logs(job_pod)
             time.sleep(0.3 * records[-1]["seconds"])
