@@ -12,10 +12,12 @@ Kubernetes fills it in), and the DaskJob's pod running ``pipelines/train.py`` th
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -24,6 +26,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB_YAML = ROOT / "deploy" / "operator" / "job.yaml"
+logger = logging.getLogger(__name__)
 
 
 def _one_line(text: str) -> str:
@@ -119,6 +122,7 @@ class PodCluster:
         self.containers: dict[str, str] = {}  # pod name -> container name, every one started
         self.counts: dict[str, int] = {}
         self.workers: dict[str, list[str]] = {}  # role -> live pod names
+        self.ended: list[str] = []  # worker pods that ended by themselves, replaced
 
     # -- podman ---------------------------------------------------------------------------------
     def podman(self, *args: str, check: bool = True, timeout: float = 120) -> str:
@@ -204,15 +208,34 @@ class PodCluster:
             if pod in pods:
                 pods.remove(pod)
 
+    def keep_replicas(self) -> list[str]:
+        """The operator's loop, once: a worker pod that ended by itself (not by :meth:`kill` or
+        :meth:`stop`) is replaced by a new one of its group; returns the pods that ended."""
+        ended = []
+        for role, pods in self.workers.items():
+            for pod in list(pods):
+                if not self.running(pod):
+                    logger.warning("pod %s ended by itself: %s", pod, self.logs(pod, tail=5))
+                    pods.remove(pod)
+                    self.start_worker(role)
+                    ended.append(pod)
+        self.ended += ended
+        return ended
+
     def wait(self, pod: str, timeout: float) -> int:
-        """The pod's exit status once it ends."""
-        out = self.podman("wait", self.containers[pod], timeout=timeout)
-        return int(out.strip().splitlines()[-1])
+        """The pod's exit status once it ends, the worker groups kept at their replicas
+        meanwhile."""
+        deadline = time.monotonic() + timeout
+        while self.running(pod):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{pod} still running after {timeout:.0f}s")
+            self.keep_replicas()
+            time.sleep(1)
+        out = self.podman("inspect", "--format", "{{.State.ExitCode}}", self.containers[pod])
+        return int(out)
 
     def running(self, pod: str) -> bool:
-        out = self.podman(
-            "inspect", "--format", "{{.State.Running}}", self.containers[pod], check=False
-        )
+        out = self.podman("inspect", "--format", "{{.State.Running}}", self.containers[pod])
         return out.strip() == "true"
 
     def logs(self, pod: str, tail: int = 40) -> str:

@@ -77,11 +77,18 @@ def run(pod_cluster_factory, data) -> dict:
     cluster.start_job(epochs=EPOCHS)
     job_pod = f"{cluster.name}-job"
     sent: list[dict] = []
+
+    def finished(epochs: int) -> list[dict] | None:
+        """The history once it holds ``epochs`` epochs; the operator's loop goes on meanwhile."""
+        cluster.keep_replicas()
+        records = history(cluster)
+        return records if len(records) >= epochs else None
+
     try:
         for epoch, (how, role) in enumerate(FAULTS, start=FIRST):
             # epoch - 1 finished (its record in the checkpoint's history): fault epoch mid-way
             records = wait_for(
-                lambda n=epoch: len(h := history(cluster)) >= n and h,
+                lambda n=epoch: finished(n),
                 timeout=600,
                 what=lambda n=epoch: (
                     f"epoch {n - 1}'s record; the job's log ends "
@@ -105,6 +112,8 @@ def run(pod_cluster_factory, data) -> dict:
         logs = cluster.logs(job_pod, tail=-1)
     finally:
         print(json.dumps(sent))  # the pods' logs: logs-0/ beside the checkpoint
+        if cluster.ended:  # replaced as the operator would, and worth knowing
+            print(f"pods that ended by themselves: {cluster.ended}")
     assert status == 0, f"the job exited {status}: {logs[-3000:]}"
     # the job's last line on stdout is its JSON result (podman logs interleaves the pod's stderr
     # with it, so it is read from its opening brace)
@@ -112,6 +121,7 @@ def run(pod_cluster_factory, data) -> dict:
     records = history(cluster)
     print(json.dumps(result))
     keys = ("epoch", "seconds", "images", "images_applied", "images_retrained", "replica_workers")
+    keys += ("stall_fraction", "ps_fraction")
     print(json.dumps([{k: r[k] for k in keys} for r in records]))
     return {"sent": sent, "result": result, "records": records, "cluster": cluster}
 
