@@ -17,7 +17,9 @@ from adam_dask.train._checkpoint import HISTORY
 
 pytestmark = pytest.mark.slow
 
-N_TRAIN = 40000  # a few seconds an epoch once the workers' kernels are compiled
+# MNIST's size: a PS host lost costs a few seconds (heartbeat-timeout, plane-timeout), which the
+# 1.3x bound is measured against (the issue's epochs were MNIST's)
+N_TRAIN = 60000
 N_TEST = 1000
 EPOCHS = 5
 # (how, role) sent mid-way through epochs 2, 3 and 4; epoch 0 compiles the kernels, and epoch 1
