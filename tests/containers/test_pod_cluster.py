@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from adam_dask.testing import write_mnist_like
-from adam_dask.train._checkpoint import HISTORY
+from adam_dask.train.run_state import HISTORY
 
 pytestmark = pytest.mark.slow
 
@@ -22,9 +22,9 @@ pytestmark = pytest.mark.slow
 N_TRAIN = 60000
 N_TEST = 1000
 EPOCHS = 6
-# (how, role) sent mid-way through epochs 2, 3 and 4; epoch 0 compiles the kernels, epoch 1
-# (undisturbed) tells how long an epoch takes, and epoch 5 is the replacement TRAIN pod's first
-# (kept apart from the other faults' epochs: a fresh pod compiles the kernels again)
+# (how, role) sent mid-way through epochs 2, 3 and 4; epoch 1 (undisturbed) tells how long an
+# epoch takes, and epoch 5 is the replacement TRAIN pod's first (kept apart from the other
+# faults' epochs: a fresh pod that compiled its kernels would cost one there, see the ratio test)
 FAULTS = [("kill", "PS"), ("stop", "PS"), ("stop", "TRAIN")]
 FIRST = 2
 
@@ -145,23 +145,11 @@ def test_no_image_retrained(run):
 
 
 def test_no_epoch_over_1_3x_its_predecessor(run):
-    records = run["records"]
-    seconds = [r["seconds"] for r in records]
-    seen: set[str] = set()
-    fresh = []  # epochs in which a replica ran on a TRAIN pod that had run none before
-    for r in records:
-        if r["epoch"] > 0 and set(r["replica_workers"]) - seen:
-            fresh.append(r["epoch"])
-        seen |= set(r["replica_workers"])
-    over = [i for i in range(1, len(seconds)) if seconds[i] > 1.3 * seconds[i - 1]]
+    """A fault costs an epoch at most 30% more than the one before it. A replacement TRAIN pod
+    loads numba's kernels from the image's cache (deploy/Dockerfile compiles them there): its
+    first epoch is no exception."""
+    seconds = [r["seconds"] for r in run["records"]]
     ratios = [round(b / a, 2) for a, b in zip(seconds, seconds[1:])]
-    assert not set(over) - set(fresh), f"epochs {over} over 1.3x: seconds {seconds}"
-    if over:
-        # Known: a replacement TRAIN pod starts with numba's cache (NUMBA_CACHE_DIR, a per-pod
-        # /tmp/numba-cache in deploy/Dockerfile) empty and compiles the kernels in its first
-        # replica. Measured in this image, one container, 40,000 images: the first epoch 37.6 s
-        # with an empty cache, 12.9 s with the cache a previous container left.
-        pytest.xfail(
-            f"epochs {over} over 1.3x (ratios {ratios}), each the first epoch of a fresh TRAIN "
-            "pod, which compiles numba's kernels (its NUMBA_CACHE_DIR starts empty)"
-        )
+    print(f"epoch seconds {seconds}, ratios {ratios}")
+    over = [i for i in range(1, len(seconds)) if seconds[i] > 1.3 * seconds[i - 1]]
+    assert not over, f"epochs {over} over 1.3x their predecessor: seconds {seconds}"
