@@ -268,6 +268,25 @@ def _server_html(srv: Mapping[str, Any], max_columns: int) -> str:
             f'<p class="muted">{n_shards} shards: the shard table shows at most {max_columns} '
             "columns (adam.dashboard.max-shard-columns); see the counts above.</p>"
         )
+    story = srv.get("story") or []
+    if story:  # why the shards are where they are: the controller's events of note, newest first
+        rows = [
+            [
+                f"<code>{escape(str(e.get('stimulus', '')))}</code>",
+                escape(str(e.get("event", ""))),
+                escape(", ".join(str(x) for x in e.get("shards") or []) or "all"),
+                escape("; ".join(str(a) for a in e.get("actions") or [])),
+            ]
+            for e in story
+        ]
+        out.append(
+            "<h3>Story: the controller's events of note, newest first</h3>"
+            + _table(
+                ["stimulus", "event", "shards", "actions"],
+                rows,
+                f'class="ps-story" data-server="{sid}"',
+            )
+        )
     out.append("</section>")
     return "".join(out)
 

@@ -24,6 +24,7 @@ import inspect
 import json
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -169,6 +170,7 @@ class AdamDashboard(SchedulerPlugin):
             ps_events=s.get_events(PS_TOPIC),
             histories=await self._run_histories(servers),
             max_events=self.events,
+            stories=await self._stories(servers),
         )
         return scrub(status)
 
@@ -183,6 +185,19 @@ class AdamDashboard(SchedulerPlugin):
         for sid in await _maybe_await(list_servers()):
             try:
                 out[sid] = await _maybe_await(routing(server_id=sid))
+            except KeyError:  # closed meanwhile
+                continue
+        return out
+
+    async def _stories(self, servers: Mapping[str, Any]) -> dict[str, list]:
+        """{server id: the controller's story} (``adam_ps_story``; none without it)."""
+        story = self.scheduler.handlers.get("adam_ps_story")
+        out: dict[str, list] = {}
+        if story is None:
+            return out
+        for sid in servers:
+            try:
+                out[sid] = list(await _maybe_await(story(server_id=sid)))
             except KeyError:  # closed meanwhile
                 continue
         return out

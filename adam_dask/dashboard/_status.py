@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .._secrets import redact_url
@@ -106,6 +106,8 @@ def _server(
     stats: Mapping[str, Any],
     rates: Mapping[str, float | None],
     workers: Mapping[str, Mapping[str, Any]],
+    story: Sequence[Mapping[str, Any]] = (),
+    max_story: int = 12,
 ) -> dict:
     holders = [list(h) for h in routing.get("routing") or []]
     info = routing.get("info") or {}
@@ -162,6 +164,8 @@ def _server(
         "placement": {str(s): h for s, h in enumerate(holders)},
         "nodes": rows,
         "shard_versions": versions,
+        # the controller's newest events of note (ParameterServer.story), newest first
+        "story": [dict(e) for e in list(story)[-max_story:][::-1]] if max_story > 0 else [],
         "totals": {
             "pushes": total("pushes"),
             "pushes_per_second": total("pushes_per_second"),
@@ -237,6 +241,7 @@ def build_status(
     ps_events: Iterable[tuple[float, Any]] = (),
     histories: Mapping[str, list[dict] | None] | None = None,
     max_events: int = 20,
+    stories: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
 ) -> dict:
     """The status dict of the Adam page.
 
@@ -257,7 +262,10 @@ def build_status(
     histories : {run id: records}
         Checkpoint histories (one record per epoch) of the runs that have one.
     max_events : int
-        How many of the newest PS events to keep.
+        How many of the newest PS events to keep (and of each server's story).
+    stories : {server id: entries}
+        The controller's story of each server (the ``adam_ps_story`` handler's answer), oldest
+        first: why its shards are where they are.
     """
     node_stats = node_stats or {}
     rates = rates or {}
@@ -288,6 +296,8 @@ def build_status(
                 node_stats.get(sid) or {},
                 rates.get(sid) or {},
                 workers,
+                (stories or {}).get(sid) or (),
+                max_events,
             )
             for sid in sorted(servers)
         ],

@@ -187,3 +187,39 @@ def test_a_partitioned_replicas_plan_is_shown_with_its_server(html_tables):
         ]
         is None
     )
+
+
+def test_the_controllers_story_is_shown_newest_first(html_tables):
+    story = [
+        {"stimulus": f"s-{i}", "event": f"Tick(now={i})", "shards": [i % 4], "actions": []}
+        for i in range(20)
+    ]
+    story[-1] = {
+        "stimulus": "controller-srv-WorkerRemoved-9",
+        "event": "WorkerRemoved(addr='<b>gone</b>')",
+        "shards": [],
+        "actions": ["Call(fence -> tcp://b:1)", "Call(fence -> tcp://c:1)"],
+    }
+    st = build_status(
+        now=0.0, workers=WORKERS, servers={"srv": routing()}, stories={"srv": story}, max_events=5
+    )
+    shown = st["servers"][0]["story"]
+    assert [e["stimulus"] for e in shown] == [
+        "controller-srv-WorkerRemoved-9",
+        "s-18",
+        "s-17",
+        "s-16",
+        "s-15",
+    ]
+    page = render_page(st, refresh=2)
+    assert "<b>gone</b>" not in page  # escaped
+    rows = html_tables(page)["ps-story"][1:]
+    assert [text for _, text in rows[0]] == [
+        "controller-srv-WorkerRemoved-9",
+        "WorkerRemoved(addr='<b>gone</b>')",
+        "all",
+        "Call(fence -> tcp://b:1); Call(fence -> tcp://c:1)",
+    ]
+    assert "ps-story" not in render_page(
+        build_status(now=0.0, workers=WORKERS, servers={"srv": routing()}), refresh=2
+    )
