@@ -54,29 +54,12 @@ from ..protocol.messages import (
     WriteReport,
 )
 from ..protocol.policy import PLUGIN_NAME, ROLE, TOPIC, plan_placement
-from .node import PSNode
+from .node_keeper import NodeKeeper
 from .rpc import call_actor
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ShardPlacement"]
-
-
-def _controller_security(scheduler: Any) -> Any:
-    """Security for the controller's client inside the scheduler. A TLS scheduler (dask-gateway,
-    Kubernetes) is configured with scheduler credentials only; the controller presents those
-    same credentials as a client."""
-    from distributed.security import Security
-
-    sec = scheduler.security
-    if not scheduler.address.startswith("tls://") or sec.tls_client_cert:
-        return sec
-    return Security(
-        tls_ca_file=sec.tls_ca_file,
-        tls_client_cert=sec.tls_scheduler_cert,
-        tls_client_key=sec.tls_scheduler_key,
-        require_encryption=sec.require_encryption,
-    )
 
 
 class ShardPlacement(SchedulerPlugin):
@@ -90,13 +73,10 @@ class ShardPlacement(SchedulerPlugin):
         self.servers: dict[str, ServerState] = {}
         self.info: dict[str, dict] = {}
         self.scheduler: Any = None
-        self._client: Any = None
-        self._client_lock: asyncio.Lock | None = None
-        self._counter = itertools.count()
+        self._keeper: NodeKeeper | None = None  # node actors and workers
         self._reqs = itertools.count()
         self._futures: dict[int, asyncio.Future] = {}
         self._calls: dict[tuple[str, int], asyncio.Task] = {}
-        self._actors: dict[str, dict[str, Any]] = {}  # server -> addr -> actor future
         self._tasks: set[asyncio.Task] = set()
         self._ticker: asyncio.Task | None = None
         self._creating: set[str] = set()  # servers whose nodes exist but not their state yet
@@ -105,7 +85,7 @@ class ShardPlacement(SchedulerPlugin):
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        self._client_lock = asyncio.Lock()
+        self._keeper = NodeKeeper(scheduler)
         install()  # the scheduler's log records are redacted
         scheduler.handlers.update(
             {
@@ -126,12 +106,8 @@ class ShardPlacement(SchedulerPlugin):
             self._ticker.cancel()
         for task in list(self._tasks):
             task.cancel()
-        if self._client is not None:
-            client, self._client = self._client, None
-            try:
-                await client.close(timeout=2)
-            except Exception:  # pragma: no cover - shutting down
-                pass
+        if self._keeper is not None:
+            await self._keeper.close()
 
     def remove_worker(
         self, scheduler: Any, worker: str, *, stimulus_id: str | None = None, **kwargs: Any
@@ -185,7 +161,7 @@ class ShardPlacement(SchedulerPlugin):
             elif isinstance(a, CreateNode):
                 self._spawn(self._create_node(server_id, a.addr))
             elif isinstance(a, Retire):
-                self._spawn(self._retire(a.addr))
+                self._spawn(self.keeper.retire(a.addr))
             elif isinstance(a, WriteManifest):
                 self._spawn(self._write_manifest(server_id, a))
             elif isinstance(a, DeleteBlocks):
@@ -217,6 +193,11 @@ class ShardPlacement(SchedulerPlugin):
                     logger.exception("PS controller tick of %s failed", sid)
 
     @property
+    def keeper(self) -> NodeKeeper:
+        assert self._keeper is not None, "the plugin has not started"
+        return self._keeper
+
+    @property
     def _timeout(self) -> float:
         return float(config.get("ps.call-timeout"))
 
@@ -234,101 +215,13 @@ class ShardPlacement(SchedulerPlugin):
         self._calls.pop((server_id, a.op), None)
         self._feed(server_id, CallDone(a.op, result))
 
-    async def _get_client(self) -> Any:
-        assert self._client_lock is not None
-        async with self._client_lock:
-            if self._client is None:
-                from distributed import Client
-
-                self._client = await Client(
-                    self.scheduler.address,
-                    asynchronous=True,
-                    set_as_default=False,
-                    direct_to_workers=True,
-                    security=_controller_security(self.scheduler),
-                    name="adam-ps-controller",
-                )
-            return self._client
-
-    async def _new_node(self, server_id: str, addr: str, node_config: dict) -> str:
-        """A started PSNode of ``server_id`` on ``addr`` (pinned); returns its key."""
-        client = await self._get_client()
-        key = f"adam-ps-{server_id}-node{next(self._counter)}"
-        fut = client.submit(
-            PSNode,
-            server_id,
-            node_config,
-            actor=True,
-            key=key,
-            workers=[addr],
-            allow_other_workers=False,
-            pure=False,
-        )
-        try:
-            await asyncio.wait_for(fut, self._timeout)
-            await call_actor(self.scheduler.rpc, addr, key, "start", key, timeout=self._timeout)
-        except BaseException:
-            fut.release()
-            raise
-        self._actors.setdefault(server_id, {})[addr] = fut
-        return key
-
     async def _create_node(self, server_id: str, addr: str) -> None:
         try:
-            key = await self._new_node(server_id, addr, self.info[server_id]["node_config"])
+            key = await self.keeper.new_node(server_id, addr, self.info[server_id]["node_config"])
         except Exception as exc:
             self._feed(server_id, NodeFailed(addr, f"{type(exc).__name__}: {exc}"))
             return
         self._feed(server_id, NodeReady(addr, key, time.monotonic()))
-
-    async def _retire(self, addr: str) -> None:
-        """A node missed its heartbeats: take its worker out of the cluster. A frozen process
-        cannot hand anything over. When its nanny answers (the process hung, the machine did
-        not), the nanny SIGKILLs it and starts a fresh worker, which joins under a new address as
-        an empty node the controller places copies on again: the cluster keeps its size, as a
-        restarted machine would rejoin (``adam.ps.replace-retired``). Otherwise (the whole
-        machine is silent, or replacing is off) the worker is told to close, and does so, with
-        its nanny, if it ever wakes."""
-        ws = self.scheduler.workers.get(addr)
-        if ws is None:
-            return
-        nanny = ws.nanny if config.get("ps.replace-retired") else None
-        logger.warning("PS controller: removing the silent worker %s from the cluster", addr)
-        try:
-            # no "close" for a worker its nanny replaces: woken inside the nanny's grace, the
-            # worker would run it and close the nanny with itself (a host lost for good)
-            await self.scheduler.remove_worker(
-                address=addr,
-                stimulus_id=f"adam-ps-heartbeat-missed-{time.time()}",
-                close=not nanny,
-            )
-        except Exception:  # pragma: no cover - the worker may be gone already
-            logger.exception("removing %s failed", addr)
-        if not nanny:
-            return
-        try:
-            # the nanny SIGKILLs it after 0.4 s (a short grace: woken in it, the worker would
-            # find itself unknown to the scheduler and close the nanny with itself) and, seeing
-            # its worker die while it runs, starts a new one
-            await asyncio.wait_for(
-                self.scheduler.rpc(nanny).kill(timeout=0.5, reason="adam-ps-heartbeat-missed"),
-                self._timeout,
-            )
-        except Exception as exc:
-            logger.warning(
-                "PS controller: the nanny %s of the silent worker %s did not replace it (%s: "
-                "%s); the worker, unknown to the scheduler, shuts down when it wakes",
-                nanny,
-                addr,
-                type(exc).__name__,
-                exc,
-            )
-        else:
-            logger.warning(
-                "PS controller: the nanny %s killed the silent worker %s and starts a new one",
-                nanny,
-                addr,
-            )
 
     async def _write_manifest(self, server_id: str, a: WriteManifest) -> None:
         from ..checkpoint import put_manifest
@@ -416,7 +309,9 @@ class ShardPlacement(SchedulerPlugin):
         addrs = sorted({a for h in plan.values() for a in h})
         nodes: dict[str, str] = {}
         try:
-            keys = await asyncio.gather(*(self._new_node(server_id, a, node_config) for a in addrs))
+            keys = await asyncio.gather(
+                *(self.keeper.new_node(server_id, a, node_config) for a in addrs)
+            )
             nodes = dict(zip(addrs, keys))
             gens = dict.fromkeys(range(len(shards)), int(generation))
             await asyncio.gather(
@@ -436,7 +331,7 @@ class ShardPlacement(SchedulerPlugin):
             )
         except BaseException:
             self._creating.discard(server_id)
-            await self._release(server_id, nodes)
+            await self.keeper.release(server_id, nodes)
             self.info.pop(server_id, None)
             raise
         self._creating.discard(server_id)
@@ -535,17 +430,6 @@ class ShardPlacement(SchedulerPlugin):
             return
         for key in [k for k in self._calls if k[0] == server_id]:
             self._calls.pop(key).cancel()
-        await self._release(server_id, state.nodes)
+        await self.keeper.release(server_id, state.nodes)
         self.info.pop(server_id, None)
         logger.info("server %s closed", server_id)
-
-    async def _release(self, server_id: str, nodes: dict[str, str]) -> None:
-        await asyncio.gather(
-            *(
-                call_actor(self.scheduler.rpc, a, k, "close", timeout=self._timeout)
-                for a, k in nodes.items()
-            ),
-            return_exceptions=True,
-        )
-        for fut in self._actors.pop(server_id, {}).values():
-            fut.release()
