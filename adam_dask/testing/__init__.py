@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from .netns import NetnsCluster, netns_problem
+from .netlinks import netns_problem
+from .netns import NetnsCluster
 
 logger = logging.getLogger(__name__)
 

@@ -11,95 +11,43 @@ Needs root (``ip netns``), iproute2's ``ip`` and ``tc`` and, for loss, nftables'
 (Debian's ``nftables``; ``tools/test`` installs it). Without them :class:`NetnsCluster` raises
 :class:`~adam_dask.errors.ClusterError` with one line saying what is missing. Links are named
 from this process's id, so runs side by side do not meet.
+
+This module holds the cluster (its hosts, their processes, started again when they end, its
+clients, the faults named by host); the commands that build and break the links are
+:mod:`adam_dask.testing.netlinks`'s.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ClusterError
+from .netlinks import (
+    Host,
+    add_bridge,
+    add_link,
+    add_namespace,
+    clear_faults,
+    drop,
+    netns_problem,
+    remove_host,
+    remove_stale,
+    run,
+    set_rate,
+    start_delayer,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Host", "NetnsCluster", "netns_problem"]
+__all__ = ["NetnsCluster"]
 
 SCHEDULER_PORT = 8786
-
-
-def netns_problem() -> str | None:
-    """Why a namespace cluster can not start here (one line), or None."""
-    if os.geteuid() != 0:
-        return "a network-namespace cluster needs root (ip netns add); run the tests as root"
-    tools = (("ip", "iproute2"), ("tc", "iproute2"), ("nft", "nftables"), ("iptables", "iptables"))
-    for tool, package in tools:
-        if shutil.which(tool) is None:
-            return f"a network-namespace cluster needs {tool!r}: apt-get install -y {package} (tools/test installs it)"
-    return None
-
-
-def remove_stale() -> list[str]:
-    """Remove the namespaces and links of namespace clusters whose process is gone (killed
-    before it could clean up); returns the namespaces removed."""
-    import re
-
-    removed = []
-    names = _run("ip", "netns", "list", check=False).stdout.split()
-    tags = {m.group(1) for n in names if (m := re.fullmatch(r"a(\d{5})-.*", n))}
-    dead = {t for t in tags if not _alive_tag(int(t))}
-    for n in names:
-        m = re.fullmatch(r"a(\d{5})-.*", n)
-        if m and m.group(1) in dead:
-            for pid in _run("ip", "netns", "pids", n, check=False).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            _run("ip", "netns", "del", n, check=False)
-            removed.append(n)
-    links = _run("ip", "-o", "link", "show", check=False).stdout.splitlines()
-    for line in links:
-        m = re.match(r"\d+: (a(\d{5})[a-z]+\d*)[@:]", line)
-        if m and m.group(2) in dead:
-            _run("ip", "link", "del", m.group(1), check=False)
-    return removed
-
-
-def _alive_tag(tag: int) -> bool:
-    """Whether a process whose id ends in ``tag`` (pid % 100000) runs."""
-    return any(int(p) % 100000 == tag for p in os.listdir("/proc") if p.isdigit())
-
-
-def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(argv, capture_output=True, text=True)
-    if check and proc.returncode != 0:
-        raise ClusterError(
-            f"{' '.join(argv)} failed: {proc.stderr.strip() or proc.returncode}",
-            "check that this runs as root with iproute2 and nftables",
-        )
-    return proc
-
-
-@dataclass
-class Host:
-    """One machine: a namespace, its address, the root-side end of its link, its process."""
-
-    name: str
-    ns: str
-    ip: str
-    veth: str
-    role: str | None = None
-    proc: subprocess.Popen | None = None
-    storage_veth: str | None = None
-    delayer: subprocess.Popen | None = None
 
 
 class NetnsCluster:
@@ -178,9 +126,7 @@ class NetnsCluster:
         remove_stale()
         self._started = True
         try:
-            _run("ip", "link", "add", self.bridge, "type", "bridge")
-            _run("ip", "addr", "add", f"{self.bridge_ip}/24", "dev", self.bridge)
-            _run("ip", "link", "set", self.bridge, "up")
+            add_bridge(self.bridge, self.bridge_ip)
             for i, (name, role, _) in enumerate(self._spec):
                 self._add_host(name, role, i + 1)
             if self.storage is not None:
@@ -194,13 +140,7 @@ class NetnsCluster:
         ns, veth, ip = f"{self.tag}-{name}", f"{self.tag}v{index}", f"{self._subnet}.{index}"
         host = Host(name, ns, ip, veth, role)
         self.hosts[name] = host
-        _run("ip", "netns", "add", ns)
-        _run("ip", "-n", ns, "link", "set", "lo", "up")
-        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-        _run("ip", "link", "set", veth, "master", self.bridge)
-        _run("ip", "link", "set", veth, "up")
-        _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
-        _run("ip", "-n", ns, "link", "set", "eth0", "up")
+        add_namespace(ns, veth, ip, self.bridge)
 
     def _add_storage(self) -> None:
         """The S3 host, and in "isolated" mode its network: a bridge, a second link (``eth1``)
@@ -210,31 +150,16 @@ class NetnsCluster:
             ip = self.hosts["s3"].ip
         else:
             sb, sub = self.storage_bridge, self._storage_subnet
-            _run("ip", "link", "add", sb, "type", "bridge")
-            _run("ip", "addr", "add", f"{sub}.254/24", "dev", sb)
-            _run("ip", "link", "set", sb, "up")
+            add_bridge(sb, f"{sub}.254")
             ns, veth, ip = f"{self.tag}-s3", f"{self.tag}s0", f"{sub}.200"
             self.hosts["s3"] = Host("s3", ns, ip, veth)
-            _run("ip", "netns", "add", ns)
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _run("ip", "link", "set", veth, "master", sb)
-            _run("ip", "link", "set", veth, "up")
-            _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
-            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            add_namespace(ns, veth, ip, sb)
             for i, (name, role, _) in enumerate(self._spec):
                 if role != "PS" and name != "scheduler":  # the controller writes the manifest
                     continue
                 host = self.hosts[name]
                 host.storage_veth = f"{self.tag}s{i + 1}"
-                _run(
-                    "ip", "link", "add", host.storage_veth, "type", "veth",
-                    "peer", "name", "eth1", "netns", host.ns,
-                )  # fmt: skip
-                _run("ip", "link", "set", host.storage_veth, "master", sb)
-                _run("ip", "link", "set", host.storage_veth, "up")
-                _run("ip", "-n", host.ns, "addr", "add", f"{sub}.{i + 1}/24", "dev", "eth1")
-                _run("ip", "-n", host.ns, "link", "set", "eth1", "up")
+                add_link(host.ns, host.storage_veth, "eth1", f"{sub}.{i + 1}", sb)
         s3 = self.hosts["s3"]
         s3.proc = self._spawn(s3, [sys.executable, "-m", "moto.server", "-H", ip, "-p", "5000"])
         self._wait_port(ip, 5000, s3)
@@ -350,30 +275,11 @@ class NetnsCluster:
                 logger.debug("closing a client failed", exc_info=True)
         self._clients.clear()
         for host in self.hosts.values():
-            if host.delayer is not None:
-                host.delayer.kill()
-            if host.proc is not None and host.proc.poll() is None:
-                try:
-                    os.killpg(host.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                host.proc.wait(10)
-        for host in self.hosts.values():
-            # a worker killed under its nanny: any process left in the namespace goes too
-            pids = _run("ip", "netns", "pids", host.ns, check=False).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            _run("ip", "netns", "del", host.ns, check=False)
-            _run("ip", "link", "del", host.veth, check=False)
-            if host.storage_veth is not None:
-                _run("ip", "link", "del", host.storage_veth, check=False)
+            remove_host(host)
         if self._started:
-            _run("ip", "link", "del", self.bridge, check=False)
+            run("ip", "link", "del", self.bridge, check=False)
             if self.storage == "isolated":
-                _run("ip", "link", "del", self.storage_bridge, check=False)
+                run("ip", "link", "del", self.storage_bridge, check=False)
         self.hosts.clear()
 
     # -- who is where ------------------------------------------------------------------------------
@@ -404,11 +310,11 @@ class NetnsCluster:
 
     def cut(self, name: str) -> None:
         """Cut host ``name``'s link: nothing in or out, for everyone (its cable pulled)."""
-        _run("ip", "link", "set", self.hosts[name].veth, "down")
+        run("ip", "link", "set", self.hosts[name].veth, "down")
 
     def reconnect(self, name: str) -> None:
         """Plug host ``name``'s link back in."""
-        _run("ip", "link", "set", self.hosts[name].veth, "up")
+        run("ip", "link", "set", self.hosts[name].veth, "up")
 
     def partition(self, a: str, b: str) -> None:
         """``a`` and ``b`` no longer reach each other (each drops the other's packets both
@@ -416,21 +322,13 @@ class NetnsCluster:
         for x, y in ((a, b), (b, a)):
             if x == "client":
                 continue
-            self._nft(x, f"add rule inet adam cut ip saddr {self._ip(y)} drop")
-            self._nft(x, f"add rule inet adam out ip daddr {self._ip(y)} drop")
+            drop(self.hosts[x].ns, f"add rule inet adam cut ip saddr {self._ip(y)} drop")
+            drop(self.hosts[x].ns, f"add rule inet adam out ip daddr {self._ip(y)} drop")
 
     def heal(self) -> None:
         """Every partition, cut link, rate and loss gone."""
         for host in self.hosts.values():
-            in_ns = ["ip", "netns", "exec", host.ns]
-            _run("ip", "link", "set", host.veth, "up", check=False)
-            _run(*in_ns, "nft", "delete", "table", "inet", "adam", check=False)
-            self._stop_delayer(host)
-            for outer, link in ((host.veth, "eth0"), (host.storage_veth, "eth1")):
-                if outer is None:
-                    continue
-                _run("tc", "qdisc", "del", "dev", outer, "root", check=False)
-                _run(*in_ns, "tc", "qdisc", "del", "dev", link, "root", check=False)
+            clear_faults(host)
 
     def shape(
         self,
@@ -449,60 +347,16 @@ class NetnsCluster:
         ``link="eth1"``: a PS host's link to the storage network."""
         host = self.hosts[name]
         if delay > 0 and host.delayer is None:
-            self._start_delayer(host, delay, jitter)
+            start_delayer(host, 1 + list(self.hosts).index(name), delay, jitter)
         outer = host.veth if link == "eth0" else host.storage_veth
         if outer is None:
             raise ClusterError(f"{name} has no {link}")
         if rate is not None:
-            for argv in (
-                ["tc", "qdisc", "replace", "dev", outer, "root"],
-                ["ip", "netns", "exec", host.ns, "tc", "qdisc", "replace", "dev", link, "root"],
-            ):
-                _run(*argv, "tbf", "rate", rate, "burst", "64kb", "latency", "400ms")
+            set_rate(host, outer, link, rate)
         if loss > 0:
             per_mille = max(1, round(loss * 1000))
-            self._nft(name, f"add rule inet adam cut numgen random mod 1000 < {per_mille} drop")
-            self._nft(name, f"add rule inet adam out numgen random mod 1000 < {per_mille} drop")
-
-    def _start_delayer(self, host: Host, delay: float, jitter: float) -> None:
-        queue = 1 + list(self.hosts).index(host.name)
-        host.delayer = subprocess.Popen(
-            ["ip", "netns", "exec", host.ns, sys.executable, "-m", "adam_dask.testing.netdelay"]
-            + ["--queue", str(queue), "--delay", str(delay), "--jitter", str(jitter)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        assert host.delayer.stdout is not None
-        if host.delayer.stdout.readline().strip() != "ready":
-            err = host.delayer.stderr.read() if host.delayer.stderr else ""
-            host.delayer = None
-            raise ClusterError(f"the link delay of {host.name} did not start: {err[-500:]}")
-        _run(
-            "ip", "netns", "exec", host.ns, "iptables", "-A", "OUTPUT", "-j", "NFQUEUE",
-            "--queue-num", str(queue), "--queue-bypass",
-        )  # fmt: skip
-
-    def _stop_delayer(self, host: Host) -> None:
-        if host.delayer is None:
-            return
-        _run("ip", "netns", "exec", host.ns, "iptables", "-F", "OUTPUT", check=False)
-        host.delayer.terminate()
-        try:
-            host.delayer.wait(5)
-        except subprocess.TimeoutExpired:
-            host.delayer.kill()
-        host.delayer = None
-
-    def _nft(self, name: str, rule: str) -> None:
-        ns = self.hosts[name].ns
-        nft = ["ip", "netns", "exec", ns, "nft"]
-        if _run(*nft, "list", "table", "inet", "adam", check=False).returncode != 0:
-            _run(*nft, "add", "table", "inet", "adam")
-            _run(*nft, "add chain inet adam cut { type filter hook input priority 0 ; }")
-            _run(*nft, "add chain inet adam out { type filter hook output priority 0 ; }")
-        _run(*nft, rule)
+            drop(host.ns, f"add rule inet adam cut numgen random mod 1000 < {per_mille} drop")
+            drop(host.ns, f"add rule inet adam out numgen random mod 1000 < {per_mille} drop")
 
     def pid_of(self, name: str) -> int:
         """The process id of the Dask worker (not its nanny) on host ``name``."""

@@ -11,7 +11,14 @@ from collections.abc import Sequence
 
 from ..errors import ClusterError, ConfigError
 
-__all__ = ["async_rate_factor", "epoch_record", "quorum_size", "replica_count", "share_sizes"]
+__all__ = [
+    "async_rate_factor",
+    "epoch_record",
+    "quorum_size",
+    "replica_count",
+    "say_epoch",
+    "share_sizes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -117,3 +124,25 @@ def epoch_record(
         "lr_end": lr_end,
         "mode": mode,
     }
+
+
+def say_epoch(record: dict, num_classes: int, lr: float) -> None:
+    """Log an epoch's record; a warning when its accuracy is at chance level (of
+    ``num_classes``): the run at learning rate ``lr`` has stopped learning."""
+    logger.info(
+        "epoch %d: loss %.4f, test accuracy %.4f, %.0f images/s, %d replicas",
+        record["epoch"],
+        record["loss"],
+        record["test_accuracy"],
+        record["images_per_second"],
+        record["replicas"],
+    )
+    if record["test_accuracy"] <= 1.5 / num_classes:
+        logger.warning(
+            "epoch %d: test accuracy %.3f is at chance level: the model has "
+            "stopped learning (diverged?); lower the learning rate (lr=%g) "
+            "or push_every, or use fewer replicas",
+            record["epoch"],
+            record["test_accuracy"],
+            lr,
+        )

@@ -8,6 +8,7 @@ tasks receive it inside their :class:`~adam_dask.train.task.ReplicaJob`. Pure: n
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -17,7 +18,7 @@ from ..errors import ConfigError
 from ._average import check_average_from
 from .schedule import KINDS
 
-__all__ = ["MODES", "RunSettings", "network_for", "resolve_augment"]
+__all__ = ["MODES", "RunSettings", "network_for", "resolve_augment", "warn_if_nothing_to_offload"]
 
 MODES = ("async", "sync")
 
@@ -232,3 +233,18 @@ def network_for(model: Any, split: Any, url: str, seed: int, loss: Any = None) -
             f"end the model with {split.num_classes} outputs (fc{split.num_classes})",
         )
     return net
+
+
+def warn_if_nothing_to_offload(net: Any, push_every: int) -> None:
+    """Warn when ``offload_dense`` is asked but no dense layer of ``net`` qualifies at
+    ``push_every`` (:func:`~adam_dask.train.replica.profitable_offload`)."""
+    from .replica import profitable_offload
+
+    if not profitable_offload(net, push_every):
+        logging.getLogger(__name__).warning(
+            "offload_dense: no dense layer of %s qualifies at push_every=%d (a layer "
+            "qualifies when push_every x (inputs + outputs) < inputs x outputs), so every "
+            "layer sends its weight delta; raise the layer widths or lower push_every",
+            net.spec,
+            push_every,
+        )

@@ -12,10 +12,11 @@ import json
 import logging
 import math
 import os
+import threading
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["History", "Progress"]
+__all__ = ["EpochProgress", "History", "Progress"]
 
 logger = logging.getLogger(__name__)
 
@@ -181,3 +182,47 @@ class Progress:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class EpochProgress:
+    """The replicas' progress through the epochs of one run, as they report it (the
+    ``PROGRESS_TOPIC`` events of ``task.py``): the images each replica drew this epoch
+    (:attr:`images`), the worker each runs on (:attr:`workers`) and their sum on a
+    :class:`Progress` bar. The dicts are cleared in place at each epoch's start, so a reference
+    to them stays current."""
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self.epoch: int | None = None
+        self.images: dict[int, int] = {}  # replica -> images drawn this epoch
+        self.workers: dict[int, str] = {}  # replica -> its worker, this epoch
+        self._bar: Progress | None = None
+        self._lock = threading.Lock()
+
+    def begin(self, epoch: int, total: int, enabled: bool = True) -> None:
+        """Epoch ``epoch`` starts, of ``total`` images: counts anew, a bar opened (shown when
+        ``enabled``)."""
+        with self._lock:
+            self.epoch = epoch
+            self.images.clear()
+            self.workers.clear()
+        self._bar = Progress(total, desc=f"epoch {epoch + 1}", enabled=enabled)
+
+    def end(self) -> None:
+        """The epoch is over: its bar closed (its counts kept)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def on_event(self, event: Any) -> None:
+        """A replica's report (a topic event: ``(time, message)``); others runs' are ignored."""
+        _, msg = event
+        if msg.get("run") != self.run_id or msg.get("epoch") != self.epoch:
+            return
+        with self._lock:
+            self.images[msg["replica"]] = msg["images"]
+            self.workers[msg["replica"]] = msg.get("worker")
+            total = sum(self.images.values())
+        bar = self._bar
+        if bar is not None:
+            bar.update_to(total)

@@ -1,5 +1,6 @@
 """The Trainer's side of a checkpoint: where a run writes it (its run folder by default), refuse
-to overwrite one, the epochs' commits (off the training path, through storage outages), its
+to overwrite one, the epochs' commits (off the training path, through storage outages, and the
+waits for them), its
 history file, and the state a resumed run starts from (weights, epoch, history, plan and
 settings)."""
 
@@ -29,6 +30,7 @@ __all__ = [
     "resumed_state",
     "run_folder",
     "save_average",
+    "start_commits",
 ]
 
 logger = logging.getLogger(__name__)
@@ -108,6 +110,27 @@ def refuse_existing(url: str, storage_options: dict | None) -> None:
             "continue it with --resume (Trainer.resume), replace it with --overwrite "
             "(overwrite=True), or choose another URL",
         )
+
+
+def start_commits(
+    server: Any, url: str, storage_options: dict | None, ps_workers: list[str]
+) -> EpochCommits:
+    """The commits of a run's epochs to its checkpoint ``url``; a warning when ``url`` is a
+    local path while ``ps_workers`` run on other hosts (each would write its own disk)."""
+    from ..storage import redact_url
+
+    commits = EpochCommits(server, url, storage_options)
+    logger.info("checkpoint: %s", redact_url(url))
+    far = far_hosts(url, ps_workers)
+    if far:
+        logger.warning(
+            "the checkpoint %s is a local path but PS workers run on %s: each writes "
+            "to its own disk; give a URL they all reach (checkpoint=, "
+            "adam.train.runs-dir: s3://...)",
+            url,
+            ", ".join(far),
+        )
+    return commits
 
 
 def history_url(checkpoint: str) -> str:
@@ -297,6 +320,36 @@ class EpochCommits:
         if isinstance(exc, StorageError):
             return str(self.server.storage_error(exc).message)
         return " ".join(str(exc).split()) or type(exc).__name__
+
+    def caught_up(self, what: str) -> None:
+        """Wait for the checkpoint to hold every epoch committed (``adam.ps.flush-timeout``),
+        saying once that it waits when storage is out; :meth:`failure` (a
+        :class:`StorageError` naming storage) when it does not."""
+        deadline = time.monotonic() + float(config.get("ps.flush-timeout"))
+        pause = float(config.get("ps.retry-max"))
+        said = False
+        while not self.wait(max(min(pause, deadline - time.monotonic()), 0.0)):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self.failure(what)
+            self.watch()  # an outage that began in the last epoch is said here
+            if self.error is not None and not said:
+                said = True
+                logger.warning(
+                    "waiting up to %.0fs more for storage %s to take the checkpoint of %s",
+                    left,
+                    self._shown(),
+                    what,
+                )
+
+    def finish(self, what: str) -> None:
+        """Wait for the commits still to write (``adam.ps.flush-timeout``, not while storage is
+        out), warn when ``what`` (the last epoch trained) is not in the checkpoint, and stop."""
+        if self.pending and self.error is None:
+            self.wait(float(config.get("ps.flush-timeout")))
+        if self.pending:
+            logger.warning("%s", self.failure(what).message)
+        self.close()
 
     def close(self) -> None:
         with self._cond:

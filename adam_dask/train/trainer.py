@@ -19,31 +19,28 @@ stragglers stop at once, and the test set is evaluated on the parameter server's
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from typing import Any
 
 from .. import config
-from ..cluster import PS, TRAIN, workers_with_role
-from ..errors import ClusterError, ConfigError
-from ..model.engines import shipped
+from ..errors import ConfigError
 from ._average import TailAverage
-from ._epoch import async_rate_factor, epoch_record, replica_count, share_sizes
-from ._position import applied_images, recorded_replicas
-from ._settings import RunSettings, network_for, resolve_augment
-from ._submit import run_replicas
-from .metrics import History, Progress
+from ._epoch import async_rate_factor, say_epoch
+from ._epoch_run import epoch_replicas, replica_jobs, replicas_now, run_epoch
+from ._services import connect, require_ps, restore_server, start_data, start_server
+from ._settings import RunSettings, network_for, resolve_augment, warn_if_nothing_to_offload
+from .metrics import EpochProgress, History
 from .run_state import (
     EpochCommits,
-    far_hosts,
     load_average,
     refuse_existing,
     resumed_state,
     run_folder,
+    start_commits,
 )
 from .schedule import Schedule
-from .task import PROGRESS_TOPIC, ReplicaJob
+from .task import PROGRESS_TOPIC
 from .validation import Validation
 
 __all__ = ["Trainer"]
@@ -193,7 +190,7 @@ class Trainer:
         self.net = network_for(model, self.train_split, data, self.settings.seed, loss)
         self.num_classes = self.train_split.num_classes
         if self.settings.offload_dense and self.settings.mode == "async":
-            self._warn_if_nothing_to_offload()
+            warn_if_nothing_to_offload(self.net, self.settings.push_every)
 
         self._own_client = client is None
         self.client = client
@@ -203,23 +200,10 @@ class Trainer:
         self.server: Any = None
         self.dataservice: Any = None
         self.seconds_to_target: float | None = None
-        self._progress_state: dict[int, int] = {}  # replica -> images drawn this epoch
-        self.replica_workers: dict[int, str] = {}  # replica -> its worker, this epoch
-        self._lock = threading.Lock()
-        self._bar: Progress | None = None
+        self._progress = EpochProgress(self.run_id)
+        self._progress_state = self._progress.images  # replica -> images drawn this epoch
+        self.replica_workers = self._progress.workers  # replica -> its worker, this epoch
         self._commits: EpochCommits | None = None  # the epochs' ends, written in the background
-
-    def _warn_if_nothing_to_offload(self) -> None:
-        from .replica import profitable_offload
-
-        if not profitable_offload(self.net, self.settings.push_every):
-            logger.warning(
-                "offload_dense: no dense layer of %s qualifies at push_every=%d (a layer "
-                "qualifies when push_every x (inputs + outputs) < inputs x outputs), so every "
-                "layer sends its weight delta; raise the layer widths or lower push_every",
-                self.net.spec,
-                self.settings.push_every,
-            )
 
     # -- settings ---------------------------------------------------------------------------------
 
@@ -261,53 +245,31 @@ class Trainer:
     # -- set-up ---------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        if self.client is None:
-            from ..cluster import local
-
-            self.client = local()
-        self.client.subscribe_topic(PROGRESS_TOPIC, self._on_progress)
-        if not workers_with_role(self.client, PS):
-            raise ClusterError(
-                "the cluster has no PS workers",
-                "start workers with --resources PS=1 or use assign_roles",
-            )
-        self._replicas_now = self._replica_count()
+        self.client = connect(self.client)
+        self.client.subscribe_topic(PROGRESS_TOPIC, self._progress.on_event)
+        ps_workers = require_ps(self.client)
+        self._replicas_now = replicas_now(self.client, self._fixed_replicas, self.partitions)
         self.check_partitions()  # before anything starts: refuses what does not fit
         if self.server is None:
-            from ..ps.client.server import ParameterServer
-
-            self.server = ParameterServer.create(
+            self.server = start_server(
                 self.client,
-                layout=self.net.layout,
-                init=self.net.flat,
+                self.net,
                 shard_bytes=self.shard_bytes,
                 checkpoint=self.checkpoint,
                 storage_options=self.storage_options,
                 meta=self._meta(),
             )
         if self.checkpoint and self._commits is None:
-            self._commits = EpochCommits(self.server, self.checkpoint, self.storage_options)
-            logger.info("checkpoint: %s", self._shown_checkpoint())
-            far = far_hosts(self.checkpoint, workers_with_role(self.client, PS))
-            if far:
-                logger.warning(
-                    "the checkpoint %s is a local path but PS workers run on %s: each writes "
-                    "to its own disk; give a URL they all reach (checkpoint=, "
-                    "adam.train.runs-dir: s3://...)",
-                    self.checkpoint,
-                    ", ".join(far),
-                )
+            self._commits = start_commits(
+                self.server, self.checkpoint, self.storage_options, ps_workers
+            )
         if self.dataservice is None:
-            from ..data.serving import DataService
-
-            self.dataservice = DataService.create(
+            self.dataservice = start_data(
                 self.client,
                 self.data_url,
-                split="train",
                 storage_options=self.storage_options,
                 augment=self.augment,
-                seed=self.settings.seed,
-                batch_size=self.settings.stream_batch,
+                settings=self.settings,
             )
 
     def check_partitions(self) -> Any:
@@ -318,10 +280,7 @@ class Trainer:
         if self.partition_plan is None:
             from ._partition_task import cluster_plan
 
-            if self.client is None:
-                from ..cluster import local
-
-                self.client = local()
+            self.client = connect(self.client)
             self.partition_plan = cluster_plan(
                 self.client, self.net, self.settings, self.partitions
             )
@@ -344,19 +303,6 @@ class Trainer:
             ),
             "epochs": self.epochs,
         }
-
-    # -- progress ---------------------------------------------------------------------------------
-
-    def _on_progress(self, event) -> None:
-        _, msg = event
-        if msg.get("run") != self.run_id or msg.get("epoch") != self.epoch:
-            return
-        with self._lock:
-            self._progress_state[msg["replica"]] = msg["images"]
-            self.replica_workers[msg["replica"]] = msg.get("worker")
-            total = sum(self._progress_state.values())
-        if self._bar is not None:
-            self._bar.update_to(total)
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -386,23 +332,7 @@ class Trainer:
             record["wall_seconds"] = round(time.perf_counter() - t_start, 3)
             self.history.append(record)
             self._commit(record["epoch"])
-            logger.info(
-                "epoch %d: loss %.4f, test accuracy %.4f, %.0f images/s, %d replicas",
-                record["epoch"],
-                record["loss"],
-                record["test_accuracy"],
-                record["images_per_second"],
-                record["replicas"],
-            )
-            if record["test_accuracy"] <= 1.5 / self.num_classes:
-                logger.warning(
-                    "epoch %d: test accuracy %.3f is at chance level: the model has "
-                    "stopped learning (diverged?); lower the learning rate (lr=%g) "
-                    "or push_every, or use fewer replicas",
-                    record["epoch"],
-                    record["test_accuracy"],
-                    self.lr,
-                )
+            say_epoch(record, self.num_classes, self.lr)
             self.epoch += 1
             if target_accuracy is not None and record["test_accuracy"] >= target_accuracy:
                 self.seconds_to_target = time.perf_counter() - t_start
@@ -412,79 +342,35 @@ class Trainer:
         self._caught_up(f"epoch {self.epoch - 1}, the last trained")
         return self.history
 
-    def _jobs(self, epoch: int, R: int) -> list[ReplicaJob]:
-        model, schedule = shipped(self.net), self.schedule_for(R)
-        shares = share_sizes(len(self.train_split), R)
-        return [
-            ReplicaJob(
-                run_id=self.run_id,
-                replica=i,
-                replicas=R,
-                epoch=epoch,
-                model=model,
-                settings=self.settings,
-                schedule=schedule,
-                share_images=shares[i],
-                delay=float(self.slow_replicas.get(i, 0.0)),
-            )
-            for i in range(R)
-        ]
-
     def _run_epoch(self) -> dict:
         epoch = self.epoch
-        R = self._replicas_now = self._epoch_replicas(epoch)
-        self._progress_state, self.replica_workers = {}, {}
-        self._bar = Progress(
-            len(self.train_split), desc=f"epoch {epoch + 1}", enabled=self.progress
+        R = self._replicas_now = epoch_replicas(
+            self.client, self.server, epoch, self._fixed_replicas, self.partitions
         )
-        ps_before = self._ps_stats()
-        try:
-            if self.partitions > 1:
-                from ._partition_task import run_partitioned
-
-                run = run_partitioned(
-                    self.client,
-                    self._jobs(epoch, R),
-                    server=self.server,
-                    data=self.dataservice,
-                    quorum=self.epoch_quorum,
-                    bounds=self.partition_plan.bounds(),
-                    window=self.partition_plan.window,
-                )
-            else:
-                run = run_replicas(
-                    self.client,
-                    self._jobs(epoch, R),
-                    server=self.server,
-                    data=self.dataservice,
-                    quorum=self.epoch_quorum,
-                )
-        finally:
-            self._bar.close()
-            self._bar = None
-        flush_t = time.perf_counter()
-        # the copies, not the checkpoint: storage never holds training up (_commit writes it)
-        self.server.flush(copies_only=True)
-        flush_seconds = time.perf_counter() - flush_t
-        images_applied = applied_images(self.server.marks(epoch))
-        accuracy = self.evaluate()
-        averaged = self.validation.add_epoch(epoch, self.net, None)
-        schedule = self.schedule_for(R)
-        record = epoch_record(
+        jobs = replica_jobs(
+            self.run_id,
             epoch,
-            run.results,
-            replicas=R,
-            seconds=run.seconds,
-            quorum_seconds=run.quorum_seconds,
-            flush_seconds=flush_seconds,
-            accuracy=accuracy,
-            ps_before=ps_before,
-            ps_after=self._ps_stats(),
-            lr=schedule.at(epoch),
-            lr_end=schedule.at(epoch + 1),
-            mode=self.mode,
-            images_applied=images_applied,
+            R,
+            net=self.net,
+            settings=self.settings,
+            schedule=self.schedule_for(R),
+            images=len(self.train_split),
+            slow=self.slow_replicas,
         )
+        self._progress.begin(epoch, len(self.train_split), self.progress)
+        try:
+            record = run_epoch(
+                self.client,
+                jobs,
+                server=self.server,
+                data=self.dataservice,
+                quorum=self.epoch_quorum,
+                plan=self.partition_plan if self.partitions > 1 else None,
+                evaluate=self.evaluate,
+            )
+        finally:
+            self._progress.end()
+        averaged = self.validation.add_epoch(epoch, self.net, None)
         if averaged is not None:
             record["average_accuracy"], record["averaged_epochs"] = averaged
         return record
@@ -501,41 +387,6 @@ class Trainer:
         self.validation.calibrate(net)
         return net
 
-    def _epoch_replicas(self, epoch: int) -> int:
-        """The epoch's replicas: those its data positions name (an epoch resumed midway keeps
-        its shares), else a fixed count or one per TRAIN worker present now."""
-        recorded = recorded_replicas(self.server.marks(epoch))
-        if recorded is not None:
-            logger.info("epoch %d resumes with its %d replicas", epoch, recorded)
-            return recorded
-        return self._replica_count()
-
-    def _replica_count(self) -> int:
-        """A fixed count, or one per TRAIN worker (per ``partitions`` of them) present now."""
-        workers = len(self._train_workers())
-        if self.partitions > 1:
-            from ._pipeline import check_parts
-
-            R = replica_count(self._fixed_replicas, max(1, workers // self.partitions))
-            check_parts(self.partitions, workers, R)
-            return R
-        return replica_count(self._fixed_replicas, workers)
-
-    def _train_workers(self) -> list[str]:
-        """The TRAIN workers, waiting up to ``adam.cluster.start-timeout`` while there are none:
-        a TRAIN worker killed at an epoch's start is being replaced by its nanny (seconds)."""
-        deadline = time.monotonic() + float(config.get("cluster.start-timeout"))
-        while not (found := workers_with_role(self.client, TRAIN)) and time.monotonic() < deadline:
-            time.sleep(0.25)
-        return found
-
-    def _ps_stats(self) -> dict:
-        try:
-            return self.server.stats()
-        except Exception:  # statistics never fail a run
-            logger.debug("PS statistics unavailable", exc_info=True)
-            return {}
-
     def _commit(self, epoch: int) -> None:
         """Have the checkpoint catch up with the end of ``epoch`` in the background: its
         manifest, the history, the weight average (:class:`EpochCommits`)."""
@@ -544,34 +395,9 @@ class Trainer:
             self._commits.watch()  # storage out: said now, not when the commit times out
 
     def _caught_up(self, what: str) -> None:
-        """Wait for the checkpoint to hold every epoch committed (``adam.ps.flush-timeout``),
-        saying once that it waits when storage is out; :class:`StorageError` naming storage
-        when it does not."""
-        commits = self._commits
-        if commits is None:
-            return
-        timeout = float(config.get("ps.flush-timeout"))
-        deadline = time.monotonic() + timeout
-        pause = float(config.get("ps.retry-max"))
-        said = False
-        while not commits.wait(max(min(pause, deadline - time.monotonic()), 0.0)):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise commits.failure(what)
-            commits.watch()  # an outage that began in the last epoch is said here
-            if commits.error is not None and not said:
-                said = True
-                logger.warning(
-                    "waiting up to %.0fs more for storage %s to take the checkpoint of %s",
-                    left,
-                    self._shown_checkpoint(),
-                    what,
-                )
-
-    def _shown_checkpoint(self) -> str:
-        from ..storage import redact_url
-
-        return redact_url(str(self.checkpoint))
+        """Wait for the checkpoint to hold every epoch committed (:meth:`EpochCommits.caught_up`)."""
+        if self._commits is not None:
+            self._commits.caught_up(what)
 
     # -- evaluation ------------------------------------------------------------------------------
 
@@ -607,15 +433,10 @@ class Trainer:
         """A Trainer that continues the run checkpointed at ``checkpoint``: its weights, epoch,
         history, planned epochs and settings (mode, learning rate and schedule, push_every, ...);
         a keyword given here (not None) replaces the stored setting."""
-        from ..ps.client.server import ParameterServer
-
         own = client is None
-        if own:
-            from ..cluster import local
-
-            client = local()
+        client = connect(client)
         try:
-            server = ParameterServer.restore(client, checkpoint, storage_options=storage_options)
+            server = restore_server(client, checkpoint, storage_options)
             state = resumed_state(server, checkpoint, data, storage_options, kwargs)
             trainer = cls(
                 state.data,
@@ -645,11 +466,7 @@ class Trainer:
         """Release the data servers and the parameter server (after the checkpoint caught up
         with the epochs trained, unless storage is out); close an embedded cluster."""
         if self._commits is not None:
-            if self._commits.pending and self._commits.error is None:
-                self._commits.wait(float(config.get("ps.flush-timeout")))
-            if self._commits.pending:
-                logger.warning("%s", self._commits.failure("the last epoch trained").message)
-            self._commits.close()
+            self._commits.finish("the last epoch trained")
             self._commits = None
         for obj in (self.dataservice, self.server):
             if obj is not None:

@@ -1,0 +1,84 @@
+"""The services a Trainer's run starts on its cluster before the first epoch, as functions of
+explicit arguments: the client (the embedded cluster when none is given), the parameter server
+(new, or restored from a checkpoint) and the data servers. The Trainer (trainer.py) holds what
+they return and closes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..cluster import PS, workers_with_role
+from ..errors import ClusterError
+from ._settings import RunSettings
+
+__all__ = ["connect", "require_ps", "restore_server", "start_data", "start_server"]
+
+
+def connect(client: Any) -> Any:
+    """``client``, or a client of the embedded cluster (:func:`adam_dask.cluster.local`) when
+    it is None."""
+    if client is not None:
+        return client
+    from ..cluster import local
+
+    return local()
+
+
+def require_ps(client: Any) -> list[str]:
+    """The PS workers of ``client``'s cluster; :class:`ClusterError` when there are none."""
+    workers = workers_with_role(client, PS)
+    if not workers:
+        raise ClusterError(
+            "the cluster has no PS workers",
+            "start workers with --resources PS=1 or use assign_roles",
+        )
+    return workers
+
+
+def start_server(
+    client: Any,
+    net: Any,
+    *,
+    shard_bytes: int | None,
+    checkpoint: str | None,
+    storage_options: dict | None,
+    meta: dict,
+) -> Any:
+    """A new parameter server holding ``net``'s weights on the PS workers (``checkpoint``: where
+    it writes back, with the run's ``meta``)."""
+    from ..ps.client.server import ParameterServer
+
+    return ParameterServer.create(
+        client,
+        layout=net.layout,
+        init=net.flat,
+        shard_bytes=shard_bytes,
+        checkpoint=checkpoint,
+        storage_options=storage_options,
+        meta=meta,
+    )
+
+
+def restore_server(client: Any, checkpoint: str, storage_options: dict | None) -> Any:
+    """The parameter server of the run checkpointed at ``checkpoint``, restored from it."""
+    from ..ps.client.server import ParameterServer
+
+    return ParameterServer.restore(client, checkpoint, storage_options=storage_options)
+
+
+def start_data(
+    client: Any, url: str, *, storage_options: dict | None, augment: Any, settings: RunSettings
+) -> Any:
+    """The data servers of the store at ``url``'s ``train`` split."""
+    from ..data.serving import DataService
+
+    return DataService.create(
+        client,
+        url,
+        split="train",
+        storage_options=storage_options,
+        augment=augment,
+        seed=settings.seed,
+        batch_size=settings.stream_batch,
+    )
