@@ -21,12 +21,12 @@ pytestmark = pytest.mark.slow
 # 1.3x bound is measured against (the issue's epochs were MNIST's)
 N_TRAIN = 60000
 N_TEST = 1000
-EPOCHS = 6
-# (how, role) sent mid-way through epochs 2, 3 and 4; epoch 1 (undisturbed) tells how long an
-# epoch takes, and epoch 5 is the replacement TRAIN pod's first (kept apart from the other
+EPOCHS = 7
+# (how, role) sent mid-way through epochs 3, 4 and 5; epochs 0-2 (undisturbed) tell how long an
+# epoch takes, and epoch 6 is the replacement TRAIN pod's first (kept apart from the other
 # faults' epochs: a fresh pod that compiled its kernels would cost one there, see the ratio test)
 FAULTS = [("kill", "PS"), ("stop", "PS"), ("stop", "TRAIN")]
-FIRST = 2
+FIRST = 3
 
 
 def wait_for(predicate, timeout: float, what, poll: float = 0.3):
@@ -144,12 +144,17 @@ def test_no_image_retrained(run):
     assert [r["images_retrained"] for r in run["records"]] == [0] * EPOCHS, run["records"]
 
 
-def test_no_epoch_over_1_3x_its_predecessor(run):
-    """A fault costs an epoch at most 30% more than the one before it. A replacement TRAIN pod
-    loads numba's kernels from the image's cache (deploy/Dockerfile compiles them there): its
-    first epoch is no exception."""
+def test_no_epoch_over_1_3x_an_undisturbed_one(run):
+    """A fault costs an epoch at most 30% more than an undisturbed one. Measured against the
+    median of the undisturbed epochs before the first fault, not each epoch's predecessor: on
+    this machine two undisturbed epochs of ~11 s differed by up to 30% (CI, 2 cores), as much as
+    the bound. A replacement TRAIN pod loads numba's kernels from the image's cache
+    (deploy/Dockerfile compiles them there): its first epoch is held to the same bound."""
     seconds = [r["seconds"] for r in run["records"]]
-    ratios = [round(b / a, 2) for a, b in zip(seconds, seconds[1:])]
-    print(f"epoch seconds {seconds}, ratios {ratios}")
-    over = [i for i in range(1, len(seconds)) if seconds[i] > 1.3 * seconds[i - 1]]
-    assert not over, f"epochs {over} over 1.3x their predecessor: seconds {seconds}"
+    undisturbed = sorted(seconds[:FIRST])[FIRST // 2]
+    ratios = [round(t / undisturbed, 2) for t in seconds]
+    print(f"epoch seconds {seconds}, against the undisturbed median {ratios}")
+    over = [i for i in range(FIRST, len(seconds)) if seconds[i] > 1.3 * undisturbed]
+    assert not over, (
+        f"epochs {over} over 1.3x an undisturbed epoch ({undisturbed:.1f} s): {seconds}"
+    )
