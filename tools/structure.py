@@ -42,6 +42,16 @@ def modules(root: Path, package: str) -> dict[str, Path]:
     return out
 
 
+def from_module(base: str, node: ast.ImportFrom) -> str:
+    """The module a ``from ... import`` names, relative imports resolved against the package
+    ``base`` of the importing module."""
+    if not node.level:
+        return node.module or ""
+    parts = base.split(".")
+    parts = parts[: len(parts) - (node.level - 1)]
+    return ".".join(parts + ([node.module] if node.module else []))
+
+
 def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     tree = ast.parse(path.read_text(), str(path))
     is_pkg = path.name == "__init__.py"
@@ -53,12 +63,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
             if isinstance(child, ast.Import):
                 found.update(a.name for a in child.names)
             elif isinstance(child, ast.ImportFrom):
-                if child.level:
-                    parts = base.split(".")
-                    parts = parts[: len(parts) - (child.level - 1)]
-                    mod = ".".join(parts + ([child.module] if child.module else []))
-                else:
-                    mod = child.module or ""
+                mod = from_module(base, child)
                 for a in child.names:
                     full = f"{mod}.{a.name}"
                     found.add(full if full in known else mod)
@@ -128,12 +133,7 @@ def missing_modules(root: Path, package: str, known: dict[str, Path]) -> list[st
             if isinstance(node, ast.Import):
                 mods = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    parts = base.split(".")
-                    parts = parts[: len(parts) - (node.level - 1)]
-                    mods = [".".join(parts + ([node.module] if node.module else []))]
-                else:
-                    mods = [node.module or ""]
+                mods = [from_module(base, node)]
             for m in mods:
                 if (m == package or m.startswith(package + ".")) and m not in known:
                     out.append(f"{name}: {m} (line {node.lineno})")
@@ -175,12 +175,7 @@ def mixins(known: dict[str, Path]) -> list[str]:
         base = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    parts = base.split(".")
-                    parts = parts[: len(parts) - (node.level - 1)]
-                    mod = ".".join(parts + ([node.module] if node.module else []))
-                else:
-                    mod = node.module or ""
+                mod = from_module(base, node)
                 for a in node.names:
                     local[a.asname or a.name] = f"{mod}.{a.name}"
         for node in tree.body:
