@@ -65,5 +65,5 @@ def handle(state: ServerState, event: Event) -> list[Action]:
         for a in out:
             op = state.ops.get(a.op) if isinstance(a, Call) else None
             touched.update(op.sids if op is not None else shards_of(a))
-        state.story.record(state.story.stimulus(event), event, touched, out)
+        state.story.record(event, touched, out)
     return out

@@ -99,5 +99,5 @@ def handle(node: NodeState, event: Event) -> list[Action]:
         node.member,
     ):
         touched = shards_of(event).union(*(shards_of(a) for a in actions))
-        node.story.record(node.story.stimulus(event), event, touched, actions)
+        node.story.record(event, touched, actions)
     return actions
