@@ -32,6 +32,7 @@ __all__ = [
     "read_checkpoint",
     "read_manifest",
     "read_model",
+    "split_block",
 ]
 
 MANIFEST = "manifest.json"
@@ -141,6 +142,20 @@ def read_block(store: Any, path: str) -> tuple[np.ndarray, dict, tuple[tuple[int
     return np.asarray(arr[:], dtype=np.float32), attrs, _decode_ids(ids)
 
 
+def split_block(block: np.ndarray, attrs: dict) -> tuple[np.ndarray, np.ndarray | None]:
+    """(values, the server optimizer's state or None) of a block read by :func:`read_block`:
+    a block of a shard with momentum holds the values, then the momentum (``state_vectors``)."""
+    n = int(attrs["stop"]) - int(attrs["start"])
+    k = int(attrs.get("state_vectors", 0))
+    if block.shape != ((1 + k) * n,):
+        raise CheckpointError(
+            f"a block of shard {attrs.get('shard')} holds {block.shape[0]} floats, "
+            f"expected {(1 + k) * n}",
+            "restore from a checkpoint this parameter server wrote",
+        )
+    return block[:n], (block[n : 2 * n] if k else None)
+
+
 def read_checkpoint(url: str, storage_options: dict | None = None) -> tuple[dict, np.ndarray]:
     """(manifest, flat float32 values) of the last complete checkpoint at ``url``.
 
@@ -173,8 +188,11 @@ def _read_checkpoint(url: str, storage_options: dict | None) -> tuple[dict, np.n
             store = zarr_store(url, storage_options, read_only=True)
             values = np.zeros(int(m["size"]), np.float32)
             for sid, ((a, b), path) in enumerate(zip(m["shards"], m["blocks"])):
-                block, attrs, _ = read_block(store, path)
-                if int(attrs["version"]) != int(m["versions"][sid]) or block.shape != (b - a,):
+                full, attrs, _ = read_block(store, path)
+                if int(attrs["stop"]) - int(attrs["start"]) != b - a:
+                    raise CheckpointError(f"block {path} does not match the manifest")
+                block, _ = split_block(full, attrs)
+                if int(attrs["version"]) != int(m["versions"][sid]):
                     raise CheckpointError(f"block {path} does not match the manifest")
                 values[a:b] = block
     except FileNotFoundError:

@@ -24,18 +24,23 @@ import time
 SHOWN = 10  # failing seeds shown in the line
 
 
-def _run(seed: int) -> tuple[int, str | None, float, int]:
-    """(seed, the failure's first line or None, healed_after, restored shards)."""
+def _run(job: tuple[int, str]) -> tuple[int, str | None, float, int]:
+    """(seed, the failure's first line or None, healed_after, restored shards) of ``job``
+    (seed, server optimizer)."""
+    from adam_dask.ps.protocol.optimizer import ServerOptimizer
     from adam_dask.testing.simulation import SimulationFailure, simulate
 
+    seed, optimizer = job
     try:
-        r = simulate(seed)
+        r = simulate(seed, optimizer=ServerOptimizer.resolve(optimizer).to_dict())
     except SimulationFailure as exc:
         return seed, str(exc).splitlines()[0], 0.0, 0
     return seed, None, r["healed_after"], r["restored"]
 
 
-def sweep(first: int, seeds: int, processes: int, max_seconds: float) -> dict:
+def sweep(
+    first: int, seeds: int, processes: int, max_seconds: float, optimizer: str = "sum"
+) -> dict:
     from adam_dask.testing.simulation import HEAL_BOUND
 
     failures: list[tuple[int, str]] = []
@@ -48,7 +53,8 @@ def sweep(first: int, seeds: int, processes: int, max_seconds: float) -> dict:
     with multiprocessing.Pool(processes) as pool:
         # in order, so the seeds run are first .. first + done - 1 whenever it stops
         for i, (seed, error, after, rs) in enumerate(
-            pool.imap(_run, range(first, first + seeds), chunksize=100), 1
+            pool.imap(_run, [(s, optimizer) for s in range(first, first + seeds)], chunksize=100),
+            1,
         ):
             done = i
             if error is not None:
@@ -71,6 +77,7 @@ def sweep(first: int, seeds: int, processes: int, max_seconds: float) -> dict:
     n = len(healed)
     return {
         "first_seed": first,
+        "optimizer": optimizer,
         "seeds": done,
         "seeds_asked": seeds,
         "processes": processes,
@@ -96,9 +103,10 @@ def main() -> None:
     ap.add_argument("--first", type=int, default=0)
     ap.add_argument("--processes", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--max-seconds", type=float, default=float("inf"))
+    ap.add_argument("--optimizer", default="sum", help="the server optimizer (adam.ps.optimizer)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
-    line = sweep(args.first, args.seeds, args.processes, args.max_seconds)
+    line = sweep(args.first, args.seeds, args.processes, args.max_seconds, args.optimizer)
     record("simulation", line, save=not args.no_save)
 
 

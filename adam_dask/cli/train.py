@@ -99,6 +99,13 @@ def register(sub) -> None:
         help=f"images between pushes to the PS (default {config.get('train.push-every')})",
     )
     p.add_argument(
+        "--server-optimizer",
+        default=None,
+        metavar="NAME",
+        help="what the parameter server does with each push: sum (Adam's), nesterov, "
+        f"sum+staleness or nesterov+staleness (default {config.get('ps.optimizer')})",
+    )
+    p.add_argument(
         "--threads",
         type=positive_int,
         default=None,
@@ -265,6 +272,7 @@ def cmd_train(args: argparse.Namespace) -> dict:
             client,
             mode=args.mode,  # None on --resume: the run keeps its own mode
             push_every=args.push_every,
+            server_optimizer=args.server_optimizer,
             lr=args.lr,
             lr_warmup=args.lr_warmup,
             lr_replicas=args.lr_replicas,

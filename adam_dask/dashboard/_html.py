@@ -186,6 +186,8 @@ def _server_html(srv: Mapping[str, Any], max_columns: int) -> str:
         f'<div class="kpi"><b>{_fmt(tot.get("writeback_lag_versions"))}</b><span>write-back lag (versions)</span></div>',
         f'<div class="kpi"><b>{_fmt(tot.get("writeback_lag_seconds"))}</b><span>write-back lag (s)</span></div>',
         f'<div class="kpi"><b>{_fmt(srv.get("generation"))}</b><span>routing generation</span></div>',
+        f'<div class="kpi" data-kpi="optimizer"><b>{escape(str(srv.get("optimizer") or "sum"))}</b>'
+        "<span>server optimizer</span></div>",
         f'<div class="kpi"><b>{_fmt(heals[-1]) if heals else "–"}</b>'
         f"<span>last fail-over (s), {len(heals)} in all</span></div>",
         "</div>",

@@ -158,6 +158,7 @@ def _server(
         "heal_times": [t for t in map(_num, routing.get("heal_times") or []) if t is not None],
         # the URL only, without credentials (the routing carries no storage options)
         "checkpoint": redact_url(info["checkpoint"]) if info.get("checkpoint") else None,
+        "optimizer": optimizer_label(info.get("optimizer")),
         "run": meta.get("run"),
         # the model replica's partition plan (Trainer(partitions=P > 1)), as the Trainer stored it
         "partition_plan": meta.get("partition_plan"),
@@ -304,3 +305,14 @@ def build_status(
         "training": training_runs(progress, histories),
         "events": events[::-1],
     }
+
+
+def optimizer_label(doc: Any) -> str:
+    """The server optimizer in a few words: ``sum``, ``nesterov (lr 0.7, momentum 0.9)``,
+    either ``+staleness``."""
+    if not isinstance(doc, Mapping):
+        return "sum"
+    kind = str(doc.get("kind", "sum")) + ("+staleness" if doc.get("staleness") else "")
+    if doc.get("kind") == "nesterov":
+        kind += f" (lr {_num(doc.get('lr'))}, momentum {_num(doc.get('momentum'))})"
+    return kind

@@ -50,6 +50,7 @@ from ..checkpoint_io import (
     read_block,
     read_checkpoint,
     read_manifest,
+    split_block,
 )
 from ..errors import CheckpointError
 from ..storage import filesystem, join_url, normalize_url, zarr_store
@@ -70,6 +71,8 @@ __all__ = [
     "read_checkpoint",
     "read_manifest",
     "read_marks",
+    "read_states",
+    "split_block",
 ]
 
 
@@ -152,11 +155,13 @@ class BlockStore:
         import zarr
 
         path = block_path(snap.shard, snap.gen, snap.version)
+        parts = snap.payloads()
+        n = (snap.stop - snap.start) * len(parts)
         arr = zarr.create_array(
             store=self._zarr(),
             name=path,
-            shape=(snap.stop - snap.start,),
-            chunks=(snap.stop - snap.start,),
+            shape=(n,),
+            chunks=(n,),
             dtype="float32",
             compressors=None,
             fill_value=0.0,
@@ -169,9 +174,10 @@ class BlockStore:
                 "generation": snap.gen,
                 "ids": _encode_ids(snap.ids),
                 "marks": [m.to_json() for m in snap.marks],
+                "state_vectors": len(parts) - 1,  # the optimizer's momentum after the values
             },
         )
-        arr[:] = snap.values
+        arr[:] = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return path
 
     def read(self, path: str) -> tuple[np.ndarray, dict, tuple[tuple[int, int], ...]]:
@@ -227,6 +233,21 @@ def read_marks(
     return out
 
 
+def read_states(url: str, storage_options: dict | None, manifest: dict) -> dict[int, np.ndarray]:
+    """{shard: the server optimizer's state of its block} of the blocks ``manifest`` names
+    that hold one (format 2)."""
+    if int(manifest.get("format_version", 1)) < 2:
+        return {}
+    reader = BlockStore(url, storage_options)
+    out = {}
+    for sid, path in enumerate(manifest["blocks"]):
+        block, attrs, _ = reader.read(path)
+        _, state = split_block(block, attrs)
+        if state is not None:
+            out[sid] = state
+    return out
+
+
 def init_checkpoint(
     url: str,
     storage_options: dict | None,
@@ -241,6 +262,8 @@ def init_checkpoint(
     meta: dict | None = None,
     layout: dict | None = None,
     server_id: str | None = None,
+    optimizer: dict | None = None,
+    states: dict[int, np.ndarray] | None = None,
 ) -> dict:
     """Create (or replace) the checkpoint at ``url`` holding ``values`` (zeros by default) at
     ``versions``, and write its manifest last. Returns the manifest."""
@@ -258,7 +281,10 @@ def init_checkpoint(
         zarr.open_group(store=store, mode="w", zarr_format=3)
         writer = BlockStore(url, storage_options)
         for sid, (a, b) in enumerate(shards):
-            snap = Snapshot(sid, a, b, versions[sid], values[a:b], (), generation)
+            state = None
+            if (optimizer or {}).get("kind") == "nesterov":
+                state = (states or {}).get(sid, np.zeros(b - a, np.float32))
+            snap = Snapshot(sid, a, b, versions[sid], values[a:b], (), generation, state=state)
             blocks.append(writer.write(snap))
     except CheckpointError:
         raise
@@ -280,6 +306,7 @@ def init_checkpoint(
         "meta": meta or {},
         "layout": layout,
         "server": server_id,
+        "optimizer": optimizer,
         "sequence": 0,
     }
     try:

@@ -1,5 +1,5 @@
 """The numba kernels of a parameter-server shard: adding deltas to its values, and finding a
-non-finite value before anything is applied.
+non-finite value before anything is applied; the server optimizer's Nesterov step.
 
 A batch of deltas is applied fused, up to 8 at a time, each block of values (a SIMD vector, held
 in registers) taking every delta of the group before the next block, so the shard's values make
@@ -13,7 +13,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["apply_all", "apply_rate_kernel", "first_nonfinite", "scan_delta", "warm_up"]
+__all__ = [
+    "apply_all",
+    "apply_rate_kernel",
+    "first_nonfinite",
+    "nesterov_step",
+    "scan_delta",
+    "warm_up",
+]
 
 
 # -- kernels -------------------------------------------------------------------------------------
@@ -124,6 +131,26 @@ def _add_at(values, lo, delta):
         values[lo + i] += delta[i]
 
 
+@njit(nogil=True, cache=True)
+def _nesterov(values, m, d, lr, mu, s):
+    """One push through server momentum, element by element in float32 (see
+    :mod:`adam_dask.ps.protocol.optimizer`): ``g = s d``, ``m = mu m + g``,
+    ``values += lr (g + mu m)``."""
+    for i in range(values.shape[0]):
+        g = s * d[i]
+        mi = mu * m[i] + g
+        m[i] = mi
+        values[i] += lr * (g + mu * mi)
+
+
+def nesterov_step(
+    values: np.ndarray, momentum: np.ndarray, delta: np.ndarray, lr: float, mu: float, scale: float
+) -> None:
+    """Apply one push's ``delta`` to ``values`` through the shard's ``momentum`` (in place)."""
+    f = np.float32
+    _nesterov(values, momentum, delta, f(lr), f(mu), f(scale))
+
+
 def apply_all(values: np.ndarray, deltas: list[np.ndarray]) -> None:
     """values += sum(deltas), in push order: groups of 8 (then 4, 2, 1) deltas are fused into
     one pass over the values, so a batch costs one trip through memory per 8 updates instead of
@@ -168,3 +195,4 @@ def warm_up() -> None:
     scan_delta(x, np.array([[0, 8]], np.int64))
     apply_all(x, [x.copy() for _ in range(15)])
     _add_at(x, 0, x[:2].copy())
+    nesterov_step(x, x.copy(), x.copy(), 1.0, 0.0, 1.0)

@@ -171,18 +171,21 @@ class Traffic:
         if path not in self.w.blocks:
             self.w.reply(cid, FileNotFoundError(path))
             return
-        values, version, _, ids = self.w.blocks[path]
+        values, version, _, ids, state = self.w.blocks[path]
         # what went with every copy: pushes made so far (an answer may still be on its way)
         # that the block lacks and no pusher holds
         held = {h.push_id for h in self._held(sid)}
+        in_block = self.w.held_pushes(values, ids)
         for k in range(self.w.pushes_started):
-            if values[k] == 0 and k not in held:
+            if not in_block >> k & 1 and k not in held:
                 self.w.lost_ok.setdefault(sid, set()).add(k)
                 self.w.lost_bits[sid] |= 1 << k
         self.w.log(
             f"  restore shard {sid} on {node.addr} from {path}; lost {sorted(self.w.lost_ok.get(sid, ()))}"
         )
-        self.w.node_handle(node, Restore(cid, sid, gen, start, stop, version, values.copy(), ids))
+        state = None if state is None else state.copy()
+        restore = Restore(cid, sid, gen, start, stop, version, values.copy(), ids, (), state)
+        self.w.node_handle(node, restore)
 
     def node_reply(self, node: SimNode, rec: CallRecord, x: Any) -> None:
         if rec.kind == "replicate":

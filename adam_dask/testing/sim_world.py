@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -34,6 +35,7 @@ from ..ps.protocol.messages import (
 from ..ps.protocol.node_commands import command
 from ..ps.protocol.node_machine import handle
 from ..ps.protocol.node_state import NodeState
+from ..ps.protocol.optimizer import ServerOptimizer
 from ..ps.protocol.policy import plan_placement
 from ..ps.protocol.replay import ReplayLog
 from ..ps.protocol.request import Delivery, Request
@@ -112,7 +114,9 @@ class SimulationFailure(AssertionError):
 class World:
     """Nodes, controller, pushers and the network between them (see the module doc)."""
 
-    def __init__(self, seed: int, faults: bool, ack: str | None = None):
+    def __init__(self, seed: int, faults: bool, ack: str | None = None, optimizer: Any = None):
+        # the server optimizer (not drawn: a seed runs the same faults with either)
+        self.optimizer = ServerOptimizer.from_dict(optimizer)
         self.rng = random.Random(seed)
         rng = self.rng
         self.seed = seed
@@ -137,7 +141,8 @@ class World:
         self.worker_no = 0
         self.nodes: dict[str, SimNode] = {}
         self.crashed: set[str] = set()
-        self.blocks: dict[str, tuple[np.ndarray, int, int, tuple]] = {}
+        # path -> (values, version, gen, push ids, the optimizer's state)
+        self.blocks: dict[str, tuple[np.ndarray, int, int, tuple, np.ndarray | None]] = {}
         self.manifests: list[dict] = []
         self.acked: dict[int, set[int]] = {}  # push -> shards acknowledged
         self.lost_ok: dict[int, set[int]] = {}  # shard -> pushes a restore may have lost
@@ -162,7 +167,13 @@ class World:
             "meta": {},
         }
         for s in range(self.n_shards):
-            self.blocks[f"shards/{s}/g0-v0"] = (np.zeros(n, np.float32), 0, 0, ())
+            self.blocks[f"shards/{s}/g0-v0"] = (
+                np.zeros(n, np.float32),
+                0,
+                0,
+                (),
+                self.optimizer.new_state(n),
+            )
         self.manifests.append(manifest)
         for addr in hosts:
             self.nodes[addr] = self._make_node(addr)
@@ -217,11 +228,34 @@ class World:
         return f"w{self.worker_no}"
 
     def _make_node(self, addr: str) -> SimNode:
-        st = NodeState(addr, dedup_window=4 * self.total_pushes, checkpoint=True)
+        st = NodeState(
+            addr, dedup_window=4 * self.total_pushes, checkpoint=True, optimizer=self.optimizer
+        )
         off = self.rng.random()
         self.seqno += 1
         key = f"key-{addr}-{self.seqno}"
         return SimNode(addr, key, st, None, None, off * 0.25, off, off * 0.25)
+
+    def held_pushes(self, values: np.ndarray, ids: Iterable[tuple[int, int]]) -> int:
+        """The pushes a copy (or a block) holds, a bit each: push ``k`` adds 1 at index ``k``,
+        so with the sum its values say (the ``k`` where they are 1); with another optimizer
+        the values are the optimizer's, and the push ids remembered with them say (the
+        dedup window holds every push of a run)."""
+        if self.optimizer.is_sum:
+            return int.from_bytes(np.packbits(values == 1, bitorder="little").tobytes(), "little")
+        return self.held_pushes_by_ids(ids)
+
+    def held_pushes_by_ids(self, ids: Iterable[tuple[int, int]]) -> int:
+        """The pushes a copy remembers having applied, a bit each."""
+        return sum(1 << int(p) for _, p in ids)
+
+    def holds_twice(self, values: np.ndarray, ids: tuple, version: int) -> bool:
+        """Whether a copy holds some push twice: a value over 1 (the sum), or more versions
+        than pushes applied (each applied push makes one version and is remembered; a new copy
+        is at version -1 until its first forward)."""
+        if self.optimizer.is_sum and (values.max(initial=0) > 1 or values.min(initial=0) < 0):
+            return True
+        return version >= 0 and len({int(p) for _, p in ids}) != version  # -1: no copy yet
 
     def send(self, dst: str, kind: str, call: int, x: Any, delay: float | None = None) -> None:
         """A message; over the network (not to the scheduler's own storage or bookkeeping) it
@@ -285,10 +319,17 @@ class World:
                     continue
                 blocks = {}
                 for snap in a.snaps:
-                    if snap.values.max(initial=0) > 1:
+                    if self.holds_twice(snap.values, snap.ids, snap.version):
                         self.fail(f"{node.addr} writes a block holding a push twice")
                     path = f"shards/{snap.shard}/g{snap.gen}-v{snap.version}"
-                    self.blocks[path] = (snap.values.copy(), snap.version, snap.gen, snap.ids)
+                    state = None if snap.state is None else snap.state.copy()
+                    self.blocks[path] = (
+                        snap.values.copy(),
+                        snap.version,
+                        snap.gen,
+                        snap.ids,
+                        state,
+                    )
                     blocks[snap.shard] = (snap.gen, snap.version, path)
                 self.request(node.addr, "ctl", "report", WriteReport(None, node.addr, blocks))
             else:

@@ -50,6 +50,7 @@ pushes it holds and how many times.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 
@@ -76,11 +77,6 @@ FAULT_STEPS = 3000
 __all__ = ["SimulationFailure", "simulate"]
 
 
-def _ones(values: np.ndarray) -> int:
-    """The indices where ``values`` is 1, as the bits of an int."""
-    return int.from_bytes(np.packbits(values == 1, bitorder="little").tobytes(), "little")
-
-
 def _view(ns: NodeState) -> tuple:
     """What the checks read of a node: the copies it holds (which state, which position), the
     shards it is the primary of with their backups, the generations it knows."""
@@ -94,8 +90,8 @@ def _view(ns: NodeState) -> tuple:
 class _Sim:
     """The world, checked."""
 
-    def __init__(self, seed: int, faults: bool, ack: str | None = None):
-        self.w = World(seed, faults, ack)
+    def __init__(self, seed: int, faults: bool, ack: str | None = None, optimizer: Any = None):
+        self.w = World(seed, faults, ack, optimizer)
         self.t = Traffic(self.w)
         self.healed_since: float | None = 0.0  # since when every shard is back at its copies
         self._bits: dict[tuple[str, int], tuple[ShardState, tuple[int, int], int]] = {}
@@ -171,18 +167,20 @@ class _Sim:
         cached = self._bits.get(key)
         if cached is not None and cached[0] is st and cached[1] == st.position:
             return cached[2]
-        v = st.values
-        if v.max(initial=0) > 1 or v.min(initial=0) < 0:
-            self.w.fail(f"{addr} holds a push of shard {sid} twice: {v}")
-        bits = _ones(v)
+        v, ids = st.values, st.ids_since(-1)
+        if self.w.holds_twice(v, ids, st.version):
+            self.w.fail(f"{addr} holds a push of shard {sid} twice: {v} {ids}")
+        bits = self.w.held_pushes(v, ids)
+        if self.w.optimizer.is_sum and bits != self.w.held_pushes_by_ids(ids):
+            self.w.fail(f"{addr}'s copy of shard {sid}: its values and push ids disagree")
         self._bits[key] = (st, st.position, bits)
         return bits
 
     def block_bits(self, path: str) -> int:
-        values = self.w.blocks[path][0]
+        values, _, _, ids, _ = self.w.blocks[path]
         cached = self._block_bits.get(path)
         if cached is None or cached[0] is not values:
-            cached = (values, _ones(values))
+            cached = (values, self.w.held_pushes(values, ids))
             self._block_bits[path] = cached
         return cached[1]
 
@@ -333,6 +331,14 @@ class _Sim:
             for st in states[1:]:
                 if not np.array_equal(st.values, states[0].values):
                     self.w.fail(f"copies of shard {sid} differ at the end")
+                mine, first = st.state, states[0].state
+                if (mine is None) != (first is None) or (
+                    mine is not None and first is not None and not np.array_equal(mine, first)
+                ):
+                    self.w.fail(f"copies of shard {sid} differ in the optimizer's state")
+            if not self.w.optimizer.is_sum:
+                self.final_replay(sid, states[0])
+                continue
             values = states[0].values
             for k, shards in self.w.acked.items():
                 if sid in shards and values[k] != 1:
@@ -342,6 +348,30 @@ class _Sim:
                         self.w.fail(f"acknowledged push {k} of shard {sid} missing at the end")
                     self.acked_lost += 1
 
+    def final_replay(self, sid: int, st: ShardState) -> None:
+        """With an optimizer whose updates do not commute: the shard holds each acknowledged
+        push once, and its values (and state) are those of a replay of the pushes it applied,
+        in the order its primary's lineage applied them, through the same optimizer."""
+        order = [p for _, p in st.ids_since(-1)]
+        if [v for v, _ in st.ids_since(-1)] != list(range(1, st.version + 1)):
+            self.w.fail(f"shard {sid}: versions {st.ids_since(-1)} are not one per push")
+        for k, shards in self.w.acked.items():
+            if sid in shards and k not in order:
+                if self.w.ack == "replay" or k not in self.w.lost_ok.get(sid, ()):
+                    self.w.fail(f"acknowledged push {k} of shard {sid} missing at the end")
+                self.acked_lost += 1
+        n = st.size
+        values = np.zeros(n, np.float32)
+        state = self.w.optimizer.new_state(n)
+        for k in order:
+            d = np.zeros(n, np.float32)
+            d[k] = 1
+            self.w.optimizer.apply(values, state, [d])
+        if not np.array_equal(values, st.values) or (
+            state is not None and (st.state is None or not np.array_equal(state, st.state))
+        ):
+            self.w.fail(f"shard {sid}: its values are not a replay of its pushes in order")
+
 
 def simulate(
     seed: int,
@@ -350,6 +380,7 @@ def simulate(
     ack: str | None = None,
     steps: int = 20000,
     trace: bool = False,
+    optimizer: Any = None,
 ) -> dict:
     """Run the simulation of ``seed`` (see the module doc); returns a summary. Raises
     :class:`SimulationFailure` with the seed and the trace when an invariant breaks; with
@@ -362,7 +393,7 @@ def simulate(
     if not trace:
         quiet.setLevel(logging.CRITICAL)
     try:
-        sim = _Sim(seed, faults, ack)
+        sim = _Sim(seed, faults, ack, optimizer)
         for i in range(steps):
             sim.step()
             sim.check()
@@ -384,6 +415,7 @@ def simulate(
             "shards": sim.w.n_shards,
             "pushes": len(sim.w.acked),
             "ack": sim.w.ack,
+            "optimizer": sim.w.optimizer.name,
             "lost_with_all_copies": sum(len(v) for v in sim.w.lost_ok.values()),
             "acknowledged_lost": sim.acked_lost,
             "restored": len(sim.w.ctl.restored),

@@ -44,9 +44,10 @@ def start_server(
     checkpoint: str | None,
     storage_options: dict | None,
     meta: dict,
+    optimizer: str | None = None,
 ) -> Any:
     """A new parameter server holding ``net``'s weights on the PS workers (``checkpoint``: where
-    it writes back, with the run's ``meta``)."""
+    it writes back, with the run's ``meta``; ``optimizer``: the server optimizer's name)."""
     from ..ps.client.server import ParameterServer
 
     return ParameterServer.create(
@@ -57,6 +58,7 @@ def start_server(
         checkpoint=checkpoint,
         storage_options=storage_options,
         meta=meta,
+        optimizer=optimizer,
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from .. import config, sizing
 from ..errors import ConfigError
+from ..ps.protocol.optimizer import ServerOptimizer
 from ._average import check_average_from
 from .schedule import KINDS
 
@@ -41,6 +42,7 @@ _KEYS = {
     "report_interval": "train.report-interval",
     "stream_images": "train.stream-images",
     "average_from": "train.average-from",
+    "server_optimizer": "ps.optimizer",
 }
 
 
@@ -65,6 +67,7 @@ class RunSettings:
     report_interval: float
     stream_images: int
     average_from: float | None  # tail averaging from this fraction of the plan; None: off
+    server_optimizer: str = "sum"  # what the PS does with each push (ps.protocol.optimizer)
 
     @classmethod
     def resolve(cls, base: RunSettings | dict | None = None, **given: Any) -> RunSettings:
@@ -109,6 +112,7 @@ class RunSettings:
             report_interval=float(values["report_interval"]),
             stream_images=int(values["stream_images"]),
             average_from=_optional_fraction(values["average_from"]),
+            server_optimizer=ServerOptimizer.resolve(values["server_optimizer"]).name,
         )
         s.check()
         if s.mode == "sync" and s.epoch_quorum != 1.0:

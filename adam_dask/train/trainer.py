@@ -73,12 +73,14 @@ class Trainer:
     mode : {"async", "sync"}
         Asynchronous Adam training, or the synchronous baseline (every step waits for all
         replicas and applies their averaged update).
-    push_every, lr, lr_schedule, lr_floor, lr_warmup, lr_replicas, momentum, batch_size, threads : optional
+    push_every, lr, lr_schedule, lr_floor, lr_warmup, lr_replicas, momentum, batch_size, threads, server_optimizer : optional
         Training settings (config ``adam.train.*`` / ``adam.cluster.trainer-threads``). The
         learning rate follows ``lr_schedule`` from ``lr`` to ``lr * lr_floor`` over the epochs
         planned by :meth:`fit`, ramping up over the first ``lr_warmup`` epochs
         (:class:`~adam_dask.train.schedule.Schedule`); in an epoch of more than ``lr_replicas``
         asynchronous replicas each steps ``lr_replicas / R`` as far (:meth:`schedule_for`).
+        ``server_optimizer`` (``adam.ps.optimizer``): what the parameter server does with a
+        push, ``"sum"``, ``"nesterov"``, either ``+staleness`` (``adam_dask.ps.protocol.optimizer``).
     augment : bool or Augment, optional
         Augmentation on the data servers (config ``adam.augment``).
     checkpoint : str or False, optional
@@ -146,6 +148,7 @@ class Trainer:
         overwrite: bool = False,
         loss=None,
         partitions: int | None = None,
+        server_optimizer: str | None = None,
     ):
         from ..data.datasets import open_split
 
@@ -166,6 +169,7 @@ class Trainer:
             epoch_quorum=epoch_quorum,
             offload_dense=offload_dense,
             average_from=average_from,
+            server_optimizer=server_optimizer,
         )
         self.run_id = uuid.uuid4().hex[:8]
         self.checkpoint = run_folder(checkpoint, self.run_id)
@@ -258,6 +262,7 @@ class Trainer:
                 checkpoint=self.checkpoint,
                 storage_options=self.storage_options,
                 meta=self._meta(),
+                optimizer=self.settings.server_optimizer,
             )
         if self.checkpoint and self._commits is None:
             self._commits = start_commits(

@@ -15,6 +15,7 @@ from adam_dask.testing.simulation import HEAL_BOUND, SimulationFailure, simulate
 
 SEEDS = int(os.environ.get("ADAM_SIM_SEEDS", "1000"))
 CHUNKS = 10
+NESTEROV = {"kind": "nesterov", "lr": 0.7, "momentum": 0.9, "staleness": False}
 
 
 @pytest.mark.parametrize("chunk", range(CHUNKS))
@@ -74,3 +75,31 @@ def test_the_checks_catch_a_lossy_protocol():
             found.append(str(exc))
     assert found
     assert all("is lost" in f or "missing at the end" in f for f in found)
+
+
+@pytest.mark.parametrize("chunk", range(2))
+def test_protocol_holds_with_server_momentum(chunk):
+    """The same faults with the Nesterov server optimizer, whose updates do not commute: the
+    copies agree on values and momentum, each acknowledged push is applied once, and each
+    shard ends at a replay of its pushes in its primary's order (``final_replay``)."""
+    seeds = range(chunk, SEEDS // 4, 2)
+    runs = [simulate(seed, optimizer=NESTEROV) for seed in seeds]
+    assert {r["optimizer"] for r in runs} == {"nesterov"}
+    assert any(r["restored"] for r in runs)
+    assert all(r["acknowledged_lost"] == 0 for r in runs if r["ack"] == "replay")
+
+
+def test_the_replay_check_catches_momentum_not_copied(monkeypatch):
+    """A backup that takes the primary's values but not its momentum continues from another
+    state after a promotion: the checks must find it."""
+    from adam_dask.ps.protocol.shard import ShardState
+
+    monkeypatch.setattr(ShardState, "set_state", lambda self, state: None)
+    found = []
+    for seed in range(20):
+        try:
+            simulate(seed, optimizer=NESTEROV)
+        except SimulationFailure as exc:
+            found.append(str(exc).splitlines()[0])
+    assert found
+    assert all("optimizer's state" in f or "replay of its pushes" in f for f in found), found

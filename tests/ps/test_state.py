@@ -7,7 +7,8 @@ import pytest
 
 from adam_dask.errors import UpdateRejected
 from adam_dask.ps.kernels import first_nonfinite, scan_delta
-from adam_dask.ps.protocol.shard import ShardState, outer_part
+from adam_dask.ps.protocol.outer import outer_part
+from adam_dask.ps.protocol.shard import ShardState
 
 
 def test_apply_sums_and_versions():

@@ -19,8 +19,9 @@ from ..._worker_preload import RedactLogs
 from ...errors import ConfigError, StorageError, UpdateRejected
 from ...model.layout import ParameterLayout, shard_ranges
 from ...storage import normalize_url
-from ..checkpoint import init_checkpoint, read_checkpoint, read_marks
+from ..checkpoint import init_checkpoint, read_checkpoint, read_marks, read_states
 from ..kernels import first_nonfinite
+from ..protocol.optimizer import ServerOptimizer
 from ..protocol.policy import PLUGIN_NAME
 from ..runtime.plugin import ShardPlacement
 
@@ -85,15 +86,17 @@ def load(
     values: np.ndarray,
     versions: dict[int, int],
     marks: dict[int, Any],
+    states: dict[int, np.ndarray],
 ) -> None:
-    """Send a new server's first values (and the data positions they hold) to every holder of
-    every shard."""
+    """Send a new server's first values (with the data positions they hold and the
+    optimizer's state) to every holder of every shard."""
     calls = {}
     for a, sids in courier.routing.holders().items():
         part = {s: values[shards[s][0] : shards[s][1]] for s in sids}
         vs = {s: versions[s] for s in sids}
         ms = {s: list(marks.get(s, ())) for s in sids}
-        calls[a] = (courier.routing.key(a), "load", part, vs, ms)
+        sts = {s: states[s] for s in sids if s in states}
+        calls[a] = (courier.routing.key(a), "load", part, vs, ms, sts)
     timeout = float(config.get("ps.call-timeout"))
     for a, r in courier.control.each(calls, timeout).items():
         if isinstance(r, BaseException):
@@ -119,10 +122,15 @@ def build_server(
     manifest: dict | None = None,
     generation: int = 0,
     marks: dict[int, Any] | None = None,
+    optimizer: ServerOptimizer | None = None,
+    states: dict[int, np.ndarray] | None = None,
 ) -> Any:
     """Make the server: a new checkpoint unless ``manifest`` (one to keep writing to) is
     given, the nodes, and their initial values at ``versions`` with the data positions
-    ``marks`` {sid: [Mark]} they hold."""
+    ``marks`` {sid: [Mark]} and the optimizer's ``states`` {sid: momentum} they hold."""
+    optimizer = optimizer if optimizer is not None else ServerOptimizer()
+    if optimizer.state_vectors == 0:
+        states = None
     shard_bytes = int(config.get("ps.shard-bytes", shard_bytes))
     ack = config.get("ps.ack", ack)
     if ack not in ACKS:
@@ -156,6 +164,8 @@ def build_server(
             meta=meta,
             layout=layout_doc,
             server_id=server_id,
+            optimizer=optimizer.to_dict(),
+            states=states,
         )
     node_config = {
         "forward_interval": float(config.get("ps.forward-interval")),
@@ -167,6 +177,7 @@ def build_server(
         "call_timeout": float(config.get("ps.call-timeout")),
         "data_plane": str(config.get("ps.data-plane")),
         "dedup_window": int(config.get("ps.dedup-window")),
+        "optimizer": optimizer.to_dict(),
         "ack": ack,
         "checkpoint": checkpoint,
         "storage_options": storage_options,
@@ -181,6 +192,7 @@ def build_server(
         "storage_options": storage_options,
         "meta": meta or {},
         "layout": layout_doc,
+        "optimizer": optimizer.to_dict(),
     }
     client.register_plugin(ShardPlacement(), name=PLUGIN_NAME)
     client.register_plugin(RedactLogs())  # the workers of any cluster redact their logs
@@ -213,12 +225,13 @@ def build_server(
         layout=layout,
         meta=meta,
         client=client,
+        optimizer=optimizer,
     )
     server._courier.routing.set(routing)
     if init is not None or versions is not None:
         values = init if init is not None else np.zeros(size, dtype=np.float32)
         vs = {i: int(v) for i, v in enumerate(versions or [0] * len(shards))}
-        load(server._courier, shards, values, vs, marks or {})
+        load(server._courier, shards, values, vs, marks or {}, states or {})
     server.epoch = epoch
     logger.info("created %r", server)
     return server
@@ -236,6 +249,12 @@ def restore_server(
     checkpoint at ``url``, writing back to ``checkpoint`` (default: ``url``); ``kwargs``: the
     other keywords of ``create``."""
     manifest, values = read_checkpoint(url, storage_options)
+    opt = kwargs.pop("optimizer", None)
+    optimizer = (
+        ServerOptimizer.from_dict(manifest.get("optimizer"))
+        if opt is None
+        else ServerOptimizer.resolve(opt)
+    )
     layout = ParameterLayout.from_dict(manifest["layout"]) if manifest.get("layout") else None
     target = checkpoint if checkpoint is not None else url
     shard_bytes = int(kwargs.pop("shard_bytes", None) or manifest["shard_bytes"])
@@ -263,6 +282,8 @@ def restore_server(
         manifest=manifest if keep else None,
         generation=max(manifest.get("generations") or [0]) + 1,
         marks=read_marks(url, storage_options, manifest) if same_shards else None,
+        optimizer=optimizer,
+        states=read_states(url, storage_options, manifest) if same_shards else None,
     )
     if kwargs:
         raise ConfigError(f"restore() got unexpected keywords {sorted(kwargs)}")
@@ -287,6 +308,7 @@ def attach_server(cls: Any, client: Any, name: str) -> Any:
         layout=layout,
         meta=info["meta"],
         client=client,
+        optimizer=ServerOptimizer.from_dict(info.get("optimizer")),
     )
     server._courier.routing.set(routing)
     return server

@@ -54,6 +54,9 @@ class Courier:
         self.failover_timeout = float(config.get("ps.failover-timeout"))
         self.replay_bytes = int(config.get("ps.replay-bytes"))
         self.answered_at = -1e9  # monotonic time of the last push answered
+        # {sid: the version this handle last read on the data plane}: each push names them
+        # (the server optimizer's staleness counts the versions a shard moved since)
+        self.read_versions: dict[int, int] = {}
         self._settler: threading.Thread | None = None
         self._shed_count = 0
         self._shed_logged = -60.0
@@ -116,6 +119,8 @@ class Courier:
         started: list[tuple[Send, Any, Any, Any]] = []
         seg = None
         channels = self.channels_or_none() if req.data else None
+        if req.op == "push" and self.read_versions:
+            req.args["bases"] = dict(self.read_versions)
         for send in sends:
             ch = self._channel(channels, send.addr) if channels is not None else None
             stamps = self.routing.stamps(send.sids)
@@ -193,7 +198,11 @@ class Courier:
         self.channels.fail(addr, self.routing.key(addr), ch, seg, pulled)
 
     def _on_answer(self, req: Request, addr: str, reply: dict, seg: Segment | None) -> None:
-        """Keep what a primary acknowledged (``ack="replay"``), drop what it says is durable."""
+        """Keep what a primary acknowledged (``ack="replay"``), drop what it says is durable;
+        note the versions read (a pull's, or a push's pull)."""
+        read = reply.get("versions") if req.op == "pull" else reply.get("pulled_versions")
+        if read:
+            self.read_versions.update({int(s): int(v) for s, v in read.items()})
         self.log.answered(
             req, addr, reply, lambda sid, gen, v: self._held(req, sid, addr, gen, v, seg)
         )

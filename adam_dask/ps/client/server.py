@@ -35,19 +35,13 @@ from ... import config
 from ..._secrets import redact_urls
 from ...errors import ConfigError, StorageError
 from ...model.layout import ParameterLayout
+from ..protocol.optimizer import ServerOptimizer
 from ..protocol.request import Request, overlapping
 from ..protocol.shard import Mark
 from .build import attach_server, build_server, resolve_copies, resolve_size, restore_server
 from .courier import Courier
 from .figures import RETRIED, server_figures, storage_error
-from .shaping import (
-    checked_delta,
-    out_buffer,
-    outer_request,
-    range_request,
-    shard_ids,
-    span,
-)
+from .shaping import checked_delta, out_buffer, outer_request, range_request, shard_ids, span
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +69,7 @@ class ParameterServer:
         layout: ParameterLayout | None,
         meta: dict | None,
         client: Any = None,
+        optimizer: ServerOptimizer | None = None,
     ):
         self.server_id = server_id
         self.size = int(size)
@@ -86,6 +81,7 @@ class ParameterServer:
         self.storage_options = storage_options
         self.layout = layout
         self.meta = meta or {}
+        self.optimizer = optimizer if optimizer is not None else ServerOptimizer()
         self._rng = random.Random()
         self._last_stats: tuple[float, int] | None = None
         self._bounds = np.array(self.shards, dtype=np.int64).reshape(-1, 2)
@@ -94,7 +90,7 @@ class ParameterServer:
     def __repr__(self) -> str:
         return (
             f"ParameterServer({self.server_id!r}, {self.size} floats, {len(self.shards)} "
-            f"shards x {self.copies}, ack={self.ack!r})"
+            f"shards x {self.copies}, ack={self.ack!r}, optimizer={self.optimizer.name!r})"
         )
 
     # -- pickling: a copy inside a task binds to that worker -------------------------------------
@@ -139,6 +135,7 @@ class ParameterServer:
         ack: str | None = None,
         name: str | None = None,
         epoch: int | None = None,
+        optimizer: Any = None,
     ) -> ParameterServer:
         """Create a parameter server of ``size`` float32 values (or ``layout.size``).
 
@@ -166,6 +163,9 @@ class ParameterServer:
             The server id (a random one by default); :meth:`attach` finds the server by it.
         epoch : int, optional
             Epoch number written to the initial manifest.
+        optimizer : str, dict or ServerOptimizer, optional
+            What a shard does with a push (:mod:`~adam_dask.ps.protocol.optimizer`): ``"sum"``,
+            ``"nesterov"``, either ``+staleness``; default ``adam.ps.optimizer``.
         """
         return build_server(
             cls,
@@ -181,6 +181,7 @@ class ParameterServer:
             ack=ack,
             name=name,
             epoch=epoch,
+            optimizer=ServerOptimizer.resolve(optimizer),
         )
 
     @classmethod
@@ -194,8 +195,9 @@ class ParameterServer:
         **kwargs: Any,
     ) -> ParameterServer:
         """A new server holding the last complete checkpoint at ``url`` (values, versions,
-        layout, ``meta``; ``server.epoch`` is the manifest's epoch). It keeps writing back to
-        ``checkpoint`` (default: ``url`` itself). Other keywords are those of :meth:`create`."""
+        layout, ``meta``, the server optimizer and its momentum; ``server.epoch`` is the
+        manifest's epoch). It keeps writing back to ``checkpoint`` (default: ``url`` itself).
+        Other keywords are those of :meth:`create` (``optimizer=`` replaces the checkpoint's)."""
         return restore_server(cls, client, url, storage_options, checkpoint, kwargs)
 
     @classmethod

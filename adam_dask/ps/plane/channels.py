@@ -308,6 +308,9 @@ class PlaneCalls:
                 h["pull"], h["pull_sids"] = True, sl
         if req.op == "push":
             h.update(push_id=req.push_id, ack=req.ack, urgent=req.urgent)
+            bases = req.args.get("bases")
+            if bases:  # the versions this pusher last read (the server optimizer's staleness)
+                h["bases"] = {s: bases[s] for s in sl if s in bases}
             h["mark"] = None if req.mark is None else req.mark.to_json()
             if req.outer is not None:
                 o = req.outer

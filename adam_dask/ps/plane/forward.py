@@ -35,17 +35,19 @@ from .wire import recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ForwardChannels", "snapshot_header", "snapshots_from"]
+__all__ = ["ForwardChannels", "payload_floats", "snapshot_header", "snapshots_from"]
 
 
 def snapshot_header(snap: Snapshot) -> dict:
-    """A snapshot's metadata (its values travel after the header)."""
+    """A snapshot's metadata (its values, then its optimizer state, travel after the
+    header: ``floats`` each, ``state`` vectors of state)."""
     return {
         "shard": snap.shard,
         "start": snap.start,
         "stop": snap.stop,
         "version": snap.version,
         "floats": int(snap.values.shape[0]),
+        "state": len(snap.payloads()) - 1,
         "ids": [[int(v), int(p)] for v, p in snap.ids],
         "gen": snap.gen,
         "full": snap.full,
@@ -53,22 +55,32 @@ def snapshot_header(snap: Snapshot) -> dict:
     }
 
 
-def snapshots_from(metas: list[dict], values: list[Any]) -> tuple[Snapshot, ...]:
-    """The snapshots a header describes, over the arrays read after it."""
-    return tuple(
-        Snapshot(
-            int(m["shard"]),
-            int(m["start"]),
-            int(m["stop"]),
-            int(m["version"]),
-            v,
-            tuple((int(a), int(b)) for a, b in m["ids"]),
-            int(m["gen"]),
-            bool(m["full"]),
-            tuple(Mark.from_json(x) for x in m["marks"]),
+def payload_floats(meta: dict) -> int:
+    """The floats that follow the header for one snapshot (values and state)."""
+    return int(meta["floats"]) * (1 + int(meta.get("state", 0)))
+
+
+def snapshots_from(metas: list[dict], payloads: list[Any]) -> tuple[Snapshot, ...]:
+    """The snapshots a header describes, over the arrays read after it (one per snapshot:
+    its values, then its optimizer state)."""
+    out = []
+    for m, p in zip(metas, payloads, strict=True):
+        n = int(m["floats"])
+        out.append(
+            Snapshot(
+                int(m["shard"]),
+                int(m["start"]),
+                int(m["stop"]),
+                int(m["version"]),
+                p[:n],
+                tuple((int(a), int(b)) for a, b in m["ids"]),
+                int(m["gen"]),
+                bool(m["full"]),
+                tuple(Mark.from_json(x) for x in m["marks"]),
+                p[n : 2 * n] if int(m.get("state", 0)) else None,
+            )
         )
-        for m, v in zip(metas, values, strict=True)
-    )
+    return tuple(out)
 
 
 class ForwardChannels:
@@ -116,17 +128,18 @@ class ForwardChannels:
             seg = None
             try:
                 if ch.unix:
-                    seg = self._segment((addr, key), sum(s.values.shape[0] for s in snaps))
+                    arrays = [p for s in snaps for p in s.payloads()]
+                    seg = self._segment((addr, key), sum(a.shape[0] for a in arrays))
                     o = 0
-                    for snap in snaps:
-                        n = snap.values.shape[0]
-                        seg.array[o : o + n] = snap.values
+                    for a in arrays:
+                        n = a.shape[0]
+                        seg.array[o : o + n] = a
                         o += n
                     ch.share(seg)
                     header["segment"] = seg.id
                     send_msg(ch.sock, header)
                 else:
-                    send_msg(ch.sock, header, *(s.values for s in snaps))
+                    send_msg(ch.sock, header, *(p for s in snaps for p in s.payloads()))
                 reply = recv_msg(ch.sock)
             except (OSError, ValueError) as exc:
                 logger.info("forward to %s on the data plane failed (%r): the Dask path", addr, exc)

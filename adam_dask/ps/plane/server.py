@@ -38,7 +38,7 @@ import numpy as np
 from ..._listen import Listeners
 from ...errors import AdamError
 from ..protocol.shard import Mark
-from .forward import snapshots_from
+from .forward import payload_floats, snapshots_from
 from .wire import recv_exact_into, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
@@ -197,6 +197,7 @@ class _Connection:
         if node is None:
             return {"per_shard": {}, "moved": sids, "gens": {}}
         mark = None if h.get("mark") is None else Mark.from_json(h["mark"])
+        bases = {int(s): int(v) for s, v in (h.get("bases") or {}).items()} or None
         stamps = {int(s): int(g) for s, g in h["stamps"].items()}
         try:
             if outer is not None:
@@ -205,7 +206,7 @@ class _Connection:
                 if not deltas:
                     return {"per_shard": {}, "moved": sids, "gens": {}}
             reply = node.push(
-                deltas, int(h["push_id"]), h["ack"], stamps, mark, bool(h.get("urgent"))
+                deltas, int(h["push_id"]), h["ack"], stamps, mark, bool(h.get("urgent")), bases
             )
         except Exception as exc:
             return error_reply(exc)
@@ -228,7 +229,7 @@ class _Connection:
         read into this connection's buffer and installed (copied into the shards) under the
         state's lock before the buffer is read into again."""
         metas = h["snaps"]
-        sizes = [int(m["floats"]) for m in metas]
+        sizes = [payload_floats(m) for m in metas]
         if "segment" in h:  # on this machine: the primary's segment, mapped here
             buf = self.segments[int(h["segment"])][: sum(sizes)]
         else:
@@ -254,11 +255,12 @@ class _Connection:
             send_msg(self.sock, {"per_shard": [], "moved": sids})
             return
         try:
-            ok, moved, views = self._read(h, node, sids, stamps)
+            versions: dict[int, int] = {}
+            ok, moved, views = self._read(h, node, sids, stamps, versions=versions)
         except Exception as exc:
             send_msg(self.sock, error_reply(exc))
             return
-        send_msg(self.sock, {"per_shard": ok, "moved": moved}, *views)
+        send_msg(self.sock, {"per_shard": ok, "moved": moved, "versions": versions}, *views)
 
     def _push_pull(self, h: dict) -> None:
         """A push, then the values of the shards it was applied to, in one round trip (what a
@@ -270,15 +272,24 @@ class _Connection:
             sids = sorted(int(s) for s in reply["per_shard"])
             stamps = {int(s): int(g) for s, g in h["stamps"].items()}
             try:
-                ok, _, views = self._read(h, node, sids, stamps, order=h["pull_sids"])
-                reply["pulled"] = ok
+                versions: dict[int, int] = {}
+                ok, _, views = self._read(
+                    h, node, sids, stamps, order=h["pull_sids"], versions=versions
+                )
+                reply["pulled"], reply["pulled_versions"] = ok, versions
             except Exception as exc:  # the push stands; the pusher pulls the Dask way
                 logger.debug("data-plane pull after a push failed: %r", exc)
                 reply["pulled"], views = [], []
         send_msg(self.sock, reply, *views)
 
     def _read(
-        self, h: dict, node: Any, sids: list[int], stamps: dict, order: list | None = None
+        self,
+        h: dict,
+        node: Any,
+        sids: list[int],
+        stamps: dict,
+        order: list | None = None,
+        versions: dict | None = None,
     ) -> tuple[list[int], list[int], list]:
         """Copy the values of ``sids`` (primaries here) where the pusher reads them: its pull
         segment (Unix), or this connection's buffer, returned as views to send (TCP, in the
@@ -290,7 +301,7 @@ class _Connection:
             def dest(start: int, stop: int, i: int) -> np.ndarray:
                 return seg[start:stop]
 
-            ok, moved = node.read(sids, stamps, dest)
+            ok, moved = node.read(sids, stamps, dest, versions)
             return ok, moved, []
         sizes = [int(n) for n in h["sizes"]]
         offs = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
@@ -303,6 +314,6 @@ class _Connection:
                 raise ConnectionError(f"a pull of {sizes[j]} floats for {stop - start}")
             return buf[offs[j] : offs[j] + sizes[j]]
 
-        ok, moved = node.read(sids, stamps, dest_tcp)
+        ok, moved = node.read(sids, stamps, dest_tcp, versions)
         views = [buf[offs[at[s]] : offs[at[s]] + sizes[at[s]]] for s in ok]
         return ok, moved, views

@@ -95,7 +95,9 @@ class Action:
 class Push:
     """One push at a primary: ``deltas`` {sid: shard-length float32 delta, or None for zeros}, ``stamps`` {sid:
     the shard generation in the pusher's routing}; ``ack`` is "replay", "all" or "primary";
-    ``mark`` what it covers of the pusher's data (recorded with it, fences repeats)."""
+    ``mark`` what it covers of the pusher's data (recorded with it, fences repeats);
+    ``bases`` {sid: the version of the shard the pusher last read}, for the server
+    optimizer's staleness (None, or a shard left out: not known)."""
 
     req: Any
     deltas: dict[int, np.ndarray | None]
@@ -104,6 +106,7 @@ class Push:
     ack: str
     mark: Mark | None = None
     scanned: bool = False  # the pusher checked the values (NaN/Inf): only lengths are checked
+    bases: dict[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +249,7 @@ class Restore(Event):
     values: np.ndarray
     ids: tuple[tuple[int, int], ...]
     marks: tuple[Mark, ...] = ()
+    state: np.ndarray | None = None  # the server optimizer's state in the block (momentum)
 
 
 @dataclass(frozen=True, slots=True)

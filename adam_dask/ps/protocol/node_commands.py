@@ -72,7 +72,14 @@ def on_assign(node: NodeState, ev: Assign) -> list[Action]:
             node.step_down(sid, gen, "assigned as a backup of a newer generation")
         if sid not in node.shards:
             node.shards[sid] = ShardState(
-                sid, start, stop, None, ev.version, node.dedup_window, gen=gen
+                sid,
+                start,
+                stop,
+                None,
+                ev.version,
+                node.dedup_window,
+                gen=gen,
+                optimizer=node.optimizer,
             )
         node.gens[sid] = gen
     for sid, peers in ev.primaries.items():
@@ -116,8 +123,10 @@ def on_restore(node: NodeState, ev: Restore) -> list[Action]:
     held = node.shards.get(ev.sid)
     if held is not None and ev.sid in node.primaries and held.gen == ev.gen:
         return [Reply(ev.req, ev.version)]  # the same restore again: done already
-    st = ShardState(ev.sid, ev.start, ev.stop, None, -1, node.dedup_window, gen=-1)
-    st.install(ev.version, ev.values, ev.ids, gen=ev.gen, full=True, marks=ev.marks)
+    st = ShardState(
+        ev.sid, ev.start, ev.stop, None, -1, node.dedup_window, gen=-1, optimizer=node.optimizer
+    )
+    st.install(ev.version, ev.values, ev.ids, gen=ev.gen, full=True, marks=ev.marks, state=ev.state)
     node.forget(ev.sid)
     node.shards[ev.sid] = st
     node.gens[ev.sid] = ev.gen

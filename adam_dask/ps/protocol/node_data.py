@@ -67,7 +67,8 @@ __all__ = [
 
 def on_pushes(node: NodeState, ev: Pushes) -> list[Action]:
     out: list = []
-    todo: dict[int, list[tuple[int, np.ndarray | None, int | None, Mark | None]]] = {}
+    todo: dict[int, list[tuple[int, np.ndarray | None, int | None, Mark | None, int | None]]]
+    todo = {}
     results = []
     for i, p in enumerate(ev.items):
         res: dict = {"per_shard": {}, "moved": [], "confirmed": {}, "gens": {}}
@@ -82,24 +83,26 @@ def on_pushes(node: NodeState, ev: Pushes) -> list[Action]:
         except UpdateRejected as exc:
             out.append(Reply(p.req, exc))
             continue
+        bases = p.bases or {}
         for sid, d in checked.items():
-            todo.setdefault(sid, []).append((i, d, p.push_id, p.mark))
+            todo.setdefault(sid, []).append((i, d, p.push_id, p.mark, bases.get(sid)))
         results.append((i, p, res))
     versions: dict[tuple[int, int], int] = {}
     for sid, items in todo.items():
         st = node.shards[sid]
         fenced = st.pushes_fenced
         applied = st.apply_batch(
-            [d for _, d, _, _ in items],
-            [pid for _, _, pid, _ in items],
-            [m for _, _, _, m in items],
+            [it[1] for it in items],
+            [it[2] for it in items],
+            [it[3] for it in items],
             checked=True,
+            bases=[it[4] for it in items],
         )
         n = len(items) - (st.pushes_fenced - fenced)
         node.pushes += n
         node.floats_applied += n * st.size
-        for (i, _, _, _), v in zip(items, applied):
-            versions[(i, sid)] = v
+        for it, v in zip(items, applied):
+            versions[(it[0], sid)] = v
     urgent = False
     for i, p, res in results:
         for sid in p.deltas:
@@ -250,7 +253,13 @@ def on_replicate(node: NodeState, ev: Replicate) -> list[Action]:
             node.step_down(sid, snap.gen, f"{ev.sender} forwards generation {snap.gen}")
         node.gens[sid] = max(known, snap.gen)
         st.install(
-            snap.version, snap.values, snap.ids, gen=snap.gen, full=snap.full, marks=snap.marks
+            snap.version,
+            snap.values,
+            snap.ids,
+            gen=snap.gen,
+            full=snap.full,
+            marks=snap.marks,
+            state=snap.state,
         )
         held[sid] = st.position
     return [Reply(ev.req, {"held": held, "refused": refused}), *node.settle()]

@@ -46,6 +46,7 @@ import numpy as np
 
 from ...errors import ShardUnavailable, UpdateRejected
 from .messages import Action, Peer, Position, Reply
+from .optimizer import ServerOptimizer
 from .shard import ShardState
 from .story import Story
 
@@ -82,11 +83,21 @@ class NodeState:
         Push ids remembered per shard (``adam.ps.dedup-window``).
     checkpoint : bool
         Whether the server writes back to a checkpoint.
+    optimizer : ServerOptimizer, optional
+        What the shards it holds do with each push (the sum by default).
     """
 
-    def __init__(self, addr: str, *, dedup_window: int | None = None, checkpoint: bool = False):
+    def __init__(
+        self,
+        addr: str,
+        *,
+        dedup_window: int | None = None,
+        checkpoint: bool = False,
+        optimizer: ServerOptimizer | None = None,
+    ):
         self.addr = addr
         self.dedup_window = dedup_window
+        self.optimizer = optimizer if optimizer is not None else ServerOptimizer()
         self.checkpoint = checkpoint
         self.shards: dict[int, ShardState] = {}
         self.gens: dict[int, int] = {}  # the newest generation known per shard: the fence
@@ -157,17 +168,24 @@ class NodeState:
         return True
 
     def read_into(
-        self, sids: list[int], stamps: dict[int, int] | None, dest: Any
+        self,
+        sids: list[int],
+        stamps: dict[int, int] | None,
+        dest: Any,
+        versions: dict[int, int] | None = None,
     ) -> tuple[list[int], list[int]]:
         """Copy the values of the primaries among ``sids`` into ``dest(start, stop, i)`` (the
         place for ``sids[i]``, a float32 view): the data plane's pull, one copy, between two
-        batches of pushes. Returns (the sids copied, the sids moved)."""
+        batches of pushes. Returns (the sids copied, the sids moved); ``versions`` (when
+        given) gets the version of each copied shard."""
         ok, moved = [], []
         for i, s in enumerate(sids):
             if self.accepts(s, stamps):
                 st = self.shards[s]
                 np.copyto(dest(st.start, st.stop, i), st.values)
                 ok.append(s)
+                if versions is not None:
+                    versions[s] = st.version
             else:
                 moved.append(s)
         return ok, moved
@@ -177,9 +195,12 @@ class NodeState:
         values: dict[int, np.ndarray],
         versions: dict[int, int],
         marks: dict[int, Any] | None = None,
+        states: dict[int, np.ndarray] | None = None,
     ) -> None:
         """Initial values of held shards (a new or restored server): already in the checkpoint;
-        ``marks`` {sid: [Mark]}: the data positions they hold."""
+        ``marks`` {sid: [Mark]}: the data positions they hold; ``states`` {sid: momentum}: the
+        optimizer's state they were written with (zeros where none)."""
+        states = {int(s): v for s, v in (states or {}).items()}
         marks = {int(s): list(m) for s, m in (marks or {}).items()}
         for sid, v in values.items():
             st = self.shards[int(sid)]
@@ -191,6 +212,7 @@ class NodeState:
             st.values[:] = arr
             st.version = int(versions[sid])
             st.set_marks(marks.get(int(sid), ()))
+            st.set_state(states.get(int(sid)))
             self.value_cache.pop(int(sid), None)
             if int(sid) in self.primaries:
                 self.written[int(sid)] = st.version

@@ -8,10 +8,8 @@ bounded window of the ids of the last pushes applied, so that a push retried aft
 is applied once. Everything here is synchronous and deterministic; the actor in
 :mod:`adam_dask.ps.runtime.node` owns the I/O around it.
 
-Shapes: ``n`` = floats in the shard; an outer-product update for a dense layer of ``out``
-outputs and ``inp`` inputs over a batch of ``B`` samples takes ``errors (B, out)`` and
-``activations (B, inp)`` and adds ``scale * errors.T @ activations`` (``(out, inp)``,
-row-major) to the flat buffer at ``offset``.
+Shapes: ``n`` = floats in the shard; the dense offload's outer-product update is
+:mod:`adam_dask.ps.protocol.outer`'s.
 
 The apply loops are the numba kernels of :mod:`adam_dask.ps.kernels`.
 """
@@ -28,17 +26,16 @@ import numpy as np
 
 from ... import config
 from ...errors import UpdateRejected
-from ..kernels import apply_all, first_nonfinite
+from ..kernels import first_nonfinite
+from .optimizer import ServerOptimizer, staleness_scale
+from .outer import outer_delta, outer_part
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "Mark",
-    "OuterPart",
     "ShardState",
     "Snapshot",
-    "outer_delta",
-    "outer_part",
 ]
 
 
@@ -110,52 +107,11 @@ class Snapshot:
     gen: int = 0
     full: bool = True
     marks: tuple[Mark, ...] = ()  # the data positions the values hold (all of them)
+    state: np.ndarray | None = None  # the server optimizer's state at the version (momentum)
 
-
-@dataclass(frozen=True, slots=True)
-class OuterPart:
-    """The part of an outer-product update that falls into one shard.
-
-    The dense matrix ``(out, inp)`` lives at ``flat[offset : offset + out * inp]``; this shard
-    needs rows ``row0 : row1`` of it, of which it keeps ``flat[lo : hi]`` (global indices).
-    """
-
-    row0: int
-    row1: int
-    lo: int
-    hi: int
-
-
-def outer_part(offset: int, out: int, inp: int, start: int, stop: int) -> OuterPart | None:
-    """Which rows of an ``(out, inp)`` matrix at ``offset`` touch the shard ``[start, stop)``."""
-    lo, hi = max(start, offset), min(stop, offset + out * inp)
-    if lo >= hi:
-        return None
-    row0 = (lo - offset) // inp
-    row1 = (hi - offset + inp - 1) // inp
-    return OuterPart(row0, row1, lo, hi)
-
-
-def outer_delta(
-    part: OuterPart,
-    offset: int,
-    inp: int,
-    errors: np.ndarray,
-    activations: np.ndarray,
-    scale: float,
-) -> np.ndarray:
-    """``scale * errors[:, rows].T @ activations``, cut to the shard's slice ``[lo, hi)``.
-
-    ``errors`` holds the columns ``row0:row1`` only when its width equals ``row1 - row0``
-    (what the client sends); a full ``(B, out)`` array is cut here.
-    """
-    if errors.shape[1] != part.row1 - part.row0:
-        errors = errors[:, part.row0 : part.row1]
-    m = (errors.T @ activations).astype(np.float32, copy=False).reshape(-1)
-    if scale != 1.0:
-        m *= np.float32(scale)
-    base = offset + part.row0 * inp
-    return m[part.lo - base : part.hi - base]
+    def payloads(self) -> tuple[np.ndarray, ...]:
+        """The arrays that travel and are stored: the values, then the optimizer's state."""
+        return (self.values,) if self.state is None else (self.values, self.state)
 
 
 # -- the shard -----------------------------------------------------------------------------------
@@ -181,6 +137,10 @@ class ShardState:
     mark_epochs : int, optional
         The newest epochs whose data positions (:class:`Mark`) the shard keeps
         (``adam.ps.mark-epochs``).
+    optimizer : ServerOptimizer, optional
+        What each push does to the values (:mod:`adam_dask.ps.protocol.optimizer`); the sum by
+        default. Its state (``self.state``, the momentum) is the shard's as much as the values:
+        copied, written back and installed with them.
     """
 
     def __init__(
@@ -193,6 +153,7 @@ class ShardState:
         dedup_window: int | None = None,
         gen: int = 0,
         mark_epochs: int | None = None,
+        optimizer: ServerOptimizer | None = None,
     ):
         self.shard, self.start, self.stop = int(shard), int(start), int(stop)
         n = self.stop - self.start
@@ -206,6 +167,8 @@ class ShardState:
                 )
         self.version = int(version)
         self.gen = int(gen)
+        self.optimizer = optimizer if optimizer is not None else ServerOptimizer()
+        self.state = self.optimizer.new_state(n)
         self.dedup_window = int(config.get("ps.dedup-window", dedup_window))
         self._ids: OrderedDict[int, int] = OrderedDict()  # push_id -> version, oldest first
         self.mark_epochs = int(config.get("ps.mark-epochs", mark_epochs))
@@ -284,10 +247,16 @@ class ShardState:
 
     # -- updates ---------------------------------------------------------------------------------
 
-    def apply(self, delta: np.ndarray, push_id: int | None = None, mark: Mark | None = None) -> int:
+    def apply(
+        self,
+        delta: np.ndarray,
+        push_id: int | None = None,
+        mark: Mark | None = None,
+        base: int | None = None,
+    ) -> int:
         """Check and add one delta; returns the new version (the old one for a repeated id or
         a fenced mark)."""
-        return self.apply_batch([delta], [push_id], [mark])[0]
+        return self.apply_batch([delta], [push_id], [mark], bases=[base])[0]
 
     def apply_batch(
         self,
@@ -295,9 +264,12 @@ class ShardState:
         push_ids: Sequence[int | None] | None = None,
         marks: Sequence[Mark | None] | None = None,
         checked: bool = False,
+        bases: Sequence[int | None] | None = None,
     ) -> list[int]:
-        """Check every delta, then add them all (blocked); returns each push's version.
-        ``checked``: the caller checked them (:meth:`check`) already.
+        """Check every delta, then apply them all in order through the shard's optimizer (the
+        sum: added, blocked); returns each push's version. ``checked``: the caller checked them
+        (:meth:`check`) already. ``bases``: the version of this shard each pusher last read
+        (None: not known), for the optimizer's staleness.
 
         A batch with any bad delta is refused as a whole (:class:`UpdateRejected`), the shard
         unchanged. Pushes whose id was applied before are skipped and get the version at which
@@ -306,11 +278,13 @@ class ShardState:
         """
         push_ids = list(push_ids) if push_ids is not None else [None] * len(deltas)
         marks = list(marks) if marks is not None else [None] * len(deltas)
+        bases = list(bases) if bases is not None else [None] * len(deltas)
         checked_ = list(deltas) if checked else [self.check(d) for d in deltas]
         todo: list[np.ndarray] = []
+        scales: list[float] = []
         versions: list[int] = []
         v = self.version
-        for d, pid, mark in zip(checked_, push_ids, marks):
+        for d, pid, mark, base in zip(checked_, push_ids, marks, bases):
             if pid is not None and pid in self._ids:
                 versions.append(self._ids[pid])
                 continue
@@ -324,9 +298,10 @@ class ShardState:
             versions.append(v)
             if d is not None:  # None: a delta of zeros, recorded but nothing to add
                 todo.append(d)
+                scales.append(staleness_scale(None if base is None else v - 1 - int(base)))
             if pid is not None:
                 self._ids[pid] = v
-        apply_all(self.values, todo)
+        self.optimizer.apply(self.values, self.state, todo, scales)
         self.pushes_applied += v - self.version
         self.version = v
         self._trim_ids()
@@ -438,6 +413,7 @@ class ShardState:
             self.gen,
             since < 0,
             self.all_marks(),
+            None if self.state is None else self.state.copy(),
         )
 
     def install(
@@ -448,6 +424,7 @@ class ShardState:
         gen: int | None = None,
         full: bool = False,
         marks: Iterable[Mark] = (),
+        state: np.ndarray | None = None,
     ) -> bool:
         """Take a newer copy (a backup's catch-up, or values read back from the checkpoint);
         False if ``(gen, version)`` is not newer than the copy held.
@@ -455,7 +432,9 @@ class ShardState:
         A copy of the same generation adds ``ids`` to the remembered ones; a copy from another
         generation (another primary's lineage), or a ``full`` one, replaces them: ids of pushes
         whose effect the new values do not hold must not be remembered. ``marks`` (the data
-        positions the values hold, all of them) replace the recorded ones.
+        positions the values hold, all of them) replace the recorded ones. ``state``: the
+        optimizer's state at that version (zeros when the copy has none and this shard keeps
+        some: a checkpoint written before the optimizer was on).
         """
         version = int(version)
         gen = self.gen if gen is None else int(gen)
@@ -468,6 +447,7 @@ class ShardState:
                 shard=self.shard,
             )
         self.values[:] = v
+        self.set_state(state)
         if full or gen != self.gen:
             self._ids.clear()
         self.version = version
@@ -477,3 +457,22 @@ class ShardState:
         self._trim_ids()
         self.set_marks(marks)
         return True
+
+    def set_state(self, state: np.ndarray | None) -> None:
+        """Take the optimizer's state of a copy (a copy's own: a backup promoted later continues
+        from it); zeros when the copy has none."""
+        if state is None:
+            if self.state is not None:
+                self.state[:] = 0.0
+            return
+        st = np.asarray(state, dtype=np.float32).reshape(-1)
+        if st.shape[0] != self.size:
+            raise UpdateRejected(
+                f"shard {self.shard}: optimizer state of {st.shape[0]} floats, "
+                f"expected {self.size}",
+                shard=self.shard,
+            )
+        if self.state is None:  # a copy of a shard with momentum: keep it with the values
+            self.state = st.copy()
+        else:
+            self.state[:] = st

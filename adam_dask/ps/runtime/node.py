@@ -52,6 +52,7 @@ from ..protocol.messages import (
 )
 from ..protocol.node_machine import handle
 from ..protocol.node_state import NodeState
+from ..protocol.optimizer import ServerOptimizer
 from ..protocol.shard import Mark, Snapshot
 from .background import spawn
 from .forwarder import Forwarder
@@ -113,7 +114,10 @@ class PSNode:
         self._worker = get_worker()
         ckpt = self.cfg.get("checkpoint")
         self.state = NodeState(
-            self._worker.address, dedup_window=self.cfg["dedup_window"], checkpoint=bool(ckpt)
+            self._worker.address,
+            dedup_window=self.cfg["dedup_window"],
+            checkpoint=bool(ckpt),
+            optimizer=ServerOptimizer.from_dict(self.cfg.get("optimizer")),
         )
         if ckpt:
             self._writeback = WriteBack(self.server_id, self._worker, self.cfg, self._handle)
@@ -235,12 +239,15 @@ class PSNode:
         prim = {int(s): [tuple(p) for p in ps] for s, ps in (primaries or {}).items()}
         await self._ask(lambda r: Assign(r, shards, gens, prim, int(version)))
 
-    async def load(self, values: dict, versions: dict, marks: dict | None = None) -> None:
+    async def load(
+        self, values: dict, versions: dict, marks: dict | None = None, states: dict | None = None
+    ) -> None:
         """Initial values of held shards at ``versions`` (a new or restored server), with the
-        data positions (``marks`` {sid: [Mark]}) they hold."""
+        data positions (``marks`` {sid: [Mark]}) and the optimizer's state (``states``
+        {sid: momentum}) they hold."""
         state = self._start()
         with self._lock:
-            state.load({int(s): v for s, v in values.items()}, versions, marks)
+            state.load({int(s): v for s, v in values.items()}, versions, marks, states)
 
     async def fence(self, gens: dict) -> dict:
         return await self._ask(lambda r: Fence(r, {int(s): int(g) for s, g in gens.items()}))
@@ -255,14 +262,15 @@ class PSNode:
         self._start()
         if self._writeback is None:
             raise ShardUnavailable(f"shard {sid}: no checkpoint to restore it from")
-        values, attrs, ids = await asyncio.to_thread(self._writeback.store.read, block[0])
+        block_, attrs, ids = await asyncio.to_thread(self._writeback.store.read, block[0])
         version = int(attrs["version"])
-        from ..checkpoint import block_marks
+        from ..checkpoint import block_marks, split_block
 
+        values, state = split_block(block_, attrs)
         marks = block_marks(attrs)
         return await self._ask(
             lambda r: Restore(
-                r, int(sid), int(gen), int(start), int(stop), version, values, ids, marks
+                r, int(sid), int(gen), int(start), int(stop), version, values, ids, marks, state
             )
         )
 
@@ -455,6 +463,15 @@ class PSNode:
         of note it handled, each with its stimulus id and the actions it led to."""
         state = self._start()
         return self._locked(lambda: [e.to_dict() for e in state.story(sid)])
+
+    async def applied(self, sid: int) -> list[list[int]]:
+        """``[version, push id]`` of the pushes shard ``sid`` remembers (``adam.ps.dedup-window``
+        of them), in the order this copy's lineage applied them; [] when it holds no copy."""
+        state = self._start()
+        st = state.shards.get(int(sid))
+        if st is None:
+            return []
+        return self._locked(lambda: [[v, p] for v, p in st.ids_since(-1)])
 
     async def stats(self) -> dict:
         """Counters and lags of this node (see ParameterServer.stats)."""

@@ -63,6 +63,7 @@ class NodePlane:
         stamps: dict,
         mark: Mark | None,
         urgent: bool = False,
+        bases: dict | None = None,
     ) -> dict:
         """A data-plane push (values scanned by the pusher), applied in the calling thread.
 
@@ -77,7 +78,8 @@ class NodePlane:
         self.counts["plane"] += 1
         slot = Answer()
         with self.pending_lock:
-            self.pending.append((Push(slot, deltas, push_id, stamps, ack, mark, True), slot))
+            push = Push(slot, deltas, push_id, stamps, ack, mark, True, bases)
+            self.pending.append((push, slot))
         with self.lock:
             rest = []
             if not slot.done:
@@ -125,12 +127,14 @@ class NodePlane:
         refused = {int(s): int(g) for s, g in slot.value["refused"].items()}
         return {"held": held, "refused": refused}
 
-    def read(self, sids: list[int], stamps: dict | None, dest: Any) -> tuple:
+    def read(
+        self, sids: list[int], stamps: dict | None, dest: Any, versions: dict | None = None
+    ) -> tuple:
         """A data-plane pull (:meth:`NodeState.read_into`), between two batches of pushes."""
         state = self.state
         self.counts["plane"] += 1
         with self.lock:
-            return state.read_into(sids, stamps, dest)
+            return state.read_into(sids, stamps, dest, versions)
 
     def confirmed(self, sids: list[int], urgent: bool = False) -> dict:
         """What every copy (and the checkpoint) holds of the primaries among ``sids``, asked on

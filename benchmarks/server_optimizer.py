@@ -1,0 +1,129 @@
+"""Benchmark: the parameter server's optimizer (issue 41): test accuracy after a run of
+`adam-dask train` on real MNIST with each server optimizer and push interval, several seeds.
+
+For each setting ``OPTIMIZER@K`` (``sum@512``, ``nesterov+staleness@4096``, ...) the real CLI
+trains on the embedded cluster (``--trainers R --threads 1``, the default recipe otherwise) for
+``--epochs`` epochs, once per seed, and the test accuracy after the last epoch is kept. One JSON
+line per setting goes to benchmarks/results/server_optimizer.jsonl: ``optimizer``,
+``push_every``, ``replicas``, ``epochs``, ``seeds``, ``accuracies`` (one per seed, in order),
+``curves`` (each seed's test accuracy after every epoch), ``mean_accuracy``, ``server_lr`` and
+``server_momentum`` (nesterov), ``wall_seconds`` (per seed) and ``bytes_pushed_per_image``: what
+a replica sends per image it trains, ``4 x parameters / push_every`` (each push carries the
+whole model's delta). The communication goal (issue 41): the best optimizer at push every 4096
+reaches at least the mean accuracy of ``sum`` at 512, with 8x fewer bytes per image.
+
+    python benchmarks/server_optimizer.py --settings sum@512 nesterov+staleness@4096 \
+        [--seeds 0 1 2 3 4] [--replicas 4] [--epochs 10] [--no-save]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from _common import mnist_store, record
+
+
+def parameters() -> int:
+    """The default network's parameter count (what every push's delta holds)."""
+    from adam_dask.model.network import Network
+
+    return int(Network.from_spec().flat.shape[0])
+
+
+def run_once(store: str, optimizer: str, push_every: int, replicas: int, epochs: int, seed: int):
+    """(test accuracy after every epoch, wall seconds) of one CLI run."""
+    metrics = os.path.join(tempfile.mkdtemp(prefix="adam-sopt-"), "history.jsonl")
+    cmd = [
+        sys.executable,
+        "-m",
+        "adam_dask.cli",
+        "train",
+        "--data",
+        store,
+        "--epochs",
+        str(epochs),
+        "--trainers",
+        str(replicas),
+        "--threads",
+        "1",
+        "--push-every",
+        str(push_every),
+        "--server-optimizer",
+        optimizer,
+        "--seed",
+        str(seed),
+        "--no-checkpoint",
+        "--no-progress",
+        "--metrics-out",
+        metrics,
+    ]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.exit(f"adam-dask train failed: {proc.stderr.strip().splitlines()[-3:]}")
+    with open(metrics) as f:
+        history = [json.loads(line) for line in f if line.strip()]
+    return [round(float(r["test_accuracy"]), 4) for r in history], round(wall, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--settings", nargs="+", required=True, metavar="OPTIMIZER@K")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--no-save", action="store_true")
+    args = ap.parse_args()
+    from adam_dask import config
+    from adam_dask.ps.protocol.optimizer import ServerOptimizer
+
+    store = mnist_store()
+    n = parameters()
+    for setting in args.settings:
+        name, _, k = setting.partition("@")
+        opt = ServerOptimizer.resolve(name)
+        push_every = int(k or config.get("train.push-every"))
+        load_before = os.getloadavg()[0]
+        curves, walls = [], []
+        for seed in args.seeds:
+            curve, wall = run_once(store, opt.name, push_every, args.replicas, args.epochs, seed)
+            curves.append(curve)
+            walls.append(wall)
+            print(f"{setting} seed {seed}: {curve[-1]:.4f} ({wall:.0f} s) {curve}", flush=True)
+        accs = [c[-1] for c in curves]
+        record(
+            "server_optimizer",
+            {
+                "optimizer": opt.name,
+                "server_lr": opt.lr,
+                "server_momentum": opt.momentum,
+                "push_every": push_every,
+                "replicas": args.replicas,
+                "threads": 1,
+                "epochs": args.epochs,
+                "seeds": args.seeds,
+                "accuracies": accs,
+                "mean_accuracy": round(statistics.fmean(accs), 5),
+                "curves": curves,
+                "wall_seconds": walls,
+                "parameters": n,
+                "bytes_pushed_per_image": round(4 * n / push_every, 2),
+                "lr": config.get("train.lr"),
+                "lr_replicas": config.get("train.lr-replicas"),
+                "lr_schedule": config.get("train.lr-schedule"),
+                "load": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+            },
+            save=not args.no_save,
+        )
+
+
+if __name__ == "__main__":
+    main()
