@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,15 @@ from ..protocol.messages import (
 )
 from ..protocol.node_machine import handle
 from ..protocol.node_state import NodeState
+from ..protocol.replies import (
+    BeatReply,
+    ConfirmedReply,
+    MarksReply,
+    PullReply,
+    PushReply,
+    ReplicateReply,
+    VersionsReply,
+)
 from ..protocol.shard import Mark, Snapshot
 from .background import spawn
 from .forwarder import Forwarder
@@ -212,8 +222,8 @@ class PSNode:
         except (OSError, TimeoutError) as exc:
             logger.info("node %s: heartbeat failed (%s)", self._worker.address, exc)
             return
-        gens = {int(s): int(g) for s, g in reply["gens"].items()}
-        self._handle(HeartbeatReply(bool(reply["member"]), gens))
+        beat = BeatReply.from_wire(reply)
+        self._handle(HeartbeatReply(beat.member, beat.gens))
 
     # -- commands from the controller ------------------------------------------------------------
 
@@ -306,7 +316,7 @@ class PSNode:
         ``mark``: what the push covers of the pusher's data (:class:`Mark`), recorded with it.
         ``scanned``: the pusher checked the values for NaN/Inf."""
         self.counts["dask"] += 1
-        return await self._push(deltas, push_id, ack, stamps, mark, scanned)
+        return (await self._push(deltas, push_id, ack, stamps, mark, scanned)).to_wire()
 
     async def _push(
         self,
@@ -316,7 +326,7 @@ class PSNode:
         stamps: dict | None,
         mark: Mark | None,
         scanned: bool = False,
-    ) -> dict:
+    ) -> PushReply:
         self._start()
         fut = asyncio.get_running_loop().create_future()
         req = next(self._reqs)
@@ -371,9 +381,8 @@ class PSNode:
         res = await self._push(deltas, push_id, ack, stamps, mark) if deltas else None
         moved = [int(s) for s in parts if int(s) not in deltas]
         if res is None:
-            return {"per_shard": {}, "moved": moved, "confirmed": {}, "durable": {}}
-        res["moved"] = sorted(set(res["moved"]) | set(moved))
-        return res
+            return PushReply({}, tuple(moved), confirmed={}, durable={}).to_wire()
+        return replace(res, moved=tuple(sorted(set(res.moved) | set(moved)))).to_wire()
 
     async def pull(self, sids: Iterable[int] | None = None, stamps: dict | None = None) -> dict:
         """``{"per_shard": {sid: values}, "moved": [...]}`` for the primaries among ``sids``."""
@@ -381,7 +390,8 @@ class PSNode:
         self.counts["dask"] += 1
         sids = tuple(state.primaries) if sids is None else tuple(int(s) for s in sids)
         st = None if stamps is None else {int(s): int(g) for s, g in stamps.items()}
-        return await self._ask(lambda r: Pull(r, sids, st))
+        reply: PullReply = await self._ask(lambda r: Pull(r, sids, st))
+        return reply.to_wire()
 
     def _locked(self, fn: Any, *args: Any) -> Any:
         with self._lock:
@@ -395,7 +405,10 @@ class PSNode:
 
     async def pull_versions(self, sids: Iterable[int]) -> dict:
         """``{"per_shard": {sid: version}, "moved": [...]}`` for the primaries among ``sids``."""
-        return await self._ask(lambda r: Versions(r, tuple(int(s) for s in sids), True))
+        reply: VersionsReply = await self._ask(
+            lambda r: Versions(r, tuple(int(s) for s in sids), True)
+        )
+        return reply.to_wire()
 
     async def versions(self, sids: Iterable[int] | None = None) -> dict[int, int]:
         """{sid: version} of the shards held here (all, or ``sids``)."""
@@ -405,15 +418,20 @@ class PSNode:
     async def marks(self, sids: Iterable[int], epoch: int) -> dict:
         """``{"per_shard": {sid: {replica: Mark}}, "moved": [...]}``: the data positions of
         ``epoch`` the primaries among ``sids`` hold."""
-        return await self._ask(lambda r: Marks(r, tuple(int(s) for s in sids), int(epoch)))
+        reply: MarksReply = await self._ask(
+            lambda r: Marks(r, tuple(int(s) for s in sids), int(epoch))
+        )
+        return reply.to_wire()
 
     async def confirmed(self, sids: Iterable[int]) -> dict:
         """``{"per_shard": {sid: version every copy holds}, "moved": [...]}``."""
-        return await self._ask(lambda r: Confirmed(r, tuple(int(s) for s in sids)))
+        reply: ConfirmedReply = await self._ask(lambda r: Confirmed(r, tuple(int(s) for s in sids)))
+        return reply.to_wire()
 
     async def replicate(self, snaps: list[Snapshot], sender: str = "") -> dict:
         """A forward from a primary: ``{"held": {sid: (gen, version)}, "refused": {sid: gen}}``."""
-        return await self._ask(lambda r: Replicate(r, sender, tuple(snaps)))
+        reply: ReplicateReply = await self._ask(lambda r: Replicate(r, sender, tuple(snaps)))
+        return reply.to_wire()
 
     async def flush(
         self, sids: Iterable[int] | None = None, limit: float | None = None, checkpoint: bool = True
@@ -431,7 +449,8 @@ class PSNode:
             return Flush(req, sids_t, checkpoint)
 
         try:
-            return await asyncio.wait_for(self._ask(flush), limit)
+            reply: ConfirmedReply = await asyncio.wait_for(self._ask(flush), limit)
+            return reply.to_wire()
         except TimeoutError:
             state = self.state
             missing = self._locked(state.abandon_flush, reqs[0]) if state and reqs else None
