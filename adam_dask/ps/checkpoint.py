@@ -184,6 +184,24 @@ class BlockStore:
         """(values, attributes, push ids) of the block at ``path``."""
         return read_block(self._zarr(), path)
 
+    def read_snapshot(self, path: str) -> Snapshot:
+        """The block at ``path`` as the copy it holds: values, version, generation, push ids,
+        data positions and the optimizer's state."""
+        block, attrs, ids = self.read(path)
+        values, state = split_block(block, attrs)
+        return Snapshot(
+            int(attrs["shard"]),
+            int(attrs["start"]),
+            int(attrs["stop"]),
+            int(attrs["version"]),
+            values,
+            ids,
+            int(attrs["generation"]),
+            True,
+            block_marks(attrs),
+            state,
+        )
+
     def delete(self, paths: list[str] | tuple[str, ...]) -> None:
         fs, root = filesystem(self.url, self.storage_options)
         for p in paths:

@@ -194,15 +194,15 @@ class Traffic:
             if isinstance(x, BaseException):
                 self.w.node_handle(node, ForwardFailed(rec.callee, repr(x)))
             else:
-                self.w.node_handle(node, ForwardDone(rec.callee, x["held"], x["refused"]))
+                self.w.node_handle(node, ForwardDone(rec.callee, x.held, x.refused))
         elif rec.kind == "report":
             if isinstance(x, BaseException):
                 self.w.node_handle(node, WriteFailed(repr(x)))
             else:
-                self.w.node_handle(node, WriteDone(x["accepted"], x["refused"]))
+                self.w.node_handle(node, WriteDone(x.accepted, x.refused))
         elif rec.kind == "beat":
             if not isinstance(x, BaseException):
-                self.w.node_handle(node, HeartbeatReply(x["member"], x["gens"]))
+                self.w.node_handle(node, HeartbeatReply(x.member, x.gens))
 
     def spend(self, node: SimNode) -> None:
         """A retired node that woke up takes a few more steps, then its worker closes."""

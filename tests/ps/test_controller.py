@@ -27,6 +27,7 @@ from adam_dask.ps.protocol.messages import (
     WriteManifest,
     WriteReport,
 )
+from adam_dask.ps.protocol.replies import BeatReply, ReportReply
 
 ADDRS = ["a", "b", "c", "d"]
 
@@ -128,7 +129,7 @@ def test_a_silent_worker_is_retired_a_slow_one_comes_back_empty(ctl):
             beat(ctl, "b", t)
         if t == 4.0:  # a was only slow: its node is out, its worker usable again
             r = beat(ctl, "a", t)
-            assert of(r, Reply)[0].value == {"member": False, "gens": {}}
+            assert of(r, Reply)[0].value == BeatReply(False, {})
             assert "a" in ctl.live() and "a" not in ctl.nodes
         retired += of(handle(ctl, Tick(t)), Retire)
         if t == 2.5:
@@ -138,11 +139,11 @@ def test_a_silent_worker_is_retired_a_slow_one_comes_back_empty(ctl):
 
 def test_stale_writer_refused_manifest_never_goes_back(ctl):
     out = handle(ctl, WriteReport("w1", "a", {0: (0, 4, "shards/0/g0-v4")}))
-    assert of(out, Reply)[0].value == {"accepted": {0: 4}, "refused": {}}
+    assert of(out, Reply)[0].value == ReportReply({0: 4}, {})
     (w1,) = of(out, WriteManifest)
     assert w1.doc["versions"] == [4, 0] and w1.doc["sequence"] == 1
     out = handle(ctl, WriteReport("w2", "b", {0: (0, 6, "shards/0/g0-v6")}))  # not the primary
-    assert of(out, Reply)[0].value["refused"] == {0: 0} and ctl.refused_writes == 1
+    assert of(out, Reply)[0].value.refused == {0: 0} and ctl.refused_writes == 1
     out = handle(ctl, WriteReport("w3", "a", {0: (0, 3, "shards/0/g0-v3")}))  # older
     assert not of(out, WriteManifest)  # one write at a time
     handle(ctl, ManifestDone(1))

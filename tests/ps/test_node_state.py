@@ -26,6 +26,7 @@ from adam_dask.ps.protocol.messages import (
 )
 from adam_dask.ps.protocol.node_machine import handle
 from adam_dask.ps.protocol.node_state import NodeState
+from adam_dask.ps.protocol.replies import ReplicateReply
 
 N = 8
 
@@ -60,15 +61,15 @@ def push(req, value, pid, gen=3, ack="replay"):
 def test_push_applies_once_and_reports_what_every_copy_holds(primary):
     out = handle(primary, Pushes((push("x", 1, 11), push("y", 2, 12), push("x2", 1, 11))))
     r = replies(out)
-    assert r["x"]["per_shard"] == {0: 1} and r["y"]["per_shard"] == {0: 2}
-    assert r["x2"]["per_shard"] == {0: 1}  # the same push id again: applied once
-    assert r["y"]["confirmed"] == {0: -1}  # the backups hold nothing yet
+    assert r["x"].per_shard == {0: 1} and r["y"].per_shard == {0: 2}
+    assert r["x2"].per_shard == {0: 1}  # the same push id again: applied once
+    assert r["y"].confirmed == {0: -1}  # the backups hold nothing yet
     np.testing.assert_array_equal(primary.shards[0].values, np.full(N, 3))
 
 
 def test_a_stale_stamp_is_refused_as_moved(primary):
     r = replies(handle(primary, Pushes((push("x", 1, 1, gen=2),))))
-    assert r["x"]["moved"] == [0] and r["x"]["per_shard"] == {}
+    assert r["x"].moved == (0,) and r["x"].per_shard == {}
     assert primary.refused_stale == 1 and primary.shards[0].version == 0
 
 
@@ -78,10 +79,10 @@ def test_forward_then_confirmed_and_ack_all_waits_for_it(primary, backup):
     fwd = {f.addr: f for f in of(out, Forward)}
     assert set(fwd) == {"b1", "b2"}
     got = replies(handle(backup, Replicate("r", "p", fwd["b1"].snaps)))["r"]
-    assert got["held"] == {0: (3, 1)} and backup.shards[0].values[0] == 1
-    assert not replies(handle(primary, ForwardDone("b1", got["held"], {})))
+    assert got.held == {0: (3, 1)} and backup.shards[0].values[0] == 1
+    assert not replies(handle(primary, ForwardDone("b1", got.held, {})))
     r = replies(handle(primary, ForwardDone("b2", {0: (3, 1)}, {})))
-    assert r["all"]["confirmed"] == {0: 1}
+    assert r["all"].confirmed == {0: 1}
     assert primary.confirmed(0) == 1
     assert not of(handle(primary, ForwardDue()), Forward)  # nothing new to send
 
@@ -91,19 +92,19 @@ def test_fenced_backup_refuses_the_old_primary_which_steps_down(primary, backup)
     snaps = next(f for f in of(handle(primary, ForwardDue()), Forward) if f.addr == "b1").snaps
     assert replies(handle(backup, Fence("f", {0: 4})))["f"] == {0: (3, 0)}
     got = replies(handle(backup, Replicate("r", "p", snaps)))["r"]
-    assert got == {"held": {}, "refused": {0: 4}}  # generation 3 is over
+    assert got == ReplicateReply({}, {0: 4})  # generation 3 is over
     assert backup.refused_stale == 1 and backup.shards[0].version == 0
-    handle(primary, ForwardDone("b1", got["held"], got["refused"]))
+    handle(primary, ForwardDone("b1", got.held, got.refused))
     assert 0 not in primary.primaries  # no longer applies, forwards or writes shard 0
     r = replies(handle(primary, Pushes((push("y", 1, 2),))))
-    assert r["y"]["moved"] == [0]
+    assert r["y"].moved == (0,)
     assert not of(handle(primary, WriteDue()), WriteBlocks)
 
 
 def test_a_node_the_controller_dropped_stops_serving(primary):
     handle(primary, HeartbeatReply(False, {}))
     assert not primary.member
-    assert replies(handle(primary, Pushes((push("x", 1, 1),))))["x"]["moved"] == [0]
+    assert replies(handle(primary, Pushes((push("x", 1, 1),))))["x"].moved == (0,)
 
 
 def test_write_back_refused_as_stale_steps_down_accepted_is_flushed(primary):
@@ -114,7 +115,7 @@ def test_write_back_refused_as_stale_steps_down_accepted_is_flushed(primary):
     for b in ("b1", "b2"):
         out += handle(primary, ForwardDone(b, {0: (3, 1)}, {}))
     assert "f" not in replies(out)
-    assert replies(handle(primary, WriteDone({0: 1}, {})))["f"]["per_shard"] == {0: 1}
+    assert replies(handle(primary, WriteDone({0: 1}, {})))["f"].per_shard == {0: 1}
     handle(primary, Pushes((push("y", 1, 2),)))
     handle(primary, WriteDue())
     handle(primary, WriteDone({}, {0: 5}))  # the controller knows generation 5
@@ -129,7 +130,7 @@ def test_a_flush_of_the_copies_alone_answers_without_the_checkpoint_and_says_wha
     for b in ("b1", "b2"):
         out += handle(primary, ForwardDone(b, {0: (3, 1)}, {}))
     r = replies(out)["f"]
-    assert r["per_shard"] == {0: 1} and r["durable"][0] < 1  # the pusher keeps its push
+    assert r.per_shard == {0: 1} and r.durable[0] < 1  # the pusher keeps its push
     stuck = handle(primary, Flush("g", None, True))  # waits for the write-back too
     assert "g" not in replies(stuck)
     assert primary.abandon_flush("g") == "checkpoint"  # storage is what is missing
@@ -158,7 +159,7 @@ def test_the_story_keeps_commands_and_step_downs_not_every_push(primary, backup)
     snaps = next(f for f in of(handle(primary, ForwardDue()), Forward) if f.addr == "b1").snaps
     handle(backup, Fence("f", {0: 4}, stimulus_id="ctl-WorkerRemoved-7"))
     got = replies(handle(backup, Replicate("r", "p", snaps)))["r"]
-    handle(primary, ForwardDone("b1", got["held"], got["refused"]))  # fenced: steps down
+    handle(primary, ForwardDone("b1", got.held, got.refused))  # fenced: steps down
     story = primary.story(0)
     assert story[-1].event.startswith("ForwardDone(") and story[-1].shards == (0,)
     fence = backup.story(0)[-1]

@@ -96,7 +96,7 @@ def test_restore_keeps_the_momentum(ps_client, tmp_path):
         r.push(ds[0])  # the restored momentum: the same step the first server would take
         v, m = np.zeros(N, np.float32), np.zeros(N, np.float32)
         for d in [*ds, ds[0]]:
-            nesterov_step(v, m, d, 0.7, 0.9, 1.0)
+            nesterov_step(v, m, d, r.optimizer.lr, r.optimizer.momentum, 1.0)
         np.testing.assert_array_equal(r.pull(), v)
     finally:
         r.close()

@@ -4,6 +4,7 @@ with a checkpoint, by the block the manifest names (no Dask)."""
 from __future__ import annotations
 
 from adam_dask.ps.protocol.replay import HeldPush, ReplayLog
+from adam_dask.ps.protocol.replies import ConfirmedReply, PushReply
 
 
 def held(pid: int, primary: str, version: int, gen: int = 0) -> HeldPush:
@@ -91,12 +92,7 @@ def test_answers_fill_and_empty_the_log_and_moved_pushes_become_replays():
         a, b = shards[sid]
         return HeldPush(7, "push", values[a:b].copy(), "a", gen, version, 8)
 
-    reply = {
-        "per_shard": {0: 3, 1: 5},
-        "gens": {0: 1, 1: 1},
-        "confirmed": {0: 3, 1: 4},
-        "durable": {0: 3, 1: 4},
-    }
+    reply = PushReply({0: 3, 1: 5}, confirmed={0: 3, 1: 4}, durable={0: 3, 1: 4}, gens={0: 1, 1: 1})
     log.answered(push, "a", reply, hold)
     assert log.shards() == [1]  # shard 0's part is durable already
     assert log.question() == Request("confirmed", (1,))
@@ -104,12 +100,12 @@ def test_answers_fill_and_empty_the_log_and_moved_pushes_become_replays():
     (replay,) = log.replays({0: ("a", 1), 1: ("b", 2)}, shards)
     assert (replay.sids, replay.push_id, replay.args) == ((1,), 7, {"replay": True})
     assert replay.values.tolist() == [2.0, 3.0] and replay.base == 2
-    log.answered(replay, "b", {"per_shard": {1: 9}, "gens": {1: 2}, "confirmed": {}}, hold)
+    log.answered(replay, "b", PushReply({1: 9}, gens={1: 2}, confirmed={}), hold)
     assert log.replayed == 1 and not log.replays({1: ("b", 2)}, shards)
 
     asked = log.question()
     assert asked is not None
-    log.answered(asked, "b", {"per_shard": {1: 9}, "durable": {1: 9}, "gens": {1: 2}}, hold)
+    log.answered(asked, "b", ConfirmedReply({1: 9}, durable={1: 9}, gens={1: 2}), hold)
     assert not log and log.question() is None
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import ShardUnavailable
+from ..protocol.replies import NodeReply, PullReply, reply_from_wire
 from ..protocol.request import Request
 from ..runtime.rpc import call_actor
 
@@ -133,9 +134,9 @@ class Control:
 
 class DaskCalls:
     """A request's part for one node as a Dask actor call: control calls always, pushes and
-    pulls where the data plane can not reach the node. Answers as the plane's: ``per_shard``,
-    ``moved``, ``gens``, ``confirmed``, ``durable``; a pull writes its values into the
-    request's ``out``."""
+    pulls where the data plane can not reach the node. Answers as the plane's (the
+    :mod:`~adam_dask.ps.protocol.replies`); a pull writes its values into the request's
+    ``out``."""
 
     def __init__(self, control: Control, shards: list[tuple[int, int]]):
         self.control = control
@@ -178,12 +179,15 @@ class DaskCalls:
             return c.start(addr, key, "pull_versions", sl, timeout=timeout)
         raise ValueError(f"no such request {req.op!r}")  # pragma: no cover
 
-    def finish(self, req: Request, reply: dict) -> dict:
-        """The node's answer, a pull's values written where the request wants them."""
-        if req.op == "pull":
-            for s, values in reply["per_shard"].items():
-                write_pulled(req, self.shards[int(s)], np.asarray(values))
-            reply = dict(reply, per_shard={int(s): None for s in reply["per_shard"]})
+    def finish(self, req: Request, wire: dict) -> NodeReply:
+        """The node's answer (the dict it came as), a pull's values written where the request
+        wants them."""
+        reply = reply_from_wire(req.op, wire)
+        if isinstance(reply, PullReply):
+            for s, values in reply.per_shard.items():
+                assert values is not None
+                write_pulled(req, self.shards[s], values)
+            reply = PullReply(dict.fromkeys(reply.per_shard), reply.moved)
         return reply
 
 

@@ -25,6 +25,7 @@ from ... import config
 from ...errors import ShardUnavailable
 from ..plane.channels import Channel, Channels, PlaneCalls, Segment
 from ..protocol.replay import HeldPush, ReplayLog
+from ..protocol.replies import NodeReply, PullReply, PushReply
 from ..protocol.request import Delivery, Outer, Refresh, Request, Send
 from ..protocol.routing import Routing
 from .control import Control, DaskCalls, part_of
@@ -154,7 +155,7 @@ class Courier:
 
     def _answer(
         self, addr: str, req: Request, ch: Channel | None, target: Any, fut: Any, timeout: float
-    ) -> dict:
+    ) -> NodeReply:
         """Wait for ``addr``'s answer up to ``timeout``, giving up early when the controller
         drops ``addr`` (a dead or frozen worker: waiting for it would only time out)."""
         t0 = time.monotonic()
@@ -197,12 +198,16 @@ class Courier:
         pulled = self.channels.pool.of(out) if out is not None else None
         self.channels.fail(addr, self.routing.key(addr), ch, seg, pulled)
 
-    def _on_answer(self, req: Request, addr: str, reply: dict, seg: Segment | None) -> None:
+    def _on_answer(self, req: Request, addr: str, reply: NodeReply, seg: Segment | None) -> None:
         """Keep what a primary acknowledged (``ack="replay"``), drop what it says is durable;
         note the versions read (a pull's, or a push's pull)."""
-        read = reply.get("versions") if req.op == "pull" else reply.get("pulled_versions")
+        read = None
+        if isinstance(reply, PullReply):
+            read = reply.versions
+        elif isinstance(reply, PushReply):
+            read = reply.pulled_versions
         if read:
-            self.read_versions.update({int(s): int(v) for s, v in read.items()})
+            self.read_versions.update(read)
         self.log.answered(
             req, addr, reply, lambda sid, gen, v: self._held(req, sid, addr, gen, v, seg)
         )

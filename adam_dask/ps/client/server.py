@@ -254,7 +254,7 @@ class ParameterServer:
         primary on the data plane (the values read after the push was applied)."""
         out = out_buffer(out, self.size)
         d = self._push_now(delta, ack, mark, out)
-        pulled = {int(s) for rs in d.replies.values() for r in rs for s in r.get("pulled", ())}
+        pulled = d.pulled()
         missing = [s for s in range(len(self.shards)) if s not in pulled]
         if missing:
             self.pull(missing, out=out)

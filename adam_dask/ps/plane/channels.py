@@ -33,6 +33,7 @@ import numpy as np
 
 from ...errors import ConfigError, ShardUnavailable, UpdateRejected
 from ..client.control import part_of, write_pulled
+from ..protocol.replies import NodeReply, PullReply, PushReply, reply_from_wire
 from ..protocol.request import Request
 from .wire import recv_exact_into, recv_msg, send_msg
 
@@ -344,19 +345,20 @@ class PlaneCalls:
         send_msg(ch.sock, h, *payloads)
         return target
 
-    def receive(self, ch: Channel, req: Request, target: Segment | None) -> dict:
-        """The node's answer (its error raised as it is), pulled values in their place; its
-        ``per_shard`` a dict for every request."""
-        reply = recv_msg(ch.sock)
-        if "error" in reply:
-            raise rebuilt_error(reply)
+    def receive(self, ch: Channel, req: Request, target: Segment | None) -> NodeReply:
+        """The node's answer (its error raised as it is), pulled values in their place."""
+        wire = recv_msg(ch.sock)
+        if "error" in wire:
+            raise rebuilt_error(wire)
         if req.op == "pull":
-            for s in reply["per_shard"]:
-                self._pulled(ch, req, int(s), target)
-            reply["per_shard"] = {int(s): None for s in reply["per_shard"]}
-        elif req.pull:
-            for s in reply.get("pulled", ()):
-                self._pulled(ch, req, int(s), target)
+            pulled = PullReply.from_plane(wire)
+            for s in pulled.per_shard:
+                self._pulled(ch, req, s, target)
+            return pulled
+        reply = reply_from_wire(req.op, wire)
+        if req.pull and isinstance(reply, PushReply):
+            for s in reply.pulled or ():
+                self._pulled(ch, req, s, target)
         return reply
 
     def _pull_target(self, ch: Channel, out: Any, base: int) -> Segment:

@@ -29,6 +29,7 @@ import os
 import threading
 from typing import Any
 
+from ..protocol.replies import ReplicateReply
 from ..protocol.shard import Mark, Snapshot
 from .channels import Channels, Segment
 from .wire import recv_msg, send_msg
@@ -107,9 +108,11 @@ class ForwardChannels:
     def remember(self, addr: str, key: str, endpoint: dict) -> None:
         self._channels.remember(addr, key, endpoint)
 
-    def forward(self, addr: str, key: str, sender: str, snaps: tuple[Snapshot, ...]) -> dict | None:
-        """Send ``snaps`` to the backup at ``addr`` and return its answer (``{"held": ...,
-        "refused": ...}``), or None when the plane could not carry it (the caller goes the Dask
+    def forward(
+        self, addr: str, key: str, sender: str, snaps: tuple[Snapshot, ...]
+    ) -> ReplicateReply | None:
+        """Send ``snaps`` to the backup at ``addr`` and return its answer (what it holds now,
+        what it refused), or None when the plane could not carry it (the caller goes the Dask
         way). One call per connection at a time: a forward whose task was cancelled while its
         thread waits keeps the connection until it ends."""
         with self._lock:
@@ -153,7 +156,7 @@ class ForwardChannels:
             logger.info("forward to %s refused on the data plane: %s", addr, reply["message"])
             return None
         self.counts["plane"] += 1
-        return reply
+        return ReplicateReply.from_wire(reply)
 
     def _segment(self, k: tuple[str, str], floats: int) -> Segment:
         """The segment of backup ``k``, at least ``floats`` long (a larger one replaces it)."""

@@ -31,12 +31,14 @@ import mmap
 import os
 import socket
 import threading
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from ..._listen import Listeners
 from ...errors import AdamError
+from ..protocol.replies import ConfirmedReply, PullReply, PushReply
 from ..protocol.shard import Mark
 from .forward import payload_floats, snapshots_from
 from .wire import recv_exact_into, recv_msg, send_msg
@@ -115,7 +117,7 @@ class _Connection:
                     if h.get("pull"):
                         self._push_pull(h)
                     else:
-                        send_msg(self.sock, self._push(h))
+                        send_msg(self.sock, _wire(self._push(h)))
                 elif op == "pull":
                     self._pull(h)
                 elif op == "confirmed":
@@ -158,10 +160,11 @@ class _Connection:
     def _node(self, h: dict) -> Any:
         return self.server.nodes.get(h["server"])
 
-    def _push(self, h: dict) -> dict:
+    def _push(self, h: dict) -> PushReply | dict:
         """A push's values (named in a shared segment, or read from the socket; the dense
         offload's activations and errors always follow the header, and its update is computed
-        here), applied by the node in this thread."""
+        here), applied by the node in this thread. Its answer, or the node's error as it goes
+        on the wire."""
         outer = h.get("outer")
         deltas: dict[int, np.ndarray | None] = {}
         if outer is not None:
@@ -195,7 +198,7 @@ class _Connection:
             sids = list(deltas)
         node = self._node(h)
         if node is None:
-            return {"per_shard": {}, "moved": sids, "gens": {}}
+            return PushReply({}, tuple(sids), gens={})
         mark = None if h.get("mark") is None else Mark.from_json(h["mark"])
         bases = {int(s): int(v) for s, v in (h.get("bases") or {}).items()} or None
         stamps = {int(s): int(g) for s, g in h["stamps"].items()}
@@ -204,23 +207,25 @@ class _Connection:
                 parts_of = {s: (errs[:, r0:r1], acts) for s, (r0, r1) in cols.items()}
                 deltas = node.outer(parts_of, int(outer["offset"]), out, inp, float(outer["scale"]))
                 if not deltas:
-                    return {"per_shard": {}, "moved": sids, "gens": {}}
-            reply = node.push(
+                    return PushReply({}, tuple(sids), gens={})
+            reply: PushReply = node.push(
                 deltas, int(h["push_id"]), h["ack"], stamps, mark, bool(h.get("urgent")), bases
             )
         except Exception as exc:
             return error_reply(exc)
         if outer is not None:  # the shards not primary here
-            reply["moved"] = sorted(set(reply["moved"]) | (set(sids) - set(deltas)))
+            reply = replace(
+                reply, moved=tuple(sorted(set(reply.moved) | (set(sids) - set(deltas))))
+            )
         return reply
 
     def _confirmed(self, h: dict) -> dict:
         node = self._node(h)
         sids = [int(s) for s in h["sids"]]
         if node is None:
-            return {"per_shard": {}, "durable": {}, "gens": {}, "moved": sids}
+            return ConfirmedReply({}, {}, {}, tuple(sids)).to_wire()
         try:
-            return node.confirmed(sids, bool(h.get("urgent")))
+            return node.confirmed(sids, bool(h.get("urgent"))).to_wire()
         except Exception as exc:
             return error_reply(exc)
 
@@ -243,7 +248,7 @@ class _Connection:
         if node is None:
             return {"error": "ShardUnavailable", "message": "no such server here", "hint": None}
         try:
-            return node.replicate(str(h["sender"]), snapshots_from(metas, values))
+            return node.replicate(str(h["sender"]), snapshots_from(metas, values)).to_wire()
         except Exception as exc:
             return error_reply(exc)
 
@@ -252,7 +257,7 @@ class _Connection:
         stamps = {int(s): int(g) for s, g in h["stamps"].items()}
         node = self._node(h)
         if node is None:
-            send_msg(self.sock, {"per_shard": [], "moved": sids})
+            send_msg(self.sock, PullReply({}, tuple(sids)).plane_header())
             return
         try:
             versions: dict[int, int] = {}
@@ -260,7 +265,8 @@ class _Connection:
         except Exception as exc:
             send_msg(self.sock, error_reply(exc))
             return
-        send_msg(self.sock, {"per_shard": ok, "moved": moved, "versions": versions}, *views)
+        reply = PullReply(dict.fromkeys(ok), tuple(moved), versions)
+        send_msg(self.sock, reply.plane_header(), *views)
 
     def _push_pull(self, h: dict) -> None:
         """A push, then the values of the shards it was applied to, in one round trip (what a
@@ -268,19 +274,19 @@ class _Connection:
         reply = self._push(h)
         views: list = []
         node = self._node(h)
-        if "error" not in reply and node is not None and reply["per_shard"]:
-            sids = sorted(int(s) for s in reply["per_shard"])
+        if isinstance(reply, PushReply) and node is not None and reply.per_shard:
+            sids = sorted(reply.per_shard)
             stamps = {int(s): int(g) for s, g in h["stamps"].items()}
             try:
                 versions: dict[int, int] = {}
                 ok, _, views = self._read(
                     h, node, sids, stamps, order=h["pull_sids"], versions=versions
                 )
-                reply["pulled"], reply["pulled_versions"] = ok, versions
+                reply = replace(reply, pulled=tuple(ok), pulled_versions=versions)
             except Exception as exc:  # the push stands; the pusher pulls the Dask way
                 logger.debug("data-plane pull after a push failed: %r", exc)
-                reply["pulled"], views = [], []
-        send_msg(self.sock, reply, *views)
+                reply, views = replace(reply, pulled=()), []
+        send_msg(self.sock, _wire(reply), *views)
 
     def _read(
         self,
@@ -317,3 +323,8 @@ class _Connection:
         ok, moved = node.read(sids, stamps, dest_tcp, versions)
         views = [buf[offs[at[s]] : offs[at[s]] + sizes[at[s]]] for s in ok]
         return ok, moved, views
+
+
+def _wire(reply: PushReply | dict) -> dict:
+    """A push's answer as it goes on the wire (an error is a dict already)."""
+    return reply.to_wire() if isinstance(reply, PushReply) else reply

@@ -9,7 +9,8 @@
 * :mod:`.request`: the one request type of the client and its ``Delivery`` (routing, retries);
   :mod:`.routing`: the client's copy of the controller's table; :mod:`.replay`: the pushes a
   pusher keeps until every copy holds them;
-* :mod:`.messages`: the events and actions that cross between them.
+* :mod:`.messages`: the events and actions that cross between them; :mod:`.replies`: what
+  the machines answer (typed; the same dicts as ever on a wire).
 
 The runtime (:mod:`adam_dask.ps.runtime`) and the client (:mod:`adam_dask.ps.client`) carry
 them out; the simulation (:mod:`adam_dask.testing.simulation`) drives them with faults.

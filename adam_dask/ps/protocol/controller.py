@@ -55,6 +55,7 @@ from .messages import (
     WorkerAdded,
     WorkerRemoved,
 )
+from .replies import BeatReply
 from .story import Story
 
 logger = logging.getLogger(__name__)
@@ -228,14 +229,14 @@ class ServerState:
                     self.server_id,
                     ev.addr,
                 )
-            return [Reply(ev.req, {"member": False, "gens": {}})]
+            return [Reply(ev.req, BeatReply(False, {}))]
         self.beats[ev.addr] = ev.now
         for sid, pos in ev.positions.items():
             if self.routing.get(sid, [])[:1] == [ev.addr]:
                 gen, version = pos  # a list if it came over the network
                 self.last_seen[sid] = max(self.last_seen.get(sid, (-1, -1)), (gen, version))
         gens = {s: self.gens[s] for s, h in self.routing.items() if ev.addr in h}
-        return [Reply(ev.req, {"member": True, "gens": gens})]
+        return [Reply(ev.req, BeatReply(True, gens))]
 
     def on_tick(self, ev: Tick) -> list:
         now = ev.now

@@ -12,6 +12,7 @@ import logging
 from .controller import ServerState
 from .messages import Action, Commit, ManifestDone, ManifestFailed, Reply, WriteReport
 from .node_state import NOT_MEMBER
+from .replies import ReportReply
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def on_write_report(state: ServerState, ev: WriteReport) -> list[Action]:
             sorted(refused),
             ev.addr,
         )
-    return [Reply(ev.req, {"accepted": accepted, "refused": refused})]
+    return [Reply(ev.req, ReportReply(accepted, refused))]
 
 
 def on_commit(state: ServerState, ev: Commit) -> list[Action]:

@@ -251,6 +251,13 @@ class Restore(Event):
     marks: tuple[Mark, ...] = ()
     state: np.ndarray | None = None  # the server optimizer's state in the block (momentum)
 
+    @classmethod
+    def of_block(cls, req: Any, sid: int, gen: int, start: int, stop: int, b: Snapshot) -> Restore:
+        """The restore of ``sid`` at ``gen`` from the checkpoint block read as ``b``."""
+        return cls(
+            req, sid, gen, int(start), int(stop), b.version, b.values, b.ids, b.marks, b.state
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class SetBackups(Event):

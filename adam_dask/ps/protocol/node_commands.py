@@ -189,7 +189,7 @@ def on_add_backups(node: NodeState, ev: AddBackups) -> list[Action]:
         need[sid] = node.shards[sid].version
         backups[sid] = {a for a, _ in peers} - node.backups_of(sid)
     out = set_backups(node, ev.shards, ev.stamp)
-    node.waiters.append(Waiter(ev.req, "add", need, {}, backups=backups))
+    node.waiters.append(Waiter(ev.req, "add", need, backups=backups))
     return [*out, *forwards(node), *node.settle()]
 
 
@@ -203,13 +203,10 @@ def on_flush(node: NodeState, ev: Flush) -> list[Action]:
     sids = list(node.primaries) if ev.sids is None else list(ev.sids)
     ok = [s for s in sids if node.accepts(s, None)]
     target = {s: node.shards[s].version for s in ok}
-    value = {
-        "per_shard": dict(target),
-        "gens": {s: node.gens[s] for s in ok},
-        "moved": [s for s in sids if s not in ok],
-    }
+    moved = [s for s in sids if s not in ok]
+    gens = {s: node.gens[s] for s in ok}
     written = ev.checkpoint and node.checkpoint
-    node.waiters.append(Waiter(ev.req, "flush", target, value, written=written))
+    node.waiters.append(Waiter(ev.req, "flush", target, moved, gens, written=written))
     out = node.settle() + forwards(node)
     if written:
         out += on_write_due(node, WriteDue())

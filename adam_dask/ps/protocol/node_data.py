@@ -32,6 +32,7 @@ from .messages import (
     Marks,
     Position,
     Pull,
+    Push,
     Pushes,
     Replicate,
     Reply,
@@ -42,6 +43,14 @@ from .messages import (
     WriteFailed,
 )
 from .node_state import NOT_HELD, NOT_MEMBER, NOWHERE, NodeState, Waiter
+from .replies import (
+    ConfirmedReply,
+    MarksReply,
+    PullReply,
+    PushReply,
+    ReplicateReply,
+    VersionsReply,
+)
 from .shard import Mark
 
 logger = logging.getLogger(__name__)
@@ -69,9 +78,9 @@ def on_pushes(node: NodeState, ev: Pushes) -> list[Action]:
     out: list = []
     todo: dict[int, list[tuple[int, np.ndarray | None, int | None, Mark | None, int | None]]]
     todo = {}
-    results = []
+    results: list[tuple[int, Push, list[int]]] = []  # (index, push, its shards moved)
     for i, p in enumerate(ev.items):
-        res: dict = {"per_shard": {}, "moved": [], "confirmed": {}, "gens": {}}
+        moved: list[int] = []
         checked: dict[int, np.ndarray | None] = {}
         try:
             for sid, d in p.deltas.items():
@@ -79,14 +88,14 @@ def on_pushes(node: NodeState, ev: Pushes) -> list[Action]:
                 if node.accepts(sid, p.stamps):
                     checked[sid] = node.shards[sid].check(d, scan=not p.scanned)
                 else:
-                    res["moved"].append(sid)
+                    moved.append(sid)
         except UpdateRejected as exc:
             out.append(Reply(p.req, exc))
             continue
         bases = p.bases or {}
         for sid, d in checked.items():
             todo.setdefault(sid, []).append((i, d, p.push_id, p.mark, bases.get(sid)))
-        results.append((i, p, res))
+        results.append((i, p, moved))
     versions: dict[tuple[int, int], int] = {}
     for sid, items in todo.items():
         st = node.shards[sid]
@@ -104,18 +113,23 @@ def on_pushes(node: NodeState, ev: Pushes) -> list[Action]:
         for it, v in zip(items, applied):
             versions[(it[0], sid)] = v
     urgent = False
-    for i, p, res in results:
+    for i, p, moved in results:
+        per_shard: dict[int, int] = {}
         for sid in p.deltas:
             if (i, int(sid)) in versions:
-                res["per_shard"][int(sid)] = versions[(i, int(sid))]
-        if p.ack == "all" and res["per_shard"]:
-            node.waiters.append(Waiter(p.req, "push", dict(res["per_shard"]), res))
+                per_shard[int(sid)] = versions[(i, int(sid))]
+        if p.ack == "all" and per_shard:
+            node.waiters.append(Waiter(p.req, "push", per_shard, moved))
             urgent = True
         else:
-            res["confirmed"] = {s: node.confirmed(s) for s in res["per_shard"]}
-            res["durable"] = {s: node.durable(s) for s in res["per_shard"]}
-            res["gens"] = {s: node.gens[s] for s in res["per_shard"]}
-            out.append(Reply(p.req, res))
+            reply = PushReply(
+                per_shard,
+                tuple(moved),
+                confirmed={s: node.confirmed(s) for s in per_shard},
+                durable={s: node.durable(s) for s in per_shard},
+                gens={s: node.gens[s] for s in per_shard},
+            )
+            out.append(Reply(p.req, reply))
     if urgent:
         out += node.settle()
         out += forwards(node)
@@ -124,53 +138,38 @@ def on_pushes(node: NodeState, ev: Pushes) -> list[Action]:
 
 def on_pull(node: NodeState, ev: Pull) -> list[Action]:
     ok = [s for s in ev.sids if node.accepts(s, ev.stamps)]
-    return [
-        Reply(
-            ev.req,
-            {
-                "per_shard": {s: node.values_of(s)[1] for s in ok},
-                "moved": [s for s in ev.sids if s not in ok],
-            },
-        )
-    ]
+    moved = tuple(s for s in ev.sids if s not in ok)
+    per_shard: dict[int, np.ndarray | None] = {s: node.values_of(s)[1] for s in ok}
+    return [Reply(ev.req, PullReply(per_shard, moved))]
 
 
 def on_marks(node: NodeState, ev: Marks) -> list[Action]:
     ok = [s for s in ev.sids if node.accepts(s, None)]
-    return [
-        Reply(
-            ev.req,
-            {
-                "per_shard": {s: node.shards[s].marks_of(ev.epoch) for s in ok},
-                "moved": [s for s in ev.sids if s not in ok],
-            },
-        )
-    ]
+    moved = tuple(s for s in ev.sids if s not in ok)
+    return [Reply(ev.req, MarksReply({s: node.shards[s].marks_of(ev.epoch) for s in ok}, moved))]
 
 
 def on_confirmed(node: NodeState, ev: Confirmed) -> list[Action]:
     ok = [s for s in ev.sids if node.accepts(s, None)]
-    return [
-        Reply(
-            ev.req,
-            {
-                "per_shard": {s: node.confirmed(s) for s in ok},
-                "durable": {s: node.durable(s) for s in ok},
-                "gens": {s: node.gens[s] for s in ok},
-                "moved": [s for s in ev.sids if s not in ok],
-            },
-        )
-    ]
+    reply = ConfirmedReply(
+        {s: node.confirmed(s) for s in ok},
+        {s: node.durable(s) for s in ok},
+        {s: node.gens[s] for s in ok},
+        tuple(s for s in ev.sids if s not in ok),
+    )
+    return [Reply(ev.req, reply)]
 
 
 def on_versions(node: NodeState, ev: Versions) -> list[Action]:
+    """The versions of the primaries among ``sids`` (:class:`VersionsReply`), or with
+    ``primaries_only`` False of every shard held among them (``{sid: version}``)."""
+    value: VersionsReply | dict[int, int]
     if ev.primaries_only:
         sids = list(node.primaries) if ev.sids is None else list(ev.sids)
         ok = [s for s in sids if node.accepts(s, None)]
-        value: dict = {
-            "per_shard": {s: node.shards[s].version for s in ok},
-            "moved": [s for s in sids if s not in ok],
-        }
+        value = VersionsReply(
+            {s: node.shards[s].version for s in ok}, tuple(s for s in sids if s not in ok)
+        )
     else:
         sids = list(node.shards) if ev.sids is None else [s for s in ev.sids]
         value = {s: node.shards[s].version for s in sids if s in node.shards}
@@ -262,7 +261,7 @@ def on_replicate(node: NodeState, ev: Replicate) -> list[Action]:
             state=snap.state,
         )
         held[sid] = st.position
-    return [Reply(ev.req, {"held": held, "refused": refused}), *node.settle()]
+    return [Reply(ev.req, ReplicateReply(held, refused)), *node.settle()]
 
 
 def on_write_due(node: NodeState, ev: WriteDue) -> list[Action]:

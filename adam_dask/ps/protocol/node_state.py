@@ -47,6 +47,7 @@ import numpy as np
 from ...errors import ShardUnavailable, UpdateRejected
 from .messages import Action, Peer, Position, Reply
 from .optimizer import ServerOptimizer
+from .replies import ConfirmedReply, PushReply
 from .shard import ShardState
 from .story import Story
 
@@ -62,12 +63,14 @@ STORY_IN_STATS = 16  # the newest entries of the node's story in its stats (all:
 
 @dataclass
 class Waiter:
-    """A request answered once copies (and the checkpoint) hold versions of primaries."""
+    """A request answered once copies (and the checkpoint) hold versions of primaries: its
+    answer (:class:`PushReply`, :class:`ConfirmedReply`, ``{sid: version}``) is made then."""
 
     req: Any
     kind: str  # "push", "flush" or "add"
-    need: dict[int, int]  # sid -> version
-    value: dict
+    need: dict[int, int]  # sid -> version (a push's or flush's answer's ``per_shard``)
+    moved: list[int] = field(default_factory=list)  # the answer's ``moved``
+    gens: dict[int, int] = field(default_factory=dict)  # "flush": the answer's, when asked
     written: bool = False
     backups: dict[int, set[str]] = field(default_factory=dict)  # "add": only these backups
 
@@ -279,15 +282,16 @@ class NodeState:
         self.waiters = keep
         return out
 
-    def _check(self, w: Waiter) -> Any:
+    def _check(
+        self, w: Waiter
+    ) -> PushReply | ConfirmedReply | dict[int, int] | ShardUnavailable | None:
         for sid in list(w.need):
             if sid in self.primaries:
                 continue
             if w.kind == "add":
                 return ShardUnavailable(f"node {self.addr} is no longer the primary of {sid}")
             del w.need[sid]
-            w.value["per_shard"].pop(sid, None)
-            w.value["moved"].append(sid)
+            w.moved.append(sid)
         for sid, version in w.need.items():
             st = self.shards[sid]
             if w.kind == "add":
@@ -300,14 +304,19 @@ class NodeState:
                 return None
             if w.written and self.written.get(sid, -1) < version:
                 return None
-        if w.kind == "push":
-            w.value["confirmed"] = {s: self.confirmed(s) for s in w.value["per_shard"]}
-            w.value["gens"] = {s: self.gens[s] for s in w.value["per_shard"]}
-        if w.kind in ("push", "flush"):  # a flush of the copies alone leaves pushes to hold
-            w.value["durable"] = {s: self.durable(s) for s in w.value["per_shard"]}
         if w.kind == "add":
             return {s: v for s, v in w.need.items()}
-        return w.value
+        # a flush of the copies alone leaves pushes to hold: durable says which
+        durable = {s: self.durable(s) for s in w.need}
+        if w.kind == "push":
+            return PushReply(
+                dict(w.need),
+                tuple(w.moved),
+                confirmed={s: self.confirmed(s) for s in w.need},
+                durable=durable,
+                gens={s: self.gens[s] for s in w.need},
+            )
+        return ConfirmedReply(dict(w.need), durable, w.gens, tuple(w.moved))
 
     def stats(self) -> dict:
         """Counters and lags of this node (see ParameterServer.stats)."""

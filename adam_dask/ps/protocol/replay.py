@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from .replies import ConfirmedReply, NodeReply, PushReply
 from .request import Request
 
 logger = logging.getLogger(__name__)
@@ -241,34 +242,41 @@ class ReplayLog:
         return out
 
     def answered(
-        self, req: Request, addr: str, reply: dict, hold: Callable[[int, int, int], HeldPush]
+        self, req: Request, addr: str, reply: NodeReply, hold: Callable[[int, int, int], HeldPush]
     ) -> None:
         """Take the answer ``reply`` of the primary at ``addr`` to ``req``: keep what it
         acknowledged of a push (``ack="replay"``; ``hold(sid, gen, version)`` makes the shard's
         :class:`HeldPush`), or, for a replay, note the primary that holds it now; then drop the
         pushes it says are durable and mark replicated those every copy holds."""
-        if req.op == "push" and req.ack == "replay":
-            replay = req.args.get("replay")
-            for sid, version in reply.get("per_shard", {}).items():
-                sid, gen = int(sid), int(reply["gens"][sid])
-                if replay is not None:
-                    self.acknowledged(sid, req.push_id, addr, gen, int(version))
-                    self.replayed += 1
-                else:
-                    self.add(sid, hold(sid, gen, int(version)))
         if req.op == "push":
-            self.confirm_reply(addr, reply, "confirmed")
+            assert isinstance(reply, PushReply), reply
+            if req.ack == "replay":
+                replay = req.args.get("replay")
+                for sid, version in reply.per_shard.items():
+                    sid, gen = int(sid), int((reply.gens or {})[sid])
+                    if replay is not None:
+                        self.acknowledged(sid, req.push_id, addr, gen, int(version))
+                        self.replayed += 1
+                    else:
+                        self.add(sid, hold(sid, gen, int(version)))
+            self.confirm_reply(addr, reply.confirmed or {}, reply.durable, reply.gens)
         elif req.op in ("confirmed", "flush"):
-            self.confirm_reply(addr, reply, "per_shard")
+            assert isinstance(reply, ConfirmedReply), reply
+            self.confirm_reply(addr, reply.per_shard, reply.durable, reply.gens)
 
-    def confirm_reply(self, addr: str, reply: dict, key: str) -> None:
-        """Drop the held pushes ``reply`` says are durable, and mark replicated those it says
-        every copy holds (``reply[key]``: {sid: version}; ``reply["durable"]``: {sid: version
-        the checkpoint holds too}; ``reply["gens"]`` the answering primary's generations)."""
-        durable = reply.get("durable")
-        for sid, version in (reply.get(key) or {}).items():
+    def confirm_reply(
+        self,
+        addr: str,
+        confirmed: dict[int, int],
+        durable: dict[int, int] | None,
+        gens: dict[int, int] | None,
+    ) -> None:
+        """Drop the held pushes a primary's answer says are durable, and mark replicated those
+        it says every copy holds (``confirmed``: {sid: version}; ``durable``: {sid: version
+        the checkpoint holds too}; ``gens`` the answering primary's generations)."""
+        for sid, version in confirmed.items():
             d = None if durable is None else int(durable.get(sid, -1))
-            self.confirm(int(sid), addr, int(reply["gens"][sid]), int(version), d)
+            self.confirm(int(sid), addr, int((gens or {})[sid]), int(version), d)
 
     def replays(
         self, primaries: dict[int, tuple[str, int]], shards: list[tuple[int, int]]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import ConfigError, ShardUnavailable, StorageError, UpdateRejected
+from .replies import NodeReply, PushReply
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class Delivery:
         self.request = request
         self.routing = routing
         self.todo = set(request.sids)
-        self.replies: dict[str, list[dict]] = {}  # addr -> its answers
+        self.replies: dict[str, list[NodeReply]] = {}  # addr -> its answers
         self.results: dict[int, Any] = {}  # sid -> the node's per-shard answer
         self.deadline = now + float(timeout)
         self.refresh = False  # the routing must be read before the next send
@@ -156,17 +157,28 @@ class Delivery:
             groups.setdefault(prim[s][0], []).append(s)
         return [Send(addr, tuple(sids)) for addr, sids in groups.items()]
 
-    def answered(self, addr: str, sids: tuple[int, ...], reply: dict) -> None:
+    def answered(self, addr: str, sids: tuple[int, ...], reply: NodeReply) -> None:
         """``addr`` answered the part for ``sids``: its shards are done but those it says moved
         (another generation, not primary there), which go again after a refresh."""
         self.replies.setdefault(addr, []).append(reply)
-        per_shard = {int(k): v for k, v in reply.get("per_shard", {}).items()}
+        per_shard = reply.per_shard
         for s in sids:
             if s in per_shard:
                 self.results[s] = per_shard[s]
                 self.todo.discard(s)
         if any(s in self.todo for s in sids):  # moved, or not answered: the routing again
             self.refresh = True
+
+    def pulled(self) -> set[int]:
+        """The shards whose values came back with the answers to a push (a push with a pull
+        on the data plane)."""
+        return {
+            s
+            for rs in self.replies.values()
+            for r in rs
+            if isinstance(r, PushReply)
+            for s in r.pulled or ()
+        }
 
     def failed(self, addr: str, sids: tuple[int, ...], exc: BaseException) -> None:
         """The call to ``addr`` failed (no answer in time, connection lost, the node gone):

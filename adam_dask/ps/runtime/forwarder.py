@@ -15,6 +15,7 @@ from typing import Any
 from ..._tls import connect_context
 from ..plane.forward import ForwardChannels
 from ..protocol.messages import Event, Forward, ForwardDone, ForwardFailed
+from ..protocol.replies import ReplicateReply
 from .background import spawn
 from .rpc import call_actor
 
@@ -64,7 +65,7 @@ class Forwarder:
         try:
             got = await self._on_plane(a)
             if got is None:  # the Dask way
-                got = await call_actor(
+                wire = await call_actor(
                     self.worker.rpc,
                     a.addr,
                     a.key,
@@ -73,6 +74,7 @@ class Forwarder:
                     self.worker.address,
                     timeout=self.cfg["call_timeout"],
                 )
+                got = ReplicateReply.from_wire(wire)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -97,11 +99,9 @@ class Forwarder:
         self.failures = 0
         if self.tasks.get(a.addr) is asyncio.current_task():
             self.tasks.pop(a.addr, None)
-        held = {int(s): (int(p[0]), int(p[1])) for s, p in got["held"].items()}
-        refused = {int(s): int(g) for s, g in got["refused"].items()}
-        self.handle(ForwardDone(a.addr, held, refused))
+        self.handle(ForwardDone(a.addr, got.held, got.refused))
 
-    async def _on_plane(self, a: Forward) -> dict | None:
+    async def _on_plane(self, a: Forward) -> ReplicateReply | None:
         """The forward ``a`` over the data plane, in a thread (:mod:`..plane.forward`); None
         when the plane can not carry it."""
         fc = self.channels

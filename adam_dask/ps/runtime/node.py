@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,15 @@ from ..protocol.messages import (
 from ..protocol.node_machine import handle
 from ..protocol.node_state import NodeState
 from ..protocol.optimizer import ServerOptimizer
+from ..protocol.replies import (
+    BeatReply,
+    ConfirmedReply,
+    MarksReply,
+    PullReply,
+    PushReply,
+    ReplicateReply,
+    VersionsReply,
+)
 from ..protocol.shard import Mark, Snapshot
 from .background import spawn
 from .forwarder import Forwarder
@@ -95,7 +105,6 @@ class PSNode:
         self._writeback: WriteBack | None = None  # the checkpoint's write-back (when there is one)
         # the state is the event loop's and the data plane's threads': one at a time
         self._lock = threading.RLock()
-        # pushes and pulls served, by transport (the data plane's sockets, or Dask actor calls)
         # pushes and pulls served, by transport (the data plane's sockets, or Dask actor
         # calls), and the dense offload's outer products computed (either transport)
         self.counts = {"plane": 0, "dask": 0, "outer_products": 0}
@@ -216,8 +225,8 @@ class PSNode:
         except (OSError, TimeoutError) as exc:
             logger.info("node %s: heartbeat failed (%s)", self._worker.address, exc)
             return
-        gens = {int(s): int(g) for s, g in reply["gens"].items()}
-        self._handle(HeartbeatReply(bool(reply["member"]), gens))
+        beat = BeatReply.from_wire(reply)
+        self._handle(HeartbeatReply(beat.member, beat.gens))
 
     # -- commands from the controller ------------------------------------------------------------
 
@@ -262,17 +271,8 @@ class PSNode:
         self._start()
         if self._writeback is None:
             raise ShardUnavailable(f"shard {sid}: no checkpoint to restore it from")
-        block_, attrs, ids = await asyncio.to_thread(self._writeback.store.read, block[0])
-        version = int(attrs["version"])
-        from ..checkpoint import block_marks, split_block
-
-        values, state = split_block(block_, attrs)
-        marks = block_marks(attrs)
-        return await self._ask(
-            lambda r: Restore(
-                r, int(sid), int(gen), int(start), int(stop), version, values, ids, marks, state
-            )
-        )
+        b = await asyncio.to_thread(self._writeback.store.read_snapshot, block[0])
+        return await self._ask(lambda r: Restore.of_block(r, int(sid), int(gen), start, stop, b))
 
     async def set_backups(self, shards: dict, stamp: int = 0) -> None:
         shards = {int(s): [tuple(p) for p in ps] for s, ps in shards.items()}
@@ -314,7 +314,7 @@ class PSNode:
         ``mark``: what the push covers of the pusher's data (:class:`Mark`), recorded with it.
         ``scanned``: the pusher checked the values for NaN/Inf."""
         self.counts["dask"] += 1
-        return await self._push(deltas, push_id, ack, stamps, mark, scanned)
+        return (await self._push(deltas, push_id, ack, stamps, mark, scanned)).to_wire()
 
     async def _push(
         self,
@@ -324,7 +324,7 @@ class PSNode:
         stamps: dict | None,
         mark: Mark | None,
         scanned: bool = False,
-    ) -> dict:
+    ) -> PushReply:
         self._start()
         fut = asyncio.get_running_loop().create_future()
         req = next(self._reqs)
@@ -379,9 +379,8 @@ class PSNode:
         res = await self._push(deltas, push_id, ack, stamps, mark) if deltas else None
         moved = [int(s) for s in parts if int(s) not in deltas]
         if res is None:
-            return {"per_shard": {}, "moved": moved, "confirmed": {}, "durable": {}}
-        res["moved"] = sorted(set(res["moved"]) | set(moved))
-        return res
+            return PushReply({}, tuple(moved), confirmed={}, durable={}).to_wire()
+        return replace(res, moved=tuple(sorted(set(res.moved) | set(moved)))).to_wire()
 
     async def pull(self, sids: Iterable[int] | None = None, stamps: dict | None = None) -> dict:
         """``{"per_shard": {sid: values}, "moved": [...]}`` for the primaries among ``sids``."""
@@ -389,7 +388,8 @@ class PSNode:
         self.counts["dask"] += 1
         sids = tuple(state.primaries) if sids is None else tuple(int(s) for s in sids)
         st = None if stamps is None else {int(s): int(g) for s, g in stamps.items()}
-        return await self._ask(lambda r: Pull(r, sids, st))
+        reply: PullReply = await self._ask(lambda r: Pull(r, sids, st))
+        return reply.to_wire()
 
     def _locked(self, fn: Any, *args: Any) -> Any:
         with self._lock:
@@ -403,7 +403,10 @@ class PSNode:
 
     async def pull_versions(self, sids: Iterable[int]) -> dict:
         """``{"per_shard": {sid: version}, "moved": [...]}`` for the primaries among ``sids``."""
-        return await self._ask(lambda r: Versions(r, tuple(int(s) for s in sids), True))
+        reply: VersionsReply = await self._ask(
+            lambda r: Versions(r, tuple(int(s) for s in sids), True)
+        )
+        return reply.to_wire()
 
     async def versions(self, sids: Iterable[int] | None = None) -> dict[int, int]:
         """{sid: version} of the shards held here (all, or ``sids``)."""
@@ -413,15 +416,20 @@ class PSNode:
     async def marks(self, sids: Iterable[int], epoch: int) -> dict:
         """``{"per_shard": {sid: {replica: Mark}}, "moved": [...]}``: the data positions of
         ``epoch`` the primaries among ``sids`` hold."""
-        return await self._ask(lambda r: Marks(r, tuple(int(s) for s in sids), int(epoch)))
+        reply: MarksReply = await self._ask(
+            lambda r: Marks(r, tuple(int(s) for s in sids), int(epoch))
+        )
+        return reply.to_wire()
 
     async def confirmed(self, sids: Iterable[int]) -> dict:
         """``{"per_shard": {sid: version every copy holds}, "moved": [...]}``."""
-        return await self._ask(lambda r: Confirmed(r, tuple(int(s) for s in sids)))
+        reply: ConfirmedReply = await self._ask(lambda r: Confirmed(r, tuple(int(s) for s in sids)))
+        return reply.to_wire()
 
     async def replicate(self, snaps: list[Snapshot], sender: str = "") -> dict:
         """A forward from a primary: ``{"held": {sid: (gen, version)}, "refused": {sid: gen}}``."""
-        return await self._ask(lambda r: Replicate(r, sender, tuple(snaps)))
+        reply: ReplicateReply = await self._ask(lambda r: Replicate(r, sender, tuple(snaps)))
+        return reply.to_wire()
 
     async def flush(
         self, sids: Iterable[int] | None = None, limit: float | None = None, checkpoint: bool = True
@@ -439,7 +447,8 @@ class PSNode:
             return Flush(req, sids_t, checkpoint)
 
         try:
-            return await asyncio.wait_for(self._ask(flush), limit)
+            reply: ConfirmedReply = await asyncio.wait_for(self._ask(flush), limit)
+            return reply.to_wire()
         except TimeoutError:
             state = self.state
             missing = self._locked(state.abandon_flush, reqs[0]) if state and reqs else None
@@ -465,13 +474,10 @@ class PSNode:
         return self._locked(lambda: [e.to_dict() for e in state.story(sid)])
 
     async def applied(self, sid: int) -> list[list[int]]:
-        """``[version, push id]`` of the pushes shard ``sid`` remembers (``adam.ps.dedup-window``
-        of them), in the order this copy's lineage applied them; [] when it holds no copy."""
-        state = self._start()
-        st = state.shards.get(int(sid))
-        if st is None:
-            return []
-        return self._locked(lambda: [[v, p] for v, p in st.ids_since(-1)])
+        """``[version, push id]`` of the pushes shard ``sid`` remembers, in the order this
+        copy's lineage applied them (``adam.ps.dedup-window`` of them; none held: [])."""
+        st = self._start().shards.get(int(sid))
+        return [] if st is None else self._locked(lambda: [[v, p] for v, p in st.ids_since(-1)])
 
     async def stats(self) -> dict:
         """Counters and lags of this node (see ParameterServer.stats)."""

@@ -15,6 +15,7 @@ from ...errors import ShardUnavailable
 from ..protocol.messages import Action, Confirmed, ForwardDue, Push, Pushes, Replicate, Reply
 from ..protocol.node_machine import handle
 from ..protocol.node_state import NodeState
+from ..protocol.replies import ConfirmedReply, PushReply, ReplicateReply
 from ..protocol.shard import Mark, Snapshot
 
 __all__ = ["Answer", "NodePlane"]
@@ -64,7 +65,7 @@ class NodePlane:
         mark: Mark | None,
         urgent: bool = False,
         bases: dict | None = None,
-    ) -> dict:
+    ) -> PushReply:
         """A data-plane push (values scanned by the pusher), applied in the calling thread.
 
         Flat combining: the push joins the pending ones; the thread that holds the state's lock
@@ -103,7 +104,8 @@ class NodePlane:
             )
         if isinstance(slot.value, BaseException):
             raise slot.value
-        return slot.value
+        reply: PushReply = slot.value
+        return reply
 
     def outer(self, parts: dict, offset: int, out: int, inp: int, scale: float) -> dict:
         """The dense offload's update where it arrives: each shard's delta of ``scale *
@@ -119,13 +121,11 @@ class NodePlane:
             for s, st in shards.items()
         }
 
-    def replicate(self, sender: str, snaps: tuple[Snapshot, ...]) -> dict:
+    def replicate(self, sender: str, snaps: tuple[Snapshot, ...]) -> ReplicateReply:
         """A data-plane forward from the primary ``sender``, installed in the calling thread
         (the same :class:`Replicate` event as the actor's ``replicate``); other actions go to the loop."""
-        slot = self._here(lambda req: [Replicate(req, sender, tuple(snaps))])
-        held = {int(s): [int(p[0]), int(p[1])] for s, p in slot.value["held"].items()}
-        refused = {int(s): int(g) for s, g in slot.value["refused"].items()}
-        return {"held": held, "refused": refused}
+        reply: ReplicateReply = self._here(lambda req: [Replicate(req, sender, tuple(snaps))]).value
+        return reply
 
     def read(
         self, sids: list[int], stamps: dict | None, dest: Any, versions: dict | None = None
@@ -136,14 +136,15 @@ class NodePlane:
         with self.lock:
             return state.read_into(sids, stamps, dest, versions)
 
-    def confirmed(self, sids: list[int], urgent: bool = False) -> dict:
+    def confirmed(self, sids: list[int], urgent: bool = False) -> ConfirmedReply:
         """What every copy (and the checkpoint) holds of the primaries among ``sids``, asked on
         the data plane; ``urgent``: forward to the backups now (a pusher waits for room)."""
-        return self._here(
+        reply: ConfirmedReply = self._here(
             lambda req: (
                 [Confirmed(req, tuple(int(s) for s in sids))] + ([ForwardDue()] if urgent else [])
             )
         ).value
+        return reply
 
     def _here(self, events: Any) -> Answer:
         """Feed ``events(slot)`` in the calling thread (a data-plane connection's) under the

@@ -53,7 +53,9 @@ from ..protocol.messages import (
     WriteManifest,
     WriteReport,
 )
+from ..protocol.node_state import NOT_MEMBER
 from ..protocol.policy import PLUGIN_NAME, ROLE, TOPIC, plan_placement
+from ..protocol.replies import BeatReply, ReportReply
 from .node_keeper import NodeKeeper
 from .rpc import call_actor
 
@@ -407,17 +409,21 @@ class ShardPlacement(SchedulerPlugin):
 
     async def heartbeat(self, server_id: str, addr: str, key: str, positions: dict) -> dict:
         if server_id in self._creating:
-            return {"member": True, "gens": {}}
+            return BeatReply(True, {}).to_wire()
         if server_id not in self.servers:
-            return {"member": False, "gens": {}}
+            return BeatReply(False, {}).to_wire()
         pos = {int(s): (int(p[0]), int(p[1])) for s, p in positions.items()}
-        return await self._ask(server_id, lambda r: Beat(r, addr, key, time.monotonic(), pos))
+        reply: BeatReply = await self._ask(
+            server_id, lambda r: Beat(r, addr, key, time.monotonic(), pos)
+        )
+        return reply.to_wire()
 
     async def written(self, server_id: str, addr: str, blocks: dict) -> dict:
         if server_id not in self.servers:
-            return {"accepted": {}, "refused": {int(s): -2 for s in blocks}}
+            return ReportReply({}, {int(s): NOT_MEMBER for s in blocks}).to_wire()
         b = {int(s): (int(g), int(v), str(p)) for s, (g, v, p) in blocks.items()}
-        return await self._ask(server_id, lambda r: WriteReport(r, addr, b))
+        reply: ReportReply = await self._ask(server_id, lambda r: WriteReport(r, addr, b))
+        return reply.to_wire()
 
     async def commit(self, server_id: str, epoch: Any = None, meta: dict | None = None) -> dict:
         """Store ``epoch``/``meta`` in the manifest; returns the manifest once written."""

@@ -14,6 +14,7 @@ from typing import Any
 from ..._secrets import process_redactor
 from ..checkpoint import BlockStore
 from ..protocol.messages import Event, WriteDone, WriteFailed
+from ..protocol.replies import ReportReply
 from ..protocol.shard import Snapshot
 from .background import spawn
 
@@ -84,8 +85,8 @@ class WriteBack:
             )
         self.failures = 0
         self.last_write = time.time()
-        accepted = {int(s): int(v) for s, v in reply["accepted"].items()}
-        refused = {int(s): int(g) for s, g in reply["refused"].items()}
+        got = ReportReply.from_wire(reply)
+        accepted, refused = got.accepted, got.refused
         if refused:  # a block nobody will name: remove it
             stale = [p for s, p in zip(snaps, paths) if s.shard in refused]
             spawn(asyncio.to_thread(self.store.delete, stale))
