@@ -15,7 +15,7 @@ adam_dask.ps.placement``). The sub-packages, by what they do:
 * :mod:`.plane`: the data plane (channels, the node's listeners, forwards, framing).
 
 ``placement.py`` is the controller's scheduler preload, ``checkpoint.py`` reads and writes the
-blocks and the manifest, ``kernels.py`` holds the numba kernels. The deterministic simulation
+blocks and the manifest, ``shard_kernels.py`` holds the numba kernels of a shard's updates. The deterministic simulation
 of the protocol and the client with faults is in :mod:`adam_dask.testing.simulation`.
 """
 

@@ -54,7 +54,7 @@ from ..checkpoint_io import (
 )
 from ..errors import CheckpointError
 from ..storage import filesystem, join_url, normalize_url, zarr_store
-from .protocol.shard import Mark, Snapshot
+from .protocol.shard import Mark, ShardCopy
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class BlockStore:
             self._store = zarr_store(self.url, self.storage_options, read_only=False)
         return self._store
 
-    def write(self, snap: Snapshot) -> str:
+    def write(self, snap: ShardCopy) -> str:
         """Write ``snap`` as a new block; returns its path. Raises on storage errors."""
         import zarr
 
@@ -184,12 +184,12 @@ class BlockStore:
         """(values, attributes, push ids) of the block at ``path``."""
         return read_block(self._zarr(), path)
 
-    def read_snapshot(self, path: str) -> Snapshot:
+    def read_snapshot(self, path: str) -> ShardCopy:
         """The block at ``path`` as the copy it holds: values, version, generation, push ids,
         data positions and the optimizer's state."""
         block, attrs, ids = self.read(path)
         values, state = split_block(block, attrs)
-        return Snapshot(
+        return ShardCopy(
             int(attrs["shard"]),
             int(attrs["start"]),
             int(attrs["stop"]),
@@ -302,7 +302,7 @@ def init_checkpoint(
             state = None
             if (optimizer or {}).get("kind") == "nesterov":
                 state = (states or {}).get(sid, np.zeros(b - a, np.float32))
-            snap = Snapshot(sid, a, b, versions[sid], values[a:b], (), generation, state=state)
+            snap = ShardCopy(sid, a, b, versions[sid], values[a:b], (), generation, state=state)
             blocks.append(writer.write(snap))
     except CheckpointError:
         raise

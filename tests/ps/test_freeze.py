@@ -16,7 +16,7 @@ import pytest
 import adam_dask
 from adam_dask.cluster import PS, workers_with_role
 from adam_dask.ps import ParameterServer
-from adam_dask.ps.protocol.shard import Snapshot
+from adam_dask.ps.protocol.shard import ShardCopy
 from adam_dask.ps.runtime.rpc import call_actor
 from adam_dask.testing import PushLoad, freeze, push_on, stop_and_check_sum, thaw
 
@@ -77,7 +77,7 @@ def test_frozen_primary_fenced_replaced_and_refused_after_waking(client):
         backup = info["routing"][0][1]
         backup_key = info["nodes"][backup]
         a, b = s.shards[0]
-        stale = Snapshot(0, a, b, 10**6, np.full(b - a, -1e9, np.float32), (), old_gen)
+        stale = ShardCopy(0, a, b, 10**6, np.full(b - a, -1e9, np.float32), (), old_gen)
         got = client.sync(
             call_actor, client.rpc, backup, backup_key, "replicate", [stale], victim, timeout=30
         )

@@ -10,7 +10,7 @@ import random
 import numpy as np
 
 from adam_dask.ps import ParameterServer
-from adam_dask.ps.kernels import nesterov_step
+from adam_dask.ps.shard_kernels import nesterov_step
 from adam_dask.testing import PushLoad, push_on
 from adam_dask.testing import hard_kill as kill_workers
 

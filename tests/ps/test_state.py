@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from adam_dask.errors import UpdateRejected
-from adam_dask.ps.kernels import first_nonfinite, scan_delta
 from adam_dask.ps.protocol.outer import outer_part
 from adam_dask.ps.protocol.shard import ShardState
+from adam_dask.ps.shard_kernels import first_nonfinite, scan_delta
 
 
 def test_apply_sums_and_versions():

@@ -20,10 +20,10 @@ from ...errors import ConfigError, StorageError, UpdateRejected
 from ...model.layout import ParameterLayout, shard_ranges
 from ...storage import normalize_url
 from ..checkpoint import init_checkpoint, read_checkpoint, read_marks, read_states
-from ..kernels import first_nonfinite
 from ..protocol.optimizer import ServerOptimizer
 from ..protocol.policy import PLUGIN_NAME
 from ..runtime.plugin import ShardPlacement
+from ..shard_kernels import first_nonfinite
 
 logger = logging.getLogger(__name__)
 

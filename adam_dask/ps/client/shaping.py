@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 
 from ...errors import ConfigError, UpdateRejected
-from ..kernels import first_nonfinite, scan_delta
 from ..protocol.outer import outer_part
 from ..protocol.request import Outer, Request, overlapping
 from ..protocol.shard import Mark
+from ..shard_kernels import first_nonfinite, scan_delta
 from .build import shard_of
 
 __all__ = [

@@ -30,7 +30,7 @@ import threading
 from typing import Any
 
 from ..protocol.replies import ReplicateReply
-from ..protocol.shard import Mark, Snapshot
+from ..protocol.shard import Mark, ShardCopy
 from .channels import Channels, Segment
 from .wire import recv_msg, send_msg
 
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["ForwardChannels", "payload_floats", "snapshot_header", "snapshots_from"]
 
 
-def snapshot_header(snap: Snapshot) -> dict:
+def snapshot_header(snap: ShardCopy) -> dict:
     """A snapshot's metadata (its values, then its optimizer state, travel after the
     header: ``floats`` each, ``state`` vectors of state)."""
     return {
@@ -61,14 +61,14 @@ def payload_floats(meta: dict) -> int:
     return int(meta["floats"]) * (1 + int(meta.get("state", 0)))
 
 
-def snapshots_from(metas: list[dict], payloads: list[Any]) -> tuple[Snapshot, ...]:
+def snapshots_from(metas: list[dict], payloads: list[Any]) -> tuple[ShardCopy, ...]:
     """The snapshots a header describes, over the arrays read after it (one per snapshot:
     its values, then its optimizer state)."""
     out = []
     for m, p in zip(metas, payloads, strict=True):
         n = int(m["floats"])
         out.append(
-            Snapshot(
+            ShardCopy(
                 int(m["shard"]),
                 int(m["start"]),
                 int(m["stop"]),
@@ -109,7 +109,7 @@ class ForwardChannels:
         self._channels.remember(addr, key, endpoint)
 
     def forward(
-        self, addr: str, key: str, sender: str, snaps: tuple[Snapshot, ...]
+        self, addr: str, key: str, sender: str, snaps: tuple[ShardCopy, ...]
     ) -> ReplicateReply | None:
         """Send ``snaps`` to the backup at ``addr`` and return its answer (what it holds now,
         what it refused), or None when the plane could not carry it (the caller goes the Dask

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .shard import Mark, Snapshot
+from .shard import Mark, ShardCopy
 
 __all__ = [
     "Action",
@@ -175,7 +175,7 @@ class Replicate(Event):
 
     req: Any
     sender: str
-    snaps: tuple[Snapshot, ...]
+    snaps: tuple[ShardCopy, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +252,7 @@ class Restore(Event):
     state: np.ndarray | None = None  # the server optimizer's state in the block (momentum)
 
     @classmethod
-    def of_block(cls, req: Any, sid: int, gen: int, start: int, stop: int, b: Snapshot) -> Restore:
+    def of_block(cls, req: Any, sid: int, gen: int, start: int, stop: int, b: ShardCopy) -> Restore:
         """The restore of ``sid`` at ``gen`` from the checkpoint block read as ``b``."""
         return cls(
             req, sid, gen, int(start), int(stop), b.version, b.values, b.ids, b.marks, b.state
@@ -308,7 +308,7 @@ class Forward(Action):
 
     addr: str
     key: str
-    snaps: tuple[Snapshot, ...]
+    snaps: tuple[ShardCopy, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,7 +324,7 @@ class WriteBlocks(Action):
     """Write each snapshot as a checkpoint block, then report them to the controller; answer
     with WriteDone/WriteFailed."""
 
-    snaps: tuple[Snapshot, ...]
+    snaps: tuple[ShardCopy, ...]
 
 
 # -- controller events -----------------------------------------------------------------------

@@ -19,9 +19,9 @@ for less.
 
 Momentum makes the order of the pushes matter: the copies of a shard agree on the primary's
 order, because a backup never applies a push itself: it installs the primary's values and
-momentum at a version (:class:`~adam_dask.ps.protocol.shard.Snapshot`), and a backup promoted
+momentum at a version (:class:`~adam_dask.ps.protocol.shard.ShardCopy`), and a backup promoted
 after a fail-over continues from the momentum of the last version it holds. Pure: no I/O, no
-clock; the loops are the numba kernels of :mod:`adam_dask.ps.kernels`.
+clock; the loops are the numba kernels of :mod:`adam_dask.ps.shard_kernels`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import ConfigError
-from ..kernels import apply_all, nesterov_step
+from ..shard_kernels import apply_all, nesterov_step
 
 __all__ = ["KINDS", "ServerOptimizer", "staleness_scale"]
 

@@ -11,7 +11,7 @@ is applied once. Everything here is synchronous and deterministic; the actor in
 Shapes: ``n`` = floats in the shard; the dense offload's outer-product update is
 :mod:`adam_dask.ps.protocol.outer`'s.
 
-The apply loops are the numba kernels of :mod:`adam_dask.ps.kernels`.
+The apply loops are the numba kernels of :mod:`adam_dask.ps.shard_kernels`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 
 from ... import config
 from ...errors import UpdateRejected
-from ..kernels import first_nonfinite
+from ..shard_kernels import first_nonfinite
 from .optimizer import ServerOptimizer, staleness_scale
 from .outer import outer_delta, outer_part
 
@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "Mark",
+    "ShardCopy",
     "ShardState",
-    "Snapshot",
 ]
 
 
@@ -94,7 +94,7 @@ class Mark:
 
 
 @dataclass(frozen=True, slots=True)
-class Snapshot:
+class ShardCopy:
     """A copy of a shard's values at ``(gen, version)``, with push ids applied up to it:
     those after a base version, or all the shard remembers when ``full``."""
 
@@ -400,10 +400,10 @@ class ShardState:
         """{push_id: version} of the remembered pushes (a copy)."""
         return dict(self._ids)
 
-    def snapshot(self, since: int = -1, values: np.ndarray | None = None) -> Snapshot:
+    def snapshot(self, since: int = -1, values: np.ndarray | None = None) -> ShardCopy:
         """A copy of the values at the current version (``values`` when the caller holds one
         already), with the push ids after ``since`` (all of them when ``since < 0``)."""
-        return Snapshot(
+        return ShardCopy(
             self.shard,
             self.start,
             self.stop,

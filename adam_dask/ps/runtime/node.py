@@ -63,7 +63,7 @@ from ..protocol.replies import (
     ReplicateReply,
     VersionsReply,
 )
-from ..protocol.shard import Mark, Snapshot
+from ..protocol.shard import Mark, ShardCopy
 from .background import spawn
 from .forwarder import Forwarder
 from .node_plane import Answer, NodePlane
@@ -233,7 +233,7 @@ class PSNode:
     async def start(self, key: str) -> None:
         """Compile the kernels (in a thread: the loop keeps answering), then start the timers;
         ``key`` is this actor's key (it names the node in heartbeats)."""
-        from ..kernels import warm_up
+        from ..shard_kernels import warm_up
 
         await asyncio.to_thread(warm_up)
         self.key = key
@@ -426,7 +426,7 @@ class PSNode:
         reply: ConfirmedReply = await self._ask(lambda r: Confirmed(r, tuple(int(s) for s in sids)))
         return reply.to_wire()
 
-    async def replicate(self, snaps: list[Snapshot], sender: str = "") -> dict:
+    async def replicate(self, snaps: list[ShardCopy], sender: str = "") -> dict:
         """A forward from a primary: ``{"held": {sid: (gen, version)}, "refused": {sid: gen}}``."""
         reply: ReplicateReply = await self._ask(lambda r: Replicate(r, sender, tuple(snaps)))
         return reply.to_wire()

@@ -16,7 +16,7 @@ from ..protocol.messages import Action, Confirmed, ForwardDue, Push, Pushes, Rep
 from ..protocol.node_machine import handle
 from ..protocol.node_state import NodeState
 from ..protocol.replies import ConfirmedReply, PushReply, ReplicateReply
-from ..protocol.shard import Mark, Snapshot
+from ..protocol.shard import Mark, ShardCopy
 
 __all__ = ["Answer", "NodePlane"]
 
@@ -121,7 +121,7 @@ class NodePlane:
             for s, st in shards.items()
         }
 
-    def replicate(self, sender: str, snaps: tuple[Snapshot, ...]) -> ReplicateReply:
+    def replicate(self, sender: str, snaps: tuple[ShardCopy, ...]) -> ReplicateReply:
         """A data-plane forward from the primary ``sender``, installed in the calling thread
         (the same :class:`Replicate` event as the actor's ``replicate``); other actions go to the loop."""
         reply: ReplicateReply = self._here(lambda req: [Replicate(req, sender, tuple(snaps))]).value

@@ -15,7 +15,7 @@ from ..._secrets import process_redactor
 from ..checkpoint import BlockStore
 from ..protocol.messages import Event, WriteDone, WriteFailed
 from ..protocol.replies import ReportReply
-from ..protocol.shard import Snapshot
+from ..protocol.shard import ShardCopy
 from .background import spawn
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class WriteBack:
         """Whether a write may start now (not within a failure's back-off)."""
         return time.monotonic() >= self.retry_at
 
-    async def write(self, snaps: tuple[Snapshot, ...]) -> None:
+    async def write(self, snaps: tuple[ShardCopy, ...]) -> None:
         try:
             paths = await asyncio.to_thread(lambda: [self.store.write(s) for s in snaps])
             reply = await asyncio.wait_for(
