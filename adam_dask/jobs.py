@@ -146,6 +146,17 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def server_optimizer(text: str) -> str:
+    """A server optimizer's name (``sum``, ``nesterov``, either ``+staleness``)."""
+    from .errors import ConfigError
+    from .ps.protocol.optimizer import ServerOptimizer
+
+    try:
+        return ServerOptimizer.resolve(text).name
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def fraction(text: str) -> float:
     """A number in (0, 1]."""
     try:

@@ -11,7 +11,14 @@ from typing import Any
 from .. import config
 from ..cluster import dashboard_link
 from ..errors import ConfigError
-from ..jobs import count, fraction, non_negative_float, positive_float, positive_int
+from ..jobs import (
+    count,
+    fraction,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    server_optimizer,
+)
 from ..storage import redact_url
 from ._common import add_cluster, add_storage
 
@@ -100,6 +107,7 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--server-optimizer",
+        type=server_optimizer,
         default=None,
         metavar="NAME",
         help="what the parameter server does with each push: sum (Adam's), nesterov, "

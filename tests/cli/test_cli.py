@@ -92,6 +92,10 @@ BAD_INPUT = [
     (["train", "--data", "{store}", "--lr", "nan"], ["--lr", "positive"]),
     (["train", "--data", "{store}", "--ps-nodes", "-1"], ["--ps-nodes", "0 or more"]),
     (["train", "--data", "{store}", "--mode", "fast"], ["--mode", "invalid choice"]),
+    (
+        ["train", "--data", "{store}", "--server-optimizer", "adamw"],
+        ["--server-optimizer", "'adamw'", "nesterov+staleness"],
+    ),
     (["train", "--data", "{store}", "--target-accuracy", "99"], ["(0, 1]"]),
     (["train", "--data", "{store}", "--model", "conv5x5:6,blob,fc10"], ["blob"]),
     (["train", "--data", "{store}", "--resume"], ["--resume needs --checkpoint"]),

@@ -49,7 +49,8 @@ def server_status(st: dict, server_id: str) -> dict:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, s3_server):
     """A run of 2 epochs on the embedded cluster, checkpointing to S3 (moto) with storage
-    options that hold a secret; the page registered from the client."""
+    options that hold a secret, the parameter server stepping with Nesterov momentum; the page
+    registered from the client."""
     import s3fs
 
     tmp = tmp_path_factory.mktemp("dashboard")
@@ -68,6 +69,7 @@ def trained(tmp_path_factory, s3_server):
             storage_options=opts,
             progress=False,
             shard_bytes=SHARD_BYTES,
+            server_optimizer="nesterov",
         )
         try:
             trainer.fit(epochs=2)
@@ -104,6 +106,8 @@ def test_dashboard_status_json_matches_the_parameter_server(trained):
         assert e["loss"] == pytest.approx(r["loss"])
         assert e["images"] == 512 and e["finished"]
     assert srv["checkpoint"] == "s3://adam-dashboard/run"
+    opt = server.optimizer
+    assert srv["optimizer"] == f"nesterov (lr {opt.lr:g}, momentum {opt.momentum:g})"
     assert SECRET not in text and SECRET not in get(trained.url)
     # the same dict from the client, through the scheduler handler
     via_client = server_status(adam_dask.dashboard.status(trained.client), server.server_id)
@@ -135,6 +139,10 @@ def test_dashboard_page_in_headless_chromium(trained, chromium, html_tables, tmp
             assert text == want and cls == {"P": "primary", "B": "backup", "": ""}[want]
     epochs = tables["epochs"][1:]
     assert [row[0][1] for row in epochs] == ["1", "2"]
+    # the server optimizer, as the page shows it
+    opt = trained.trainer.server.optimizer
+    label = f"nesterov (lr {opt.lr:g}, momentum {opt.momentum:g})"
+    assert label in chromium(trained.url, dump_dom=True)
 
 
 def test_dashboard_follows_a_fail_over(trained, chromium, tmp_path):

@@ -1,6 +1,8 @@
 """The parameter server's protocol, pure: no Dask, no sockets, no clock (time comes as events).
 
-* :mod:`.shard`: one shard's values, version, push ids and marks (``ShardState``, ``Mark``);
+* :mod:`.shard`: one shard's values, version, push ids and marks (``ShardState``, ``Mark``),
+  its copies (``ShardCopy``); :mod:`.optimizer`: what a shard does with a push (the sum,
+  Nesterov momentum, staleness); :mod:`.outer`: the dense offload's update cut to a shard;
 * :mod:`.node_state` with :mod:`.node_commands`: what a node does with the events it gets
   (pushes, forwards, fences, promotions) and the actions it asks its runtime for;
 * :mod:`.controller` with :mod:`.repair`: the controller's decisions (placement, fail-over,
