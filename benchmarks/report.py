@@ -16,7 +16,8 @@ not up to date (and so does the test suite: ``tests/test_report.py``).
   each of its claims; for the others, what the line records.
 * ``<!-- table1:start -->`` ... ``<!-- table1:end -->``: Table 1 seed by seed, and
   ``<!-- sizing:start -->`` ... ``<!-- sizing:end -->``: the sizing sentence
-  (``report_table1``).
+  (``report_table1``); ``<!-- server-optimizer:start -->`` ... ``<!-- server-optimizer:end -->``:
+  every server-optimizer run and the communication goal's sentence (``report_optimizer``).
 
 Without ``--check`` it also redraws, when matplotlib is installed and their lines are stored,
 ``docs/table1-curves.png`` (``plot_table1.py``), ``docs/time-to-accuracy.png``
@@ -35,6 +36,7 @@ from pathlib import Path
 import report_helpers
 import report_rules as rules
 from report_claims import CLAIMS
+from report_optimizer import optimizer_block
 from report_record import figure
 from report_table1 import (
     plain_and_newest,
@@ -62,6 +64,7 @@ RESULTS_LINK = "docs/results.md"  # from the README
 START, END = "<!-- figures:start -->", "<!-- figures:end -->"
 T1_START, T1_END = "<!-- table1:start -->", "<!-- table1:end -->"
 SIZING_START, SIZING_END = "<!-- sizing:start -->", "<!-- sizing:end -->"
+SOPT_START, SOPT_END = "<!-- server-optimizer:start -->", "<!-- server-optimizer:end -->"
 TTA_PNG_LINK, CAPACITY_PNG_LINK = "docs/time-to-accuracy.png", "docs/capacity.png"
 STAMP = ("date", "commit", "cpus", "benchmark", *rules.LOAD_KEYS)
 
@@ -318,6 +321,9 @@ def render(readme: str, results: dict[str, list[dict]] | None = None) -> str:
     results = load_results() if results is None else results
     out = _replace(readme, START, END, figures_block(results))
     out = _replace(out, T1_START, T1_END, table1_block(results.get("table1") or []))
+    out = _replace(
+        out, SOPT_START, SOPT_END, optimizer_block(results.get("server_optimizer") or [])
+    )
     return _replace(
         out, SIZING_START, SIZING_END, sizing_sentence(results.get("time_to_accuracy") or [])
     )

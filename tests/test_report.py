@@ -513,3 +513,41 @@ def test_check_finds_a_stale_readme_or_results_page():
     sim = results["simulation"]
     changed = {**results, "simulation": [*sim[:-1], sim[-1] | {"seeds": 1}]}
     assert report.stale(changed) == [report.RESULTS_MD]
+
+
+def _sopt(opt, k, accs, *, replicas=4, epochs=10, lr=None):
+    line = {
+        "date": "2026-11-26T00:00:00Z",
+        "commit": "c",
+        "cpus": 2,
+        "optimizer": opt,
+        "push_every": k,
+        "replicas": replicas,
+        "threads": 1,
+        "epochs": epochs,
+        "accuracies": accs,
+        "bytes_pushed_per_image": 4 * 298090 / k,
+    }
+    if lr is not None:
+        line.update(server_lr=lr, server_momentum=0.9)
+    return line
+
+
+def test_the_server_optimizer_block_shows_every_run_and_says_whether_the_goal_holds():
+    mod = _bench("report_optimizer")
+    assert "not measured" in mod.optimizer_block([_sopt("nesterov", 4096, [0.98], lr=0.2)])
+    base = _sopt("sum", 512, [0.984, 0.986])
+    slow = _sopt("sum", 4096, [0.97, 0.975])
+    nes = _sopt("nesterov", 4096, [0.985, 0.987], lr=0.2)
+    block = mod.optimizer_block([base, slow, nes])
+    assert block.count("| 2026-11-26") == 3  # every run, a row each
+    assert "nesterov (lr 0.2, momentum 0.9)" in block and "98.50, 98.70" in block
+    goal = block.splitlines()[-1]
+    assert "`nesterov`, averaged 98.60% over 2 seeds against 98.50% for `sum` at 512" in goal
+    assert "8x fewer bytes" in goal and goal.endswith("met.")
+    missed = mod.communication_goal([base, slow])  # the best at 4096 is the sum, behind
+    assert "`sum`, averaged 97.25%" in missed and missed.endswith("missed by 1.25 points.")
+    # another recipe (epochs) is not compared with the base
+    assert "not measured" in mod.communication_goal(
+        [base, _sopt("nesterov", 4096, [1.0], epochs=3, lr=0.2)]
+    )

@@ -1,0 +1,83 @@
+"""The README's server-optimizer block (issue 41), from ``benchmarks/results/server_optimizer.jsonl``:
+every stored line (one per setting and run, each seed's final test accuracy), then what the lines
+say of the communication goal: the best optimizer pushing every 4096 images against ``sum``
+pushing every 512, same replicas and epochs, newest lines first.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import report_rules as rules
+
+__all__ = ["communication_goal", "optimizer_block"]
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f}"
+
+
+def _row(line: dict) -> str:
+    accs = line.get("accuracies") or []
+    opt = line["optimizer"]
+    if opt.startswith("nesterov"):
+        opt += f" (lr {line.get('server_lr'):g}, momentum {line.get('server_momentum'):g})"
+    cells = [
+        rules.run_stamp(line),
+        opt,
+        str(line["push_every"]),
+        f"{line['replicas']} x {line.get('threads', 1)}",
+        str(line["epochs"]),
+        f"{line['bytes_pushed_per_image']:.0f}",
+        ", ".join(_pct(a) for a in accs),
+        _pct(statistics.fmean(accs)) if accs else "—",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _newest(lines: list[dict], ok) -> dict | None:
+    found = [ln for ln in lines if ok(ln) and ln.get("accuracies")]
+    return found[-1] if found else None
+
+
+def communication_goal(lines: list[dict]) -> str:
+    """The goal's sentence: the best mean at push every 4096 (the newest line of each
+    optimizer) against the newest ``sum`` at 512 with the same replicas and epochs."""
+    base = _newest(lines, lambda ln: ln["optimizer"] == "sum" and ln["push_every"] == 512)
+    if base is None:
+        return "No stored `sum` run at push every 512 yet: the communication goal is not measured."
+    same = (base["replicas"], base["epochs"])
+    cands: dict[str, dict] = {}
+    for ln in lines:
+        if (
+            ln["push_every"] == 4096
+            and (ln["replicas"], ln["epochs"]) == same
+            and ln.get("accuracies")
+        ):
+            cands[ln["optimizer"]] = ln  # the newest of each optimizer
+    if not cands:
+        return "No stored run at push every 4096 beside it: the communication goal is not measured."
+    best = max(cands.values(), key=lambda ln: statistics.fmean(ln["accuracies"]))
+    b, m = statistics.fmean(base["accuracies"]), statistics.fmean(best["accuracies"])
+    ratio = base["bytes_pushed_per_image"] / best["bytes_pushed_per_image"]
+    verdict = "met" if m >= b else f"missed by {100 * (b - m):.2f} points"
+    n_b, n_m = len(base["accuracies"]), len(best["accuracies"])
+    return (
+        f"Communication goal ({base['replicas']} replicas, {base['epochs']} epochs): the best "
+        f"optimizer at push every 4096, `{best['optimizer']}`, averaged {_pct(m)}% over "
+        f"{n_m} seed{'s' * (n_m != 1)} against {_pct(b)}% for `sum` at 512 over {n_b} "
+        f"seed{'s' * (n_b != 1)}, with {ratio:.0f}x fewer bytes pushed per image: {verdict}."
+    )
+
+
+def optimizer_block(lines: list[dict]) -> str:
+    """The block: every stored line, then the goal's sentence."""
+    if not lines:
+        return "No stored `server_optimizer` run yet (`python benchmarks/server_optimizer.py`)."
+    rows = [
+        "| run (date, commit, CPUs) | optimizer | push every | replicas x threads | epochs "
+        "| bytes pushed / image | test accuracy per seed (%) | mean (%) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        *(_row(ln) for ln in lines),
+    ]
+    return "\n".join([*rows, "", communication_goal(lines)])
