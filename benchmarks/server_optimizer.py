@@ -12,8 +12,13 @@ a replica sends per image it trains, ``4 x parameters / push_every`` (each push 
 whole model's delta). The communication goal (issue 41): the best optimizer at push every 4096
 reaches at least the mean accuracy of ``sum`` at 512, with 8x fewer bytes per image.
 
+With ``--target 0.99`` each run stops at the first epoch at or above it (the CLI's
+``--target-accuracy``) and the line adds ``seconds_to_target`` and ``epochs_to_target`` per seed
+(None where the run never reached it): time to 99% at the defaults is ``--replicas 1
+--threads 0`` (``0``: the TRAIN worker's threads, ``adam.cluster.trainer-threads: auto``).
+
     python benchmarks/server_optimizer.py --settings sum@512 nesterov+staleness@4096 \
-        [--seeds 0 1 2 3 4] [--replicas 4] [--epochs 10] [--no-save]
+        [--seeds 0 1 2 3 4] [--replicas 4] [--threads 1] [--epochs 10] [--target A] [--no-save]
 """
 
 from __future__ import annotations
@@ -37,8 +42,17 @@ def parameters() -> int:
     return int(Network.from_spec().flat.shape[0])
 
 
-def run_once(store: str, optimizer: str, push_every: int, replicas: int, epochs: int, seed: int):
-    """(test accuracy after every epoch, wall seconds) of one CLI run."""
+def run_once(
+    store: str,
+    optimizer: str,
+    push_every: int,
+    replicas: int,
+    epochs: int,
+    seed: int,
+    threads: int = 1,
+    target: float | None = None,
+):
+    """(test accuracy after every epoch, wall seconds, the CLI's result) of one CLI run."""
     metrics = os.path.join(tempfile.mkdtemp(prefix="adam-sopt-"), "history.jsonl")
     cmd = [
         sys.executable,
@@ -51,8 +65,6 @@ def run_once(store: str, optimizer: str, push_every: int, replicas: int, epochs:
         str(epochs),
         "--trainers",
         str(replicas),
-        "--threads",
-        "1",
         "--push-every",
         str(push_every),
         "--server-optimizer",
@@ -64,6 +76,10 @@ def run_once(store: str, optimizer: str, push_every: int, replicas: int, epochs:
         "--metrics-out",
         metrics,
     ]
+    if threads > 0:
+        cmd += ["--threads", str(threads)]
+    if target is not None:
+        cmd += ["--target-accuracy", str(target)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -71,7 +87,8 @@ def run_once(store: str, optimizer: str, push_every: int, replicas: int, epochs:
         sys.exit(f"adam-dask train failed: {proc.stderr.strip().splitlines()[-3:]}")
     with open(metrics) as f:
         history = [json.loads(line) for line in f if line.strip()]
-    return [round(float(r["test_accuracy"]), 4) for r in history], round(wall, 1)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return [round(float(r["test_accuracy"]), 4) for r in history], round(wall, 1), result
 
 
 def main() -> None:
@@ -79,7 +96,9 @@ def main() -> None:
     ap.add_argument("--settings", nargs="+", required=True, metavar="OPTIMIZER@K")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1, help="per replica; 0: the default (auto)")
     ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--target", type=float, default=None)
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     from adam_dask import config
@@ -92,11 +111,22 @@ def main() -> None:
         opt = ServerOptimizer.resolve(name)
         push_every = int(k or config.get("train.push-every"))
         load_before = os.getloadavg()[0]
-        curves, walls = [], []
+        curves, walls, to_target, epochs_to = [], [], [], []
         for seed in args.seeds:
-            curve, wall = run_once(store, opt.name, push_every, args.replicas, args.epochs, seed)
+            curve, wall, res = run_once(
+                store,
+                opt.name,
+                push_every,
+                args.replicas,
+                args.epochs,
+                seed,
+                args.threads,
+                args.target,
+            )
             curves.append(curve)
             walls.append(wall)
+            to_target.append(res.get("seconds_to_target"))
+            epochs_to.append(len(curve) if res.get("seconds_to_target") is not None else None)
             print(f"{setting} seed {seed}: {curve[-1]:.4f} ({wall:.0f} s) {curve}", flush=True)
         accs = [c[-1] for c in curves]
         record(
@@ -107,7 +137,7 @@ def main() -> None:
                 "server_momentum": opt.momentum,
                 "push_every": push_every,
                 "replicas": args.replicas,
-                "threads": 1,
+                "threads": args.threads or "auto",
                 "epochs": args.epochs,
                 "seeds": args.seeds,
                 "accuracies": accs,
@@ -120,6 +150,15 @@ def main() -> None:
                 "lr_replicas": config.get("train.lr-replicas"),
                 "lr_schedule": config.get("train.lr-schedule"),
                 "load": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                **(
+                    {}
+                    if args.target is None
+                    else {
+                        "target": args.target,
+                        "seconds_to_target": to_target,
+                        "epochs_to_target": epochs_to,
+                    }
+                ),
             },
             save=not args.no_save,
         )
