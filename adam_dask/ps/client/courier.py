@@ -38,7 +38,14 @@ __all__ = ["Courier"]
 class Courier:
     """Routing, transports and replay log of one handle (see the module doc)."""
 
-    def __init__(self, server_id: str, size: int, shards: list[tuple[int, int]], client: Any):
+    def __init__(
+        self,
+        server_id: str,
+        size: int,
+        shards: list[tuple[int, int]],
+        client: Any,
+        optimizer: Any = None,
+    ):
         self.server_id = server_id
         self.size = int(size)
         self.shards = shards
@@ -55,8 +62,10 @@ class Courier:
         self.failover_timeout = float(config.get("ps.failover-timeout"))
         self.replay_bytes = int(config.get("ps.replay-bytes"))
         self.answered_at = -1e9  # monotonic time of the last push answered
-        # {sid: the version this handle last read on the data plane}: each push names them
-        # (the server optimizer's staleness counts the versions a shard moved since)
+        # {sid: the version this handle last read on the data plane}: with the server
+        # optimizer's ``staleness``, each push names them (it counts the versions a shard
+        # moved since)
+        self.staleness = bool(getattr(optimizer, "staleness", False))
         self.read_versions: dict[int, int] = {}
         self._settler: threading.Thread | None = None
         self._shed_count = 0
@@ -120,7 +129,7 @@ class Courier:
         started: list[tuple[Send, Any, Any, Any]] = []
         seg = None
         channels = self.channels_or_none() if req.data else None
-        if req.op == "push" and self.read_versions:
+        if req.op == "push" and self.staleness and self.read_versions:
             req.args["bases"] = dict(self.read_versions)
         for send in sends:
             ch = self._channel(channels, send.addr) if channels is not None else None
@@ -202,7 +211,9 @@ class Courier:
         """Keep what a primary acknowledged (``ack="replay"``), drop what it says is durable;
         note the versions read (a pull's, or a push's pull)."""
         read = None
-        if isinstance(reply, PullReply):
+        if not self.staleness:
+            pass
+        elif isinstance(reply, PullReply):
             read = reply.versions
         elif isinstance(reply, PushReply):
             read = reply.pulled_versions

@@ -85,7 +85,7 @@ class ParameterServer:
         self._rng = random.Random()
         self._last_stats: tuple[float, int] | None = None
         self._bounds = np.array(self.shards, dtype=np.int64).reshape(-1, 2)
-        self._courier = Courier(server_id, self.size, self.shards, client)
+        self._courier = Courier(server_id, self.size, self.shards, client, self.optimizer)
 
     def __repr__(self) -> str:
         return (
@@ -111,7 +111,7 @@ class ParameterServer:
         routing = d.pop("_courier")
         self.__dict__.update(d)
         self._rng = random.Random()
-        self._courier = Courier(self.server_id, self.size, self.shards, None)
+        self._courier = Courier(self.server_id, self.size, self.shards, None, self.optimizer)
         vars(self._courier.routing).update(routing)
         if isinstance(self.layout, dict):
             self.layout = ParameterLayout.from_dict(self.layout)
