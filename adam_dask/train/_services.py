@@ -62,11 +62,17 @@ def start_server(
     )
 
 
-def restore_server(client: Any, checkpoint: str, storage_options: dict | None) -> Any:
-    """The parameter server of the run checkpointed at ``checkpoint``, restored from it."""
+def restore_server(
+    client: Any, checkpoint: str, storage_options: dict | None, given: dict | None = None
+) -> Any:
+    """The parameter server of the run checkpointed at ``checkpoint``, restored from it, with
+    the server optimizer it ran with unless ``given`` (the resume's keywords) names another."""
     from ..ps.client.server import ParameterServer
 
-    return ParameterServer.restore(client, checkpoint, storage_options=storage_options)
+    optimizer = (given or {}).get("server_optimizer")
+    return ParameterServer.restore(
+        client, checkpoint, storage_options=storage_options, optimizer=optimizer
+    )
 
 
 def start_data(

@@ -54,6 +54,7 @@ _RESUMABLE = (
     "epoch_quorum",
     "offload_dense",
     "average_from",
+    "server_optimizer",
 )
 
 

@@ -441,7 +441,7 @@ class Trainer:
         own = client is None
         client = connect(client)
         try:
-            server = restore_server(client, checkpoint, storage_options)
+            server = restore_server(client, checkpoint, storage_options, kwargs)
             state = resumed_state(server, checkpoint, data, storage_options, kwargs)
             trainer = cls(
                 state.data,

@@ -79,6 +79,33 @@ def test_async_replicas_past_lr_replicas_step_a_share_of_the_rate(store, adam_cl
     assert rec["test_accuracy"] > 0.5  # and it learns
 
 
+def test_server_momentum_learns_and_resumes_with_its_momentum(store, adam_cluster, tmp_path):
+    """Trainer(server_optimizer="nesterov+staleness"): the server steps with Nesterov momentum
+    over staleness-scaled pushes, so two asynchronous replicas average their deltas and each
+    steps the full rate; a resumed run gets the optimizer and its momentum back."""
+    from adam_dask.ps.checkpoint import read_manifest, read_states
+
+    ckpt = str(tmp_path / "ckpt")
+    kw = {"lr_schedule": "constant", "lr_replicas": 1, "checkpoint": ckpt}
+    t = fit(store, adam_cluster, epochs=2, server_optimizer="nesterov+staleness", **kw)
+    assert t.settings.server_optimizer == "nesterov+staleness"
+    assert t.history.last["replica_lr_end"] == pytest.approx([0.05, 0.05])  # not halved
+    assert t.history.last["test_accuracy"] >= 0.85, t.history.records
+    manifest = read_manifest(ckpt)
+    assert manifest["optimizer"]["kind"] == "nesterov" and manifest["optimizer"]["staleness"]
+    assert manifest["optimizer"]["momentum"] > 0
+    states = read_states(ckpt, None, manifest)
+    assert len(states) == len(manifest["shards"]) and any(abs(m).max() > 0 for m in states.values())
+    r = Trainer.resume(ckpt, client=adam_cluster, progress=False)
+    try:
+        assert r.server.optimizer.to_dict() == manifest["optimizer"]
+        assert r.settings.server_optimizer == "nesterov+staleness"
+        r.fit(epochs=3)
+        assert r.history.column("epoch") == [0, 1, 2]
+    finally:
+        r.close()
+
+
 def test_quorum_ends_epoch_while_straggler_runs(store, adam_cluster):
     """With quorum 0.5 of two replicas, the epoch ends when the fast one is done; the
     deliberately slow one is stopped at once, part-way through its share."""
