@@ -51,17 +51,13 @@ def share_sizes(images: int, replicas: int) -> list[int]:
     return [images * (r + 1) // replicas - images * r // replicas for r in range(replicas)]
 
 
-def async_rate_factor(
-    mode: str, replicas: int, sized_for: int | None, averaged: bool = False
-) -> float:
+def async_rate_factor(mode: str, replicas: int, sized_for: int | None) -> float:
     """The factor on each replica's rate in an epoch of ``replicas``: asynchronous replicas add
     their deltas, so beyond the ``sized_for`` replicas the rate ``lr`` was chosen for, each one
     steps ``sized_for / replicas`` as far and the replicas together move the weights as
     ``sized_for`` would; synchronous replicas average their deltas already (1.0), and so does
-    ``sized_for`` None (the rate as given, whatever the number), and so do asynchronous ones
-    whose server scales each push by its staleness (``averaged``: R replicas pushing in turn
-    are each ``R - 1`` versions stale, their deltas scaled by ``1 / R``)."""
-    if mode != "async" or sized_for is None or replicas <= sized_for or averaged:
+    ``sized_for`` None (the rate as given, whatever the number)."""
+    if mode != "async" or sized_for is None or replicas <= sized_for:
         return 1.0
     return sized_for / replicas
 

@@ -119,12 +119,6 @@ class RunSettings:
             s = replace(s, epoch_quorum=1.0)  # every replica finishes every synchronous step
         return s
 
-    @property
-    def averages(self) -> bool:
-        """Whether the server scales each push by its staleness: asynchronous replicas'
-        deltas are then averaged, not added (``async_rate_factor``)."""
-        return self.server_optimizer.endswith("+staleness")
-
     def check(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r}", "use 'async' or 'sync'")

@@ -226,7 +226,7 @@ class Trainer:
         """The schedule each replica of an epoch of ``replicas`` follows: :attr:`schedule`, its
         rates scaled down past ``lr_replicas`` asynchronous replicas (see ``async_rate_factor``)."""
         s = self.settings
-        return self.schedule.scaled(async_rate_factor(s.mode, replicas, s.lr_replicas, s.averages))
+        return self.schedule.scaled(async_rate_factor(s.mode, replicas, s.lr_replicas))
 
     def _planned(self, epochs: int | None = None) -> int:
         return int(config.get("train.epochs", epochs if epochs is not None else self.epochs))
