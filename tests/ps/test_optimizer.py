@@ -97,6 +97,13 @@ def test_staleness_scales_by_the_versions_moved_since_the_read():
     st.apply(d, 4, base=0)  # 3 versions moved
     assert st.values[0] == pytest.approx(1 + 1 + 0.5 + 0.25)
     assert st.state is None  # a scaled sum keeps no momentum
+    # without staleness the versions a pusher names change nothing
+    for opt in (ServerOptimizer.resolve("sum"), NESTEROV):
+        plain, named = ShardState(0, 0, N, optimizer=opt), ShardState(0, 0, N, optimizer=opt)
+        for i, dd in enumerate(deltas(4, seed=9)):
+            plain.apply(dd, i)
+            named.apply(dd, i, base=0)
+        assert plain.values.tobytes() == named.values.tobytes()
 
 
 def test_names_and_bad_names():

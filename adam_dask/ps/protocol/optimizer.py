@@ -154,11 +154,12 @@ class ServerOptimizer:
         scales: Sequence[float] | None = None,
     ) -> None:
         """Apply ``deltas`` to ``values`` (and ``state``) in order, each scaled by its
-        ``scales`` entry (1 when omitted)."""
+        ``scales`` entry with ``staleness`` (1 when omitted; ignored without it)."""
         if self.is_sum:
             apply_all(values, list(deltas))
             return
-        scales = [1.0] * len(deltas) if scales is None else list(scales)
+        if scales is None or not self.staleness:
+            scales = [1.0] * len(deltas)
         if self.kind == "sum":  # staleness alone: a scaled sum
             apply_all(
                 values, [d if s == 1.0 else d * np.float32(s) for d, s in zip(deltas, scales)]

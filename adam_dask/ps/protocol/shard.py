@@ -298,7 +298,8 @@ class ShardState:
             versions.append(v)
             if d is not None:  # None: a delta of zeros, recorded but nothing to add
                 todo.append(d)
-                scales.append(staleness_scale(None if base is None else v - 1 - int(base)))
+                stale = None if base is None or not self.optimizer.staleness else v - 1 - base
+                scales.append(staleness_scale(stale))
             if pid is not None:
                 self._ids[pid] = v
         self.optimizer.apply(self.values, self.state, todo, scales)
