@@ -178,3 +178,23 @@ def test_validate_finds_a_broken_invariant(primary):
 def test_every_event_has_a_handler_and_an_unknown_one_is_refused(primary):
     with pytest.raises(TypeError, match="does not handle Tick"):
         handle(primary, Tick(1.0))
+
+
+def test_a_forward_whose_push_ids_start_past_the_copy_is_refused_then_sent_whole(primary):
+    """The primary believes backup b1 holds version 2 (a stale record); b1 holds nothing yet:
+    it refuses the forward naming ids after 2 only, and the primary's next forward to it is
+    a whole copy, every id with it."""
+    handle(primary, Pushes(tuple(push(f"r{i}", 1, 20 + i) for i in range(3))))
+    primary.acked["b1"] = {0: (3, 2)}  # stale: an answer of the node b1's worker hosted before
+    (fwd,) = [f for f in of(handle(primary, ForwardDue()), Forward) if f.addr == "b1"]
+    (snap,) = fwd.snaps
+    assert not snap.full and snap.base == 2 and [p for _, p in snap.ids] == [22]
+    fresh = NodeState("b1", dedup_window=64)
+    handle(fresh, Assign("a", {0: (0, N)}, {0: 3}, {}, -1))
+    (answer,) = replies(handle(fresh, Replicate("f", "p", fwd.snaps))).values()
+    assert answer.refused == {0: -3} and fresh.shards[0].version == -1
+    handle(primary, ForwardDone("b1", answer.held, answer.refused))
+    (again,) = [f for f in of(handle(primary, ForwardDue()), Forward) if f.addr == "b1"]
+    assert again.snaps[0].full and [p for _, p in again.snaps[0].ids] == [20, 21, 22]
+    (answer,) = replies(handle(fresh, Replicate("g", "p", again.snaps))).values()
+    assert answer.held == {0: (3, 3)} and fresh.shards[0].ids() == {20: 1, 21: 2, 22: 3}

@@ -193,3 +193,16 @@ def test_seed_restores_a_shard_whose_survivor_was_never_filled(capsys, caplog):
     r, trace, log = heals(55436, capsys, caplog)
     assert "never filled" in log, "the schedule no longer meets the situation"
     assert r["acknowledged_lost"] == 0 and r["restored"] >= 1
+
+
+@pytest.mark.parametrize("seed", [9680, 17706])
+@pytest.mark.parametrize("optimizer", [None, {"kind": "nesterov", "lr": 0.2, "momentum": 0.9}])
+def test_a_backup_on_a_new_node_is_sent_every_push_id(seed, optimizer):
+    """A backup's worker hosts a new node; the primary's record of it still held the old
+    node's position (a late answer), so its forward named only the push ids past that
+    position: the new copy had the values of 4 pushes and the id of 1, and promoted it would
+    have applied a retried push again. The copy now refuses a forward whose ids start past
+    what it holds (``ShardCopy.gap``) and the primary starts it over with a whole copy. Found
+    by the 100,000-seed sweep once the simulation checked that a copy's values and its push
+    ids name the same pushes."""
+    assert simulate(seed, optimizer=optimizer)["pushes"] > 0

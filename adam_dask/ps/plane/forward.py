@@ -52,6 +52,7 @@ def snapshot_header(snap: ShardCopy) -> dict:
         "ids": [[int(v), int(p)] for v, p in snap.ids],
         "gen": snap.gen,
         "full": snap.full,
+        "base": snap.base,
         "marks": [m.to_json() for m in snap.marks],
     }
 
@@ -79,6 +80,7 @@ def snapshots_from(metas: list[dict], payloads: list[Any]) -> tuple[ShardCopy, .
                 bool(m["full"]),
                 tuple(Mark.from_json(x) for x in m["marks"]),
                 p[n : 2 * n] if int(m.get("state", 0)) else None,
+                int(m.get("base", -1)),
             )
         )
     return tuple(out)

@@ -42,7 +42,7 @@ from .messages import (
     WriteDue,
     WriteFailed,
 )
-from .node_state import NOT_HELD, NOT_MEMBER, NOWHERE, NodeState, Waiter
+from .node_state import NOT_HELD, NOT_MEMBER, NOWHERE, RESEND, NodeState, Waiter
 from .replies import (
     ConfirmedReply,
     MarksReply,
@@ -212,7 +212,9 @@ def on_forward_done(node: NodeState, ev: ForwardDone) -> list[Action]:
             gen, version = pos  # a list if it came over the network
             acked[sid] = max(acked.get(sid, NOWHERE), (gen, version))
     for sid, gen in ev.refused.items():
-        if sid in node.primaries and gen > node.gens[sid]:
+        if gen == RESEND:  # the backup holds less than the record says: start it over
+            acked.pop(sid, None)
+        elif sid in node.primaries and gen > node.gens[sid]:
             node.step_down(sid, gen, f"backup {ev.backup} knows generation {gen}")
     out = node.settle()
     if any(ev.backup in b for w in node.waiters for b in node.waited_backups(w)):
@@ -247,6 +249,9 @@ def on_replicate(node: NodeState, ev: Replicate) -> list[Action]:
                 snap.gen,
                 known,
             )
+            continue
+        if snap.gap(st.position):  # its push ids would have a gap: ask for a whole copy
+            refused[sid] = RESEND
             continue
         if sid in node.primaries:  # a newer primary exists: this one is a backup now
             node.step_down(sid, snap.gen, f"{ev.sender} forwards generation {snap.gen}")

@@ -53,10 +53,11 @@ from .story import Story
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NOT_HELD", "NOT_MEMBER", "NOWHERE", "NodeState", "Waiter"]
+__all__ = ["NOT_HELD", "NOT_MEMBER", "NOWHERE", "RESEND", "NodeState", "Waiter"]
 
 NOT_HELD = -1  # a refusal's generation when the node does not hold the shard
 NOT_MEMBER = -2  # the controller's refusal of a write-back from a node it no longer counts
+RESEND = -3  # a backup's refusal of a copy whose push ids start past what it holds
 NOWHERE: Position = (-1, -1)
 STORY_IN_STATS = 16  # the newest entries of the node's story in its stats (all: story())
 

@@ -108,6 +108,14 @@ class ShardCopy:
     full: bool = True
     marks: tuple[Mark, ...] = ()  # the data positions the values hold (all of them)
     state: np.ndarray | None = None  # the server optimizer's state at the version (momentum)
+    base: int = -1  # not ``full``: the version the push ids start after
+
+    def gap(self, held: tuple[int, int]) -> bool:
+        """Whether a copy at ``held`` (gen, version) that took this one would miss push ids:
+        it names those after ``base`` alone, and the copy is of another lineage or behind it
+        (a primary whose record of this backup is stale: an answer of the node the backup's
+        worker hosted before)."""
+        return not self.full and (held[0] != self.gen or held[1] < self.base)
 
     def payloads(self) -> tuple[np.ndarray, ...]:
         """The arrays that travel and are stored: the values, then the optimizer's state."""
@@ -415,6 +423,7 @@ class ShardState:
             since < 0,
             self.all_marks(),
             None if self.state is None else self.state.copy(),
+            max(since, -1),
         )
 
     def install(
