@@ -10,7 +10,7 @@ import statistics
 
 import report_rules as rules
 
-__all__ = ["communication_goal", "optimizer_block"]
+__all__ = ["communication_goal", "optimizer_block", "time_to_target"]
 
 
 def _pct(x: float) -> str:
@@ -27,7 +27,8 @@ def _row(line: dict) -> str:
         opt,
         str(line["push_every"]),
         f"{line['replicas']} x {line.get('threads', 1)}",
-        str(line["epochs"]),
+        str(line["epochs"])
+        + (f" at most (stops at {100 * line['target']:g}%)" if "target" in line else ""),
         f"{line['bytes_pushed_per_image']:.0f}",
         ", ".join(_pct(a) for a in accs),
         _pct(statistics.fmean(accs)) if accs else "—",
@@ -71,8 +72,34 @@ def communication_goal(lines: list[dict]) -> str:
     )
 
 
+def time_to_target(lines: list[dict]) -> str:
+    """The runs that stopped at a target accuracy (``--target``): per optimizer and push
+    interval, the newest line's seconds and epochs to it, seed by seed, and its load."""
+    runs = [ln for ln in lines if "target" in ln and ln.get("seconds_to_target")]
+    if not runs:
+        return ""
+    newest: dict[tuple, dict] = {}
+    for ln in runs:
+        newest[(ln["optimizer"], ln["push_every"], ln["replicas"], ln["target"])] = ln
+    out = []
+    for (opt, k, r, target), ln in newest.items():
+        secs = [x for x in ln["seconds_to_target"] if x is not None]
+        eps = [x for x in ln["epochs_to_target"] if x is not None]
+        missed = len(ln["seconds_to_target"]) - len(secs)
+        words = (
+            f"- `{opt}` pushing every {k}, {r} replica{'s' * (r != 1)} x {ln.get('threads')} "
+            f"threads, to {100 * target:g}%: seconds {', '.join(f'{x:.0f}' for x in secs)} "
+            f"(mean {statistics.fmean(secs):.1f}), epochs {', '.join(map(str, eps))} "
+            f"(mean {statistics.fmean(eps):.1f})"
+        )
+        words += f"; {missed} seed{'s' * (missed != 1)} never reached it" if missed else ""
+        why = rules.busy(ln)
+        out.append(f"{words} ({rules.run_stamp(ln)}{'; ' + why if why else ''}).")
+    return "\n".join(["Time to the target, each seed of the newest run of each setting:", *out])
+
+
 def optimizer_block(lines: list[dict]) -> str:
-    """The block: every stored line, then the goal's sentence."""
+    """The block: every stored line, then the goal's sentence and the times to a target."""
     if not lines:
         return "No stored `server_optimizer` run yet (`python benchmarks/server_optimizer.py`)."
     rows = [
@@ -81,4 +108,5 @@ def optimizer_block(lines: list[dict]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
         *(_row(ln) for ln in lines),
     ]
-    return "\n".join([*rows, "", communication_goal(lines)])
+    tta = time_to_target(lines)
+    return "\n".join([*rows, "", communication_goal(lines), *(["", tta] if tta else [])])

@@ -551,3 +551,18 @@ def test_the_server_optimizer_block_shows_every_run_and_says_whether_the_goal_ho
     assert "not measured" in mod.communication_goal(
         [base, _sopt("nesterov", 4096, [1.0], epochs=3, lr=0.2)]
     )
+
+
+def test_runs_to_a_target_say_their_seconds_and_epochs_and_make_no_claim_when_busy():
+    mod = _bench("report_optimizer")
+    line = _sopt("nesterov", 512, [0.9903, 0.991], replicas=1, lr=0.2)
+    line.update(target=0.99, seconds_to_target=[32.6, None], epochs_to_target=[3, None])
+    line["load"] = [7.0, 5.0]
+    text = mod.time_to_target([line])
+    assert "seconds 33 (mean 32.6), epochs 3 (mean 3.0); 1 seed never reached it" in text
+    assert "no claim of speed" in text
+    block = mod.optimizer_block([_sopt("sum", 512, [0.98]), line])
+    assert "10 at most (stops at 99%)" in block
+    assert (
+        "`sum` at 512" not in block.split("Time to the target")[0].splitlines()[-2]
+    )  # not a 4096 run
