@@ -277,6 +277,7 @@ def test_render_links_a_plot_only_when_its_data_is_stored():
             "a <!-- sizing:start -->\n<!-- sizing:end -->",
             "<!-- figures:start -->\nold dump\n<!-- figures:end -->",
             "<!-- table1:start -->\n<!-- table1:end --> z",
+            "<!-- server-optimizer:start -->\n<!-- server-optimizer:end -->",
         ]
     )
     tta = _tta("t", 30.0, torch=40.0) | {"ours_curve": [0.98, 0.991], "torch_curve": [0.99]}
