@@ -226,3 +226,23 @@ def torch_fit_to_target(
         "seconds": time.perf_counter() - t0,
         "torch": torch.__version__,
     }
+
+
+def train_cli(store: str, *flags: str) -> tuple[list[dict], dict, float]:
+    """Run ``adam-dask train --data STORE --no-progress --metrics-out F FLAGS...`` as a user
+    would: (the history it appended to F, one record per epoch; its result, the JSON line it
+    printed last; wall seconds, the cluster's start included). Exits with its last error lines
+    when it fails."""
+    import time
+
+    metrics = os.path.join(tempfile.mkdtemp(prefix="adam-train-"), "history.jsonl")
+    cmd = [sys.executable, "-m", "adam_dask.cli", "train", "--data", store, "--no-progress"]
+    cmd += ["--metrics-out", metrics, *flags]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.exit(f"adam-dask train failed: {proc.stderr.strip().splitlines()[-3:]}")
+    with open(metrics) as f:
+        history = [json.loads(line) for line in f if line.strip()]
+    return history, json.loads(proc.stdout.strip().splitlines()[-1]), wall

@@ -24,15 +24,10 @@ With ``--target 0.99`` each run stops at the first epoch at or above it (the CLI
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
 
-from _common import mnist_store, record
+from _common import mnist_store, record, train_cli
 
 
 def parameters() -> int:
@@ -53,41 +48,13 @@ def run_once(
     target: float | None = None,
 ):
     """(test accuracy after every epoch, wall seconds, the CLI's result) of one CLI run."""
-    metrics = os.path.join(tempfile.mkdtemp(prefix="adam-sopt-"), "history.jsonl")
-    cmd = [
-        sys.executable,
-        "-m",
-        "adam_dask.cli",
-        "train",
-        "--data",
-        store,
-        "--epochs",
-        str(epochs),
-        "--trainers",
-        str(replicas),
-        "--push-every",
-        str(push_every),
-        "--server-optimizer",
-        optimizer,
-        "--seed",
-        str(seed),
-        "--no-checkpoint",
-        "--no-progress",
-        "--metrics-out",
-        metrics,
-    ]
+    flags = ["--epochs", str(epochs), "--trainers", str(replicas), "--seed", str(seed)]
+    flags += ["--push-every", str(push_every), "--server-optimizer", optimizer, "--no-checkpoint"]
     if threads > 0:
-        cmd += ["--threads", str(threads)]
+        flags += ["--threads", str(threads)]
     if target is not None:
-        cmd += ["--target-accuracy", str(target)]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        sys.exit(f"adam-dask train failed: {proc.stderr.strip().splitlines()[-3:]}")
-    with open(metrics) as f:
-        history = [json.loads(line) for line in f if line.strip()]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+        flags += ["--target-accuracy", str(target)]
+    history, result, wall = train_cli(store, *flags)
     return [round(float(r["test_accuracy"]), 4) for r in history], round(wall, 1), result
 
 

@@ -30,11 +30,8 @@ read them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 
@@ -163,7 +160,13 @@ def engine_fit_to_target(
 
 
 def main() -> None:
-    from _common import load_mnist_arrays, mnist_subset_store, record, torch_fit_to_target
+    from _common import (
+        load_mnist_arrays,
+        mnist_subset_store,
+        record,
+        torch_fit_to_target,
+        train_cli,
+    )
 
     from adam_dask import config
 
@@ -195,33 +198,9 @@ def main() -> None:
     epochs = int(config.get("train.epochs", args.epochs))
     load_before = os.getloadavg()[0]
 
-    metrics = os.path.join(tempfile.mkdtemp(prefix="adam-tta-"), "history.jsonl")
-    t0 = time.perf_counter()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "adam_dask.cli",
-            "train",
-            "--data",
-            store,
-            "--target-accuracy",
-            str(args.target),
-            "--epochs",
-            str(epochs),
-            "--no-progress",
-            "--metrics-out",
-            metrics,
-        ],
-        capture_output=True,
-        text=True,
+    history, ours, wall = train_cli(
+        store, "--target-accuracy", str(args.target), "--epochs", str(epochs)
     )
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        sys.exit(f"adam-dask train failed: {proc.stderr.strip().splitlines()[-1:]}")
-    ours = json.loads(proc.stdout.strip().splitlines()[-1])
-    with open(metrics) as f:
-        history = [json.loads(line) for line in f if line.strip()]
     out = {
         "target": args.target,
         "planned_epochs": epochs,
