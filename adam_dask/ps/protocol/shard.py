@@ -306,7 +306,7 @@ class ShardState:
             versions.append(v)
             if d is not None:  # None: a delta of zeros, recorded but nothing to add
                 todo.append(d)
-                stale = None if base is None or not self.optimizer.staleness else v - 1 - base
+                stale = None if base is None else v - 1 - base
                 scales.append(staleness_scale(stale))
             if pid is not None:
                 self._ids[pid] = v
