@@ -48,6 +48,7 @@ def run(mode: str, seed: int, store: str, args, seconds: float) -> dict:
             lr_floor=args.lr_floor,
             progress=False,
             seed=seed,
+            server_optimizer=args.server_optimizer,
         )
         try:
             trainer.fit(epochs=args.epochs, max_seconds=seconds)
@@ -177,7 +178,7 @@ def engine(args, overrides: dict) -> None:
 def main() -> None:
     from _common import mnist_store, record
 
-    from adam_dask import config
+    from adam_dask import config, jobs
     from adam_dask.model.spec import parse_spec
     from adam_dask.train._settings import MODES
 
@@ -217,6 +218,13 @@ def main() -> None:
         default=None,
         help="Hogwild threads per replica (default 1; --engine: the embedded cluster's); "
         "--engine trains with trainers x threads threads",
+    )
+    ap.add_argument(
+        "--server-optimizer",
+        type=jobs.server_optimizer,
+        default=None,
+        help="what the parameter server does with each push: sum (Adam's, the default of "
+        "adam.ps.optimizer), nesterov, or either +staleness; the line records it",
     )
     ap.add_argument("--engine", action="store_true", help="explore on the engine alone")
     ap.add_argument(
@@ -272,6 +280,7 @@ def main() -> None:
             "push_every": config.get("train.push-every"),
             "lr_warmup": config.get("train.lr-warmup"),
             "lr_replicas": config.get("train.lr-replicas"),
+            "server_optimizer": args.server_optimizer or config.get("ps.optimizer"),
         }
     final = {m: [r["accuracy"] for r in rs] for m, rs in runs.items()}
     mean = {m: round(sum(v) / len(v), 4) for m, v in final.items()}
@@ -290,6 +299,7 @@ def main() -> None:
         "label_smoothing": recipe["label_smoothing"],
         "batch_norm": recipe["batch_norm"],
         "push_every": recipe["push_every"],
+        "server_optimizer": recipe["server_optimizer"],
         "trainers": args.trainers,
         "trainer_threads": args.trainer_threads,
         "overrides": _shown(overrides),
