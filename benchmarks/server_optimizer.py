@@ -17,13 +17,23 @@ With ``--target 0.99`` each run stops at the first epoch at or above it (the CLI
 (None where the run never reached it): time to 99% at the defaults is ``--replicas 1
 --threads 0`` (``0``: the TRAIN worker's threads, ``adam.cluster.trainer-threads: auto``).
 
+With ``--link-rate 20mbit`` each run has a namespace cluster of its own instead
+(``adam_dask.testing.NetnsCluster``: a scheduler, 3 PS, 1 DATA and ``--replicas`` TRAIN hosts,
+each its own network stack; root), and the links of the PS hosts are held to that rate both ways
+(a ``tc`` token bucket): every push, pull and backup's copy crosses them, the images do not (the
+data servers stand beside the replicas, as in the paper). The CLI joins it with ``--scheduler``.
+The line adds ``cluster: "netns"``, ``link_rate`` and ``links_shaped``. Where bandwidth is scarce
+(issue 41): time to 99% with the best setting at 4096 <= 0.5x ``sum`` at 512, 2 replicas.
+
     python benchmarks/server_optimizer.py --settings sum@512 nesterov+staleness@4096 \
         [--seeds 0 1 2 3 4] [--replicas 4] [--threads 1] [--epochs 10] [--target A] [--no-save]
+        [--link-rate 20mbit]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 
@@ -37,6 +47,21 @@ def parameters() -> int:
     return int(Network.from_spec().flat.shape[0])
 
 
+PS_NODES = 3  # the paper's three copies of every shard, each on a PS host of its own
+
+
+@contextlib.contextmanager
+def slow_cluster(replicas: int, rate: str):
+    """A namespace cluster (3 PS, 1 DATA, ``replicas`` TRAIN hosts of one thread) whose PS hosts'
+    links run at ``rate``; yields its scheduler's address."""
+    from adam_dask.testing import NetnsCluster
+
+    with NetnsCluster(ps_nodes=PS_NODES, data_nodes=1, trainers=replicas) as net:
+        for i in range(PS_NODES):
+            net.shape(f"ps-{i}", rate=rate)
+        yield net.scheduler_address
+
+
 def run_once(
     store: str,
     optimizer: str,
@@ -46,15 +71,23 @@ def run_once(
     seed: int,
     threads: int = 1,
     target: float | None = None,
+    link_rate: str | None = None,
 ):
-    """(test accuracy after every epoch, wall seconds, the CLI's result) of one CLI run."""
-    flags = ["--epochs", str(epochs), "--trainers", str(replicas), "--seed", str(seed)]
+    """(test accuracy after every epoch, wall seconds, the CLI's result) of one CLI run: on the
+    embedded cluster, or with ``link_rate`` on a namespace cluster of its own whose PS links are
+    held to that rate."""
+    flags = ["--epochs", str(epochs), "--seed", str(seed)]
     flags += ["--push-every", str(push_every), "--server-optimizer", optimizer, "--no-checkpoint"]
     if threads > 0:
         flags += ["--threads", str(threads)]
     if target is not None:
         flags += ["--target-accuracy", str(target)]
-    history, result, wall = train_cli(store, *flags)
+    with contextlib.ExitStack() as stack:
+        if link_rate is None:
+            flags += ["--trainers", str(replicas)]
+        else:
+            flags += ["--scheduler", stack.enter_context(slow_cluster(replicas, link_rate))]
+        history, result, wall = train_cli(store, *flags)
     return [round(float(r["test_accuracy"]), 4) for r in history], round(wall, 1), result
 
 
@@ -66,6 +99,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="per replica; 0: the default (auto)")
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--target", type=float, default=None)
+    ap.add_argument(
+        "--link-rate",
+        default=None,
+        metavar="RATE",
+        help="a namespace cluster per run, its PS hosts' links at RATE (e.g. 20mbit; root)",
+    )
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     from adam_dask import config
@@ -89,6 +128,7 @@ def main() -> None:
                 seed,
                 args.threads,
                 args.target,
+                args.link_rate,
             )
             curves.append(curve)
             walls.append(wall)
@@ -117,6 +157,11 @@ def main() -> None:
                 "lr_replicas": config.get("train.lr-replicas"),
                 "lr_schedule": config.get("train.lr-schedule"),
                 "load": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                **(
+                    {}
+                    if args.link_rate is None
+                    else {"cluster": "netns", "link_rate": args.link_rate, "links_shaped": "ps"}
+                ),
                 **(
                     {}
                     if args.target is None
