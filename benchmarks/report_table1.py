@@ -4,7 +4,9 @@
   the block shows, for the recipe of the newest table1 line, the newest async/sync pair of
   every seed and their mean. When that recipe uses a regulariser the paper does not name
   (dropout, label smoothing), the block shows the newest recipe without any first, so Table 1
-  is always reported without them.
+  is always reported without them. Those are the runs with Adam's ``sum`` on the parameter
+  server; each other server optimizer (``server_optimizer``, issue 41) gets a table of its own
+  after them, its newest recipe, and one sentence setting its means beside ``sum``'s.
 * The sizing sentence: what the stored time_to_accuracy runs on fewer than 4 CPUs say about one
   replica vs two (the embedded cluster's sizing).
 """
@@ -29,19 +31,26 @@ RECIPE = (
     "label_smoothing",
     "batch_norm",
     "push_every",
+    "server_optimizer",
     "trainers",
     "trainer_threads",
     "overrides",
     "augment",
 )
 # the value a recipe key had before lines recorded it
-RECIPE_DEFAULTS = {"label_smoothing": 0.0, "batch_norm": False}
+RECIPE_DEFAULTS = {"label_smoothing": 0.0, "batch_norm": False, "server_optimizer": "sum"}
 # recipe keys that are regularisers the paper does not name (0 or absent: off)
 REGULARISERS = ("dropout", "label_smoothing", "batch_norm")
 
 
-def _recipe(line: dict) -> str:
-    return json.dumps({k: line.get(k, RECIPE_DEFAULTS.get(k)) for k in RECIPE}, sort_keys=True)
+def _recipe(line: dict, *, but: tuple[str, ...] = ()) -> str:
+    keys = [k for k in RECIPE if k not in but]
+    return json.dumps({k: line.get(k, RECIPE_DEFAULTS.get(k)) for k in keys}, sort_keys=True)
+
+
+def optimizer_of(line: dict) -> str:
+    """The server optimizer a table1 line's runs used (``sum`` before lines recorded it)."""
+    return line.get("server_optimizer") or RECIPE_DEFAULTS["server_optimizer"]
 
 
 def _runs(line: dict, mode: str) -> list[dict]:
@@ -66,9 +75,10 @@ def regularisers_used(line: dict) -> str:
 
 
 def plain_and_newest(lines: list[dict]) -> list[dict]:
-    """The lines whose recipes Table 1 is shown for: the newest with both modes, preceded by
-    the newest without a regulariser the paper does not name when that is another recipe."""
-    pairs = _pairs(lines)
+    """The lines whose recipes Table 1 is shown for: the newest with both modes and the sum on
+    the parameter server, preceded by the newest without a regulariser the paper does not name
+    when that is another recipe."""
+    pairs = [ln for ln in _pairs(lines) if optimizer_of(ln) == "sum"]
     if not pairs:
         return []
     plain = [ln for ln in pairs if not any(ln.get(k) for k in REGULARISERS)]
@@ -134,12 +144,51 @@ def table1_by_seed(lines: list[dict], like: dict | None = None) -> str:
     )
 
 
+def _means(lines: list[dict], like: dict) -> tuple[int, float, float]:
+    """(seeds, mean async final, mean sync final) over the newest pair of each seed of
+    ``like``'s recipe."""
+    pairs = table1_pairs(lines, like).values()
+    n = len(pairs)
+    return n, sum(a["accuracy"] for _, a, _ in pairs) / n, sum(s["accuracy"] for *_, s in pairs) / n
+
+
+def optimizer_tables(lines: list[dict], plain: dict | None) -> list[str]:
+    """For each server optimizer other than the sum with a pair of runs: the seed-by-seed table
+    of its newest recipe, and, when that recipe is ``plain``'s but for the optimizer, a sentence
+    with both optimizers' means."""
+    newest: dict[str, dict] = {}
+    for ln in _pairs(lines):
+        if optimizer_of(ln) != "sum":
+            newest[optimizer_of(ln)] = ln
+    out: list[str] = []
+    for name, like in newest.items():
+        out += ["", f"With `{name}` on the parameter server (`--server-optimizer`):", ""]
+        out.append(table1_by_seed(lines, like))
+        if plain is None or _recipe(plain, but=("server_optimizer",)) != _recipe(
+            like, but=("server_optimizer",)
+        ):
+            continue
+        n, a, s = _means(lines, like)
+        n0, a0, s0 = _means(lines, plain)
+        out += [
+            "",
+            f"The same recipe, `{name}` beside `sum` (mean final accuracy over {n} and {n0} "
+            f"seeds): async {_pct(a)} vs {_pct(a0)} ({100 * (a - a0):+.2f}), sync {_pct(s)} vs "
+            f"{_pct(s0)} ({100 * (s - s0):+.2f}).",
+        ]
+    return out
+
+
 def table1_block(lines: list[dict]) -> str:
-    """:func:`table1_by_seed` of the newest recipe; when it uses a regulariser the paper does
-    not name, that of the newest recipe without one first."""
+    """:func:`table1_by_seed` of the newest recipe with the sum on the parameter server; when it
+    uses a regulariser the paper does not name, that of the newest recipe without one first;
+    then each other server optimizer's (:func:`optimizer_tables`)."""
     shown = plain_and_newest(lines)
+    if not shown:
+        none = "No table1 line with both modes and `sum` on the parameter server yet."
+        return "\n".join([none, *optimizer_tables(lines, None)])
     if len(shown) < 2:
-        return table1_by_seed(lines)
+        return "\n".join([table1_by_seed(lines, shown[0]), *optimizer_tables(lines, shown[0])])
     plain, newest = shown
     used = regularisers_used(newest)
     return "\n".join(
@@ -151,6 +200,7 @@ def table1_block(lines: list[dict]) -> str:
             f"The newest recipe, with {used}:",
             "",
             table1_by_seed(lines, newest),
+            *optimizer_tables(lines, plain),
         ]
     )
 

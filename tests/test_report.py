@@ -85,6 +85,28 @@ def test_table1_is_shown_without_unnamed_regularisers_too():
     assert "plain" in report.table1_block([lines[0], zero])
 
 
+def test_table1_shows_each_server_optimizer_beside_the_sum():
+    report = _report()
+    plain = _line([0, 1], [0.9950, 0.9960], [0.9940, 0.9944], commit="sum")
+    opt = _line([0, 1], [0.9956, 0.9964], [0.9952, 0.9950], commit="nest")
+    opt["server_optimizer"] = "nesterov+staleness"
+    other = _line([0], [0.9900], [0.9910], commit="nest12", epochs=12)
+    other["server_optimizer"] = "nesterov"
+    text = report.table1_block([plain, opt, other])
+    sums, _, rest = text.partition("With `nesterov+staleness` on the parameter server")
+    # the sum's table keeps the sum's runs: the newer optimizer line replaces none of its seeds
+    assert "| mean of 2 | | 99.55 | 99.42 |" in sums and "nest" not in sums
+    assert "| mean of 2 | | 99.60 | 99.51 |" in rest
+    assert (
+        "`nesterov+staleness` beside `sum` (mean final accuracy over 2 and 2 seeds): "
+        "async 99.60 vs 99.55 (+0.05), sync 99.51 vs 99.42 (+0.09)." in rest
+    )
+    # another recipe (12 epochs) gets its table but no sentence setting it beside the sum
+    twelve = rest.partition("With `nesterov` on the parameter server")[2]
+    assert "| mean of 1 | | 99.00 | 99.10 |" in twelve and "beside" not in twelve
+    assert report.table1_block([opt]).startswith("No table1 line with both modes and `sum`")
+
+
 def test_the_curves_plot_draws_each_shown_recipe(tmp_path):
     mod = _bench("plot_table1")
     a, b = _line([0, 1], [0.9957, 0.9967], [0.9942, 0.9944]), _line([0], [0.997], [0.995])
@@ -566,3 +588,38 @@ def test_runs_to_a_target_say_their_seconds_and_epochs_and_make_no_claim_when_bu
     assert "10 at most (stops at 99%)" in block
     # a run to a target is no run of the communication goal (it stopped early)
     assert "No stored run at push every 4096 beside it" in block
+
+
+def _slow(opt, k, seconds, *, rate="20mbit", lr=None):
+    line = _sopt(opt, k, [0.991] * len(seconds), replicas=2, lr=lr)
+    epochs = [None if s is None else 4 for s in seconds]
+    line.update(target=0.99, seconds_to_target=seconds, epochs_to_target=epochs)
+    line.update(cluster="netns", link_rate=rate, links_shaped="ps", load=[1.0])
+    return line
+
+
+def test_the_bandwidth_goal_compares_times_to_the_target_on_slow_links():
+    mod = _bench("report_optimizer")
+    base = _slow("sum", 512, [200.0, 220.0])
+    best = _slow("nesterov+staleness", 4096, [90.0, 100.0], lr=0.2)
+    worse = _slow("nesterov", 4096, [150.0, 170.0], lr=0.2)
+    goal = mod.bandwidth_goal([base, worse, best])
+    assert "`nesterov+staleness`, reached 99% in 95.0 s on average over 2 seeds" in goal
+    assert "against 210.0 s for `sum` at 512 over 2 seeds: 0.45x the time, met." in goal
+    assert mod.bandwidth_goal([base, worse]).endswith("0.76x the time, missed (the goal is 0.5x).")
+    # a seed that never reached the target: no ratio is claimed
+    never = _slow("nesterov+staleness", 4096, [90.0, None], lr=0.2)
+    assert "not measured, since a seed of `nesterov+staleness` at 4096 never" in (
+        mod.bandwidth_goal([base, never])
+    )
+    # the embedded cluster's runs answer neither this goal nor are compared with these
+    embedded = _sopt("sum", 512, [0.98])
+    assert mod.bandwidth_goal([embedded]) == ""
+    block = mod.optimizer_block([embedded, base, best])
+    assert "2 x 1, namespace cluster, PS links 20mbit" in block
+    assert "No stored run at push every 4096 beside it" in block  # the communication goal
+    assert "threads, PS links 20mbit, to 99%" in block
+    # another rate is another experiment: the newest rate's lines only
+    assert "not measured" in mod.bandwidth_goal(
+        [base, _slow("nesterov", 4096, [9.0], rate="5mbit")]
+    )
