@@ -1,6 +1,7 @@
 """Draw Table 1's learning curves from the stored lines: ``docs/table1-curves.png``.
 
-For each recipe the README's Table 1 block shows (:func:`report.plain_and_newest`), the test
+For each recipe the README's Table 1 block shows (:func:`report.plain_and_newest`, then each
+other server optimizer's, :func:`report.other_optimizers`), the test
 accuracy after every epoch, averaged over the seeds the block lists, asynchronous (solid) and
 synchronous (dashed), beside the paper's two figures. Needs matplotlib (``pip install
 ".[plot]"``). Usage: ``python benchmarks/plot_table1.py [--out PATH]``
@@ -15,7 +16,7 @@ from pathlib import Path
 import report
 
 OUT = report.ROOT / "docs" / "table1-curves.png"
-COLOURS = ("tab:blue", "tab:orange", "tab:green")
+COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
 
 
 def mean_curve(runs: list[dict]) -> list[float]:
@@ -37,10 +38,11 @@ def plot(lines: list[dict], out: Path) -> list[str]:
     shown = report.plain_and_newest(lines)
     if not shown:
         raise SystemExit("no table1 line with both modes: run benchmarks/table1.py first")
+    named = [(report.regularisers_used(ln) or "no unnamed regulariser", ln) for ln in shown]
+    named += [(f"server {opt}", ln) for opt, ln in report.other_optimizers(lines).items()]
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for colour, like in zip(COLOURS, shown, strict=False):
+    for colour, (name, like) in zip(COLOURS, named, strict=False):
         pairs = report.table1_pairs(lines, like)
-        name = report.regularisers_used(like) or "no unnamed regulariser"
         for mode, style, idx in (("async", "-", 1), ("sync", "--", 2)):
             curve = mean_curve([p[idx] for p in pairs.values()])
             if curve:

@@ -39,6 +39,7 @@ from report_claims import CLAIMS
 from report_optimizer import optimizer_block
 from report_record import figure
 from report_table1 import (
+    other_optimizers,
     plain_and_newest,
     regularisers_used,
     sizing_sentence,
@@ -48,6 +49,7 @@ from report_table1 import (
 )
 
 __all__ = [
+    "other_optimizers",
     "plain_and_newest",
     "regularisers_used",
     "sizing_sentence",

@@ -152,16 +152,21 @@ def _means(lines: list[dict], like: dict) -> tuple[int, float, float]:
     return n, sum(a["accuracy"] for _, a, _ in pairs) / n, sum(s["accuracy"] for *_, s in pairs) / n
 
 
-def optimizer_tables(lines: list[dict], plain: dict | None) -> list[str]:
-    """For each server optimizer other than the sum with a pair of runs: the seed-by-seed table
-    of its newest recipe, and, when that recipe is ``plain``'s but for the optimizer, a sentence
-    with both optimizers' means."""
+def other_optimizers(lines: list[dict]) -> dict[str, dict]:
+    """Server optimizer other than the sum -> its newest line with both modes."""
     newest: dict[str, dict] = {}
     for ln in _pairs(lines):
         if optimizer_of(ln) != "sum":
             newest[optimizer_of(ln)] = ln
+    return newest
+
+
+def optimizer_tables(lines: list[dict], plain: dict | None) -> list[str]:
+    """For each server optimizer other than the sum with a pair of runs: the seed-by-seed table
+    of its newest recipe, and, when that recipe is ``plain``'s but for the optimizer, a sentence
+    with both optimizers' means."""
     out: list[str] = []
-    for name, like in newest.items():
+    for name, like in other_optimizers(lines).items():
         out += ["", f"With `{name}` on the parameter server (`--server-optimizer`):", ""]
         out.append(table1_by_seed(lines, like))
         if plain is None or _recipe(plain, but=("server_optimizer",)) != _recipe(

@@ -116,13 +116,19 @@ def test_the_curves_plot_draws_each_shown_recipe(tmp_path):
             for i, run in enumerate(ln[mode]):
                 run["curve"] = [base + 0.001 * e + 0.0001 * i for e in range(5 - i)]
     assert mod.mean_curve(a["async"]) == pytest.approx([0.99005, 0.99105, 0.99205, 0.99305])
-    labels = mod.plot([a, b], tmp_path / "c.png")
+    opt = _line([0], [0.996], [0.994])
+    opt["server_optimizer"] = "nesterov+staleness"
+    for mode in ("async", "sync"):
+        opt[mode][0]["curve"] = [0.99, 0.995]
+    labels = mod.plot([a, b, opt], tmp_path / "c.png")
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert labels[:4] == [
+    assert labels[:6] == [
         "async, no unnamed regulariser (mean of 2 seeds)",
         "sync, no unnamed regulariser (mean of 2 seeds)",
         "async, label_smoothing 0.1 (mean of 1 seed)",
         "sync, label_smoothing 0.1 (mean of 1 seed)",
+        "async, server nesterov+staleness (mean of 1 seed)",
+        "sync, server nesterov+staleness (mean of 1 seed)",
     ]
     with pytest.raises(SystemExit, match="no table1 line"):
         mod.plot([], tmp_path / "none.png")
