@@ -143,12 +143,29 @@ def _nesterov(values, m, d, lr, mu, s):
         values[i] += lr * (g + mu * mi)
 
 
+@njit(nogil=True, cache=True)
+def _nesterov_join(values, m, d, lr, mu, s):
+    """A later push of a synchronous round (see :mod:`adam_dask.ps.protocol.optimizer`):
+    ``g = s d``, ``m = m + g``, ``values += lr (g + mu g)``."""
+    for i in range(values.shape[0]):
+        g = s * d[i]
+        m[i] += g
+        values[i] += lr * (g + mu * g)
+
+
 def nesterov_step(
-    values: np.ndarray, momentum: np.ndarray, delta: np.ndarray, lr: float, mu: float, scale: float
+    values: np.ndarray,
+    momentum: np.ndarray,
+    delta: np.ndarray,
+    lr: float,
+    mu: float,
+    scale: float,
+    join: bool = False,
 ) -> None:
-    """Apply one push's ``delta`` to ``values`` through the shard's ``momentum`` (in place)."""
+    """Apply one push's ``delta`` to ``values`` through the shard's ``momentum`` (in place);
+    ``join``: the push joins a synchronous round another push opened (no second decay)."""
     f = np.float32
-    _nesterov(values, momentum, delta, f(lr), f(mu), f(scale))
+    (_nesterov_join if join else _nesterov)(values, momentum, delta, f(lr), f(mu), f(scale))
 
 
 def apply_all(values: np.ndarray, deltas: list[np.ndarray]) -> None:

@@ -203,9 +203,18 @@ class Marker:
     :class:`Plan`: a push of the rest of the share covers, in each batch, the images after
     those pushed before."""
 
-    def __init__(self, epoch: int, replica: int, replicas: int, plan: Plan | None = None):
+    def __init__(
+        self,
+        epoch: int,
+        replica: int,
+        replicas: int,
+        plan: Plan | None = None,
+        *,
+        synchronous: bool = False,
+    ):
         plan = plan or Plan()
         self.epoch, self.replica, self.replicas = int(epoch), int(replica), int(replicas)
+        self.synchronous = bool(synchronous)  # each push is a share of a synchronous step
         self.position: dict[Key, int] = dict(plan.position)
         self.seq = plan.next_seq
 
@@ -229,7 +238,16 @@ class Marker:
             }
         covers = encode(ranges)
         return [
-            Mark(self.epoch, self.replica, seq, part, parts, self.replicas, covers)
+            Mark(
+                self.epoch,
+                self.replica,
+                seq,
+                part,
+                parts,
+                self.replicas,
+                covers,
+                synchronous=self.synchronous,
+            )
             for part in range(parts)
         ]
 

@@ -269,7 +269,7 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | N
             len(plan.stretches),
             plan.next_seq,
         )
-    marker = Marker(job.epoch, job.replica, job.replicas, plan)
+    marker = Marker(job.epoch, job.replica, job.replicas, plan, synchronous=sync)
     rep.set_progress(job.epoch + min(1.0, plan.images_done / max(1, job.share_images)))
     label = f"replica {job.replica} in epoch {job.epoch}"
     exchange: Exchange

@@ -207,3 +207,107 @@ def test_one_nesterov_step_lowers_the_training_loss():
     assert loss1 < loss0
     # and the step is the one the module doc names: lr (1 + mu) d from zero momentum
     np.testing.assert_allclose(st.values - flat0, 0.7 * 1.9 * delta, rtol=1e-4, atol=1e-6)
+
+
+# -- synchronous rounds: DiLoCo's outer step, exactly ---------------------------------------------
+
+
+def _share(epoch: int, replica: int, seq: int, *, sync: bool = True, part: int = 0, parts=1):
+    from adam_dask.ps.protocol.mark import Mark
+
+    return Mark(epoch, replica, seq, part, parts, 3, {"r": replica}, synchronous=sync)
+
+
+def diloco_reference(values, momentum, rounds, lr, mu):
+    """numpy, float64: per round of shares ``D = sum``, ``m = mu m + D``, ``w += lr (D + mu m)``."""
+    w, m = values.astype(np.float64), momentum.astype(np.float64)
+    for shares in rounds:
+        total = np.sum([d.astype(np.float64) for d in shares], axis=0)
+        m = mu * m + total
+        w = w + lr * (total + mu * m)
+    return w, m
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1), (1, 2, 0)])
+def test_a_synchronous_round_is_one_nesterov_step_on_its_shares_in_any_order(order):
+    """The shares of one synchronous step (marks with the same epoch and seq) are DiLoCo's one
+    outer step on their sum, whichever arrives first; the same pushes without the synchronous
+    mark are three steps (the momentum decays per push) and end elsewhere."""
+    rounds = [deltas(3, seed=20), deltas(3, seed=21)]
+    st = ShardState(0, 0, N, optimizer=NESTEROV)
+    pid = 0
+    for seq, shares in enumerate(rounds):
+        for r in order:
+            pid += 1
+            st.apply(shares[r], pid, _share(0, r, seq), base=0)
+    w, m = diloco_reference(np.zeros(N, np.float32), np.zeros(N, np.float32), rounds, 0.7, 0.9)
+    np.testing.assert_allclose(st.values, w, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(st.state, m, rtol=1e-5, atol=1e-7)
+    per_push = ShardState(0, 0, N, optimizer=NESTEROV)
+    for seq, shares in enumerate(rounds):
+        for r in order:
+            per_push.apply(shares[r], mark=_share(0, r, seq, sync=False))
+    assert np.abs(per_push.values - w).max() > 100 * np.abs(st.values - w).max()
+
+
+def test_parts_of_a_share_join_its_round_and_staleness_leaves_a_round_alone():
+    """A share sent as two parts (a delta, then the dense layers' outer products) decays the
+    momentum once; with +staleness, a round's later shares are not scaled though the shard
+    moved since their pushers read it (they all read the round's start)."""
+    opt = ServerOptimizer("nesterov", 0.7, 0.9, staleness=True)
+    a, b, c = deltas(3, seed=22)
+    st = ShardState(0, 0, N, optimizer=opt)
+    st.apply(a, 1, _share(0, 0, 0, part=0, parts=2), base=0)
+    st.apply(b, 2, _share(0, 0, 0, part=1, parts=2), base=0)
+    st.apply(c, 3, _share(0, 1, 0), base=0)
+    w, m = diloco_reference(np.zeros(N, np.float32), np.zeros(N, np.float32), [[a, b, c]], 0.7, 0.9)
+    np.testing.assert_allclose(st.values, w, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(st.state, m, rtol=1e-5, atol=1e-7)
+    assert st.joins_round(_share(0, 2, 0)) and not st.joins_round(_share(0, 2, 1))
+    assert not st.joins_round(_share(0, 2, 0, sync=False))
+
+
+def test_a_copy_promoted_mid_round_continues_the_round(tmp_path):
+    """A backup that installed the primary's copy after the round's first share (values,
+    momentum and marks) applies the next share as a joining one: bit for bit the primary's
+    result; so does a shard read back from a checkpoint block (its marks set)."""
+    shares = deltas(2, seed=23)
+    primary = ShardState(0, 0, N, optimizer=NESTEROV)
+    primary.apply(shares[0], 1, _share(0, 0, 5))
+    copy = primary.snapshot()
+    primary.apply(shares[1], 2, _share(0, 1, 5))
+    backup = ShardState(0, 0, N, optimizer=NESTEROV)
+    assert backup.install(
+        copy.version, copy.values, copy.ids, copy.gen, True, copy.marks, copy.state
+    )
+    backup.apply(shares[1], 2, _share(0, 1, 5))
+    assert backup.values.tobytes() == primary.values.tobytes()
+    assert backup.state.tobytes() == primary.state.tobytes()
+    # the same from a checkpoint block: its marks keep the flag
+    from adam_dask.ps.checkpoint import BlockStore, block_marks, split_block
+
+    store = BlockStore(f"file://{tmp_path}/ckpt")
+    block, attrs, ids = store.read(store.write(copy))
+    values, state = split_block(block, attrs)
+    restored = ShardState(0, 0, N, optimizer=NESTEROV)
+    restored.install(copy.version, values, ids, copy.gen, True, block_marks(attrs), state)
+    restored.apply(shares[1], 2, _share(0, 1, 5))
+    assert restored.values.tobytes() == primary.values.tobytes()
+    # without the marks the backup would open a second round: another result
+    blind = ShardState(0, 0, N, optimizer=NESTEROV)
+    blind.install(copy.version, copy.values, copy.ids, copy.gen, True, (), copy.state)
+    blind.apply(shares[1], 2, _share(0, 1, 5))
+    assert blind.values.tobytes() != primary.values.tobytes()
+
+
+def test_a_mark_keeps_its_synchronous_flag_on_the_wire():
+    from adam_dask.ps.protocol.mark import Mark
+    from adam_dask.train._position import Marker
+
+    m = _share(3, 1, 7)
+    assert Mark.from_json(m.to_json()) == m and m.round == (3, 7)
+    old = m.to_json()[:8]  # a mark written before the flag: a push of its own
+    assert Mark.from_json(old).synchronous is False and Mark.from_json(old).round is None
+    marks = Marker(2, 0, 2, synchronous=True).marks({(0, 0): 8}, 2)
+    assert [mk.round for mk in marks] == [(2, 0), (2, 0)]
+    assert Marker(2, 0, 2).marks({(0, 0): 8}, 1)[0].round is None

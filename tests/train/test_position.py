@@ -3,6 +3,8 @@ re-run plans from the shards' marks so that every image is applied once per shar
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from adam_dask.ps.protocol.shard import Mark, ShardState
@@ -139,7 +141,7 @@ def test_a_push_lost_on_every_shard_is_retrained_under_a_new_number():
 
 def test_offloaded_parts_are_fenced_one_by_one_and_checked_per_target():
     marks = Marker(0, 0, 1).marks({(0, 0): 8}, 2)
-    outer = Mark(*[getattr(marks[1], f) for f in Mark.__slots__][:-1], targets=(1,))
+    outer = dataclasses.replace(marks[1], targets=(1,))
     a, b = ShardState(0, 0, 1), ShardState(1, 0, 1)
     for st in (a, b):
         st.apply(np.ones(1, np.float32), mark=marks[0])

@@ -105,6 +105,36 @@ def test_server_momentum_learns_and_resumes_with_its_momentum(store, adam_cluste
         r.close()
 
 
+def test_sync_mode_with_server_momentum_is_one_outer_step_per_round(store, adam_cluster):
+    """mode="sync" with server_optimizer="nesterov" is DiLoCo: every push is marked as its
+    replica's share of a synchronous step, so each shard takes a step's shares as one round
+    (tests/ps/test_optimizer.py checks the round's arithmetic), and the run learns."""
+    t = Trainer(
+        store,
+        client=adam_cluster,
+        mode="sync",
+        server_optimizer="nesterov",
+        lr=0.05,
+        lr_schedule="constant",
+        push_every=64,
+        batch_size=8,
+        model=SPEC,
+        progress=False,
+    )
+    try:
+        t.fit(epochs=2)
+        marks = [m for per in t.server.marks(1).values() for ms in per.values() for m in ms]
+    finally:
+        t.close()
+    assert marks and all(m.synchronous for m in marks)
+    # two replicas, one share each per step: every round of the epoch has both
+    rounds: dict = {}
+    for m in marks:
+        rounds.setdefault((m.round, m.part), set()).add(m.replica)
+    assert all(r == {0, 1} for r in rounds.values()), rounds
+    assert t.history.last["test_accuracy"] >= 0.85, t.history.records
+
+
 def test_quorum_ends_epoch_while_straggler_runs(store, adam_cluster):
     """With quorum 0.5 of two replicas, the epoch ends when the fast one is done; the
     deliberately slow one is stopped at once, part-way through its share."""

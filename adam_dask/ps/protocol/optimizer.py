@@ -17,6 +17,18 @@ pusher named no version read is not scaled. With ``R`` replicas pushing in turn 
 ``R - 1``: the replicas' deltas are averaged instead of added, and a push that waited long counts
 for less.
 
+Synchronous rounds (DiLoCo, exactly): the pushes of one synchronous step (each replica's ``1/R``
+share, marked ``synchronous``) are one outer step on their sum ``D``, whatever order they
+arrive in: the first push of the round decays the momentum and the later ones join it::
+
+    first:  m <- mu * m + d;   w <- w + lr * (d + mu * m)
+    later:  m <- m + d;        w <- w + lr * (1 + mu) * d
+
+which adds up to ``m <- mu * m + D; w <- w + lr * (D + mu * m)``: DiLoCo's Nesterov step on the
+replicas' mean delta. Which push opens a round the shard knows from the marks it recorded, which
+travel with its copies and checkpoints, so a backup promoted mid-round continues it; the round's
+pushes all read the round's start, so they are not scaled for staleness.
+
 Momentum makes the order of the pushes matter: the copies of a shard agree on the primary's
 order, because a backup never applies a push itself: it installs the primary's values and
 momentum at a version (:class:`~adam_dask.ps.protocol.shard.ShardCopy`), and a backup promoted
@@ -152,9 +164,12 @@ class ServerOptimizer:
         state: np.ndarray | None,
         deltas: Sequence[np.ndarray],
         scales: Sequence[float] | None = None,
+        joins: Sequence[bool] | None = None,
     ) -> None:
         """Apply ``deltas`` to ``values`` (and ``state``) in order, each scaled by its
-        ``scales`` entry with ``staleness`` (1 when omitted; ignored without it)."""
+        ``scales`` entry with ``staleness`` (1 when omitted; ignored without it); a ``joins``
+        entry True: that push joins the synchronous round an earlier push opened (the
+        momentum does not decay again; the sum adds it all the same)."""
         if self.is_sum:
             apply_all(values, list(deltas))
             return
@@ -167,5 +182,7 @@ class ServerOptimizer:
             return
         if state is None:
             raise ValueError("a nesterov shard has no momentum")
-        for d, s in zip(deltas, scales):
-            nesterov_step(values, state, d, self.lr, self.momentum, s)
+        if joins is None:
+            joins = [False] * len(deltas)
+        for d, s, join in zip(deltas, scales, joins):
+            nesterov_step(values, state, d, self.lr, self.momentum, s, join)

@@ -20,13 +20,13 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from ... import config
 from ...errors import UpdateRejected
 from ..shard_kernels import first_nonfinite
+from .mark import Mark
 from .optimizer import ServerOptimizer, staleness_scale
 from .outer import outer_delta, outer_part
 
@@ -40,57 +40,6 @@ __all__ = [
 
 
 # -- value objects -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Mark:
-    """What one push covers of its pusher's data: the data position a shard records with it.
-
-    A pusher is a replica in an epoch (``epoch``, ``replica``, one of ``replicas``); its
-    pushes are numbered (``seq``), and a push sent as ``parts`` calls (a delta, then the dense
-    layers' outer products) numbers its calls (``part``); ``targets`` names the shards a part
-    goes to (None: all). A shard applies a push only when it has not applied that ``(seq,
-    part)`` of the pusher before (sequence fencing: a re-run that pushes the same numbers again
-    is applied once per shard, a replay arriving after newer pushes still applies) and records
-    the mark atomically with the values. ``covers`` (JSON-safe) is opaque to the parameter
-    server: the data the push covers.
-    """
-
-    epoch: int
-    replica: int
-    seq: int
-    part: int
-    parts: int
-    replicas: int
-    covers: Any
-    targets: tuple[int, ...] | None = None
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.epoch, self.replica)
-
-    @property
-    def order(self) -> tuple[int, int]:
-        return (self.seq, self.part)
-
-    def to_json(self) -> list:
-        targets = None if self.targets is None else list(self.targets)
-        return [
-            self.epoch,
-            self.replica,
-            self.seq,
-            self.part,
-            self.parts,
-            self.replicas,
-            self.covers,
-            targets,
-        ]
-
-    @classmethod
-    def from_json(cls, doc: Any) -> Mark:
-        e, r, seq, part, parts, replicas, covers, targets = doc
-        t = None if targets is None else tuple(int(x) for x in targets)
-        return cls(int(e), int(r), int(seq), int(part), int(parts), int(replicas), covers, t)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +131,7 @@ class ShardState:
         self.mark_epochs = int(config.get("ps.mark-epochs", mark_epochs))
         # (epoch, replica) -> {(seq, part): mark} of the pushes applied
         self.marks: dict[tuple[int, int], dict[tuple[int, int], Mark]] = {}
+        self._rounds: set[tuple[int, int]] = set()  # the synchronous steps of the marks
         self.pushes_applied = 0
         self.pushes_fenced = 0
 
@@ -236,9 +186,19 @@ class ShardState:
 
     def _record(self, mark: Mark) -> None:
         self.marks.setdefault(mark.key, {})[mark.order] = mark
+        if mark.round is not None:
+            self._rounds.add(mark.round)
         newest = max(e for e, _ in self.marks)
-        for key in [k for k in self.marks if k[0] <= newest - self.mark_epochs]:
+        old = [k for k in self.marks if k[0] <= newest - self.mark_epochs]
+        for key in old:
             del self.marks[key]
+        if old:
+            self._rounds = {r for r in self._rounds if r[0] > newest - self.mark_epochs}
+
+    def joins_round(self, mark: Mark | None) -> bool:
+        """Whether the push marked ``mark`` joins a synchronous round that a push applied here
+        opened (any replica's, any part): the optimizer takes the round as one step."""
+        return mark is not None and mark.round is not None and mark.round in self._rounds
 
     def marks_of(self, epoch: int) -> dict[int, tuple[Mark, ...]]:
         """{replica: the marks of its pushes applied here} of ``epoch``."""
@@ -252,6 +212,7 @@ class ShardState:
         self.marks = {}
         for m in marks:
             self.marks.setdefault(m.key, {})[m.order] = m
+        self._rounds = {m.round for m in self.all_marks() if m.round is not None}
 
     # -- updates ---------------------------------------------------------------------------------
 
@@ -290,6 +251,7 @@ class ShardState:
         checked_ = list(deltas) if checked else [self.check(d) for d in deltas]
         todo: list[np.ndarray] = []
         scales: list[float] = []
+        joins: list[bool] = []
         versions: list[int] = []
         v = self.version
         for d, pid, mark, base in zip(checked_, push_ids, marks, bases):
@@ -300,17 +262,21 @@ class ShardState:
                 self.pushes_fenced += 1
                 versions.append(v)
                 continue
+            join = self.joins_round(mark)
             if mark is not None:
                 self._record(mark)
             v += 1
             versions.append(v)
             if d is not None:  # None: a delta of zeros, recorded but nothing to add
                 todo.append(d)
-                stale = None if base is None else v - 1 - base
+                # a synchronous round's pushes all read the round's start: none is stale
+                in_round = mark is not None and mark.synchronous
+                stale = None if base is None or in_round else v - 1 - base
                 scales.append(staleness_scale(stale))
+                joins.append(join)
             if pid is not None:
                 self._ids[pid] = v
-        self.optimizer.apply(self.values, self.state, todo, scales)
+        self.optimizer.apply(self.values, self.state, todo, scales, joins)
         self.pushes_applied += v - self.version
         self.version = v
         self._trim_ids()
