@@ -11,6 +11,10 @@ time seen (with its seed). A failing seed replays with
 ``adam_dask.testing.simulation.simulate(seed, trace=True)``.
 
     python benchmarks/simulation.py [--seeds 100000] [--first 0] [--processes 2]
+        [--optimizer nesterov] [--rounds 3]
+
+``--rounds R``: each push is one replica's share of a synchronous step, R shares a step (its
+mark says so), so the server optimizer takes each step as one round; the line records it.
 """
 
 from __future__ import annotations
@@ -24,22 +28,27 @@ import time
 SHOWN = 10  # failing seeds shown in the line
 
 
-def _run(job: tuple[int, str]) -> tuple[int, str | None, float, int]:
+def _run(job: tuple[int, str, int]) -> tuple[int, str | None, float, int]:
     """(seed, the failure's first line or None, healed_after, restored shards) of ``job``
-    (seed, server optimizer)."""
+    (seed, server optimizer, synchronous rounds)."""
     from adam_dask.ps.protocol.optimizer import ServerOptimizer
     from adam_dask.testing.simulation import SimulationFailure, simulate
 
-    seed, optimizer = job
+    seed, optimizer, rounds = job
     try:
-        r = simulate(seed, optimizer=ServerOptimizer.resolve(optimizer).to_dict())
+        r = simulate(seed, optimizer=ServerOptimizer.resolve(optimizer).to_dict(), rounds=rounds)
     except SimulationFailure as exc:
         return seed, str(exc).splitlines()[0], 0.0, 0
     return seed, None, r["healed_after"], r["restored"]
 
 
 def sweep(
-    first: int, seeds: int, processes: int, max_seconds: float, optimizer: str = "sum"
+    first: int,
+    seeds: int,
+    processes: int,
+    max_seconds: float,
+    optimizer: str = "sum",
+    rounds: int = 0,
 ) -> dict:
     from adam_dask.testing.simulation import HEAL_BOUND
 
@@ -53,7 +62,9 @@ def sweep(
     with multiprocessing.Pool(processes) as pool:
         # in order, so the seeds run are first .. first + done - 1 whenever it stops
         for i, (seed, error, after, rs) in enumerate(
-            pool.imap(_run, [(s, optimizer) for s in range(first, first + seeds)], chunksize=100),
+            pool.imap(
+                _run, [(s, optimizer, rounds) for s in range(first, first + seeds)], chunksize=100
+            ),
             1,
         ):
             done = i
@@ -78,6 +89,7 @@ def sweep(
     return {
         "first_seed": first,
         "optimizer": optimizer,
+        **({"rounds": rounds} if rounds else {}),
         "seeds": done,
         "seeds_asked": seeds,
         "processes": processes,
@@ -104,9 +116,12 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--max-seconds", type=float, default=float("inf"))
     ap.add_argument("--optimizer", default="sum", help="the server optimizer (adam.ps.optimizer)")
+    ap.add_argument("--rounds", type=int, default=0, help="shares per synchronous step (0: none)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
-    line = sweep(args.first, args.seeds, args.processes, args.max_seconds, args.optimizer)
+    line = sweep(
+        args.first, args.seeds, args.processes, args.max_seconds, args.optimizer, args.rounds
+    )
     record("simulation", line, save=not args.no_save)
 
 

@@ -8,6 +8,7 @@ pusher's :class:`~adam_dask.ps.protocol.routing.Routing`, what the primaries ack
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -154,7 +155,7 @@ class Traffic:
         if what == "replicate":
             self.w.node_handle(node, Replicate(cid, ev.sender, ev.snaps))
         elif what == "push":
-            self.w.node_handle(node, Pushes((Push(cid, ev.deltas, ev.push_id, ev.stamps, ev.ack),)))
+            self.w.node_handle(node, Pushes((dataclasses.replace(ev, req=cid),)))
         elif what == "confirmed":
             self.w.node_handle(node, Confirmed(cid, ev.sids))
         elif what == "command":
@@ -171,7 +172,7 @@ class Traffic:
         if path not in self.w.blocks:
             self.w.reply(cid, FileNotFoundError(path))
             return
-        values, version, _, ids, state = self.w.blocks[path]
+        values, version, _, ids, state, marks = self.w.blocks[path]
         # what went with every copy: pushes made so far (an answer may still be on its way)
         # that the block lacks and no pusher holds
         held = {h.push_id for h in self._held(sid)}
@@ -184,7 +185,7 @@ class Traffic:
             f"  restore shard {sid} on {node.addr} from {path}; lost {sorted(self.w.lost_ok.get(sid, ()))}"
         )
         state = None if state is None else state.copy()
-        restore = Restore(cid, sid, gen, start, stop, version, values.copy(), ids, (), state)
+        restore = Restore(cid, sid, gen, start, stop, version, values.copy(), ids, marks, state)
         self.w.node_handle(node, restore)
 
     def node_reply(self, node: SimNode, rec: CallRecord, x: Any) -> None:
@@ -240,7 +241,8 @@ class Traffic:
             self.w.pushes_started += 1
             self.w.log(f"{p.name} starts push {k}")
             sids = tuple(range(self.w.n_shards))
-            return Request("push", sids, k, self.w.ack, values=self.onehot(k))
+            mark = self.w.mark_of(k)
+            return Request("push", sids, k, self.w.ack, mark, values=self.onehot(k))
         if p.log and self.w.rng.random() < 0.5:
             p.routing.set(self.w.ctl.routing_info())  # the client's settler reads it every round
             replays = p.log.replays(p.routing.primaries(), self.w.shards)
@@ -283,7 +285,7 @@ class Traffic:
             if req.op == "push":
                 parts = {s: part_of(req, self.w.shards[s], s) for s in send.sids}
                 deltas = {s: None if v is None else v.copy() for s, v in parts.items()}
-                ev = Push(None, deltas, req.push_id, stamps, req.ack)
+                ev = Push(None, deltas, req.push_id, stamps, req.ack, req.mark)
             else:
                 ev = Confirmed(None, send.sids)
             cid = self.w.request(p.name, send.addr, req.op, ev, key=p.routing.key(send.addr))
@@ -304,7 +306,7 @@ class Traffic:
 
             def hold(sid: int, gen: int, version: int) -> HeldPush:
                 part = part_of(req, self.w.shards[sid], sid)
-                return HeldPush(req.push_id, "push", part, addr, gen, version, 1)
+                return HeldPush(req.push_id, "push", part, addr, gen, version, 1, req.mark)
 
             p.log.answered(req, addr, x, hold)
         if d.done and not p.calls:

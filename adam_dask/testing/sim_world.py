@@ -15,6 +15,7 @@ import numpy as np
 
 from ..ps.protocol.controller import ServerState
 from ..ps.protocol.controller_machine import handle as handle_ctl
+from ..ps.protocol.mark import Mark
 from ..ps.protocol.messages import (
     Beat,
     Call,
@@ -114,9 +115,18 @@ class SimulationFailure(AssertionError):
 class World:
     """Nodes, controller, pushers and the network between them (see the module doc)."""
 
-    def __init__(self, seed: int, faults: bool, ack: str | None = None, optimizer: Any = None):
+    def __init__(
+        self,
+        seed: int,
+        faults: bool,
+        ack: str | None = None,
+        optimizer: Any = None,
+        rounds: int = 0,
+    ):
         # the server optimizer (not drawn: a seed runs the same faults with either)
         self.optimizer = ServerOptimizer.from_dict(optimizer)
+        # rounds > 0: push k is replica k % rounds's share of synchronous step k // rounds
+        self.rounds = int(rounds)
         self.rng = random.Random(seed)
         rng = self.rng
         self.seed = seed
@@ -141,8 +151,8 @@ class World:
         self.worker_no = 0
         self.nodes: dict[str, SimNode] = {}
         self.crashed: set[str] = set()
-        # path -> (values, version, gen, push ids, the optimizer's state)
-        self.blocks: dict[str, tuple[np.ndarray, int, int, tuple, np.ndarray | None]] = {}
+        # path -> (values, version, gen, push ids, the optimizer's state, the marks)
+        self.blocks: dict[str, tuple[np.ndarray, int, int, tuple, np.ndarray | None, tuple]] = {}
         self.manifests: list[dict] = []
         self.acked: dict[int, set[int]] = {}  # push -> shards acknowledged
         self.lost_ok: dict[int, set[int]] = {}  # shard -> pushes a restore may have lost
@@ -173,6 +183,7 @@ class World:
                 0,
                 (),
                 self.optimizer.new_state(n),
+                (),
             )
         self.manifests.append(manifest)
         for addr in hosts:
@@ -222,6 +233,13 @@ class World:
     def nodes_key(self, addr: str) -> str:
         """The key of the node incarnation on ``addr`` now."""
         return self.nodes[addr].key
+
+    def mark_of(self, k: int) -> Mark | None:
+        """Push ``k``'s mark: with ``rounds``, its replica's share of a synchronous step."""
+        if not self.rounds:
+            return None
+        r = self.rounds
+        return Mark(0, k % r, k // r, 0, 1, r, None, synchronous=True)
 
     def _new_worker(self) -> str:
         self.worker_no += 1
@@ -329,6 +347,7 @@ class World:
                         snap.gen,
                         snap.ids,
                         state,
+                        snap.marks,
                     )
                     blocks[snap.shard] = (snap.gen, snap.version, path)
                 self.request(node.addr, "ctl", "report", WriteReport(None, node.addr, blocks))

@@ -90,8 +90,15 @@ def _view(ns: NodeState) -> tuple:
 class _Sim:
     """The world, checked."""
 
-    def __init__(self, seed: int, faults: bool, ack: str | None = None, optimizer: Any = None):
-        self.w = World(seed, faults, ack, optimizer)
+    def __init__(
+        self,
+        seed: int,
+        faults: bool,
+        ack: str | None = None,
+        optimizer: Any = None,
+        rounds: int = 0,
+    ):
+        self.w = World(seed, faults, ack, optimizer, rounds)
         self.t = Traffic(self.w)
         self.healed_since: float | None = 0.0  # since when every shard is back at its copies
         self._bits: dict[tuple[str, int], tuple[ShardState, tuple[int, int], int]] = {}
@@ -177,7 +184,7 @@ class _Sim:
         return bits
 
     def block_bits(self, path: str) -> int:
-        values, _, _, ids, _ = self.w.blocks[path]
+        values, _, _, ids, _, _ = self.w.blocks[path]
         cached = self._block_bits.get(path)
         if cached is None or cached[0] is not values:
             cached = (values, self.w.held_pushes(values, ids))
@@ -361,12 +368,14 @@ class _Sim:
                     self.w.fail(f"acknowledged push {k} of shard {sid} missing at the end")
                 self.acked_lost += 1
         n = st.size
-        values = np.zeros(n, np.float32)
-        state = self.w.optimizer.new_state(n)
+        # a fresh shard through the same optimizer, each push with its mark (with rounds, which
+        # push opens a synchronous step's round depends on the marks held before it)
+        replay = ShardState(sid, 0, n, dedup_window=n + 1, optimizer=self.w.optimizer)
         for k in order:
             d = np.zeros(n, np.float32)
             d[k] = 1
-            self.w.optimizer.apply(values, state, [d])
+            replay.apply(d, k, self.w.mark_of(k))
+        values, state = replay.values, replay.state
         if not np.array_equal(values, st.values) or (
             state is not None and (st.state is None or not np.array_equal(state, st.state))
         ):
@@ -381,6 +390,7 @@ def simulate(
     steps: int = 20000,
     trace: bool = False,
     optimizer: Any = None,
+    rounds: int = 0,
 ) -> dict:
     """Run the simulation of ``seed`` (see the module doc); returns a summary. Raises
     :class:`SimulationFailure` with the seed and the trace when an invariant breaks; with
@@ -393,7 +403,7 @@ def simulate(
     if not trace:
         quiet.setLevel(logging.CRITICAL)
     try:
-        sim = _Sim(seed, faults, ack, optimizer)
+        sim = _Sim(seed, faults, ack, optimizer, rounds)
         for i in range(steps):
             sim.step()
             sim.check()
@@ -416,6 +426,7 @@ def simulate(
             "pushes": len(sim.w.acked),
             "ack": sim.w.ack,
             "optimizer": sim.w.optimizer.name,
+            "rounds": sim.w.rounds,
             "lost_with_all_copies": sum(len(v) for v in sim.w.lost_ok.values()),
             "acknowledged_lost": sim.acked_lost,
             "restored": len(sim.w.ctl.restored),

@@ -89,6 +89,32 @@ def test_protocol_holds_with_server_momentum(chunk):
     assert all(r["acknowledged_lost"] == 0 for r in runs if r["ack"] == "replay")
 
 
+def test_synchronous_rounds_survive_the_same_faults():
+    """Pushes marked as shares of synchronous steps (3 replicas a round) under the same fault
+    schedules: each shard ends a replay of its pushes in its lineage's order, each push opening
+    or joining its round as the marks held before it say: the marks went with every copy and
+    checkpoint block, as the values and the momentum did."""
+    runs = [simulate(seed, optimizer=NESTEROV, rounds=3) for seed in range(40)]
+    assert {r["rounds"] for r in runs} == {3}
+    assert sum(r["restored"] for r in runs) > 0  # some shards came back from storage
+
+
+def test_the_replay_check_catches_marks_not_copied(monkeypatch):
+    """A copy that takes the values and the momentum but not the marks opens a second round
+    after a promotion or a restore mid-round: the replay check must find it."""
+    from adam_dask.ps.protocol.shard import ShardState
+
+    monkeypatch.setattr(ShardState, "set_marks", lambda self, marks: None)
+    found = []
+    for seed in range(40):
+        try:
+            simulate(seed, optimizer=NESTEROV, rounds=3)
+        except SimulationFailure as exc:
+            found.append(str(exc).splitlines()[0])
+    assert found
+    assert all("replay of its pushes" in f for f in found), found
+
+
 def test_the_replay_check_catches_momentum_not_copied(monkeypatch):
     """A backup that takes the primary's values but not its momentum continues from another
     state after a promotion: the checks must find it."""
