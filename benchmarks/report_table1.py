@@ -50,7 +50,7 @@ def _recipe(line: dict, *, but: tuple[str, ...] = ()) -> str:
 
 def optimizer_of(line: dict) -> str:
     """The server optimizer a table1 line's runs used (``sum`` before lines recorded it)."""
-    return line.get("server_optimizer") or RECIPE_DEFAULTS["server_optimizer"]
+    return str(line.get("server_optimizer") or RECIPE_DEFAULTS["server_optimizer"])
 
 
 def _runs(line: dict, mode: str) -> list[dict]:

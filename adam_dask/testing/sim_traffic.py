@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import ShardUnavailable
 from ..ps.client.control import part_of
+from ..ps.protocol.mark import Mark
 from ..ps.protocol.messages import (
     Beat,
     CallDone,
@@ -53,6 +54,14 @@ from .sim_world import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["Traffic"]
+
+
+def share_mark(k: int, rounds: int) -> Mark | None:
+    """Push ``k``'s mark: with ``rounds``, replica ``k % rounds``'s share of synchronous step
+    ``k // rounds`` (the server optimizer takes a step's shares as one round); else none."""
+    if not rounds:
+        return None
+    return Mark(0, k % rounds, k // rounds, 0, 1, rounds, None, synchronous=True)
 
 
 class Traffic:
@@ -241,7 +250,7 @@ class Traffic:
             self.w.pushes_started += 1
             self.w.log(f"{p.name} starts push {k}")
             sids = tuple(range(self.w.n_shards))
-            mark = self.w.mark_of(k)
+            mark = share_mark(k, self.w.rounds)
             return Request("push", sids, k, self.w.ack, mark, values=self.onehot(k))
         if p.log and self.w.rng.random() < 0.5:
             p.routing.set(self.w.ctl.routing_info())  # the client's settler reads it every round

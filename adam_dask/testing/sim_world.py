@@ -15,7 +15,6 @@ import numpy as np
 
 from ..ps.protocol.controller import ServerState
 from ..ps.protocol.controller_machine import handle as handle_ctl
-from ..ps.protocol.mark import Mark
 from ..ps.protocol.messages import (
     Beat,
     Call,
@@ -125,8 +124,7 @@ class World:
     ):
         # the server optimizer (not drawn: a seed runs the same faults with either)
         self.optimizer = ServerOptimizer.from_dict(optimizer)
-        # rounds > 0: push k is replica k % rounds's share of synchronous step k // rounds
-        self.rounds = int(rounds)
+        self.rounds = int(rounds)  # > 0: push k is a share of synchronous step k // rounds
         self.rng = random.Random(seed)
         rng = self.rng
         self.seed = seed
@@ -177,14 +175,8 @@ class World:
             "meta": {},
         }
         for s in range(self.n_shards):
-            self.blocks[f"shards/{s}/g0-v0"] = (
-                np.zeros(n, np.float32),
-                0,
-                0,
-                (),
-                self.optimizer.new_state(n),
-                (),
-            )
+            empty = (np.zeros(n, np.float32), 0, 0, (), self.optimizer.new_state(n), ())
+            self.blocks[f"shards/{s}/g0-v0"] = empty
         self.manifests.append(manifest)
         for addr in hosts:
             self.nodes[addr] = self._make_node(addr)
@@ -233,13 +225,6 @@ class World:
     def nodes_key(self, addr: str) -> str:
         """The key of the node incarnation on ``addr`` now."""
         return self.nodes[addr].key
-
-    def mark_of(self, k: int) -> Mark | None:
-        """Push ``k``'s mark: with ``rounds``, its replica's share of a synchronous step."""
-        if not self.rounds:
-            return None
-        r = self.rounds
-        return Mark(0, k % r, k // r, 0, 1, r, None, synchronous=True)
 
     def _new_worker(self) -> str:
         self.worker_no += 1

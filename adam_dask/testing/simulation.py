@@ -57,7 +57,7 @@ import numpy as np
 from ..ps.protocol.messages import Beat, ForwardDue, Tick, WriteDue
 from ..ps.protocol.node_state import NodeState
 from ..ps.protocol.shard import ShardState
-from .sim_traffic import Traffic
+from .sim_traffic import Traffic, share_mark
 from .sim_world import (
     BEAT_INTERVAL,
     FORWARD_INTERVAL,
@@ -374,7 +374,7 @@ class _Sim:
         for k in order:
             d = np.zeros(n, np.float32)
             d[k] = 1
-            replay.apply(d, k, self.w.mark_of(k))
+            replay.apply(d, k, share_mark(k, self.w.rounds))
         values, state = replay.values, replay.state
         if not np.array_equal(values, st.values) or (
             state is not None and (st.state is None or not np.array_equal(state, st.state))
