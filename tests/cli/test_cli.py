@@ -287,6 +287,12 @@ def test_a_run_checkpoints_to_its_run_folder_unless_told_not_to(
     assert set(runs_dir.iterdir()) == before
 
 
+def _sigint_default() -> None:
+    """In the child: SIGINT at its default, as a terminal's foreground job has it (a
+    background job of a non-interactive shell, as pytest may run, inherits it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_cleanly_and_keeps_the_checkpoint(store, tmp_path, capsys):
     """SIGINT during training: exit status 130, one error line, no traceback, and the last
     complete checkpoint (written at the end of an epoch) still evaluates."""
@@ -317,6 +323,7 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_checkpoint(store, tmp_path, capsys):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_sigint_default,  # a terminal's Ctrl-C reaches a job that has it
     )
     deadline = time.time() + 240
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
@@ -330,12 +337,6 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_checkpoint(store, tmp_path, capsys):
     status, ev, err = cli(capsys, "evaluate", str(ckpt), "--data", store)
     assert status == 0, err
     assert ev["epoch"] >= 1
-
-
-def _sigint_default() -> None:
-    """In the child: SIGINT at its default, as a terminal's foreground job has it (a
-    background job of a non-interactive shell, as pytest may run, inherits it ignored)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_ctrl_c_to_the_process_group_stops_every_process_without_a_traceback(
