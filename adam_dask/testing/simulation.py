@@ -90,15 +90,8 @@ def _view(ns: NodeState) -> tuple:
 class _Sim:
     """The world, checked."""
 
-    def __init__(
-        self,
-        seed: int,
-        faults: bool,
-        ack: str | None = None,
-        optimizer: Any = None,
-        rounds: int = 0,
-    ):
-        self.w = World(seed, faults, ack, optimizer, rounds)
+    def __init__(self, world: World):
+        self.w = world
         self.t = Traffic(self.w)
         self.healed_since: float | None = 0.0  # since when every shard is back at its copies
         self._bits: dict[tuple[str, int], tuple[ShardState, tuple[int, int], int]] = {}
@@ -403,7 +396,7 @@ def simulate(
     if not trace:
         quiet.setLevel(logging.CRITICAL)
     try:
-        sim = _Sim(seed, faults, ack, optimizer, rounds)
+        sim = _Sim(World(seed, faults, ack, optimizer, rounds))
         for i in range(steps):
             sim.step()
             sim.check()

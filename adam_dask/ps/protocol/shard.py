@@ -193,7 +193,7 @@ class ShardState:
         for key in old:
             del self.marks[key]
         if old:
-            self._rounds = {r for r in self._rounds if r[0] > newest - self.mark_epochs}
+            self._index_rounds()
 
     def joins_round(self, mark: Mark | None) -> bool:
         """Whether the push marked ``mark`` joins a synchronous round that a push applied here
@@ -212,6 +212,10 @@ class ShardState:
         self.marks = {}
         for m in marks:
             self.marks.setdefault(m.key, {})[m.order] = m
+        self._index_rounds()
+
+    def _index_rounds(self) -> None:
+        """The synchronous steps of the recorded marks (derived from them, kept for lookups)."""
         self._rounds = {m.round for m in self.all_marks() if m.round is not None}
 
     # -- updates ---------------------------------------------------------------------------------
