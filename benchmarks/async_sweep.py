@@ -19,7 +19,8 @@ many settings at once on a machine with many cores: ``--jobs``):
   they run at one speed.
 * The rate: the run's schedule (``adam.train.lr``, ``lr-schedule``, ``lr-floor``,
   ``lr-warmup`` over ``--epochs`` planned epochs) times the rule's factor for (R, T)
-  (:func:`adam_dask.train._epoch.async_rate_factor`'s successor, whatever the defaults are).
+  (``--factor rule``: the defaults' plan, :func:`adam_dask.train.streams.stream_plan`, which
+  also sets the push period and the warm-up).
 
 After each epoch (60,000 images over all replicas) the global weights are scored on the test
 set. One JSON line per setting goes to ``benchmarks/results/async_sweep.jsonl``: the setting,
@@ -185,9 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", default="1,2,4,8")
     p.add_argument("--threads", default="1")
-    p.add_argument("--push-every", default=str(config.get("train.push-every")))
+    p.add_argument("--push-every", default="512", help="ignored where --factor is rule")
     p.add_argument("--lr", default=str(config.get("train.lr")))
-    p.add_argument("--lr-warmup", default=str(config.get("train.lr-warmup")))
+    p.add_argument("--lr-warmup", default="0", help="ignored where --factor is rule")
     p.add_argument(
         "--factor",
         default="rule",
@@ -223,6 +224,9 @@ def main(argv: list[str] | None = None) -> None:
         args.factor.split(","),
     ):
         factor = _factor(f, R, T)
+        if f == "rule":
+            plan = _rule(R, T)
+            k, w = plan.push_every, plan.warmup
         settings.append(
             {
                 "name": f"R{R}xT{T} k{k} lr{lr} w{w} f{f} s{int(args.staleness)} m{args.server_momentum}/{args.server_lr}",
@@ -253,6 +257,9 @@ def main(argv: list[str] | None = None) -> None:
             one["factor"] = round(
                 _factor(str(one["factor_rule"]), one["replicas"], one["threads"]), 6
             )
+            if one["factor_rule"] == "rule":
+                plan = _rule(one["replicas"], one["threads"])
+                one["push_every"], one["lr_warmup"] = plan.push_every, plan.warmup
             one["name"] = " ".join(f"{k}={v}" for k, v in over.items())
             settings.append(one)
     with ProcessPoolExecutor(max_workers=args.jobs) as ex:
@@ -263,11 +270,25 @@ def main(argv: list[str] | None = None) -> None:
             record("async_sweep", line, save=not args.no_save)
 
 
+def _rule(replicas: int, threads: int):
+    """The defaults' plan (adam_dask.train.streams) for ``replicas`` x ``threads``."""
+    from adam_dask import config
+    from adam_dask.train.streams import stream_plan
+
+    return stream_plan(
+        "async",
+        replicas,
+        threads,
+        push_every=None,
+        lr_streams=config.get("train.lr-streams"),
+        lr_replicas=config.get("train.lr-replicas"),
+        lr_warmup=None,
+    )
+
+
 def _factor(rule: str, replicas: int, threads: int) -> float:
     if rule == "rule":
-        from adam_dask.train._epoch import async_rate_factor
-
-        return async_rate_factor("async", replicas, 1)
+        return _rule(replicas, threads).rate_factor
     if rule == "inv":
         return 1.0 / replicas
     return float(rule)

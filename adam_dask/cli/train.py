@@ -95,8 +95,17 @@ def register(sub) -> None:
         type=positive_int,
         default=None,
         metavar="N",
-        help="async: --lr is the rate for N replicas; with R > N each steps lr * N / R "
+        help="async: --lr is the rate for N replicas; with R > N each steps lr * N / R, "
+        "instead of --lr-streams and the auto push period's damping "
         f"(default {config.get('train.lr-replicas')})",
+    )
+    p.add_argument(
+        "--lr-streams",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="async: each of R replicas x T threads past N steps lr * N / (R T) "
+        f"(default {config.get('train.lr-streams')})",
     )
     p.add_argument(
         "--push-every",
@@ -284,6 +293,7 @@ def cmd_train(args: argparse.Namespace) -> dict:
             lr=args.lr,
             lr_warmup=args.lr_warmup,
             lr_replicas=args.lr_replicas,
+            lr_streams=args.lr_streams,
             epoch_quorum=args.epoch_quorum,
             augment=args.augment,
             metrics_out=args.metrics_out,

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from ..errors import ClusterError, ConfigError
 
 __all__ = [
-    "async_rate_factor",
     "epoch_record",
     "quorum_size",
     "replica_count",
@@ -49,17 +48,6 @@ def quorum_size(replicas: int, quorum: float) -> int:
 def share_sizes(images: int, replicas: int) -> list[int]:
     """About each replica's images of an epoch (for the schedule's progress)."""
     return [images * (r + 1) // replicas - images * r // replicas for r in range(replicas)]
-
-
-def async_rate_factor(mode: str, replicas: int, sized_for: int | None) -> float:
-    """The factor on each replica's rate in an epoch of ``replicas``: asynchronous replicas add
-    their deltas, so beyond the ``sized_for`` replicas the rate ``lr`` was chosen for, each one
-    steps ``sized_for / replicas`` as far and the replicas together move the weights as
-    ``sized_for`` would; synchronous replicas average their deltas already (1.0), and so does
-    ``sized_for`` None (the rate as given, whatever the number)."""
-    if mode != "async" or sized_for is None or replicas <= sized_for:
-        return 1.0
-    return sized_for / replicas
 
 
 def epoch_record(

@@ -36,6 +36,16 @@ def train_workers(client: Any) -> list[str]:
     return found
 
 
+def train_threads(client: Any) -> int:
+    """Hogwild threads a replica runs where its threads are ``auto``: the most any TRAIN
+    worker has (its ``--nthreads``), so the rate a plan shares among them is never too high."""
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    return max(
+        (int(workers[a].get("nthreads", 1)) for a in train_workers(client) if a in workers),
+        default=1,
+    )
+
+
 def replicas_now(client: Any, fixed: int | None, partitions: int) -> int:
     """``fixed``, or one replica per TRAIN worker (per ``partitions`` of them) present now."""
     workers = len(train_workers(client))

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import ClusterError
 from ._position import Marker, encode, resume_plan
+from .streams import resolve_push_every
 
 if TYPE_CHECKING:
     from .replica import Flag
@@ -114,7 +115,8 @@ def replica_groups(
         return m.seq, m.covers
 
     try:
-        for group in push_groups(stream, s.batch_size, s.push_every, marks):
+        every = resolve_push_every(s.push_every, rj.replicas)  # the trainer's plan set it
+        for group in push_groups(stream, s.batch_size, every, marks):
             group.lr = lr()
             done += group.images
             yield group

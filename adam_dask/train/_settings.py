@@ -32,6 +32,7 @@ _KEYS = {
     "lr_floor": "train.lr-floor",
     "lr_warmup": "train.lr-warmup",
     "lr_replicas": "train.lr-replicas",
+    "lr_streams": "train.lr-streams",
     "momentum": "train.momentum",
     "batch_size": "train.batch-size",
     "threads": "cluster.trainer-threads",
@@ -51,12 +52,14 @@ class RunSettings:
     """Everything that shapes how the replicas train (not where: data, cluster, checkpoint)."""
 
     mode: str
-    push_every: int
+    push_every: int | None  # None ("auto"): from the replicas (streams.auto_push_every)
     lr: float
     lr_schedule: str
     lr_floor: float
-    lr_warmup: float  # epochs over which the rate ramps up (Schedule.warmup); 0: none
-    lr_replicas: int | None  # async: lr is for this many replicas; more step lr * this / R
+    lr_warmup: float | None  # epochs the rate ramps up over; None ("auto"): streams.stream_plan
+    lr_replicas: (
+        int | None
+    )  # async, not None: lr is for this many replicas; more step lr * this / R
     momentum: float
     batch_size: int
     threads: int | None  # Hogwild threads per replica; None ("auto"): its TRAIN worker's threads
@@ -68,6 +71,7 @@ class RunSettings:
     stream_images: int
     average_from: float | None  # tail averaging from this fraction of the plan; None: off
     server_optimizer: str = "sum"  # what the PS does with each push (ps.protocol.optimizer)
+    lr_streams: int | None = 8  # async: past this many replicas x threads each steps lr * this / N
 
     @classmethod
     def resolve(cls, base: RunSettings | dict | None = None, **given: Any) -> RunSettings:
@@ -85,11 +89,18 @@ class RunSettings:
             values[f.name] = config.get(_KEYS[f.name], v)
         s = cls(
             mode=str(values["mode"]),
-            push_every=int(values["push_every"]),
+            push_every=_count_or_none(
+                values["push_every"],
+                (sizing.AUTO,),
+                "push_every",
+                "set push_every= or adam.train.push-every (auto: from the replicas)",
+            ),
             lr=float(values["lr"]),
             lr_schedule=str(values["lr_schedule"]),
             lr_floor=float(values["lr_floor"]),
-            lr_warmup=float(values["lr_warmup"]),
+            lr_warmup=None
+            if str(values["lr_warmup"]).lower() == sizing.AUTO
+            else float(values["lr_warmup"]),
             lr_replicas=_count_or_none(
                 values["lr_replicas"],
                 _OFF,
@@ -113,6 +124,12 @@ class RunSettings:
             stream_images=int(values["stream_images"]),
             average_from=_optional_fraction(values["average_from"]),
             server_optimizer=ServerOptimizer.resolve(values["server_optimizer"]).name,
+            lr_streams=_count_or_none(
+                values["lr_streams"],
+                _OFF,
+                "lr_streams",
+                "set lr_streams= or adam.train.lr-streams (null: the rate whatever the streams)",
+            ),
         )
         s.check()
         if s.mode == "sync" and s.epoch_quorum != 1.0:
@@ -127,7 +144,7 @@ class RunSettings:
                 f"epoch_quorum={self.epoch_quorum} must lie in (0, 1]",
                 "e.g. 0.75 ends an epoch when 3 of 4 replicas are done",
             )
-        if self.push_every < 1 or self.lr <= 0:
+        if (self.push_every is not None and self.push_every < 1) or self.lr <= 0:
             raise ConfigError(
                 f"push_every={self.push_every}, lr={self.lr}", "both must be positive"
             )
@@ -136,7 +153,9 @@ class RunSettings:
                 f"lr_schedule={self.lr_schedule!r} is not one of {', '.join(KINDS)}",
                 "set lr_schedule= or adam.train.lr-schedule",
             )
-        if not (math.isfinite(self.lr_warmup) and self.lr_warmup >= 0):
+        if self.lr_warmup is not None and not (
+            math.isfinite(self.lr_warmup) and self.lr_warmup >= 0
+        ):
             raise ConfigError(
                 f"lr_warmup={self.lr_warmup} must be a number of epochs >= 0",
                 "set lr_warmup= or adam.train.lr-warmup (0 for none)",

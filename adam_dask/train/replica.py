@@ -45,6 +45,7 @@ from ..errors import ConfigError, InputShapeError
 from ..model.network import Network
 from ._updates import Update, Updates
 from .schedule import Schedule
+from .streams import resolve_push_every
 
 __all__ = ["HogwildReplica", "TrainStats", "profitable_offload"]
 
@@ -322,7 +323,7 @@ class HogwildReplica:
         TrainStats
         """
         self._stop.clear()
-        every = int(config.get("train.push-every", every)) if on_images is not None else 0
+        every = resolve_push_every(config.get("train.push-every", every), 1) if on_images else 0
         it = _SafeIterator(batches)
         results: list[tuple[int, float] | BaseException] = [(0, 0.0)] * self.threads
         with self._count_lock:

@@ -29,6 +29,7 @@ __all__ = [
     "refuse_existing",
     "resumed_state",
     "run_folder",
+    "run_meta",
     "save_average",
     "start_commits",
 ]
@@ -47,6 +48,7 @@ _RESUMABLE = (
     "lr_floor",
     "lr_warmup",
     "lr_replicas",
+    "lr_streams",
     "momentum",
     "batch_size",
     "threads",
@@ -456,3 +458,23 @@ class EpochCommits:
         from ..storage import redact_url
 
         return redact_url(self.url)
+
+
+def run_meta(trainer: Any) -> dict:
+    """What a run's checkpoint manifest says of the run (a Trainer's model, data, settings)."""
+    t = trainer
+    parts = (
+        t.partition_plan.as_dict() if t.partition_plan is not None and t.partitions > 1 else None
+    )
+    return {
+        "model": t.net.to_dict(),
+        "data": t.data_url,
+        "mode": t.mode,
+        "lr": t.lr,
+        "push_every": t.push_every,
+        "run": t.run_id,
+        "settings": t.settings.to_dict(),
+        "partitions": t.partitions,
+        "partition_plan": parts,
+        "epochs": t.epochs,
+    }

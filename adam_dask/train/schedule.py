@@ -96,7 +96,7 @@ class Schedule:
             epochs=int(config.get("train.epochs", epochs)),
             kind=str(config.get("train.lr-schedule", kind)),
             floor=float(config.get("train.lr-floor", floor)),
-            warmup=float(config.get("train.lr-warmup", warmup)),
+            warmup=_warmup(config.get("train.lr-warmup", warmup)),
         )
 
     def at(self, progress: float) -> float:
@@ -140,3 +140,9 @@ class Schedule:
             float(d["floor"]),
             float(d.get("warmup", 0.0)),  # manifests written before the warm-up existed
         )
+
+
+def _warmup(value: object) -> float:
+    """A warm-up setting as epochs: ``auto`` is a lone replica's, none (for a cluster's epochs
+    :func:`~adam_dask.train.streams.stream_plan` decides it from the replicas and threads)."""
+    return 0.0 if str(value).lower() == "auto" else float(value)  # type: ignore[arg-type]

@@ -230,6 +230,7 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | N
     from ._exchange import AsyncExchange, Exchange, SyncExchange
     from ._position import Marker, resume_plan
     from .replica import HogwildReplica, profitable_offload
+    from .streams import resolve_push_every
 
     secede()
     worker = get_worker()
@@ -237,7 +238,8 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | N
     s = job.settings
     net = network_from_dict(job.model)
     sync = s.mode == "sync"
-    offload = profitable_offload(net, s.push_every) if s.offload_dense else []
+    every = resolve_push_every(s.push_every, job.replicas)  # the trainer's plan set it
+    offload = profitable_offload(net, every) if s.offload_dense else []
     rep = HogwildReplica(
         net,
         # auto: as many Hogwild threads as the TRAIN worker has (its --nthreads), not the client's
@@ -324,7 +326,7 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | N
                 stopped = True
                 r.stop()
 
-        stats = rep.train(batches, on_images=on_images, every=s.push_every)
+        stats = rep.train(batches, on_images=on_images, every=every)
         exchange.finish()
         # the result counts this replica's pushes as applied: every copy holds them first
         # (ack="replay" keeps them until then; a primary lost now has them replayed here, not

@@ -3,8 +3,7 @@
 Usage (on a cluster, so not a doctest)::
 
     trainer = Trainer(data="data/mnist.zarr")
-    trainer.fit(epochs=5, target_accuracy=0.99)
-    trainer.history.plot()
+    trainer.fit(epochs=5, target_accuracy=0.99); trainer.history.plot()
 
 The Trainer runs on the client (a notebook, the CLI, a pipeline). Each epoch it submits one
 long-running task per replica (:func:`~adam_dask.train.task.run_replica`) to the TRAIN workers.
@@ -21,13 +20,13 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from .. import config
 from ..errors import ConfigError
-from ._average import TailAverage
-from ._epoch import async_rate_factor, say_epoch
-from ._epoch_run import epoch_replicas, replica_jobs, replicas_now, run_epoch
+from ._epoch import say_epoch
+from ._epoch_run import epoch_replicas, replica_jobs, replicas_now, run_epoch, train_threads
 from ._services import connect, require_ps, restore_server, start_data, start_server
 from ._settings import RunSettings, network_for, resolve_augment, warn_if_nothing_to_offload
 from .metrics import EpochProgress, History
@@ -37,9 +36,11 @@ from .run_state import (
     refuse_existing,
     resumed_state,
     run_folder,
+    run_meta,
     start_commits,
 )
 from .schedule import Schedule
+from .streams import StreamPlan, describe, plan_epoch, resolve_push_every
 from .task import PROGRESS_TOPIC
 from .validation import Validation
 
@@ -73,12 +74,13 @@ class Trainer:
     mode : {"async", "sync"}
         Asynchronous Adam training, or the synchronous baseline (every step waits for all
         replicas and applies their averaged update).
-    push_every, lr, lr_schedule, lr_floor, lr_warmup, lr_replicas, momentum, batch_size, threads, server_optimizer : optional
+    push_every, lr, lr_schedule, lr_floor, lr_warmup, lr_streams, lr_replicas, momentum, batch_size, threads, server_optimizer : optional
         Training settings (config ``adam.train.*`` / ``adam.cluster.trainer-threads``). The
         learning rate follows ``lr_schedule`` from ``lr`` to ``lr * lr_floor`` over the epochs
         planned by :meth:`fit`, ramping up over the first ``lr_warmup`` epochs
-        (:class:`~adam_dask.train.schedule.Schedule`); in an epoch of more than ``lr_replicas``
-        asynchronous replicas each steps ``lr_replicas / R`` as far (:meth:`schedule_for`).
+        (:class:`~adam_dask.train.schedule.Schedule`); past ``lr_streams`` async replicas x
+        threads each steps ``lr_streams / N`` as far, and ``push_every`` and ``lr_warmup``
+        follow the replicas when ``auto`` (:mod:`adam_dask.train.streams`).
         ``server_optimizer`` (``adam.ps.optimizer``): what the parameter server does with a
         push, ``"sum"``, ``"nesterov"``, either ``+staleness`` (``adam_dask.ps.protocol.optimizer``).
     augment : bool or Augment, optional
@@ -131,6 +133,7 @@ class Trainer:
         lr_floor: float | None = None,
         lr_warmup: float | None = None,
         lr_replicas: int | None = None,
+        lr_streams: int | None = None,
         momentum: float | None = None,
         batch_size: int | None = None,
         threads: int | None = None,
@@ -162,6 +165,7 @@ class Trainer:
             lr_floor=lr_floor,
             lr_warmup=lr_warmup,
             lr_replicas=lr_replicas,
+            lr_streams=lr_streams,
             momentum=momentum,
             batch_size=batch_size,
             threads=threads,
@@ -194,7 +198,8 @@ class Trainer:
         self.net = network_for(model, self.train_split, data, self.settings.seed, loss)
         self.num_classes = self.train_split.num_classes
         if self.settings.offload_dense and self.settings.mode == "async":
-            warn_if_nothing_to_offload(self.net, self.settings.push_every)
+            warn_if_nothing_to_offload(self.net, resolve_push_every(self.settings.push_every, 1))
+        self._plan: StreamPlan | None = None  # the newest epoch's (streams.stream_plan)
 
         self._own_client = client is None
         self.client = client
@@ -213,20 +218,30 @@ class Trainer:
 
     mode = property(lambda self: self.settings.mode, doc="'async' or 'sync'")
     lr = property(lambda self: self.settings.lr, doc="the learning rate at the start")
-    push_every = property(lambda self: self.settings.push_every, doc="images between pushes")
+
+    push_every = property(
+        lambda self: (self._plan or self.settings).push_every,
+        doc="images between pushes: the newest epoch's (None before the first of an auto one)",
+    )
+
     epoch_quorum = property(lambda self: self.settings.epoch_quorum, doc="ends an epoch")
 
     @property
     def schedule(self) -> Schedule:
-        """The learning-rate schedule over the planned epochs."""
+        """One stream's rate over the planned epochs (:meth:`plan_for` shares it)."""
         s = self.settings
-        return Schedule(s.lr, self._planned(), s.lr_schedule, s.lr_floor, s.lr_warmup)
+        return Schedule(s.lr, self._planned(), s.lr_schedule, s.lr_floor, s.lr_warmup or 0.0)
 
-    def schedule_for(self, replicas: int) -> Schedule:
-        """The schedule each replica of an epoch of ``replicas`` follows: :attr:`schedule`, its
-        rates scaled down past ``lr_replicas`` asynchronous replicas (see ``async_rate_factor``)."""
+    def plan_for(self, replicas: int) -> StreamPlan:
+        """How an epoch of ``replicas`` trains (:func:`~.streams.plan_epoch`): each stream's
+        rate, the push period and the warm-up, for the threads a replica has; logged when new."""
         s = self.settings
-        return self.schedule.scaled(async_rate_factor(s.mode, replicas, s.lr_replicas))
+        threads = 1 if s.mode == "sync" else (s.threads or train_threads(self.client))
+        plan = plan_epoch(s, replicas, threads)
+        if plan != self._plan:
+            logger.info("epoch %d: %s", self.epoch, describe(plan))
+        self._plan = plan
+        return plan
 
     def _planned(self, epochs: int | None = None) -> int:
         return int(config.get("train.epochs", epochs if epochs is not None else self.epochs))
@@ -292,22 +307,7 @@ class Trainer:
         return self.partition_plan
 
     def _meta(self) -> dict:
-        return {
-            "model": self.net.to_dict(),
-            "data": self.data_url,
-            "mode": self.mode,
-            "lr": self.lr,
-            "push_every": self.push_every,
-            "run": self.run_id,
-            "settings": self.settings.to_dict(),
-            "partitions": self.partitions,
-            "partition_plan": (
-                self.partition_plan.as_dict()
-                if self.partition_plan is not None and self.partitions > 1
-                else None
-            ),
-            "epochs": self.epochs,
-        }
+        return run_meta(self)
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -352,13 +352,14 @@ class Trainer:
         R = self._replicas_now = epoch_replicas(
             self.client, self.server, epoch, self._fixed_replicas, self.partitions
         )
+        plan = self.plan_for(R)
         jobs = replica_jobs(
             self.run_id,
             epoch,
             R,
             net=self.net,
-            settings=self.settings,
-            schedule=self.schedule_for(R),
+            settings=replace(self.settings, push_every=plan.push_every),
+            schedule=plan.applied(self.schedule),
             images=len(self.train_split),
             slow=self.slow_replicas,
         )
@@ -378,12 +379,11 @@ class Trainer:
         averaged = self.validation.add_epoch(epoch, self.net, None)
         if averaged is not None:
             record["average_accuracy"], record["averaged_epochs"] = averaged
-        return record
+        return {**record, **plan.as_record()}  # how its streams trained
 
-    @property
-    def average(self) -> TailAverage | None:
-        """The tail average of the weights (``average_from``), None when it is off."""
-        return self.validation.average
+    average = property(
+        lambda self: self.validation.average, doc="the tail average (average_from), or None"
+    )
 
     def averaged_network(self):
         """A copy of the network holding the tail average of the weights (``average_from``),

@@ -7,9 +7,10 @@ import dask
 import pytest
 
 from adam_dask.errors import ClusterError, ConfigError
-from adam_dask.train._epoch import async_rate_factor, quorum_size, replica_count, share_sizes
+from adam_dask.train._epoch import quorum_size, replica_count, share_sizes
 from adam_dask.train._settings import RunSettings
 from adam_dask.train.schedule import KINDS, Schedule
+from adam_dask.train.streams import auto_push_every, stream_plan
 
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "constant"])
@@ -107,12 +108,50 @@ def test_epoch_arithmetic():
     with pytest.raises(ClusterError, match="no TRAIN workers"):
         replica_count(None, 0)
     assert share_sizes(10, 3) == [3, 3, 4] and sum(share_sizes(60000, 7)) == 60000
-    # past lr_replicas asynchronous replicas, each steps lr_replicas / R as far
-    assert [async_rate_factor("async", r, 2) for r in (1, 2, 3, 4, 8)] == [1, 1, 2 / 3, 0.5, 0.25]
-    assert async_rate_factor("sync", 8, 2) == 1.0  # synchronous replicas average their deltas
-    assert async_rate_factor("async", 8, None) == 1.0  # off: the rate as given
     s = Schedule(0.05, 10, "cosine", 0.01, warmup=1.0)
     for e in (0.0, 0.5, 3.0, 10.0):
         assert s.scaled(0.25).at(e) == pytest.approx(0.25 * s.at(e))
     with pytest.raises(ConfigError, match="lr_replicas=0"):
         RunSettings.resolve(lr_replicas=0)
+
+
+def _plan(mode="async", replicas=1, threads=1, **kw):
+    given = {"push_every": None, "lr_streams": 8, "lr_replicas": None, "lr_warmup": None}
+    return stream_plan(mode, replicas, threads, **{**given, **kw})
+
+
+def test_many_streams_share_the_rate_push_more_often_and_warm_up():
+    """The defaults for R replicas x T threads (streams.py): each of N = R x T streams at the
+    full rate up to lr_streams, lr_streams / N past it; a push period that shrinks with R**2
+    (512 for one replica, 32 from 8); a half-epoch warm-up past 2 streams."""
+    assert [auto_push_every(r) for r in (1, 2, 4, 8, 16, 64)] == [512, 256, 64, 32, 32, 32]
+    assert [_plan(replicas=r).rate_factor for r in (1, 2, 4, 8)] == [1, 1, 1, 1]
+    assert _plan(replicas=8, threads=2).rate_factor == 0.5
+    assert _plan(replicas=1, threads=16).rate_factor == 0.5
+    assert _plan(replicas=16, threads=4).rate_factor == 8 / 64
+    # one replica of up to 2 threads (a 2-core machine's default) trains as it always did
+    one = _plan(replicas=1, threads=2)
+    assert (one.rate_factor, one.push_every, one.warmup) == (1.0, 512, 0.0)
+    assert _plan(replicas=2).warmup == 0.0 and _plan(replicas=2, threads=2).warmup == 0.5
+    # what a user gives wins, and a push period above the auto one damps the rate
+    given = _plan(replicas=8, push_every=128, lr_warmup=0.0)
+    assert (given.push_every, given.warmup, given.damped) == (128, 0.0, True)
+    assert given.rate_factor == pytest.approx(32 / 128)
+    assert not _plan(replicas=8, push_every=16).damped
+    assert _plan(replicas=8, lr_streams=None).rate_factor == 1.0
+    # lr_replicas keeps the older rule: lr * lr_replicas / R per replica, no damping
+    old = _plan(replicas=4, threads=2, lr_replicas=2, push_every=512)
+    assert (old.rate_factor, old.damped) == (0.5, False)
+    # synchronous replicas average their deltas: the rate as given, a step every auto-push.max
+    sync = _plan("sync", replicas=8)
+    assert (sync.rate_factor, sync.push_every, sync.warmup) == (1.0, 512, 0.0)
+
+
+def test_auto_settings_resolve_and_bad_ones_are_refused():
+    s = RunSettings.resolve()
+    assert s.push_every is None and s.lr_warmup is None and s.lr_streams == 8
+    assert RunSettings.resolve(push_every=64, lr_warmup=0.0).push_every == 64
+    with pytest.raises(ConfigError, match="lr_streams=0"):
+        RunSettings.resolve(lr_streams=0)
+    with pytest.raises(ConfigError, match="push_every=0"):
+        RunSettings.resolve(push_every=0)

@@ -79,6 +79,21 @@ def test_async_replicas_past_lr_replicas_step_a_share_of_the_rate(store, adam_cl
     assert rec["test_accuracy"] > 0.5  # and it learns
 
 
+def test_auto_push_period_and_rate_follow_the_replicas(store, adam_cluster):
+    """push_every and lr_warmup left to auto: two asynchronous replicas of one thread push
+    every 256 images at the full rate (2 streams: no warm-up), and what the epoch did is in
+    its record; a push period above the auto one damps the rate."""
+    t = fit(store, adam_cluster, epochs=1, lr_schedule="constant", push_every=None, threads=1)
+    rec = t.history.last
+    assert (rec["replicas"], rec["push_every"], rec["lr_warmup"]) == (2, 256, 0.0)
+    assert rec["rate_factor"] == 1.0 and rec["replica_lr_end"] == pytest.approx([0.05, 0.05])
+    assert t.push_every == 256
+    t = fit(store, adam_cluster, epochs=1, lr_schedule="constant", push_every=512, threads=1)
+    rec = t.history.last
+    assert rec["push_every"] == 512 and rec["rate_factor"] == pytest.approx(0.5)
+    assert rec["replica_lr_end"] == pytest.approx([0.025, 0.025])
+
+
 def test_server_momentum_learns_and_resumes_with_its_momentum(store, adam_cluster, tmp_path):
     """Trainer(server_optimizer="nesterov+staleness"): the server steps with Nesterov momentum
     over staleness-scaled pushes and the run learns; a resumed run gets the optimizer and its
