@@ -261,7 +261,12 @@ def main() -> None:
         raise SystemExit(f"--modes {args.modes!r}: give async, sync or async,sync")
     modes = [m for m in MODES if m in asked]
     budget = args.max_minutes * 60 / (len(modes) * len(seeds))
-    overrides = _overrides(args.set)
+    # Table 1's recipe as stored since 2026-11: a push every 512 images and lr / 2 for each of
+    # its 2 async replicas (the older lr-replicas rule), whatever the defaults for many
+    # replicas are now (adam_dask/train/streams.py); --set changes them
+    recipe_pins = {"adam.train.push-every": 512, "adam.train.lr-replicas": 1}
+    given = _overrides(args.set)
+    overrides = {**recipe_pins, **given}
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     with dask.config.set(overrides):  # the embedded cluster's workers get the caller's config
         for seed in seeds:  # alternating, so a run cut short leaves pairs of modes
@@ -302,7 +307,7 @@ def main() -> None:
         "server_optimizer": recipe["server_optimizer"],
         "trainers": args.trainers,
         "trainer_threads": args.trainer_threads,
-        "overrides": _shown(overrides),
+        "overrides": _shown(given),
         "augment": recipe["augment"],
         # with several seeds: the means of the final accuracies, and each seed's in *_runs
         **{f"{m}_accuracy": mean[m] for m in modes},
