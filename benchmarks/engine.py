@@ -53,9 +53,10 @@ def load_mnist():
     )
 
 
-def ours(x, y, images, threads, batch_size, lr=0.01, repeats=2):
-    """Best images/s of ``repeats`` runs over ``images`` images (compile warm-up first)."""
-    net = Network.from_spec(SPEC, (1, 28, 28), "tanh", seed=0)
+def ours(x, y, images, threads, batch_size, lr=0.01, repeats=2, spec=SPEC, activation="tanh"):
+    """Best images/s of ``repeats`` runs over ``images`` images (compile warm-up first), of
+    the network ``spec`` with ``activation`` (default the paper's, tanh)."""
+    net = Network.from_spec(spec, (1, 28, 28), activation, seed=0)
     rep = HogwildReplica(net, threads=threads, lr=lr, momentum=0.0, batch_size=batch_size)
     rep.train_images(x[:256], y[:256], schedule=False)  # compile / warm up
     n = min(images, len(x))

@@ -17,11 +17,14 @@ not up to date (and so does the test suite: ``tests/test_report.py``).
 * ``<!-- table1:start -->`` ... ``<!-- table1:end -->``: Table 1 seed by seed, and
   ``<!-- sizing:start -->`` ... ``<!-- sizing:end -->``: the sizing sentence
   (``report_table1``); ``<!-- server-optimizer:start -->`` ... ``<!-- server-optimizer:end -->``:
-  every server-optimizer run and the communication goal's sentence (``report_optimizer``).
+  every server-optimizer run and the communication goal's sentence (``report_optimizer``);
+  ``<!-- scaling:start -->`` ... ``<!-- scaling:end -->``: every scaling line, its sweep and
+  the plot (``report_scaling``).
 
 Without ``--check`` it also redraws, when matplotlib is installed and their lines are stored,
 ``docs/table1-curves.png`` (``plot_table1.py``), ``docs/time-to-accuracy.png``
-(``plot_time_to_accuracy.py``) and ``docs/capacity.png`` (``plot_capacity.py``).
+(``plot_time_to_accuracy.py``), ``docs/capacity.png`` (``plot_capacity.py``) and
+``docs/scaling.png`` (``plot_scaling.py``).
 
 Usage: ``python benchmarks/report.py [--check]``
 """
@@ -38,6 +41,7 @@ import report_rules as rules
 from report_claims import CLAIMS
 from report_optimizer import optimizer_block
 from report_record import figure
+from report_scaling import scaling_block, scaling_series
 from report_table1 import (
     other_optimizers,
     plain_and_newest,
@@ -67,15 +71,17 @@ START, END = "<!-- figures:start -->", "<!-- figures:end -->"
 T1_START, T1_END = "<!-- table1:start -->", "<!-- table1:end -->"
 SIZING_START, SIZING_END = "<!-- sizing:start -->", "<!-- sizing:end -->"
 SOPT_START, SOPT_END = "<!-- server-optimizer:start -->", "<!-- server-optimizer:end -->"
+SCALING_START, SCALING_END = "<!-- scaling:start -->", "<!-- scaling:end -->"
 TTA_PNG_LINK, CAPACITY_PNG_LINK = "docs/time-to-accuracy.png", "docs/capacity.png"
 STAMP = ("date", "commit", "cpus", "benchmark", *rules.LOAD_KEYS)
 
 
-def save_figure(fig, out: Path) -> None:
-    """Lay out ``fig``, write it to ``out`` (its folder made) and close it: every plot's end."""
+def save_figure(fig, out: Path, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> None:
+    """Lay out ``fig`` within ``rect`` (of the figure: room left below for a figure legend),
+    write it to ``out`` (its folder made) and close it: every plot's end."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
+    fig.tight_layout(rect=rect)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -326,6 +332,7 @@ def render(readme: str, results: dict[str, list[dict]] | None = None) -> str:
     out = _replace(
         out, SOPT_START, SOPT_END, optimizer_block(results.get("server_optimizer") or [])
     )
+    out = _replace(out, SCALING_START, SCALING_END, scaling_block(results.get("scaling") or []))
     return _replace(
         out, SIZING_START, SIZING_END, sizing_sentence(results.get("time_to_accuracy") or [])
     )
@@ -347,13 +354,14 @@ def stale(results: dict[str, list[dict]] | None = None) -> list[Path]:
 
 
 def draw(results: dict[str, list[dict]]) -> list[Path]:
-    """Redraw the plots whose data is stored (Table 1's curves, time to accuracy, capacity);
-    none without matplotlib. Returns the files written."""
+    """Redraw the plots whose data is stored (Table 1's curves, time to accuracy, capacity,
+    scaling); none without matplotlib. Returns the files written."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return []
     import plot_capacity
+    import plot_scaling
     import plot_table1
     import plot_time_to_accuracy
 
@@ -370,6 +378,10 @@ def draw(results: dict[str, list[dict]]) -> list[Path]:
     if cap and capacity_curves(cap[-1]):
         plot_capacity.plot(cap[-1], plot_capacity.OUT)
         written.append(plot_capacity.OUT)
+    scaling = results.get("scaling") or []
+    if any(scaling_series(ln) for ln in scaling):
+        plot_scaling.plot(scaling, plot_scaling.OUT)
+        written.append(plot_scaling.OUT)
     return written
 
 

@@ -306,6 +306,7 @@ def test_render_links_a_plot_only_when_its_data_is_stored():
             "<!-- figures:start -->\nold dump\n<!-- figures:end -->",
             "<!-- table1:start -->\n<!-- table1:end --> z",
             "<!-- server-optimizer:start -->\n<!-- server-optimizer:end -->",
+            "<!-- scaling:start -->\n<!-- scaling:end -->",
         ]
     )
     tta = _tta("t", 30.0, torch=40.0) | {"ours_curve": [0.98, 0.991], "torch_curve": [0.99]}
@@ -315,6 +316,8 @@ def test_render_links_a_plot_only_when_its_data_is_stored():
     out = report.render(readme, {"time_to_accuracy": [tta], "capacity": [_capacity_line()]})
     assert "docs/capacity.png" in out
     assert report.render(out, {"time_to_accuracy": [tta], "capacity": [_capacity_line()]}) == out
+    assert "docs/scaling.png" not in out and "No stored `scaling` run yet" in out
+    assert "docs/scaling.png" in report.render(readme, {"scaling": [_scaling()]})
 
 
 def test_the_plots_draw_from_synthetic_lines(tmp_path):
@@ -633,3 +636,144 @@ def test_the_bandwidth_goal_compares_times_to_the_target_on_slow_links():
     assert "not measured" in mod.bandwidth_goal(
         [base, _slow("nesterov", 4096, [9.0], rate="5mbit")]
     )
+
+
+def _scaling(**kw):
+    """A made-up scaling line: defaults 8 x 2 on 16 CPUs, DDP 8 x 2, a sweep of 1 and 8."""
+    line = {
+        "date": "2026-11-27T00:00:00Z",
+        "commit": "c",
+        "cpus": 16,
+        "config": "defaults",
+        "target": 0.99,
+        "epochs": 10,
+        "replicas": 8,
+        "threads": 2,
+        "data_nodes": 2,
+        "accuracy": [0.981, 0.9904],
+        "images_per_second": [30000.0, 40000.0],
+        "images_per_second_median": 40000.0,
+        "stall_fraction": [0.2, 0.04, 0.06],
+        "epochs_to_target": 2,
+        "seconds_to_target": 12.5,
+        "engine_images_per_second": 50000.0,
+        "images_per_second_vs_engine": 0.8,
+        "peer": "ddp",
+        "peer_processes": 8,
+        "peer_threads": 2,
+        "peer_accuracy": [0.97, 0.985, 0.991],
+        "peer_epochs_to_target": 3,
+        "peer_seconds_to_target": 30.0,
+        "peer_images_per_second": 20000.0,
+        "seconds_vs_peer": 12.5 / 30.0,
+        "sweep": [
+            {
+                "replicas": 8,
+                "threads": 2,
+                "epochs_to_target": None,
+                "seconds_to_target": None,
+                "images_per_second": 41000.0,
+                "accuracy": [0.97, 0.985],
+                "stall_fraction": 0.05,
+            },
+            {
+                "replicas": 1,
+                "threads": 16,
+                "epochs_to_target": 2,
+                "seconds_to_target": 40.0,
+                "images_per_second": 9000.0,
+                "accuracy": [0.985, 0.9912],
+                "stall_fraction": 0.01,
+            },
+        ],
+        "missing": [],
+        "load": [1.0, 2.0],
+        "goals": {
+            "defaults_reach_target": True,
+            "seconds_vs_peer_le_0_5": True,
+            "sweep_all_within_4_epochs": False,
+            "stall_le_0_1": True,
+            "images_per_second_vs_engine_ge_0_8": None,
+        },
+    }
+    return line | kw
+
+
+def test_the_scaling_block_shows_every_line_and_its_sweep_from_the_line(tmp_path):
+    mod = _bench("report_scaling")
+    assert mod.scaling_block([]).startswith("No stored `scaling` run yet")
+    busy = _scaling(
+        commit="busy",
+        load=[40.0],
+        peer_accuracy=None,
+        peer_epochs_to_target=None,
+        peer_seconds_to_target=None,
+        seconds_vs_peer=None,
+        missing=["torch: No module named 'torch' (pip install '.[bench]')"],
+        epochs_to_target=None,
+        seconds_to_target=None,
+        accuracy=[0.95, 0.98],
+        sweep=[],
+    )
+    block = mod.scaling_block([_scaling(), busy])
+    rows = [r for r in block.splitlines() if r.startswith("| 2026-11-27")]
+    assert len(rows) == 4  # two lines, then the first line's sweep of two
+    first, second, r8, r1 = rows
+    assert first.startswith(
+        "| 2026-11-27, c, 16 CPUs, load 2.0 | 8 x 2 | 2 | 99% | 2 epochs, 12.5 s |"
+    )
+    assert "| 8 x 2: 3 epochs, 30 s | 0.42x the time |" in first
+    assert "| 0.06 (median of 3 epochs) | 0.80x (40,000 vs 50,000 images/s) |" in first
+    assert "met: the defaults reach the target, at most 0.5x DDP's seconds" in first
+    assert "missed: every swept replica count within 4 epochs" in first
+    assert "not measured: images/s at least 0.8x the engine's" in first
+    assert second.startswith("| 2026-11-27, busy, 16 CPUs, load 40.0, no claim of speed | 8 x 2")
+    assert "99% not reached in 2 epochs (last 98.00%)" in second
+    assert "8 x 2: not run (torch: No module named 'torch'" in second
+    # a busy line claims no goal of speed, whatever it judged
+    assert "met: the defaults reach the target, every swept" not in second
+    assert second.endswith(
+        "not measured: images/s at least 0.8x the engine's; "
+        "not claimed from a busy machine: at most 0.5x DDP's seconds |"
+    )
+    assert (
+        "| 8 x 2 | 99% not reached in 2 epochs (last 98.50%) | 41,000 | 0.05 | 97.00, 98.50 |" in r8
+    )
+    assert "| 1 x 16 | 2 epochs, 40 s | 9,000 | 0.01 | 98.50, 99.12 |" in r1
+    assert "from the 2 stored `scaling` lines with a sweep" in block
+    series = mod.scaling_series(_scaling())
+    assert series["ours"] == {
+        "replicas": [1, 8],
+        "images_per_second": [9000.0, 41000.0],
+        "epochs_to_target": [2, None],
+    }
+    assert series["ddp"]["replicas"] == [8] and series["defaults"]["epochs_to_target"] == [2]
+    assert "ddp" not in mod.scaling_series(busy)
+    plot = _bench("plot_scaling")
+    labels = plot.plot([_scaling(), busy], tmp_path / "s.png")
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert labels[0] == "ours, --trainers R (2026-11-27, c, 16 CPUs; target missed at R = 8)"
+    assert "PyTorch DDP (2026-11-27, c, 16 CPUs)" in labels
+    with pytest.raises(SystemExit, match="no scaling line"):
+        plot.plot([], tmp_path / "none.png")
+
+
+def test_the_scaling_benchmark_judges_its_goals_from_its_line():
+    mod = _bench("scaling")
+    goals = mod.goals(_scaling())
+    assert goals == {
+        "defaults_reach_target": True,
+        "seconds_vs_peer_le_0_5": True,
+        "sweep_all_within_4_epochs": False,
+        "stall_le_0_1": True,
+        "images_per_second_vs_engine_ge_0_8": True,
+    }
+    bare = mod.goals({"accuracy": [0.9], "epochs_to_target": None, "stall_fraction": [0.3]})
+    assert bare == {
+        "defaults_reach_target": False,
+        "seconds_vs_peer_le_0_5": None,
+        "sweep_all_within_4_epochs": None,
+        "stall_le_0_1": False,
+        "images_per_second_vs_engine_ge_0_8": None,
+    }
+    assert mod.parse_sweep("") == [] and mod.parse_sweep("1, 2,8") == [1, 2, 8]
