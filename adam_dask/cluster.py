@@ -43,6 +43,7 @@ __all__ = [
     "dashboard_link",
     "local",
     "local_spec",
+    "resolve_data_nodes",
     "resolve_trainers",
     "workers_with_role",
 ]
@@ -106,6 +107,15 @@ def resolve_trainers(value: Any) -> int:
     return _trainers(value, 1)[0]
 
 
+def resolve_data_nodes(value: Any, trainers: int, threads: int) -> int:
+    """The DATA worker count a setting (``adam.cluster.data-nodes``) names: a number, or
+    ``"auto"`` for the count ``trainers`` replicas of ``threads`` Hogwild threads need
+    (:func:`.sizing.size_data_nodes`). Every reader of the setting comes here."""
+    if str(value).lower() == sizing.AUTO:
+        return sizing.size_data_nodes(trainers, max(1, threads))
+    return _count("data_nodes", value)
+
+
 def _count(name: str, value: Any) -> int:
     try:
         return int(value)
@@ -131,10 +141,12 @@ def local_spec(
     :class:`distributed.security.Security` makes every connection TLS.
     """
     ps_nodes = int(config.get("cluster.ps-nodes", ps_nodes))
-    data_nodes = int(config.get("cluster.data-nodes", data_nodes))
     trainers, trainer_threads = _trainers(
         config.get("cluster.trainers", trainers),
         config.get("cluster.trainer-threads", trainer_threads),
+    )
+    data_nodes = resolve_data_nodes(
+        config.get("cluster.data-nodes", data_nodes), trainers, trainer_threads
     )
     memory_limit = config.get("cluster.memory-limit", memory_limit)
     if str(memory_limit).lower() == sizing.AUTO:
@@ -307,7 +319,11 @@ def connect(address: str | None = None, *, gateway: str | None = None, **kwargs)
         ) from exc
     n = kwargs.pop("workers", None)
     if n is None:
-        n = sum(int(config.get(f"cluster.{k}")) for k in ("ps-nodes", "data-nodes", "trainers"))
+        train, threads = _trainers(
+            config.get("cluster.trainers"), config.get("cluster.trainer-threads")
+        )
+        data = resolve_data_nodes(config.get("cluster.data-nodes"), train, threads)
+        n = int(config.get("cluster.ps-nodes")) + data + train
 
     # This gateway client is closed here, never by the garbage collector: a Gateway's __del__
     # stops its loop runner, and run from inside distributed's LoopRunner.start (a collection can
@@ -380,10 +396,14 @@ def client_for(
             "use one of --scheduler ADDRESS and --gateway URL",
         )
     ps = int(config.get("cluster.ps-nodes", ps_nodes))
-    data = int(config.get("cluster.data-nodes", data_nodes))
-    # "auto" trainers: sized from this machine's cores (the embedded cluster's machine; for a
-    # new gateway cluster, give a count: its workers are other machines)
-    train, _ = _trainers(config.get("cluster.trainers", trainers), 1)
+    # "auto" trainers and threads: sized from this machine's cores (the embedded cluster's
+    # machine; for a new gateway cluster, give counts: its workers are other machines), and
+    # "auto" DATA workers from their demand
+    train, threads = _trainers(
+        config.get("cluster.trainers", trainers),
+        config.get("cluster.trainer-threads", local_kwargs.get("trainer_threads")),
+    )
+    data = resolve_data_nodes(config.get("cluster.data-nodes", data_nodes), train, threads)
     if not scheduler and not gateway:
         if not embedded:
             return None

@@ -1,7 +1,7 @@
 """The embedded cluster sized from the machine it runs on (pure: cores and memory in, counts out).
 
-``adam.cluster.trainers``, ``trainer-threads`` and ``memory-limit`` are ``auto`` by default and
-resolved here; a number in the configuration or a keyword argument wins. The reasons, measured on
+``adam.cluster.trainers``, ``trainer-threads``, ``data-nodes`` and ``memory-limit`` are
+``auto`` by default and resolved here; a number in the configuration or a keyword argument wins. The reasons, measured on
 this project's machines, are kept beside the keys in ``adam.yaml``:
 
 * Under 4 cores, one replica with a Hogwild thread per core: on 2 cores one replica of two
@@ -13,15 +13,24 @@ this project's machines, are kept beside the keys in ``adam.yaml``:
   cores 4 or more, where the epoch's 75% quorum lets a straggler go.
 * Memory: what the machine has, split evenly over the worker processes (as
   :class:`distributed.LocalCluster` does with ``memory_limit="auto"``).
+* DATA workers from the replicas' demand: one per ``DATA_THREADS_PER_NODE`` Hogwild threads of
+  all replicas together (at least one), from what one DATA worker served to emulated replicas
+  with their stall at most 0.1 (benchmarks/data_capacity.py), in units of one engine thread's
+  images/s (see ``adam.cluster.data-nodes`` in ``adam.yaml``).
 
 >>> size_trainers(cores=2)
 (1, 2)
 >>> size_trainers(cores=16)
 (8, 2)
+>>> size_data_nodes(trainers=1, threads=2)  # 2 cores
+1
+>>> size_data_nodes(trainers=8, threads=2)  # 16 cores
+2
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -29,12 +38,17 @@ __all__ = [
     "machine_cores",
     "machine_memory",
     "resolve_threads",
+    "size_data_nodes",
     "size_memory_limit",
     "size_trainers",
 ]
 
 AUTO = "auto"
 FEW_CORES = 4  # under this, one replica with a thread per core
+# Replica threads one DATA worker serves with the replicas' stall at most 0.1: the images/s it
+# served so (data_capacity.jsonl, images_per_s_at_stall: 93.5k) over one engine thread's
+# (engine.jsonl, images_per_s_1thread: 6443), rounded down; adam.yaml's data-nodes names the lines
+DATA_THREADS_PER_NODE = 14
 
 
 def machine_cores() -> int:
@@ -59,6 +73,17 @@ def size_trainers(cores: int) -> tuple[int, int]:
     if cores < FEW_CORES:
         return 1, cores
     return cores // 2, 2
+
+
+def size_data_nodes(trainers: int, threads: int, per_node: int = DATA_THREADS_PER_NODE) -> int:
+    """DATA workers for ``trainers`` replicas of ``threads`` Hogwild threads each: one per
+    ``per_node`` training threads (their images/s is the demand), rounded up, at least one."""
+    if trainers < 0 or threads < 1 or per_node < 1:
+        raise ValueError(
+            f"trainers={trainers}, threads={threads}, per_node={per_node}: "
+            "no negative replicas, at least one thread each and per DATA worker"
+        )
+    return max(1, math.ceil(trainers * threads / per_node))
 
 
 def size_memory_limit(memory: int, workers: int) -> int:

@@ -232,6 +232,7 @@ def test_kubernetes_gateway_values_embed_the_options_file_and_adam_defaults(valu
     # the values' Python, as the chart runs it: every block in key order, with a config ``c``
     from traitlets.config import Config
 
+    from adam_dask.cluster import resolve_data_nodes
     from adam_dask.sizing import size_trainers
 
     c = Config()
@@ -250,7 +251,8 @@ def test_kubernetes_gateway_values_embed_the_options_file_and_adam_defaults(valu
     worker_memory = defaults.pop("worker_memory")
     assert defaults == {
         "ps_nodes": config.get("cluster.ps-nodes"),
-        "data_nodes": config.get("cluster.data-nodes"),
+        # adam.yaml's "auto" for those replicas
+        "data_nodes": resolve_data_nodes(config.get("cluster.data-nodes"), trainers, threads),
         "trainers": trainers,
         "worker_cores": threads,
     }
@@ -291,12 +293,24 @@ def test_kubernetes_gateway_cluster_trains_with_data_servers(gateway, tmp_path):
 def _train_on_the_gateway_cluster(client, store: str, tmp_path: Path, url: str) -> None:
     import adam_dask
     import adam_dask.dashboard
-    from adam_dask.cluster import DATA, PS, TRAIN, assign_roles, workers_with_role
+    from adam_dask.cluster import (
+        DATA,
+        PS,
+        TRAIN,
+        assign_roles,
+        resolve_data_nodes,
+        workers_with_role,
+    )
 
     # the options reached the cluster: the role counts in the scheduler's configuration (a
-    # lambda, pickled by value), each worker's threads and memory
+    # lambda, pickled by value; "auto" DATA workers resolved as every reader resolves them),
+    # each worker's threads and memory
     counts = client.run_on_scheduler(
-        lambda: {k: int(config.get(f"cluster.{k}")) for k in ("ps-nodes", "data-nodes", "trainers")}
+        lambda: {
+            "ps-nodes": int(config.get("cluster.ps-nodes")),
+            "data-nodes": resolve_data_nodes(config.get("cluster.data-nodes"), 1, 1),
+            "trainers": int(config.get("cluster.trainers")),
+        }
     )
     assert counts == {"ps-nodes": 3, "data-nodes": 1, "trainers": 1}
     info = client.scheduler_info(n_workers=-1)["workers"]

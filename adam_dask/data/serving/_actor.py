@@ -44,8 +44,11 @@ class DataServer:
         weakref.finalize(self, self._core.close)
 
     def _notify(self, sid: str) -> None:  # from a producer thread
+        # only a stream opened by an actor call waits on the event loop: one on the image
+        # plane (open there, never here) takes its batches in its connection's thread, and a
+        # wake-up of the loop per batch for it cost the worker's loop a run per batch made
         loop = self._loop
-        if loop is not None:
+        if loop is not None and sid in self._events:
             try:
                 loop.call_soon_threadsafe(self._wake, sid)
             except RuntimeError:  # the loop closed: the worker is shutting down

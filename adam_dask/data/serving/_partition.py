@@ -98,6 +98,9 @@ class _StreamState:
     last_used: float = 0.0
     # where the stream's batches are made: an image plane's shared slots (None: new arrays)
     alloc: Callable[[tuple[int, ...], Any], np.ndarray | None] | None = None
+    # what a blocked take() of this stream waits on (on the server's lock): woken by news of
+    # this stream only, not by every batch of every stream
+    cond: threading.Condition = field(default_factory=threading.Condition)
 
 
 _live: weakref.WeakSet[PartitionServer] = weakref.WeakSet()
@@ -193,7 +196,9 @@ class PartitionServer:
             readers=settings.readers,
         )
         self.shape = self.cache.hwc
-        self._cond = threading.Condition()
+        # one lock; the producers wait on _cond, a stream's takers on its own condition
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._streams: dict[str, _StreamState] = {}
         self._closed = False
         self.images_served = 0
@@ -263,10 +268,14 @@ class PartitionServer:
             for k, i in enumerate(range(0, len(share), batch_size))
             if k not in skip
         ]
+        cond = threading.Condition(self._lock)
         with self._cond:
+            old = self._streams.get(sid)
             self._streams[sid] = _StreamState(
-                sid, epoch, batches, last_used=time.monotonic(), alloc=alloc
+                sid, epoch, batches, last_used=time.monotonic(), alloc=alloc, cond=cond
             )
+            if old is not None:  # a take() blocked on the stream it replaces looks again
+                old.cond.notify_all()
             self._cond.notify_all()
         logger.debug(
             "partition %d: stream %s opened (epoch %d, %d batches)",
@@ -280,7 +289,8 @@ class PartitionServer:
     def close_stream(self, sid: str) -> bool:
         with self._cond:
             st = self._streams.pop(sid, None)
-            self._cond.notify_all()
+            if st is not None:
+                st.cond.notify_all()  # a blocked take() sees StreamExpired
         return st is not None
 
     def try_take(self, sid: str) -> Message | None:
@@ -306,7 +316,7 @@ class PartitionServer:
             st.out += 1
             self.images_served += len(item)
             self.batches_served += 1
-            self._cond.notify_all()
+            self._cond.notify_all()  # room in its buffer: the producers
             return item
 
     def take(self, sid: str, timeout: float | None = None) -> Message:
@@ -320,7 +330,7 @@ class PartitionServer:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"no batch from partition {self.partition} in {timeout} s")
-                self._cond.wait(left)
+                self._streams[sid].cond.wait(left)  # open: try_take said so
 
     # -- the producers -----------------------------------------------------------------------------
 
@@ -337,7 +347,7 @@ class PartitionServer:
                     now - st.last_used,
                 )
                 del self._streams[st.sid]
-                self._cond.notify_all()  # a blocked take() sees StreamExpired
+                st.cond.notify_all()  # a blocked take() sees StreamExpired
                 continue
             if st.error is not None or st.make >= len(st.batches):
                 continue
@@ -380,14 +390,14 @@ class PartitionServer:
                 logger.exception("partition %d: making a batch failed", self.partition)
                 with self._cond:
                     st.error = self._error(exc)
-                    self._cond.notify_all()
+                    st.cond.notify_all()
                 self._tell(st.sid)
                 continue
             with self._cond:
                 if self._streams.get(st.sid) is st:
                     st.ready[pos] = item
                     self.batches_made += 1
-                self._cond.notify_all()
+                st.cond.notify_all()
             self._tell(st.sid)
 
     def count_transport(self, how: str) -> None:
@@ -475,6 +485,8 @@ class PartitionServer:
     def close(self) -> None:
         with self._cond:
             self._closed = True
+            for st in self._streams.values():
+                st.cond.notify_all()
             self._streams.clear()
             self._cond.notify_all()
         self.cache.close()

@@ -110,8 +110,9 @@ class Arena:
         os.close(self.fd)
         self.fd = None
 
-    def close(self) -> None:
-        """Drop the mapping (unmapped when the last view of it goes)."""
+    def close(self) -> bool:
+        """Drop the mapping (unmapped when the last view of it goes); whether it is unmapped
+        now (False: a view of it still exists)."""
         with self._lock:
             self._bytes = None
             self._free.clear()
@@ -121,7 +122,8 @@ class Arena:
         try:
             self._map.close()
         except BufferError:  # a batch still buffered holds a view: unmapped when it goes
-            pass
+            return False
+        return True
 
 
 class ImagePlane:
@@ -196,9 +198,13 @@ class _Connection:
             self.core.close_stream(self.sid)  # its buffered batches (views of the arena) go
         self.core = None
         if self.arena is not None:
-            self.arena.close()
+            # a view caught in a cycle would keep the segment mapped: collected, then closed
+            # again. Only then: a full collection holds the GIL for tens of ms in a worker,
+            # which stalled every stream of the DATA worker at each stream's end
+            if not self.arena.close():
+                gc.collect()
+                self.arena.close()
             self.arena = None
-            gc.collect()  # a view caught in a cycle would keep the segment mapped
 
     def _open(self, h: dict) -> None:
         if self.core is not None:
