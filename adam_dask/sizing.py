@@ -8,9 +8,13 @@ this project's machines, are kept beside the keys in ``adam.yaml``:
   threads reached 99% on MNIST in 2 epochs (23-25 s) where two replicas of one thread needed 3-4
   (32-46 s) at about the same images/s: threads of one replica share their updates at once,
   replicas only every k images through the parameter server.
-* From 4 cores, two Hogwild threads per replica (the paper's many threads updating one replica
-  without locks) and one replica per two cores, so there are 2 or more replicas, and from 8
-  cores 4 or more, where the epoch's 75% quorum lets a straggler go.
+* From 4 cores, a replica per 8 cores and at least 2 (asynchronous replicas from 4 cores on),
+  the cores shared out as Hogwild threads: 4 cores 2 x 2, 8 cores 2 x 4, 16 cores 2 x 8, 32
+  cores 4 x 8 (where the epoch's 75% quorum starts to let a straggler go). As the paper ran
+  one replica per machine with many threads: on 16 cores (benchmarks/results/scaling.jsonl,
+  8a3c5c2) 2 x 8 reached 99% in 3 epochs at 0.86 of the engine's images/s, 1 x 16 in 4, while
+  4 x 4 ended 10 epochs at 98.90% and 8 x 2 (the former sizing) diverged: replicas add
+  staleness that threads of one replica do not.
 * Memory: what the machine has, split evenly over the worker processes (as
   :class:`distributed.LocalCluster` does with ``memory_limit="auto"``).
 * DATA workers from the replicas' demand: one per ``DATA_THREADS_PER_NODE`` Hogwild threads of
@@ -21,10 +25,10 @@ this project's machines, are kept beside the keys in ``adam.yaml``:
 >>> size_trainers(cores=2)
 (1, 2)
 >>> size_trainers(cores=16)
-(8, 2)
+(2, 8)
 >>> size_data_nodes(trainers=1, threads=2)  # 2 cores
 1
->>> size_data_nodes(trainers=8, threads=2)  # 16 cores
+>>> size_data_nodes(trainers=2, threads=8)  # 16 cores
 2
 """
 
@@ -45,6 +49,7 @@ __all__ = [
 
 AUTO = "auto"
 FEW_CORES = 4  # under this, one replica with a thread per core
+CORES_PER_REPLICA = 8  # from FEW_CORES, a replica per this many cores (at least 2)
 # Replica threads one DATA worker serves with the replicas' stall at most 0.1: the images/s it
 # served so (data_capacity.jsonl, images_per_s_at_stall: 93.5k) over one engine thread's
 # (engine.jsonl, images_per_s_1thread: 6443), rounded down; adam.yaml's data-nodes names the lines
@@ -72,7 +77,8 @@ def size_trainers(cores: int) -> tuple[int, int]:
         raise ValueError(f"cores={cores}: a machine has at least one core")
     if cores < FEW_CORES:
         return 1, cores
-    return cores // 2, 2
+    replicas = max(2, cores // CORES_PER_REPLICA)
+    return replicas, cores // replicas
 
 
 def size_data_nodes(trainers: int, threads: int, per_node: int = DATA_THREADS_PER_NODE) -> int:

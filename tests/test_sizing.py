@@ -14,14 +14,27 @@ from adam_dask.errors import ConfigError
 
 @pytest.mark.parametrize(
     "cores, expected",
-    [(1, (1, 1)), (2, (1, 2)), (3, (1, 3)), (4, (2, 2)), (7, (3, 2)), (8, (4, 2)), (64, (32, 2))],
+    [
+        (1, (1, 1)),
+        (2, (1, 2)),
+        (3, (1, 3)),
+        (4, (2, 2)),
+        (7, (2, 3)),
+        (8, (2, 4)),
+        (16, (2, 8)),
+        (32, (4, 8)),
+        (64, (8, 8)),
+    ],
 )
 def test_trainers_and_threads_follow_the_cores(cores, expected):
     trainers, threads = sizing.size_trainers(cores)
     assert (trainers, threads) == expected
     assert trainers * threads <= cores  # no more training threads than cores
-    # from 8 cores there are at least 4 replicas, so the 75% quorum can leave a straggler behind
-    if cores >= 8:
+    # asynchronous replicas from 4 cores, and from 32 at least 4, so the 75% quorum can leave
+    # a straggler behind
+    if cores >= 4:
+        assert trainers >= 2
+    if cores >= 32:
         assert trainers >= 4 and int(0.75 * trainers) < trainers
 
 

@@ -21,6 +21,12 @@ MNIST, 4 epochs at most, the default exponential schedule over 10):
   add up overshoot (1 x 16 threads at ``lr`` diverged, at ``lr / 2`` reached 99% in 3 epochs;
   8 x 2 at ``lr / 2`` and pushes every 32 in 4), so each of N = R x T streams steps
   ``lr x min(1, lr-streams / N)``.
+* **Past 2 replicas, less again.** Replicas run truly side by side on a machine of many cores,
+  and their pushes land later than the sweep's turn-taking lets them: on 16 cores
+  (``benchmarks/results/scaling.jsonl``, 8a3c5c2) 8 x 2 at ``lr / 2`` pushing every 32
+  diverged and 4 x 4 at ``lr / 2`` ended 10 epochs at 98.90%, where 2 x 8 at ``lr / 2``
+  reached 99% in 3. Each stream's rate is also times ``sqrt(2 / R)`` past 2 replicas (4: 0.71,
+  8: 0.5; on 2 cores the sweep reached 99% in 4 epochs with 8 x 1 at ``lr / 2``).
 * **A warm-up for many streams.** Replicas that start from the same weights push aligned
   deltas: ``lr-warmup: auto`` ramps the rate over ``auto-warmup`` epochs when there are more
   than 2 streams (one replica of 2 threads, a 2-core machine's default, trains as before).
@@ -36,6 +42,7 @@ period, no automatic warm-up.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -145,7 +152,7 @@ def stream_plan(
     >>> p = stream_plan("async", 8, 2, push_every=None, lr_streams=8, lr_replicas=None,
     ...                 lr_warmup=None)
     >>> p.rate_factor, p.push_every, p.warmup
-    (0.5, 32, 0.5)
+    (0.25, 32, 0.5)
     >>> p = stream_plan("async", 1, 2, push_every=None, lr_streams=8, lr_replicas=None,
     ...                 lr_warmup=None)
     >>> p.rate_factor, p.push_every, p.warmup
@@ -159,7 +166,7 @@ def stream_plan(
     if lr_replicas is not None:
         factor = min(1.0, lr_replicas / replicas)
     elif lr_streams is not None:
-        factor = min(1.0, lr_streams / streams)
+        factor = min(1.0, lr_streams / streams) * min(1.0, math.sqrt(2 / replicas))
     else:
         factor = 1.0
     auto_k = auto_push_every(replicas)

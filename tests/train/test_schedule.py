@@ -125,10 +125,12 @@ def test_many_streams_share_the_rate_push_more_often_and_warm_up():
     full rate up to lr_streams, lr_streams / N past it; a push period that shrinks with R**2
     (512 for one replica, 32 from 8); a half-epoch warm-up past 2 streams."""
     assert [auto_push_every(r) for r in (1, 2, 4, 8, 16, 64)] == [512, 256, 64, 32, 32, 32]
-    assert [_plan(replicas=r).rate_factor for r in (1, 2, 4, 8)] == [1, 1, 1, 1]
-    assert _plan(replicas=8, threads=2).rate_factor == 0.5
+    factors = [_plan(replicas=r).rate_factor for r in (1, 2, 4, 8)]
+    assert factors == pytest.approx([1, 1, 0.5**0.5, 0.5])  # past 2 replicas, sqrt(2 / R)
+    assert _plan(replicas=8, threads=2).rate_factor == 0.25
     assert _plan(replicas=1, threads=16).rate_factor == 0.5
-    assert _plan(replicas=16, threads=4).rate_factor == 8 / 64
+    assert _plan(replicas=2, threads=8).rate_factor == 0.5
+    assert _plan(replicas=16, threads=4).rate_factor == pytest.approx(8 / 64 * (2 / 16) ** 0.5)
     # one replica of up to 2 threads (a 2-core machine's default) trains as it always did
     one = _plan(replicas=1, threads=2)
     assert (one.rate_factor, one.push_every, one.warmup) == (1.0, 512, 0.0)
@@ -136,9 +138,9 @@ def test_many_streams_share_the_rate_push_more_often_and_warm_up():
     # what a user gives wins, and a push period above the auto one damps the rate
     given = _plan(replicas=8, push_every=128, lr_warmup=0.0)
     assert (given.push_every, given.warmup, given.damped) == (128, 0.0, True)
-    assert given.rate_factor == pytest.approx(32 / 128)
+    assert given.rate_factor == pytest.approx(0.5 * 32 / 128)
     assert not _plan(replicas=8, push_every=16).damped
-    assert _plan(replicas=8, lr_streams=None).rate_factor == 1.0
+    assert _plan(replicas=8, lr_streams=None).rate_factor == 1.0  # off: the rate as given
     # lr_replicas keeps the older rule: lr * lr_replicas / R per replica, no damping
     old = _plan(replicas=4, threads=2, lr_replicas=2, push_every=512)
     assert (old.rate_factor, old.damped) == (0.5, False)
