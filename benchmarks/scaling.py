@@ -58,6 +58,7 @@ import inspect
 import json
 import math
 import os
+import signal
 import socket
 import statistics
 import sys
@@ -361,12 +362,8 @@ def goals(line: dict) -> dict[str, bool | None]:
         ),
         "seconds_vs_peer_le_0_5": le(line.get("seconds_vs_peer"), GOALS["seconds_vs_peer"]),
         "sweep_all_within_4_epochs": (
-            all(
-                s.get("epochs_to_target") is not None
-                and s["epochs_to_target"] <= GOALS["sweep_epochs"]
-                for s in sweep
-            )
-            if sweep
+            all_reached(sweep)
+            if sweep and (not line.get("incomplete") or not all_reached(sweep))
             else None
         ),
         "stall_le_0_1": le(_median(stall) if stall else None, GOALS["stall"]),
@@ -374,6 +371,15 @@ def goals(line: dict) -> dict[str, bool | None]:
             None if ratio is None else bool(ratio >= GOALS["images_per_second_vs_engine"])
         ),
     }
+
+
+def all_reached(sweep: list[dict]) -> bool:
+    """Every entry reached the target within the goal's epochs (a cut sweep that missed once
+    has missed; one that has not can not yet say)."""
+    return all(
+        s.get("epochs_to_target") is not None and s["epochs_to_target"] <= GOALS["sweep_epochs"]
+        for s in sweep
+    )
 
 
 def parse_sweep(text: str) -> list[int]:
@@ -562,8 +568,35 @@ def main(argv: list[str] | None = None) -> int:
                 if line["seconds_to_target"] and peer["seconds_to_target"]:
                     line["seconds_vs_peer"] = line["seconds_to_target"] / peer["seconds_to_target"]
 
-    # the sweep
-    sweep = []
+    # the sweep; a SIGTERM (a time limit) ends it and the line is stored with what was measured
+    sweep: list[dict] = []
+
+    def _cut(signum: int, frame: Any) -> None:
+        raise _Cut()
+
+    signal.signal(signal.SIGTERM, _cut)
+    try:
+        _sweep(args, store, epochs, cores, sweep, missing)
+    except _Cut:
+        missing.append(f"sweep: cut short by SIGTERM after {len(sweep)} of {len(args.sweep)}")
+        line["incomplete"] = True
+    if sweep:
+        line["sweep"] = sweep
+
+    line["missing"] = missing
+    line["load"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    line["goals"] = goals(line)
+    record("scaling", line, save=not args.no_save)
+    return 0
+
+
+class _Cut(Exception):
+    """SIGTERM arrived during the sweep."""
+
+
+def _sweep(args: Any, store: str, epochs: int, cores: int, sweep: list, missing: list) -> None:
+    """The CLI for each R of ``--sweep`` with ``--trainers R --threads max(1, cores // R)``,
+    each entry appended to ``sweep`` as it ends."""
     for R in args.sweep:
         tr = max(1, cores // R)
         say(f"sweep: --trainers {R} --threads {tr}")
@@ -585,14 +618,6 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         say(f"sweep {R} x {tr}: {run['epochs_to_target']} epochs to {args.target:g}")
-    if sweep:
-        line["sweep"] = sweep
-
-    line["missing"] = missing
-    line["load"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
-    line["goals"] = goals(line)
-    record("scaling", line, save=not args.no_save)
-    return 0
 
 
 if __name__ == "__main__":
