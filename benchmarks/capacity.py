@@ -547,13 +547,15 @@ def bench(args: argparse.Namespace, ips: float) -> dict:
     from adam_dask.model import Network
     from adam_dask.ps import ParameterServer
     from adam_dask.testing import worker_pids
+    from adam_dask.train.streams import resolve_push_every
 
     size = int(
         Network.from_spec(
             config.get("model.spec") or DEFAULT_SPEC, input_shape=(1, 28, 28)
         ).flat.size
     )
-    push_every = int(config.get("train.push-every"))
+    # one replica's push period (push-every auto: 512), as the docstring says
+    push_every = resolve_push_every(config.get("train.push-every"), 1)
     period = push_every / ips
     if args.counts:
         counts = sorted({int(c) for c in args.counts.split(",")})

@@ -121,13 +121,14 @@ def main() -> None:
     args = ap.parse_args()
     from adam_dask import config
     from adam_dask.ps.protocol.optimizer import ServerOptimizer
+    from adam_dask.train.streams import resolve_push_every
 
     store = mnist_store()
     n = parameters()
     for setting in args.settings:
         name, _, k = setting.partition("@")
         opt = ServerOptimizer.resolve(name)
-        push_every = int(k or config.get("train.push-every"))
+        push_every = resolve_push_every(k or config.get("train.push-every"), args.replicas)
         if args.link_rate is not None:
             settle()
         load_before = os.getloadavg()[0]

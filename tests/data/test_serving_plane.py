@@ -1,10 +1,13 @@
 """The images' data plane: batches from a DataServer to a stream on a socket of the stream's own
 (a shared segment on one machine, bytes over TCP across machines), the same batches as the actor
-path; a reader SIGKILLed leaves no segment; a DATA worker SIGKILLed or frozen mid-stream loses
-and duplicates nothing, in a stream and in training."""
+path; a reader SIGKILLed leaves no segment; a DATA worker SIGKILLed, frozen or evicted (SIGTERM)
+mid-stream loses and duplicates nothing, in a stream and in training."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 
 import dask
@@ -247,3 +250,108 @@ def test_training_goes_on_when_a_data_worker_is_lost(store, fault):
 
 def svc_plane_batches(service) -> int:
     return sum(s.get("transport", {}).get("plane", 0) for s in service.stats()["servers"])
+
+
+def _data_worker(scheduler: str, name: str) -> subprocess.Popen:
+    """A ``dask worker --resources DATA=1`` process, as a Kubernetes pod runs one: SIGTERM (an
+    eviction) makes it close its worker gracefully and exit."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "distributed.cli.dask_worker", scheduler, "--nthreads", "2"]
+        + ["--resources", "DATA=1", "--no-nanny", "--host", "127.0.0.1", "--name", name]
+        + ["--memory-limit", "2GiB"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def _wait_data_workers(client, n: int, timeout: float = 120) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while len(found := workers_with_role(client, DATA)) != n:
+        assert time.monotonic() < deadline, f"expected {n} DATA workers, found {found}"
+        time.sleep(0.2)
+    return found
+
+
+def test_a_data_worker_evicted_mid_stream_is_recovered_from(store, arrays):
+    """SIGTERM to a DATA worker's process (a pod evicted), sent from this process mid-stream,
+    and a replacement started once it is gone: the stream goes on, every image once (before,
+    a graceful close of its worker closed the stream with 'the DataService was closed')."""
+    from distributed import Event
+
+    images, labels = arrays
+    with adam_dask.cluster.local(
+        ps_nodes=0, data_nodes=0, trainers=1, memory_limit="2 GiB"
+    ) as client:
+        scheduler = client.scheduler.address
+        victim = _data_worker(scheduler, "data-evicted")
+        replacement = None
+        try:
+            _wait_data_workers(client, 1)
+            svc = DataService.create(client, store, augment=AUG, seed=6, batch_size=32)
+            task = client.submit(replica_task, svc, 6, "ev", resources={"TRAIN": 1}, pure=False)
+            assert Event("ev-ready", client=client).wait(timeout=120)
+            victim.send_signal(signal.SIGTERM)  # from outside, as the kubelet does
+            Event("ev", client=client).set()
+            assert victim.wait(timeout=60) is not None  # its worker closed and it exited
+            replacement = _data_worker(scheduler, "data-replacement")
+            got, plane_before, stats = task.result(timeout=300)
+            svc.close()
+        finally:
+            for proc in (victim, replacement):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                if proc is not None:
+                    proc.wait(timeout=30)
+    idx = np.concatenate([b[2] for b in got])
+    assert len(idx) == N_TRAIN and np.array_equal(np.sort(idx), np.arange(N_TRAIN))  # once each
+    for x, y, i in got:
+        assert np.array_equal(y, labels[i])
+        np.testing.assert_array_equal(x, AUG.apply(images[i], i, seed=6, epoch=0))
+    assert plane_before == 6
+    assert stats["images"] == stats["share_images"] == N_TRAIN
+    # the stream recovered, or its server served it all within the eviction's grace
+    assert stats["recoveries"] >= 1 or stats["transport"]["plane"] == stats["batches"]
+
+
+def test_training_goes_on_when_a_data_worker_is_evicted(store):
+    """The same eviction under a fit: the run completes and the parameter server applied every
+    image of each epoch once."""
+    with adam_dask.cluster.local(
+        ps_nodes=3, data_nodes=0, trainers=1, trainer_threads=1, memory_limit="2 GiB"
+    ) as client:
+        scheduler = client.scheduler.address
+        victim = _data_worker(scheduler, "data-evicted")
+        replacement = None
+        try:
+            _wait_data_workers(client, 1)
+            t = Trainer(
+                store,
+                model="fc32,fc10",
+                client=client,
+                lr=0.05,
+                push_every=64,
+                batch_size=8,
+                progress=False,
+                slow_replicas={0: 0.05},
+            )
+            th, box = fit_in_background(t, epochs=2)
+            deadline = time.time() + 300
+            while not (t.epoch == 0 and sum(t._progress_state.values()) >= 128):
+                assert time.time() < deadline and "error" not in box, box.get("error")
+                time.sleep(0.05)
+            victim.send_signal(signal.SIGTERM)  # from outside, as the kubelet does
+            assert victim.wait(timeout=60) is not None
+            replacement = _data_worker(scheduler, "data-replacement")
+            th.join(timeout=300)
+            assert not th.is_alive()
+            assert "error" not in box, box.get("error")
+            h = box["history"]
+            assert h.column("images_applied") == [N_TRAIN, N_TRAIN]  # none lost, none twice
+            assert h.column("images_retrained") == [0, 0]
+            t.close()
+        finally:
+            for proc in (victim, replacement):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                if proc is not None:
+                    proc.wait(timeout=30)

@@ -72,10 +72,13 @@ class ServingError:
 
 @dataclass(frozen=True, slots=True)
 class ServerClosed:
-    """The DataServer was shut down (its DataService was closed)."""
+    """The DataServer was shut down: its DataService was closed (final), or, with ``ending``,
+    its worker's process is ending (an eviction's SIGTERM, a scale-down), which a stream
+    takes as a lost server and recovers from."""
 
     message: str
     hint: str | None
+    ending: bool = False
 
     def exception(self) -> ClusterError:
         return ClusterError(self.message, self.hint)

@@ -126,7 +126,7 @@ def _close_live() -> None:
     if live:
         logger.info("closing %d data partition(s) at exit", len(live))
     for server in live:
-        server.close()
+        server.close(ending=True)
 
 
 def _ending(partition: int) -> ClusterError:
@@ -201,6 +201,7 @@ class PartitionServer:
         self._cond = threading.Condition(self._lock)
         self._streams: dict[str, _StreamState] = {}
         self._closed = False
+        self.ending = False  # closed because this process ends (close(ending=True))
         self.images_served = 0
         self.batches_served = 0
         self.batches_made = 0
@@ -257,10 +258,7 @@ class PartitionServer:
         (``None`` from it: a new array)."""
         check_share(replica, replicas, epoch)
         if self._closed:
-            raise ClusterError(
-                f"the DataServer of partition {self.partition} was shut down",
-                "the DataService was closed; create a new one",
-            )
+            raise self._closed_message().exception()
         share = self.layout.share(self.partition, epoch, self.settings.seed, replica, replicas)
         skip = {int(k) for k in done}
         batches = [
@@ -298,10 +296,7 @@ class PartitionServer:
         or ``None`` when the next batch is not ready yet."""
         with self._cond:
             if self._closed:
-                return ServerClosed(
-                    f"the DataServer of partition {self.partition} was shut down",
-                    "the DataService was closed; create a new one",
-                )
+                return self._closed_message()
             st = self._streams.get(sid)
             if st is None:
                 return StreamExpired(f"stream {sid} is not open on partition {self.partition}")
@@ -482,8 +477,22 @@ class PartitionServer:
             "transport": dict(self.transport),
         }
 
-    def close(self) -> None:
+    def _closed_message(self) -> ServerClosed:
+        if self.ending:
+            return ServerClosed(
+                f"the DataServer of partition {self.partition} is shutting down with its worker",
+                "a stream recovers on another DATA worker or serves the partition itself",
+                ending=True,
+            )
+        return ServerClosed(
+            f"the DataServer of partition {self.partition} was shut down",
+            "the DataService was closed; create a new one",
+        )
+
+    def close(self, ending: bool = False) -> None:
+        """Stop serving; ``ending``: because this process ends (not the service's close)."""
         with self._cond:
+            self.ending = self.ending or ending
             self._closed = True
             for st in self._streams.values():
                 st.cond.notify_all()

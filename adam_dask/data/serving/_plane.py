@@ -156,7 +156,12 @@ def _reply_of(msg: Any) -> dict:
         case ServingError():
             return {"kind": "error", "message": msg.message, "hint": msg.hint, "url": msg.url}
         case ServerClosed():
-            return {"kind": "closed", "message": msg.message, "hint": msg.hint}
+            return {
+                "kind": "closed",
+                "message": msg.message,
+                "hint": msg.hint,
+                "ending": msg.ending,
+            }
         case StreamExpired():
             return {"kind": "expired", "message": msg.message}
     raise TypeError(f"not a serving message: {msg!r}")  # pragma: no cover
@@ -230,7 +235,8 @@ class _Connection:
                 alloc=None if self.arena is None else self.arena.array,
             )
         except AdamError as exc:
-            send_msg(self.sock, {"kind": "closed", "message": exc.message, "hint": exc.hint})
+            reply = {"kind": "closed", "message": exc.message, "hint": exc.hint}
+            send_msg(self.sock, {**reply, "ending": core.ending})
             return
         self.core, self.sid = core, str(h["sid"])
         if self.arena is None:

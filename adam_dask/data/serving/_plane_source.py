@@ -212,6 +212,8 @@ class PlaneSource:
             return End()
         if kind == "error":
             return ServingError(str(h["message"]), h.get("hint"), h.get("url"))
+        if kind == "closed" and h.get("ending"):  # its worker is ending: a lost server
+            raise _Lost(ServerLost(str(h["message"]), "error"))
         if kind == "closed":
             if op == "open":  # as the actor's open raises it
                 raise ClusterError(str(h["message"]), h.get("hint"))

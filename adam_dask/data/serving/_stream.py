@@ -343,6 +343,8 @@ class BatchStream:
                 self._issue(p)
             case Batch():
                 return msg
+            case ServerClosed(ending=True):  # its worker is ending (evicted): recover
+                self._lost(p, ServerLost(msg.message, "error"))
             case ServingError() | ServerClosed():
                 self.close()
                 raise msg.exception()
