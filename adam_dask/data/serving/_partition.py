@@ -478,16 +478,12 @@ class PartitionServer:
         }
 
     def _closed_message(self) -> ServerClosed:
-        if self.ending:
-            return ServerClosed(
-                f"the DataServer of partition {self.partition} is shutting down with its worker",
-                "a stream recovers on another DATA worker or serves the partition itself",
-                ending=True,
-            )
-        return ServerClosed(
-            f"the DataServer of partition {self.partition} was shut down",
-            "the DataService was closed; create a new one",
-        )
+        p = self.partition
+        if self.ending:  # this process ends (an eviction): a stream recovers elsewhere
+            hint = "a stream recovers on another DATA worker or serves the partition itself"
+            return ServerClosed(f"the DataServer of partition {p} is ending", hint, ending=True)
+        hint = "the DataService was closed; create a new one"
+        return ServerClosed(f"the DataServer of partition {p} was shut down", hint)
 
     def close(self, ending: bool = False) -> None:
         """Stop serving; ``ending``: because this process ends (not the service's close)."""
