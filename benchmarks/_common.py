@@ -1,7 +1,8 @@
-"""Helpers shared by the benchmark scripts: where MNIST is, a ready MNIST store, and
-:func:`record`, which prints a benchmark's JSON line and appends it, stamped with the date, the
-commit and the machine's CPU count, to ``benchmarks/results/NAME.jsonl`` (committed; the README's
-figures are generated from those files by ``benchmarks/report.py``)."""
+"""Helpers shared by the benchmark scripts: where MNIST is, a ready MNIST store,
+:func:`engine_rate` (the newest engine rate stored), and :func:`record`, which prints a
+benchmark's JSON line and appends it, stamped with the date, the commit and the machine's CPU
+count, to ``benchmarks/results/NAME.jsonl`` (committed; the README's figures are generated from
+those files by ``benchmarks/report.py``)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,25 @@ def record(name: str, result: dict, *, save: bool = True) -> dict:
         with open(RESULTS / f"{name}.jsonl", "a") as f:
             f.write(text + "\n")
     return line
+
+
+def engine_rate(key: str) -> tuple[float | None, str]:
+    """The newest non-zero ``key`` (``images_per_s``, ``images_per_s_1thread``) of
+    ``benchmarks/results/engine.jsonl``, this machine's engine rate that other benchmarks pace
+    their emulated replicas by, and where it came from (``engine.jsonl DATE COMMIT``); ``(None,
+    "missing")`` when the file or the key is not there."""
+    try:
+        lines = [
+            json.loads(s) for s in (RESULTS / "engine.jsonl").read_text().splitlines() if s.strip()
+        ]
+    except OSError:
+        return None, "missing"
+    for line in reversed(lines):
+        if line.get(key):
+            return float(line[key]), (
+                f"engine.jsonl {line.get('date', '?')} {line.get('commit', '?')}"
+            )
+    return None, "missing"
 
 
 def wait_for_training(client, stop) -> None:

@@ -81,19 +81,18 @@ Usage: python benchmarks/capacity.py [--max-replicas 256] [--seconds 8] [--warmu
 from __future__ import annotations
 
 import argparse
-import contextvars
-import json
 import logging
 import os
 import pickle
 import socket
 import sys
-import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _cpu import wait_quiet
+from _sink import SocketSink, stop_sink
+from _step import ms, replica_threads, run_step
 
 logger = logging.getLogger("capacity")
 
@@ -106,8 +105,7 @@ MAX_OTHER = 0.25  # cores of other work in a step past the bound that make it ru
 RETRIES = 2
 PS_NODES = 3
 TRAINERS = 4  # pusher processes: each replica is a process of its own, not a thread
-START_SLACK = 1.5  # seconds from submitting a step to its first push: tasks start, threads connect
-ENGINE = Path(__file__).resolve().parent / "results" / "engine.jsonl"
+SINK = "_capacity_sink"  # the sink's attribute on the PS worker that runs it
 
 
 # -- the two targets, as seen from a pusher thread ------------------------------------------------
@@ -225,35 +223,23 @@ def _pusher(
 
 
 def run_pushers(
-    target: tuple[str, Any],
-    size: int,
     indices: list[int],
     replicas: int,
-    period: float,
     window: tuple[float, float, float],
+    target: tuple[str, Any],
+    size: int,
+    period: float,
 ) -> list[dict]:
-    """A Dask task: one thread per index in ``indices`` (of ``replicas``), each an emulated
-    replica (:func:`_pusher`); returns their results."""
-    from distributed import secede
-
-    secede()  # a long task: give the worker's slot back
+    """A Dask task: one thread per index ``g`` in ``indices`` (of ``replicas``), each an emulated
+    replica (:func:`_pusher`) due every ``period`` from ``start + period * g / replicas``;
+    returns their results."""
     delta = np.full(size, 1e-7, np.float32)  # non-zero everywhere: every shard gets its part
-    outs: list[dict] = [{} for _ in indices]
-    threads = [
-        # each thread in a copy of this task's context: the handle finds the worker through it
-        threading.Thread(
-            target=contextvars.copy_context().run,
-            args=(_pusher, target, delta, period * g / replicas, period, window, outs[k]),
-            name=f"pusher-{g}",
-            daemon=True,
-        )
-        for k, g in enumerate(indices)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return outs
+
+    def replica(g: int, out: dict) -> None:
+        # the handle finds the worker through the task's context, which the thread runs in
+        _pusher(target, delta, period * g / replicas, period, window, out)
+
+    return replica_threads(indices, replica, "pusher")
 
 
 def prime(server: Any) -> None:
@@ -267,114 +253,37 @@ def prime(server: Any) -> None:
 # -- the sink: a TCP server in a PS worker's process ----------------------------------------------
 
 
-class Sink:
+class Sink(SocketSink):
     """Receives ``nbytes`` per message into a preallocated buffer and answers one byte, a
-    thread per connection."""
+    thread per connection (TCP, on ``host``)."""
 
     def __init__(self, host: str, nbytes: int):
         self.nbytes = nbytes
-        self.listener = socket.create_server((host, 0), backlog=1024)
-        self.listener.settimeout(0.5)
-        self.address = (host, self.listener.getsockname()[1])
-        self.stopped = threading.Event()
-        self.conns: set[socket.socket] = set()
-        threading.Thread(target=self._accept, name="capacity-sink", daemon=True).start()
+        listener = socket.create_server((host, 0), backlog=1024)
+        self.address = (host, listener.getsockname()[1])
+        super().__init__(listener, "capacity-sink", nodelay=True)
 
-    def _accept(self) -> None:
-        while not self.stopped.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            conn.settimeout(None)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def serve(self, conn: socket.socket) -> None:
         view = memoryview(bytearray(self.nbytes))
-        try:
-            while True:
-                got = 0
-                while got < self.nbytes:
-                    n = conn.recv_into(view[got:])
-                    if n == 0:
-                        return
-                    got += n
-                conn.sendall(b"\x01")
-        except OSError:
-            return
-        finally:
-            self.conns.discard(conn)
-            conn.close()
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.listener.close()
-        for c in list(self.conns):
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        while True:
+            got = 0
+            while got < self.nbytes:
+                n = conn.recv_into(view[got:])
+                if n == 0:
+                    return
+                got += n
+            conn.sendall(b"\x01")
 
 
 def start_sink(dask_worker: Any, nbytes: int) -> tuple[str, int]:
     from distributed.comm import get_address_host
 
     sink = Sink(get_address_host(dask_worker.address), nbytes)
-    dask_worker._capacity_sink = sink
+    setattr(dask_worker, SINK, sink)
     return sink.address
 
 
-def stop_sink(dask_worker: Any) -> None:
-    sink = getattr(dask_worker, "_capacity_sink", None)
-    if sink is not None:
-        sink.stop()
-        dask_worker._capacity_sink = None
-
-
 # -- one step: R replicas against one target ------------------------------------------------------
-
-
-def _machine_spent(t0: Any, t1: Any) -> tuple[dict[str, float], float]:
-    """CPU seconds of the whole machine between two psutil.cpu_times(): per field, and busy
-    (all but idle and iowait; guest time is counted in user time already)."""
-    spent = {f: getattr(t1, f) - getattr(t0, f) for f in t1._fields}
-    busy = sum(v for f, v in spent.items() if f not in ("idle", "iowait", "guest", "guest_nice"))
-    return spent, busy
-
-
-def machine_busy(seconds: float) -> float:
-    """Busy cores of the whole machine over ``seconds``."""
-    import psutil
-
-    t0 = psutil.cpu_times()
-    time.sleep(seconds)
-    return _machine_spent(t0, psutil.cpu_times())[1] / seconds
-
-
-def wait_quiet(timeout: float, below: float = 0.3) -> float:
-    """Wait (up to ``timeout`` seconds) until the machine's busy cores over 3 s are under
-    ``below`` (other work on a shared machine); returns the last figure."""
-    deadline = time.monotonic() + timeout
-    busy = machine_busy(3.0)
-    while busy >= below and time.monotonic() < deadline:
-        logger.info("the machine is busy (%.2f cores): waiting for it to be quiet", busy)
-        busy = machine_busy(3.0)
-    return busy
-
-
-def cpu_seconds(pids: list[int]) -> list[float]:
-    """User + system CPU seconds of each process in ``pids``."""
-    import psutil
-
-    out = []
-    for pid in pids:
-        t = psutil.Process(pid).cpu_times()
-        out.append(t.user + t.system)
-    return out
 
 
 def step(
@@ -390,57 +299,21 @@ def step(
 ) -> dict:
     """``replicas`` emulated replicas against ``target`` for ``warmup + seconds``; the step's
     dict of the curve (see the module's docstring)."""
-    import psutil
-    from distributed import wait
-
     delta_mb = size * 4 / (1 << 20)
-    start = time.time() + START_SLACK + replicas * 0.005
-    measure = start + warmup
-    end = measure + seconds
-    window = (start, measure, end)
-    futures = []
-    for w, addr in enumerate(trainers):
-        indices = list(range(w, replicas, len(trainers)))
-        if indices:
-            futures.append(
-                client.submit(
-                    run_pushers,
-                    target,
-                    size,
-                    indices,
-                    replicas,
-                    period,
-                    window,
-                    workers=[addr],
-                    allow_other_workers=False,
-                    pure=False,
-                )
-            )
-    time.sleep(max(0.0, measure - time.time()))
-    procs = {**pids, "client": [os.getpid()]}
-    cpu0 = {k: cpu_seconds(v) for k, v in procs.items()}
-    machine0 = psutil.cpu_times()
-    t0 = time.time()
-    time.sleep(max(0.0, end - time.time()))
-    cpu1 = {k: cpu_seconds(v) for k, v in procs.items()}
-    machine1 = psutil.cpu_times()
-    span = time.time() - t0
-    spent, busy = _machine_spent(machine0, machine1)
-    used = {k: [b - a for a, b in zip(cpu0[k], cpu1[k], strict=True)] for k in procs}
-    errors: list[str] = []
-    outs: list[dict] = []
-    try:
-        wait(futures, timeout=120 + replicas)
-        for f in futures:
-            outs += f.result()
-    except Exception as exc:
-        logger.exception("the pushers of a %d-replica step failed", replicas)
-        errors.append(repr(exc))
-        for f in futures:
-            f.cancel()
+    res = run_step(
+        client,
+        trainers,
+        run_pushers,
+        (target, size, period),
+        replicas,
+        timing=(0.005, warmup, seconds),
+        pids=pids,
+        log=logger,
+        noun="pushers",
+    )
+    outs, errors = res.outs, res.errors
     push = np.array([x for o in outs for x in o["push_ms"]], np.float64)
     pull = np.array([x for o in outs for x in o["pull_ms"]], np.float64)
-    errors += [o["error"] for o in outs if o.get("error")]
     behind = max((o["behind"] for o in outs), default=seconds + warmup)
     achieved = sum(o["starts"] for o in outs) / seconds
     offered = replicas / period
@@ -460,21 +333,12 @@ def step(
         "pull_ms_p50": pct(pull, 50),
         "pull_ms_p99": pct(pull, 99),
         "behind_s": behind,
-        "ps_cpu_s_per_mb": sum(used["ps"]) / mb if mb else None,
-        "ps_cores": sum(used["ps"]) / span,
-        "ps_cores_each": [u / span for u in used["ps"]],
-        "pusher_cores": sum(used["train"]) / span,
-        "client_cores": sum(used["client"]) / span,
-        "machine_cores_busy": busy / span,
-        "softirq_cores": spent.get("softirq", 0.0) / span,
-        "steal_cores": spent.get("steal", 0.0) / span,
-        "other_cores": (
-            busy
-            - spent.get("softirq", 0.0)
-            - spent.get("steal", 0.0)
-            - sum(sum(u) for u in used.values())
-        )
-        / span,
+        "ps_cpu_s_per_mb": sum(res.used["ps"]) / mb if mb else None,
+        "ps_cores": res.cores("ps"),
+        "ps_cores_each": [u / res.span for u in res.used["ps"]],
+        "pusher_cores": res.cores("train"),
+        "client_cores": res.cores("client"),
+        **res.machine(),  # machine_cores_busy, softirq_cores, steal_cores, other_cores
         "load": os.getloadavg()[0],
     }
     p99 = row["push_ms_p99"]
@@ -495,9 +359,9 @@ def step(
         achieved,
         offered,
         row["mb_per_s"],
-        _ms(row["push_ms_p50"]),
-        _ms(p99),
-        _ms(row["pull_ms_p99"]),
+        ms(row["push_ms_p50"], 1),
+        ms(p99, 1),
+        ms(row["pull_ms_p99"], 1),
         behind,
         row["ps_cores"],
         " ".join(f"{c:.2f}" for c in row["ps_cores_each"]),
@@ -508,25 +372,7 @@ def step(
     return row
 
 
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f}"
-
-
 # -- the run --------------------------------------------------------------------------------------
-
-
-def engine_rate() -> tuple[float | None, str]:
-    """The newest ``images_per_s`` of engine.jsonl, and where it came from."""
-    try:
-        lines = [json.loads(s) for s in ENGINE.read_text().splitlines() if s.strip()]
-    except OSError:
-        return None, "missing"
-    for line in reversed(lines):
-        if line.get("images_per_s"):
-            return float(line["images_per_s"]), (
-                f"engine.jsonl {line.get('date', '?')} {line.get('commit', '?')}"
-            )
-    return None, "missing"
 
 
 def served(curve: list[dict]) -> tuple[int, int | None]:
@@ -611,14 +457,14 @@ def bench(args: argparse.Namespace, ips: float) -> dict:
                             n,
                             row["other_cores"],
                         )
-                        wait_quiet(args.wait_quiet)
+                        wait_quiet(args.wait_quiet, log=logger)
                     row["attempts"] = attempt
                     curves[kind].append(row)
                     on[kind] = row["within"]
                 if not any(on.values()):
                     break
         finally:
-            client.run(stop_sink, workers=[ps[0]])
+            client.run(stop_sink, attr=SINK, workers=[ps[0]])
             server.close()
     (ours, past), (sink, sink_past) = served(curve), served(sink_curve)
     return {
@@ -643,7 +489,7 @@ def bench(args: argparse.Namespace, ips: float) -> dict:
 
 
 def main() -> None:
-    from _common import record
+    from _common import engine_rate, record
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -686,10 +532,10 @@ def main() -> None:
     if args.images_per_second is not None:
         ips, source = args.images_per_second, "--images-per-second"
     else:
-        ips, source = engine_rate()
+        ips, source = engine_rate("images_per_s")
         if ips is None:
             p.error("no images_per_s in benchmarks/results/engine.jsonl: give --images-per-second")
-    busy_before = wait_quiet(args.wait_quiet)
+    busy_before = wait_quiet(args.wait_quiet, log=logger)
     load_before = os.getloadavg()[0]
     res = bench(args, ips)
     res["images_per_second_from"] = source

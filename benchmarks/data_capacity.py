@@ -77,25 +77,24 @@ from __future__ import annotations
 
 import argparse
 import contextvars
-import json
 import logging
 import os
 import socket
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _sink import SocketSink, stop_sink
+from _step import ms, replica_threads, run_step
 
 logger = logging.getLogger("data_capacity")
 
 DRAIN_COUNTS = (1, 2, 4, 8, 16)
 PACED_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 STALL_BOUND = 0.1
-START_SLACK = 1.5  # seconds from submitting a step to its window: tasks start, streams open
-ENGINE = Path(__file__).resolve().parent / "results" / "engine.jsonl"
+SINK = "_data_capacity_sink"  # the sink's attribute on the DATA worker that runs it
 
 
 # -- the readers: threads inside a task on a TRAIN worker -----------------------------------------
@@ -208,100 +207,50 @@ def _replica(
 
 
 def run_replicas(
-    target: tuple[str, Any],
     indices: list[int],
     replicas: int,
-    pace: tuple[float, int] | None,
     window: tuple[float, float, float],
+    target: tuple[str, Any],
+    pace: tuple[float, int] | None,
 ) -> list[dict]:
     """A Dask task: one emulated replica (:func:`_replica`) per index in ``indices`` (of
     ``replicas``), each in threads of its own; returns their results."""
-    from distributed import secede
 
-    secede()  # a long task: give the worker's slot back
-    outs: list[dict] = [{} for _ in indices]
-    threads = [
-        # each in a copy of this task's context: the stream finds the worker through it
-        threading.Thread(
-            target=contextvars.copy_context().run,
-            args=(_replica, target, g, replicas, pace, window, outs[k]),
-            name=f"replica-{g}",
-            daemon=True,
-        )
-        for k, g in enumerate(indices)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return outs
+    def replica(g: int, out: dict) -> None:
+        # the stream finds the worker through the task's context, which the thread runs in
+        _replica(target, g, replicas, pace, window, out)
+
+    return replica_threads(indices, replica, "replica")
 
 
 # -- the sink: a Unix-socket server in the DATA worker's process ----------------------------------
 
 
-class Sink:
+class Sink(SocketSink):
     """Answers each one-byte request with ``nbytes`` from one preallocated buffer, a thread per
-    connection."""
+    connection (a Unix socket in the abstract namespace, ``name``)."""
 
     def __init__(self, nbytes: int):
         import secrets
 
         self.payload = memoryview(np.random.default_rng(0).integers(0, 256, nbytes, np.uint8))
         self.name = f"adam-data-capacity-sink-{os.getpid()}-{secrets.token_hex(4)}"
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind("\0" + self.name)
-        self.listener.listen(1024)
-        self.listener.settimeout(0.5)
-        self.stopped = threading.Event()
-        self.conns: set[socket.socket] = set()
-        threading.Thread(target=self._accept, name="data-capacity-sink", daemon=True).start()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind("\0" + self.name)
+        listener.listen(1024)
+        super().__init__(listener, "data-capacity-sink")
 
-    def _accept(self) -> None:
-        while not self.stopped.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
+    def serve(self, conn: socket.socket) -> None:
+        while True:
+            if not conn.recv(1):
                 return
-            conn.settimeout(None)
-            self.conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            while True:
-                if not conn.recv(1):
-                    return
-                conn.sendall(self.payload)
-        except OSError:
-            return
-        finally:
-            self.conns.discard(conn)
-            conn.close()
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.listener.close()
-        for c in list(self.conns):
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            conn.sendall(self.payload)
 
 
 def start_sink(dask_worker: Any, nbytes: int) -> str:
     sink = Sink(nbytes)
-    dask_worker._data_capacity_sink = sink
+    setattr(dask_worker, SINK, sink)
     return sink.name
-
-
-def stop_sink(dask_worker: Any) -> None:
-    sink = getattr(dask_worker, "_data_capacity_sink", None)
-    if sink is not None:
-        sink.stop()
-        dask_worker._data_capacity_sink = None
 
 
 def prime(service: Any) -> int:
@@ -332,54 +281,18 @@ def step(
 ) -> dict:
     """``replicas`` emulated replicas against ``target`` for ``warmup + seconds``; the step's
     dict of a curve (see the module's docstring)."""
-    import psutil
-    from capacity import _machine_spent, cpu_seconds
-    from distributed import wait
-
-    start = time.time() + START_SLACK + replicas * 0.01
-    measure = start + warmup
-    end = measure + seconds
-    window = (start, measure, end)
-    futures = []
-    for w, addr in enumerate(trainers):
-        indices = list(range(w, replicas, len(trainers)))
-        if indices:
-            futures.append(
-                client.submit(
-                    run_replicas,
-                    target,
-                    indices,
-                    replicas,
-                    pace,
-                    window,
-                    workers=[addr],
-                    allow_other_workers=False,
-                    pure=False,
-                )
-            )
-    time.sleep(max(0.0, measure - time.time()))
-    procs = {**pids, "client": [os.getpid()]}
-    cpu0 = {k: cpu_seconds(v) for k, v in procs.items()}
-    machine0 = psutil.cpu_times()
-    t0 = time.time()
-    time.sleep(max(0.0, end - time.time()))
-    cpu1 = {k: cpu_seconds(v) for k, v in procs.items()}
-    machine1 = psutil.cpu_times()
-    span = time.time() - t0
-    spent, busy = _machine_spent(machine0, machine1)
-    used = {k: sum(b - a for a, b in zip(cpu0[k], cpu1[k], strict=True)) for k in procs}
-    errors: list[str] = []
-    outs: list[dict] = []
-    try:
-        wait(futures, timeout=120 + replicas)
-        for f in futures:
-            outs += f.result()
-    except Exception as exc:
-        logger.exception("the replicas of a %d-replica step failed", replicas)
-        errors.append(repr(exc))
-        for f in futures:
-            f.cancel()
-    errors += [o["error"] for o in outs if o.get("error")]
+    res = run_step(
+        client,
+        trainers,
+        run_replicas,
+        (target, pace),
+        replicas,
+        timing=(0.01, warmup, seconds),
+        pids=pids,
+        log=logger,
+        noun="replicas",
+    )
+    outs, errors = res.outs, res.errors
     lat = np.array([x for o in outs for x in o["lat"]], np.float64)
     each = [o["images"] / seconds for o in outs]
     stalls = [o["waited"] / seconds for o in outs]
@@ -388,6 +301,7 @@ def step(
     def pct(q: float) -> float | None:
         return float(np.percentile(lat, q)) if lat.size else None
 
+    machine = res.machine()
     row: dict[str, Any] = {
         "replicas": replicas,
         "images_per_s": images / seconds,
@@ -396,15 +310,12 @@ def step(
         "batch_ms_p99": pct(99),
         "stall": float(np.mean(stalls)) if stalls else 1.0,
         "stall_max": max(stalls, default=1.0),
-        "data_cores": used["data"] / span,
-        "reader_cores": used["train"] / span,
-        "client_cores": used["client"] / span,
-        "machine_cores_busy": busy / span,
-        "other_cores": (
-            busy - spent.get("softirq", 0.0) - spent.get("steal", 0.0) - sum(used.values())
-        )
-        / span,
-        "data_cpu_us_per_image": used["data"] / images * 1e6 if images else None,
+        "data_cores": res.cores("data"),
+        "reader_cores": res.cores("train"),
+        "client_cores": res.cores("client"),
+        "machine_cores_busy": machine["machine_cores_busy"],
+        "other_cores": machine["other_cores"],
+        "data_cpu_us_per_image": sum(res.used["data"]) / images * 1e6 if images else None,
         "load": os.getloadavg()[0],
     }
     if pace is not None:
@@ -421,8 +332,8 @@ def step(
         replicas,
         row["images_per_s"],
         *row["images_per_s_each"],
-        _ms(row["batch_ms_p50"]),
-        _ms(row["batch_ms_p99"]),
+        ms(row["batch_ms_p50"], 2),
+        ms(row["batch_ms_p99"], 2),
         row["stall"],
         row["stall_max"],
         row["data_cores"],
@@ -449,25 +360,7 @@ def data_idle(pid: int, seconds: float = 2.0) -> dict:
     }
 
 
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}"
-
-
 # -- the run --------------------------------------------------------------------------------------
-
-
-def engine_rate_1thread() -> tuple[float | None, str]:
-    """The newest ``images_per_s_1thread`` of engine.jsonl, and where it came from."""
-    try:
-        lines = [json.loads(s) for s in ENGINE.read_text().splitlines() if s.strip()]
-    except OSError:
-        return None, "missing"
-    for line in reversed(lines):
-        if line.get("images_per_s_1thread"):
-            return float(line["images_per_s_1thread"]), (
-                f"engine.jsonl {line.get('date', '?')} {line.get('commit', '?')}"
-            )
-    return None, "missing"
 
 
 def bench(args: argparse.Namespace, pace: tuple[float, int]) -> dict:
@@ -533,7 +426,7 @@ def bench(args: argparse.Namespace, pace: tuple[float, int]) -> dict:
                         break
             info["data_rss_mb_after"] = psutil.Process(pids["data"][0]).memory_info().rss / 2**20
         finally:
-            client.run(stop_sink, workers=data)
+            client.run(stop_sink, attr=SINK, workers=data)
             svc.close()
     ratios = {
         str(a["replicas"]): a["images_per_s"] / b["images_per_s"]
@@ -570,7 +463,7 @@ def _counts(text: str) -> list[int]:
 
 
 def main() -> None:
-    from _common import record
+    from _common import engine_rate, record
 
     from adam_dask import config, sizing
 
@@ -606,13 +499,13 @@ def main() -> None:
     if args.thread_rate is not None:
         rate, source = args.thread_rate, "--thread-rate"
     else:
-        per_thread, source = engine_rate_1thread()
+        per_thread, source = engine_rate("images_per_s_1thread")
         if per_thread is None:
             p.error("no images_per_s_1thread in benchmarks/results/engine.jsonl: --thread-rate")
         rate = per_thread
     busy_before = None
     if args.wait_quiet > 0:
-        from capacity import wait_quiet
+        from _cpu import wait_quiet
 
         busy_before = wait_quiet(args.wait_quiet)
     load_before = os.getloadavg()[0]
