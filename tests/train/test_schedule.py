@@ -144,6 +144,9 @@ def test_many_streams_share_the_rate_push_more_often_and_warm_up():
     # lr_replicas keeps the older rule: lr * lr_replicas / R per replica, no damping
     old = _plan(replicas=4, threads=2, lr_replicas=2, push_every=512)
     assert (old.rate_factor, old.damped) == (0.5, False)
+    # replica momentum was not swept: the older rule, lr / R, no thread share
+    mom = _plan(replicas=2, threads=2, momentum=0.9)
+    assert (mom.rate_factor, mom.push_every) == (0.5, 256)
     # synchronous replicas average their deltas: the rate as given, a step every auto-push.max
     sync = _plan("sync", replicas=8)
     assert (sync.rate_factor, sync.push_every, sync.warmup) == (1.0, 512, 0.0)
