@@ -209,26 +209,33 @@ def test_a_data_worker_lost_mid_stream_over_the_plane(store, arrays, fault):
         assert stats["unanswered"] >= 1 and stats["call_timeouts"] == 0
 
 
+def _fit_under_way(store, client):
+    """A 2-epoch fit of a small net in the background, returned once its replica has trained
+    128 images of epoch 0: (trainer, thread, box)."""
+    t = Trainer(
+        store,
+        model="fc32,fc10",
+        client=client,
+        lr=0.05,
+        push_every=64,
+        batch_size=8,
+        progress=False,
+        slow_replicas={0: 0.05},
+    )
+    th, box = fit_in_background(t, epochs=2)
+    deadline = time.time() + 300
+    while not (t.epoch == 0 and sum(t._progress_state.values()) >= 128):
+        assert time.time() < deadline and "error" not in box, box.get("error")
+        time.sleep(0.05)
+    return t, th, box
+
+
 @pytest.mark.parametrize("fault", ["sigkill", "sigstop"])
 def test_training_goes_on_when_a_data_worker_is_lost(store, fault):
     with adam_dask.cluster.local(
         ps_nodes=3, data_nodes=2, trainers=1, trainer_threads=1, memory_limit="2 GiB"
     ) as client:
-        t = Trainer(
-            store,
-            model="fc32,fc10",
-            client=client,
-            lr=0.05,
-            push_every=64,
-            batch_size=8,
-            progress=False,
-            slow_replicas={0: 0.05},
-        )
-        th, box = fit_in_background(t, epochs=2)
-        deadline = time.time() + 300
-        while not (t.epoch == 0 and sum(t._progress_state.values()) >= 128):
-            assert time.time() < deadline and "error" not in box, box.get("error")
-            time.sleep(0.05)
+        t, th, box = _fit_under_way(store, client)
         served = svc_plane_batches(t.dataservice)
         assert served > 0  # the replica reads over the plane
         victim = t.dataservice.servers()[0]
@@ -324,21 +331,7 @@ def test_training_goes_on_when_a_data_worker_is_evicted(store):
         replacement = None
         try:
             _wait_data_workers(client, 1)
-            t = Trainer(
-                store,
-                model="fc32,fc10",
-                client=client,
-                lr=0.05,
-                push_every=64,
-                batch_size=8,
-                progress=False,
-                slow_replicas={0: 0.05},
-            )
-            th, box = fit_in_background(t, epochs=2)
-            deadline = time.time() + 300
-            while not (t.epoch == 0 and sum(t._progress_state.values()) >= 128):
-                assert time.time() < deadline and "error" not in box, box.get("error")
-                time.sleep(0.05)
+            t, th, box = _fit_under_way(store, client)
             victim.send_signal(signal.SIGTERM)  # from outside, as the kubelet does
             assert victim.wait(timeout=60) is not None
             replacement = _data_worker(scheduler, "data-replacement")
