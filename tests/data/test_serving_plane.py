@@ -5,6 +5,7 @@ mid-stream loses and duplicates nothing, in a stream and in training."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -279,6 +280,31 @@ def _wait_data_workers(client, n: int, timeout: float = 120) -> list[str]:
     return found
 
 
+@contextlib.contextmanager
+def _evictable_data_worker(client):
+    """The cluster's one DATA worker in a ``dask worker`` process of its own; yields
+    ``evict(meanwhile)``: SIGTERM to it from this process, as the kubelet sends, then
+    ``meanwhile()``, then, once it exited, a replacement DATA worker. Both processes end with
+    the block."""
+    scheduler = client.scheduler.address
+    procs = [_data_worker(scheduler, "data-evicted")]
+
+    def evict(meanwhile=lambda: None) -> None:
+        procs[0].send_signal(signal.SIGTERM)
+        meanwhile()
+        assert procs[0].wait(timeout=60) is not None  # its worker closed and it exited
+        procs.append(_data_worker(scheduler, "data-replacement"))
+
+    try:
+        _wait_data_workers(client, 1)
+        yield evict
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
+
+
 def test_a_data_worker_evicted_mid_stream_is_recovered_from(store, arrays):
     """SIGTERM to a DATA worker's process (a pod evicted), sent from this process mid-stream,
     and a replacement started once it is gone: the stream goes on, every image once (before,
@@ -289,26 +315,13 @@ def test_a_data_worker_evicted_mid_stream_is_recovered_from(store, arrays):
     with adam_dask.cluster.local(
         ps_nodes=0, data_nodes=0, trainers=1, memory_limit="2 GiB"
     ) as client:
-        scheduler = client.scheduler.address
-        victim = _data_worker(scheduler, "data-evicted")
-        replacement = None
-        try:
-            _wait_data_workers(client, 1)
+        with _evictable_data_worker(client) as evict:
             svc = DataService.create(client, store, augment=AUG, seed=6, batch_size=32)
             task = client.submit(replica_task, svc, 6, "ev", resources={"TRAIN": 1}, pure=False)
             assert Event("ev-ready", client=client).wait(timeout=120)
-            victim.send_signal(signal.SIGTERM)  # from outside, as the kubelet does
-            Event("ev", client=client).set()
-            assert victim.wait(timeout=60) is not None  # its worker closed and it exited
-            replacement = _data_worker(scheduler, "data-replacement")
+            evict(Event("ev", client=client).set)  # the reader goes on while its worker closes
             got, plane_before, stats = task.result(timeout=300)
             svc.close()
-        finally:
-            for proc in (victim, replacement):
-                if proc is not None and proc.poll() is None:
-                    proc.kill()
-                if proc is not None:
-                    proc.wait(timeout=30)
     idx = np.concatenate([b[2] for b in got])
     assert len(idx) == N_TRAIN and np.array_equal(np.sort(idx), np.arange(N_TRAIN))  # once each
     for x, y, i in got:
@@ -326,15 +339,9 @@ def test_training_goes_on_when_a_data_worker_is_evicted(store):
     with adam_dask.cluster.local(
         ps_nodes=3, data_nodes=0, trainers=1, trainer_threads=1, memory_limit="2 GiB"
     ) as client:
-        scheduler = client.scheduler.address
-        victim = _data_worker(scheduler, "data-evicted")
-        replacement = None
-        try:
-            _wait_data_workers(client, 1)
+        with _evictable_data_worker(client) as evict:
             t, th, box = _fit_under_way(store, client)
-            victim.send_signal(signal.SIGTERM)  # from outside, as the kubelet does
-            assert victim.wait(timeout=60) is not None
-            replacement = _data_worker(scheduler, "data-replacement")
+            evict()
             th.join(timeout=300)
             assert not th.is_alive()
             assert "error" not in box, box.get("error")
@@ -342,9 +349,3 @@ def test_training_goes_on_when_a_data_worker_is_evicted(store):
             assert h.column("images_applied") == [N_TRAIN, N_TRAIN]  # none lost, none twice
             assert h.column("images_retrained") == [0, 0]
             t.close()
-        finally:
-            for proc in (victim, replacement):
-                if proc is not None and proc.poll() is None:
-                    proc.kill()
-                if proc is not None:
-                    proc.wait(timeout=30)
