@@ -259,9 +259,21 @@ def local(
     logger.info(
         "starting the embedded cluster%s: %s", " (TLS)" if tls else "", ", ".join(sorted(workers))
     )
-    cluster = SpecCluster(
-        workers=workers, scheduler=scheduler, name="adam-local", security=security
-    )
+    try:
+        cluster = SpecCluster(
+            workers=workers, scheduler=scheduler, name="adam-local", security=security
+        )
+    except RuntimeError as exc:
+        # the dashboard's port was free when asked and taken since (a cluster before this one
+        # still closing, on a loaded machine): once more, on a free port
+        if "already in use" not in str(exc) or not scheduler["options"].get("dashboard"):
+            raise
+        logger.info("the dashboard's port was taken while the cluster started; a free one")
+        host = str(scheduler["options"]["dashboard_address"]).rpartition(":")[0]
+        scheduler["options"]["dashboard_address"] = f"{host}:0"
+        cluster = SpecCluster(
+            workers=workers, scheduler=scheduler, name="adam-local", security=security
+        )
     try:
         client = EmbeddedClient(cluster, direct_to_workers=True, security=security)
         client.wait_for_workers(len(workers), timeout=timeout)

@@ -104,6 +104,35 @@ def test_dashboard_is_served_and_moves_off_a_taken_port():
                 assert page.status == 200
 
 
+def test_a_dashboard_port_taken_while_the_cluster_starts_moves_too(monkeypatch):
+    """The port was free when asked and is taken before the scheduler binds it (an earlier
+    cluster still closing on a loaded machine): the cluster starts on a free port instead of
+    failing with 'Port ... is already in use'."""
+    import adam_dask.cluster as cluster_mod
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    taken = socket.socket()
+    checked = cluster_mod._free_dashboard_address
+
+    def check_then_lose_the_port(address: str) -> str:
+        out = checked(address)
+        taken.bind(("127.0.0.1", port))  # another process takes it right after the check
+        taken.listen()
+        return out
+
+    monkeypatch.setattr(cluster_mod, "_free_dashboard_address", check_then_lose_the_port)
+    try:
+        with adam_dask.cluster.local(
+            ps_nodes=1, data_nodes=0, trainers=1, dashboard_address=f"127.0.0.1:{port}"
+        ) as client:
+            link = dashboard_link(client)
+            assert link is not None and f":{port}/" not in link
+    finally:
+        taken.close()
+
+
 def test_dashboard_can_be_turned_off():
     scheduler, workers = local_spec(1, 0, 1, dashboard_address="")
     assert scheduler["options"]["dashboard"] is False
