@@ -76,8 +76,10 @@ def test_an_interrupted_fit_leaves_no_replica_running_and_the_next_fit_is_exact(
         while server_id is None:  # the server exists once the first epoch started
             assert time.monotonic() < deadline, "fit never started"
             time.sleep(0.5)
-            names = client.run_on_scheduler(
-                lambda dask_scheduler: sorted(dask_scheduler.plugins["adam-ps-placement"].servers)
+            names = client.run_on_scheduler(  # the plugin, too, may not be registered yet
+                lambda dask_scheduler: sorted(
+                    getattr(dask_scheduler.plugins.get("adam-ps-placement"), "servers", ())
+                )
             )
             server_id = names[0] if names else None
         while _applied(client, server_id) < 3:  # mid-epoch: replicas training and pushing
