@@ -4,6 +4,9 @@ PS settings: a primary frozen (SIGSTOP) mid-training, and every holder of a shar
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 
 import dask
@@ -135,3 +138,54 @@ def test_training_through_the_loss_of_every_copy_of_a_shard(store, cluster, tmp_
         assert len(info["routing"][1]) == 3 and not set(info["routing"][1]) & set(holders)
     finally:
         t.close()
+
+
+def _ps_worker(scheduler: str, host: str) -> subprocess.Popen:
+    """A ``dask worker --resources PS=1`` process on loopback host ``host``, as a PS pod runs
+    one: SIGTERM (an eviction) makes it close its worker gracefully and exit."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "distributed.cli.dask_worker", scheduler, "--nthreads", "2"]
+        + ["--resources", "PS=1", "--no-nanny", "--host", host, "--name", "ps-evicted"]
+        + ["--memory-limit", "2GiB"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.timeout(900)
+def test_training_through_a_ps_worker_evicted(store, tmp_path):
+    """SIGTERM to a PS worker's own process mid-training (a pod evicted: its worker closes
+    gracefully, its copies and primaries go with it), sent from this process: the controller
+    fails its shards over, training goes on, and every image is applied once."""
+    with adam_dask.cluster.local(
+        ps_nodes=3, data_nodes=1, trainers=2, trainer_threads=1, memory_limit="2 GiB"
+    ) as client:
+        proc = _ps_worker(client.scheduler.address, "127.0.0.9")
+        t = None
+        try:
+            deadline = time.monotonic() + 120
+            while not any(
+                w.get("name") == "ps-evicted"
+                for w in client.scheduler_info(n_workers=-1)["workers"].values()
+            ):
+                assert time.monotonic() < deadline, "the PS worker did not join"
+                time.sleep(0.2)
+            t = trainer(store, client, checkpoint=str(tmp_path / "ckpt"))
+            th, box = fit_in_background(t, epochs=2)
+            wait_for_pushes(t, box, 20)
+            held = {a for copies in t.server.placement().values() for a in copies}
+            assert any("127.0.0.9:" in a for a in held), held  # the evicted worker held copies
+            proc.send_signal(signal.SIGTERM)  # from outside, as the kubelet does
+            assert proc.wait(timeout=60) is not None
+            th.join(timeout=600)
+            assert not th.is_alive()
+            assert "error" not in box, box.get("error")
+            hist = box["history"]
+            assert hist.column("images_applied") == hist.column("images"), hist.records
+            assert hist.column("images_retrained") == [0, 0]
+        finally:
+            if t is not None:
+                t.close()
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=60)
