@@ -11,12 +11,14 @@ many settings at once on a machine with many cores: ``--jobs``):
   gradients at the replica's current weights and then all apply them (T lock-free threads
   superpose their steps: each one's gradient misses the other T-1 steps, as on a real core
   each thread's does while the others write).
-* Every ``push-every`` images a replica adds what its weights moved since its last pull to the
+* Every ``push-every`` images a replica adds what its weights moved since its last push to the
   global weights (the parameter server's ``sum``; scaled by ``1 / (1 + tau)`` with
   ``+staleness``, ``tau`` the pushes applied since the replica read) and pulls them. Replicas
   take their steps in turn and start staggered by ``push-every / R`` images, so between two
   pulls of one replica the R - 1 others push once each: the staleness R replicas have when
-  they run at one speed.
+  they run at one speed. ``--lag L``: the pull lands L of the replica's steps (T mini-batches
+  each) after its push, with what the replica trained meanwhile kept (the exchange's round
+  trip on a busy machine); 0, at once.
 * The rate: the run's schedule (``adam.train.lr``, ``lr-schedule``, ``lr-floor``,
   ``lr-warmup`` over ``--epochs`` planned epochs) times the rule's factor for (R, T)
   (``--factor rule``: the defaults' plan, :func:`adam_dask.train.streams.stream_plan`, which
@@ -85,6 +87,9 @@ def run_setting(setting: dict, store: str) -> dict:
     glob = nets[0].flat.copy()
     base = [glob.copy() for _ in range(R)]
     mom = np.zeros_like(glob)
+    lag = int(setting.get("lag", 0))
+    pending: list[list[tuple]] = [[] for _ in range(R)]
+    ticks = [0] * R
     ctxs = [[n.context(b) for _ in range(T)] for n in nets]
     vel = np.zeros(1, np.float32)
     version = 0
@@ -136,10 +141,21 @@ def run_setting(setting: dict, store: str) -> dict:
                     else:
                         glob += np.float32(scale) * delta
                     version += 1
-                    net.flat[:] = glob
-                    base[r][:] = glob
-                    read_version[r] = version
+                    if lag:  # the pull lands ``lag`` of this replica's steps later
+                        pending[r].append((ticks[r] + lag, glob.copy(), net.flat.copy(), version))
+                        base[r][:] = net.flat
+                    else:
+                        net.flat[:] = glob
+                        base[r][:] = glob
+                        read_version[r] = version
                     since[r] = 0
+                ticks[r] += 1
+                while pending[r] and pending[r][0][0] <= ticks[r]:
+                    _, snap, at_take, v = pending[r].pop(0)
+                    shift = snap - at_take  # the weights pulled, with this replica's steps since
+                    net.flat += shift
+                    base[r] += shift
+                    read_version[r] = v
                 if pos[r] >= len(share):
                     active.remove(r)
             if not np.isfinite(glob[:1000]).all():
@@ -198,6 +214,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--staleness", action="store_true")
     p.add_argument("--server-momentum", type=float, default=0.0, help="nesterov on the server")
     p.add_argument("--server-lr", type=float, default=1.0)
+    p.add_argument(
+        "--lag",
+        type=int,
+        default=0,
+        help="a push's pull lands this many of the replica's steps later (its round trip; "
+        "0: at once)",
+    )
     p.add_argument("--epochs", type=int, default=4, help="epochs run at most")
     p.add_argument("--planned-epochs", type=int, default=int(config.get("train.epochs")))
     p.add_argument("--target", type=float, default=0.99)
@@ -240,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
                 "staleness": args.staleness,
                 "server_momentum": args.server_momentum,
                 "server_lr": args.server_lr,
+                "lag": args.lag,
                 "epochs": args.epochs,
                 "planned_epochs": args.planned_epochs,
                 "target": args.target,
