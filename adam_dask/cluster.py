@@ -107,6 +107,20 @@ def resolve_trainers(value: Any) -> int:
     return _trainers(value, 1)[0]
 
 
+def _role_counts(
+    ps_nodes: Any = None, data_nodes: Any = None, trainers: Any = None, threads: Any = None
+) -> tuple[int, int, int, int]:
+    """(PS workers, DATA workers, TRAIN workers, threads per TRAIN worker): each value given,
+    else its ``adam.cluster`` setting; ``auto`` trainers and threads sized from this machine,
+    ``auto`` DATA workers from those replicas' demand."""
+    ps = int(config.get("cluster.ps-nodes", ps_nodes))
+    train, t = _trainers(
+        config.get("cluster.trainers", trainers), config.get("cluster.trainer-threads", threads)
+    )
+    data = resolve_data_nodes(config.get("cluster.data-nodes", data_nodes), train, t)
+    return ps, data, train, t
+
+
 def resolve_data_nodes(value: Any, trainers: int, threads: int) -> int:
     """The DATA worker count a setting (``adam.cluster.data-nodes``) names: a number, or
     ``"auto"`` for the count ``trainers`` replicas of ``threads`` Hogwild threads need
@@ -140,13 +154,8 @@ def local_spec(
     workers serve none, as in :class:`distributed.LocalCluster`. A
     :class:`distributed.security.Security` makes every connection TLS.
     """
-    ps_nodes = int(config.get("cluster.ps-nodes", ps_nodes))
-    trainers, trainer_threads = _trainers(
-        config.get("cluster.trainers", trainers),
-        config.get("cluster.trainer-threads", trainer_threads),
-    )
-    data_nodes = resolve_data_nodes(
-        config.get("cluster.data-nodes", data_nodes), trainers, trainer_threads
+    ps_nodes, data_nodes, trainers, trainer_threads = _role_counts(
+        ps_nodes, data_nodes, trainers, trainer_threads
     )
     memory_limit = config.get("cluster.memory-limit", memory_limit)
     if str(memory_limit).lower() == sizing.AUTO:
@@ -331,11 +340,7 @@ def connect(address: str | None = None, *, gateway: str | None = None, **kwargs)
         ) from exc
     n = kwargs.pop("workers", None)
     if n is None:
-        train, threads = _trainers(
-            config.get("cluster.trainers"), config.get("cluster.trainer-threads")
-        )
-        data = resolve_data_nodes(config.get("cluster.data-nodes"), train, threads)
-        n = int(config.get("cluster.ps-nodes")) + data + train
+        n = sum(_role_counts()[:3])
 
     # This gateway client is closed here, never by the garbage collector: a Gateway's __del__
     # stops its loop runner, and run from inside distributed's LoopRunner.start (a collection can
@@ -407,15 +412,12 @@ def client_for(
             "give a scheduler address or a gateway URL, not both",
             "use one of --scheduler ADDRESS and --gateway URL",
         )
-    ps = int(config.get("cluster.ps-nodes", ps_nodes))
     # "auto" trainers and threads: sized from this machine's cores (the embedded cluster's
     # machine; for a new gateway cluster, give counts: its workers are other machines), and
     # "auto" DATA workers from their demand
-    train, threads = _trainers(
-        config.get("cluster.trainers", trainers),
-        config.get("cluster.trainer-threads", local_kwargs.get("trainer_threads")),
+    ps, data, train, _ = _role_counts(
+        ps_nodes, data_nodes, trainers, local_kwargs.get("trainer_threads")
     )
-    data = resolve_data_nodes(config.get("cluster.data-nodes", data_nodes), train, threads)
     if not scheduler and not gateway:
         if not embedded:
             return None

@@ -57,9 +57,7 @@ class RunSettings:
     lr_schedule: str
     lr_floor: float
     lr_warmup: float | None  # epochs the rate ramps up over; None ("auto"): streams.stream_plan
-    lr_replicas: (
-        int | None
-    )  # async, not None: lr is for this many replicas; more step lr * this / R
+    lr_replicas: int | None  # async, not None: each of R more steps lr * this / R
     momentum: float
     batch_size: int
     threads: int | None  # Hogwild threads per replica; None ("auto"): its TRAIN worker's threads

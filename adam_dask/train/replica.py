@@ -323,7 +323,8 @@ class HogwildReplica:
         TrainStats
         """
         self._stop.clear()
-        every = resolve_push_every(config.get("train.push-every", every), 1) if on_images else 0
+        every = config.get("train.push-every", every)
+        every = resolve_push_every(every, 1) if on_images is not None else 0
         it = _SafeIterator(batches)
         results: list[tuple[int, float] | BaseException] = [(0, 0.0)] * self.threads
         with self._count_lock:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from .. import config
+from .. import config, sizing
 from ..errors import ConfigError
 
 __all__ = ["KINDS", "Schedule"]
@@ -145,4 +145,4 @@ class Schedule:
 def _warmup(value: object) -> float:
     """A warm-up setting as epochs: ``auto`` is a lone replica's, none (for a cluster's epochs
     :func:`~adam_dask.train.streams.stream_plan` decides it from the replicas and threads)."""
-    return 0.0 if str(value).lower() == "auto" else float(value)  # type: ignore[arg-type]
+    return 0.0 if str(value).lower() == sizing.AUTO else float(value)  # type: ignore[arg-type]

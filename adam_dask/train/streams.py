@@ -45,10 +45,10 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
-from .. import config
+from .. import config, sizing
 from .schedule import Schedule
 
 
@@ -103,7 +103,7 @@ class StreamPlan:
     def applied(self, base: Schedule) -> Schedule:
         """``base`` (one stream's schedule) with its rates times :attr:`rate_factor` and this
         plan's warm-up: what each replica of the epoch follows."""
-        return Schedule(base.lr * self.rate_factor, base.epochs, base.kind, base.floor, self.warmup)
+        return replace(base.scaled(self.rate_factor), warmup=self.warmup)
 
     def as_record(self) -> dict:
         """For an epoch's history record."""
@@ -136,7 +136,7 @@ def auto_push_every(replicas: int) -> int:
 def resolve_push_every(value: object, replicas: int) -> int:
     """A ``push-every`` setting as images: a number as it is, ``auto`` (or None) from the
     replicas (:func:`auto_push_every`)."""
-    if value is None or str(value).lower() == "auto":
+    if value is None or str(value).lower() == sizing.AUTO:
         return auto_push_every(replicas)
     return int(value)  # type: ignore[call-overload]
 

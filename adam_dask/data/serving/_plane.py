@@ -235,8 +235,7 @@ class _Connection:
                 alloc=None if self.arena is None else self.arena.array,
             )
         except AdamError as exc:
-            reply = {"kind": "closed", "message": exc.message, "hint": exc.hint}
-            send_msg(self.sock, {**reply, "ending": core.ending})
+            send_msg(self.sock, _reply_of(ServerClosed(exc.message, exc.hint, core.ending)))
             return
         self.core, self.sid = core, str(h["sid"])
         if self.arena is None:

@@ -31,7 +31,7 @@ import msgpack
 import numpy as np
 
 from ..._tls import connect_context
-from ...errors import ClusterError, ConfigError
+from ...errors import ConfigError
 from ...ps.plane.wire import MAX_HEADER, send_msg
 from ..augment import as_model_input
 from ._messages import (
@@ -212,12 +212,13 @@ class PlaneSource:
             return End()
         if kind == "error":
             return ServingError(str(h["message"]), h.get("hint"), h.get("url"))
-        if kind == "closed" and h.get("ending"):  # its worker is ending: a lost server
-            raise _Lost(ServerLost(str(h["message"]), "error"))
         if kind == "closed":
-            if op == "open":  # as the actor's open raises it
-                raise ClusterError(str(h["message"]), h.get("hint"))
-            return ServerClosed(str(h["message"]), h.get("hint"))
+            closed = ServerClosed(str(h["message"]), h.get("hint"), bool(h.get("ending")))
+            if op != "open":  # a take: the stream decides (a worker ending is a lost server)
+                return closed
+            if closed.ending:  # an open on a server whose worker is ending: a lost server
+                raise _Lost(ServerLost(closed.message, "error"))
+            raise closed.exception()  # as the actor's open raises it
         if kind == "expired":
             return StreamExpired(str(h["message"]))
         if kind == "lost":
