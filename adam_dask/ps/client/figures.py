@@ -32,7 +32,8 @@ def server_figures(
     primary), ``writeback_lag_versions`` / ``writeback_lag_seconds`` (how far the checkpoint
     is behind), ``writeback_errors``, ``healthy``, ``heal_times``, ``restored`` (shards
     rebuilt from the checkpoint, each with ``lost_at_least``: updates after its last
-    write-back the heartbeats had reported), ``updates_lost_at_least``, ``declared_dead``,
+    write-back the heartbeats had reported), ``updates_lost_at_least``, ``declared_dead``, ``heartbeat_gap_max`` (the longest silence
+    between two heartbeats of a member node, seconds),
     ``refused_stale`` (calls refused for a stale generation), ``manifest_errors`` /
     ``manifest_failing`` / ``last_manifest_error`` (see ``ParameterServer.routing_info``), ``replayed`` /
     ``held_pushes`` / ``held_bytes`` (this handle's pushes sent again to a new primary, and
@@ -67,6 +68,7 @@ def server_figures(
         "restored": routing["restored"],
         "updates_lost_at_least": sum(r["lost_at_least"] for r in routing["restored"]),
         "declared_dead": routing["declared_dead"],
+        "heartbeat_gap_max": routing.get("heartbeat_gap_max", 0.0),
         "refused_writes": routing["refused_writes"],
         "manifest_errors": routing["manifest_errors"],
         "manifest_failing": routing.get("manifest_failing", 0),

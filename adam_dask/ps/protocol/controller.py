@@ -149,6 +149,7 @@ class ServerState:
         self.heal_started: float | None = None
         self.heal_times: list[float] = []
         self.declared_dead = 0
+        self.beat_gap_max = 0.0  # the longest silence between two heartbeats of a member
         self.refused_writes = 0
         self.op_ids = itertools.count(1)
         self._last_tick: float | None = None
@@ -200,6 +201,7 @@ class ServerState:
             "heal_times": list(self.heal_times),
             "restored": list(self.restored),
             "declared_dead": self.declared_dead,
+            "heartbeat_gap_max": round(self.beat_gap_max, 3),
             "refused_writes": self.refused_writes,
             "manifest_errors": self.manifest.errors if self.manifest else 0,
             "manifest_failing": self.manifest.failing if self.manifest else 0,
@@ -230,6 +232,7 @@ class ServerState:
                     ev.addr,
                 )
             return [Reply(ev.req, BeatReply(False, {}))]
+        self.beat_gap_max = max(self.beat_gap_max, ev.now - self.beats[ev.addr])
         self.beats[ev.addr] = ev.now
         for sid, pos in ev.positions.items():
             if self.routing.get(sid, [])[:1] == [ev.addr]:
