@@ -59,6 +59,20 @@ def s3(s3_server, request):
         pass
 
 
+# -- noisy neighbours: adam_dask.testing.noise ---------------------------------------------------
+
+
+@pytest.fixture
+def busy_load():
+    """Three busy processes per core beside the test, at the same priority (other tenants of a
+    shared server). The fault and interrupt tests run under it: what they wait for must happen
+    within the same bounds as on a quiet machine."""
+    from adam_dask.testing.noise import BusyLoad
+
+    with BusyLoad(per_core=3) as load:
+        yield load
+
+
 # -- clusters --------------------------------------------------------------------------------------
 
 

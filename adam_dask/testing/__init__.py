@@ -30,6 +30,8 @@ import logging
 import os
 import signal
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -51,6 +53,7 @@ __all__ = [
     "hard_kill",
     "netns_problem",
     "push_on",
+    "role_worker",
     "stop_and_check_sum",
     "synthetic_digits",
     "synthetic_store",
@@ -133,6 +136,27 @@ def worker_pids(client: Any, addrs: Iterable[str] | None = None) -> dict[str, in
     """{worker address: process id} of ``addrs`` (all workers by default)."""
     workers = None if addrs is None else list(addrs)
     return {a: int(p) for a, p in client.run(os.getpid, workers=workers).items()}
+
+
+def role_worker(
+    scheduler: str,
+    role: str,
+    *,
+    name: str,
+    host: str = "127.0.0.1",
+    nthreads: int = 2,
+    memory_limit: str = "2GiB",
+) -> subprocess.Popen:
+    """A ``dask worker --resources ROLE=1`` process of its own, without a nanny, as a Kubernetes
+    pod runs one: SIGTERM from outside (an eviction) makes it close its worker gracefully and
+    exit; a replacement is another call. Its output is discarded."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "distributed.cli.dask_worker", scheduler]
+        + ["--nthreads", str(nthreads), "--resources", f"{role}=1", "--no-nanny"]
+        + ["--host", host, "--name", name, "--memory-limit", memory_limit],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def wait_workers_gone(client: Any, addrs: Iterable[str], timeout: float = 60.0) -> float:

@@ -17,12 +17,15 @@ __all__ = ["connect", "require_ps", "restore_server", "start_data", "start_serve
 
 def connect(client: Any) -> Any:
     """``client``, or a client of the embedded cluster (:func:`adam_dask.cluster.local`) when
-    it is None."""
-    if client is not None:
-        return client
-    from ..cluster import local
+    it is None, its scheduler given the replica placement plugin (:mod:`.placement`)."""
+    from .placement import PLUGIN_NAME, ReplicaPlacement
 
-    return local()
+    if client is None:
+        from ..cluster import local
+
+        client = local()
+    client.register_plugin(ReplicaPlacement(), name=PLUGIN_NAME)
+    return client
 
 
 def require_ps(client: Any) -> list[str]:

@@ -183,13 +183,17 @@ class PodCluster:
         self.workers.setdefault(role, []).append(pod)
         return pod
 
-    def start_job(self, epochs: int) -> str:
+    def start_job(self, epochs: int, attempt: int = 0) -> str:
+        """The DaskJob's pod (``attempt`` > 0: the pod the Job starts again after one ended, a
+        pod of a new name); returns the pod's name."""
         command, args, env = self.pods["job"]
         (script,) = args
         script, n = re.subn(r"--epochs \d+", f"--epochs {epochs}", script)
         assert n == 1, script
         env = dict(env, ADAM_DATA="/data/store.zarr", ADAM_CHECKPOINT="/ckpt/run")
-        return self._run(f"{self.name}-job", [script], entrypoint=command, env=env)
+        pod = f"{self.name}-job" + (f"-{attempt}" if attempt else "")
+        self._run(pod, [script], entrypoint=command, env=env)
+        return pod
 
     def kill(self, pod: str) -> None:
         """SIGKILL the pod's every process (``podman kill``: a machine lost)."""

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import subprocess
-import sys
 import time
 
 import dask
@@ -18,7 +16,14 @@ import pytest
 import adam_dask
 from adam_dask.cluster import DATA, TRAIN, workers_with_role
 from adam_dask.data import Augment, DataService, load_arrays
-from adam_dask.testing import fit_in_background, freeze, hard_kill, synthetic_store, thaw
+from adam_dask.testing import (
+    fit_in_background,
+    freeze,
+    hard_kill,
+    role_worker,
+    synthetic_store,
+    thaw,
+)
 from adam_dask.train.trainer import Trainer
 
 N_TRAIN = 1024
@@ -260,18 +265,6 @@ def svc_plane_batches(service) -> int:
     return sum(s.get("transport", {}).get("plane", 0) for s in service.stats()["servers"])
 
 
-def _data_worker(scheduler: str, name: str) -> subprocess.Popen:
-    """A ``dask worker --resources DATA=1`` process, as a Kubernetes pod runs one: SIGTERM (an
-    eviction) makes it close its worker gracefully and exit."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "distributed.cli.dask_worker", scheduler, "--nthreads", "2"]
-        + ["--resources", "DATA=1", "--no-nanny", "--host", "127.0.0.1", "--name", name]
-        + ["--memory-limit", "2GiB"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-
-
 def _wait_data_workers(client, n: int, timeout: float = 120) -> list[str]:
     deadline = time.monotonic() + timeout
     while len(found := workers_with_role(client, DATA)) != n:
@@ -287,13 +280,13 @@ def _evictable_data_worker(client):
     ``meanwhile()``, then, once it exited, a replacement DATA worker. Both processes end with
     the block."""
     scheduler = client.scheduler.address
-    procs = [_data_worker(scheduler, "data-evicted")]
+    procs = [role_worker(scheduler, DATA, name="data-evicted")]
 
     def evict(meanwhile=lambda: None) -> None:
         procs[0].send_signal(signal.SIGTERM)
         meanwhile()
         assert procs[0].wait(timeout=60) is not None  # its worker closed and it exited
-        procs.append(_data_worker(scheduler, "data-replacement"))
+        procs.append(role_worker(scheduler, DATA, name="data-replacement"))
 
     try:
         _wait_data_workers(client, 1)

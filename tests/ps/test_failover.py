@@ -117,6 +117,8 @@ def test_kill_two_of_three_holders(fo_client):
         s.close()
 
 
+@pytest.mark.timeout(900)
+@pytest.mark.usefixtures("busy_load")  # beside 3 busy processes per core
 def test_kill_every_holder_while_pushing_loses_no_acknowledged_push(fo_client, tmp_path):
     """Every PS worker (all three copies of every shard) killed at once, mid-push: the shards
     come back from the checkpoint, which lags the pushes by up to a write-back interval; the

@@ -41,6 +41,8 @@ def wait_for(cond, what: str, timeout: float = 120):
     raise AssertionError(f"{what}: not after {timeout}s")
 
 
+@pytest.mark.timeout(900)
+@pytest.mark.usefixtures("busy_load")  # beside 3 busy processes per core
 def test_frozen_primary_fenced_replaced_and_refused_after_waking(client):
     s = ParameterServer.create(client, size=N, shard_bytes=SHARD)
     pushers = [PushLoad(s, 1), PushLoad(s, 2)]

@@ -5,8 +5,6 @@ PS settings: a primary frozen (SIGSTOP) mid-training, and every holder of a shar
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 
 import dask
@@ -14,7 +12,14 @@ import pytest
 
 import adam_dask
 from adam_dask.ps.runtime.rpc import call_actor
-from adam_dask.testing import fit_in_background, freeze, hard_kill, synthetic_store, thaw
+from adam_dask.testing import (
+    fit_in_background,
+    freeze,
+    hard_kill,
+    role_worker,
+    synthetic_store,
+    thaw,
+)
 from adam_dask.train.trainer import Trainer
 
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"
@@ -140,18 +145,7 @@ def test_training_through_the_loss_of_every_copy_of_a_shard(store, cluster, tmp_
         t.close()
 
 
-def _ps_worker(scheduler: str, host: str) -> subprocess.Popen:
-    """A ``dask worker --resources PS=1`` process on loopback host ``host``, as a PS pod runs
-    one: SIGTERM (an eviction) makes it close its worker gracefully and exit."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "distributed.cli.dask_worker", scheduler, "--nthreads", "2"]
-        + ["--resources", "PS=1", "--no-nanny", "--host", host, "--name", "ps-evicted"]
-        + ["--memory-limit", "2GiB"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-
-
+@pytest.mark.usefixtures("busy_load")  # beside 3 busy processes per core
 @pytest.mark.timeout(900)
 def test_training_through_a_ps_worker_evicted(store, tmp_path):
     """SIGTERM to a PS worker's own process mid-training (a pod evicted: its worker closes
@@ -160,7 +154,7 @@ def test_training_through_a_ps_worker_evicted(store, tmp_path):
     with adam_dask.cluster.local(
         ps_nodes=3, data_nodes=1, trainers=2, trainer_threads=1, memory_limit="2 GiB"
     ) as client:
-        proc = _ps_worker(client.scheduler.address, "127.0.0.9")
+        proc = role_worker(client.scheduler.address, "PS", name="ps-evicted", host="127.0.0.9")
         t = None
         try:
             deadline = time.monotonic() + 120

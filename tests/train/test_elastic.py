@@ -5,15 +5,13 @@ stops being counted."""
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 import adam_dask
 from adam_dask.cluster import TRAIN, workers_with_role
-from adam_dask.testing import fit_in_background, synthetic_store
+from adam_dask.testing import fit_in_background, role_worker, synthetic_store
 from adam_dask.train.trainer import Trainer
 
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"
@@ -22,31 +20,6 @@ SPEC = "conv5x5:6,maxpool2,fc32,fc10"
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     return synthetic_store(tmp_path_factory.mktemp("elastic-data"), n_train=768, n_test=256)
-
-
-def _start_train_worker(scheduler: str) -> subprocess.Popen:
-    """A plain ``dask worker --resources TRAIN=1`` process, as an operator would add one."""
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "distributed.cli.dask_worker",
-            scheduler,
-            "--nthreads",
-            "1",
-            "--resources",
-            "TRAIN=1",
-            "--no-nanny",
-            "--host",
-            "127.0.0.1",
-            "--memory-limit",
-            "2GiB",
-            "--name",
-            "train-added",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
 
 
 def _wait_trainers(client, n: int, timeout: float = 120) -> list[str]:
@@ -71,7 +44,7 @@ def test_a_train_worker_added_between_epochs_gets_a_replica(store):
             assert t.replicas is None  # "auto": decided at each epoch's start
             t.fit(epochs=1)
             assert t.history.last["replicas"] == 1
-            proc = _start_train_worker(client.scheduler.address)
+            proc = role_worker(client.scheduler.address, TRAIN, name="train-added", nthreads=1)
             added = set(_wait_trainers(client, 2)) - set(t.history.last["replica_workers"])
             t.fit(epochs=2)
             rec = t.history.last
@@ -98,7 +71,7 @@ def test_a_train_worker_evicted_mid_epoch_loses_no_image(store):
     with adam_dask.cluster.local(
         ps_nodes=3, data_nodes=1, trainers=1, trainer_threads=1, memory_limit="2 GiB"
     ) as client:
-        proc = _start_train_worker(client.scheduler.address)
+        proc = role_worker(client.scheduler.address, TRAIN, name="train-added", nthreads=1)
         t = None
         try:
             _wait_trainers(client, 2)

@@ -44,6 +44,8 @@ def _wait_for_images(trainer, epoch, n, box, timeout=300):
     )
 
 
+@pytest.mark.timeout(900)
+@pytest.mark.usefixtures("busy_load")  # beside 3 busy processes per core
 def test_train_worker_killed_mid_epoch(store, cluster):
     t = Trainer(
         store,

@@ -17,6 +17,7 @@ N_TRAIN = 768
 SETUP = """
 import json, adam_dask
 from adam_dask.train.trainer import Trainer
+
 client = adam_dask.cluster.local(ps_nodes=3, data_nodes=1, trainers=1, trainer_threads=1)
 trainer = Trainer({store!r}, client=client, progress=False, push_every=64, batch_size=8,
                   slow_replicas={{0: 0.4}}, seed=0)
@@ -54,6 +55,7 @@ def _applied(client, server_id: str) -> int:
     return int(ParameterServer.attach(client, server_id).stats()["pushes_applied"])
 
 
+@pytest.mark.usefixtures("busy_load")  # beside 3 busy processes per core
 @pytest.mark.slow
 def test_an_interrupted_fit_leaves_no_replica_running_and_the_next_fit_is_exact(tmp_path):
     from distributed import Client

@@ -89,9 +89,12 @@ class NodeKeeper:
             allow_other_workers=False,
             pure=False,
         )
+        # one bound for the whole creation: the actor made, then its kernels loaded
+        deadline = time.monotonic() + float(config.get("ps.create-timeout"))
         try:
-            await asyncio.wait_for(fut, self.timeout)
-            await call_actor(self.scheduler.rpc, addr, key, "start", key, timeout=self.timeout)
+            await asyncio.wait_for(fut, deadline - time.monotonic())
+            left = max(1.0, deadline - time.monotonic())
+            await call_actor(self.scheduler.rpc, addr, key, "start", key, timeout=left)
         except BaseException:
             fut.release()
             raise
