@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import mnist_store, mnist_subset_store, record  # noqa: E402
+from _common import mnist_store, mnist_subset_store, record
 
 logger = logging.getLogger("evictions")
 

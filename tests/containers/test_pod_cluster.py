@@ -104,9 +104,9 @@ def run(pod_cluster_factory, data) -> dict:
             records = wait_for(
                 lambda n=epoch: finished(n),
                 timeout=600,
-                what=lambda n=epoch: (
+                what=lambda n=epoch, pod=job_pod: (
                     f"epoch {n - 1}'s record; the job's log ends "
-                    + cluster.logs(job_pod, tail=10)[-1500:]
+                    + cluster.logs(pod, tail=10)[-1500:]
                 ),
             )
             # 30% into the epoch: from when its predecessor's record was written

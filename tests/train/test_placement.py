@@ -47,9 +47,7 @@ def test_nowhere_free_nothing_moves_and_each_free_slot_takes_one():
 
 
 def test_a_worker_with_its_own_queue_is_the_last_choice():
-    got = plan_moves(
-        {"a": Slots(1, 1, [("r0", 1)]), "b": Slots(1, 0, [("s0", 1)]), "c": Slots(1)}
-    )
+    got = plan_moves({"a": Slots(1, 1, [("r0", 1)]), "b": Slots(1, 0, [("s0", 1)]), "c": Slots(1)})
     assert got == [("r0", "a", "c")]
 
 
