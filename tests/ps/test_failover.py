@@ -14,6 +14,10 @@ from adam_dask.ps import ParameterServer
 from adam_dask.testing import PushLoad, push_on, stop_and_check_sum
 from adam_dask.testing import hard_kill as kill_workers
 
+# beside three busy processes per core (tests/conftest.py): noisy neighbours, the bounds
+# those of a quiet machine
+pytestmark = pytest.mark.usefixtures("busy_load")
+
 logger = logging.getLogger(__name__)
 
 SHARD = 1 << 16
@@ -118,7 +122,6 @@ def test_kill_two_of_three_holders(fo_client):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.usefixtures("busy_load")  # beside 3 busy processes per core
 def test_kill_every_holder_while_pushing_loses_no_acknowledged_push(fo_client, tmp_path):
     """Every PS worker (all three copies of every shard) killed at once, mid-push: the shards
     come back from the checkpoint, which lags the pushes by up to a write-back interval; the

@@ -20,6 +20,10 @@ from adam_dask.ps.protocol.shard import ShardCopy
 from adam_dask.ps.runtime.rpc import call_actor
 from adam_dask.testing import PushLoad, freeze, push_on, stop_and_check_sum, thaw
 
+# beside three busy processes per core (tests/conftest.py): noisy neighbours, the bounds
+# those of a quiet machine
+pytestmark = pytest.mark.usefixtures("busy_load")
+
 SHARD = 1 << 16
 N = 3 * (SHARD // 4) + 11  # 4 shards
 
@@ -42,7 +46,6 @@ def wait_for(cond, what: str, timeout: float = 120):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.usefixtures("busy_load")  # beside 3 busy processes per core
 def test_frozen_primary_fenced_replaced_and_refused_after_waking(client):
     s = ParameterServer.create(client, size=N, shard_bytes=SHARD)
     pushers = [PushLoad(s, 1), PushLoad(s, 2)]

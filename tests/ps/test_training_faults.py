@@ -22,6 +22,10 @@ from adam_dask.testing import (
 )
 from adam_dask.train.trainer import Trainer
 
+# beside three busy processes per core (tests/conftest.py): noisy neighbours, the bounds
+# those of a quiet machine
+pytestmark = pytest.mark.usefixtures("busy_load")
+
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"
 
 
@@ -145,7 +149,6 @@ def test_training_through_the_loss_of_every_copy_of_a_shard(store, cluster, tmp_
         t.close()
 
 
-@pytest.mark.usefixtures("busy_load")  # beside 3 busy processes per core
 @pytest.mark.timeout(900)
 def test_training_through_a_ps_worker_evicted(store, tmp_path):
     """SIGTERM to a PS worker's own process mid-training (a pod evicted: its worker closes

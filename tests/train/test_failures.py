@@ -14,6 +14,10 @@ from adam_dask.testing import fit_in_background, freeze, synthetic_store, thaw
 from adam_dask.testing import hard_kill as kill_workers
 from adam_dask.train.trainer import Trainer
 
+# beside three busy processes per core (tests/conftest.py): noisy neighbours, the bounds
+# those of a quiet machine
+pytestmark = pytest.mark.usefixtures("busy_load")
+
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"
 
 
@@ -45,7 +49,6 @@ def _wait_for_images(trainer, epoch, n, box, timeout=300):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.usefixtures("busy_load")  # beside 3 busy processes per core
 def test_train_worker_killed_mid_epoch(store, cluster):
     t = Trainer(
         store,

@@ -12,6 +12,10 @@ import pytest
 
 from adam_dask.testing import synthetic_store
 
+# beside three busy processes per core (tests/conftest.py): noisy neighbours, the bounds
+# those of a quiet machine
+pytestmark = pytest.mark.usefixtures("busy_load")
+
 N_TRAIN = 768
 
 SETUP = """
@@ -55,7 +59,6 @@ def _applied(client, server_id: str) -> int:
     return int(ParameterServer.attach(client, server_id).stats()["pushes_applied"])
 
 
-@pytest.mark.usefixtures("busy_load")  # beside 3 busy processes per core
 @pytest.mark.slow
 def test_an_interrupted_fit_leaves_no_replica_running_and_the_next_fit_is_exact(tmp_path):
     from distributed import Client
