@@ -114,20 +114,24 @@ def run_epoch(
     holds training up), ``evaluate`` the weights; the epoch's history record."""
     job = jobs[0]
     ps_before = ps_stats(server)
-    if plan is not None:
-        from ._partition_task import run_partitioned
+    try:
+        if plan is not None:
+            from ._partition_task import run_partitioned
 
-        run = run_partitioned(
-            client,
-            jobs,
-            server=server,
-            data=data,
-            quorum=quorum,
-            bounds=plan.bounds(),
-            window=plan.window,
-        )
-    else:
-        run = run_replicas(client, jobs, server=server, data=data, quorum=quorum)
+            run = run_partitioned(
+                client,
+                jobs,
+                server=server,
+                data=data,
+                quorum=quorum,
+                bounds=plan.bounds(),
+                window=plan.window,
+            )
+        else:
+            run = run_replicas(client, jobs, server=server, data=data, quorum=quorum)
+    except BaseException:
+        keep_what_was_trained(server)
+        raise
     t = time.perf_counter()
     server.flush(copies_only=True)
     flush_seconds = time.perf_counter() - t
@@ -148,6 +152,20 @@ def run_epoch(
         mode=job.settings.mode,
         images_applied=images_applied,
     )
+
+
+def keep_what_was_trained(server: Any) -> None:
+    """An epoch stopped (the user's interrupt, a job's SIGTERM, an error), its replicas stopped:
+    have the checkpoint take every push applied so far, so a run resumed from it (a Job's pod
+    started again) re-trains none of the epoch's images. Bounded by ``adam.train.stop-timeout``
+    (a pod's grace period is short); a checkpoint that can not take them is logged, not raised:
+    the stop under way is what the caller sees."""
+    if server is None or getattr(server, "checkpoint", None) is None:
+        return
+    try:
+        server.flush(timeout=float(config.get("train.stop-timeout")))
+    except Exception as exc:
+        logger.warning("the stopped epoch's pushes are not all in the checkpoint: %s", exc)
 
 
 def ps_stats(server: Any) -> dict:
