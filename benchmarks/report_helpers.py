@@ -220,13 +220,52 @@ def faults(line: dict) -> str:
     )
 
 
+def _measured(line: dict, run: str) -> list[float]:
+    """[median, max] of the load average a chaos line sampled during its ``run`` (none: [])."""
+    v = rules.get(line, f"load_measured/{run}")
+    return v if isinstance(v, list) and len(v) == 2 and rules.is_num(*v) else []
+
+
+def noise(line: dict) -> str:
+    """The noisy neighbours a chaos line ran beside, in words: the worker its ``throttle`` held
+    under a CPU quota, the busy processes of its ``--load`` and the load measured meanwhile
+    ("" for a line with neither)."""
+    out = ""
+    quota = rules.get(line, "throttle/quota")
+    if isinstance(quota, dict) and rules.is_num(quota.get("fraction"), quota.get("seconds")):
+        how = (
+            f"{quota.get('mechanism')} CFS quota, throttled in {quota.get('throttled_periods')}"
+            f" of {quota.get('periods')} periods"
+            if str(quota.get("mechanism", "")).startswith("cgroup")
+            else "SIGSTOP/SIGCONT duty cycle"
+        )
+        out += (
+            f"; a {line['throttle'].get('role', '?')} worker held to "
+            f"{100 * quota['fraction']:g}% of a core for {rules.num(quota['seconds'])} s ({how})"
+        )
+    busy, per_core = line.get("busy_processes"), line.get("load_per_core")
+    if rules.is_num(busy, per_core) and busy:
+        out += (
+            f"; beside {busy} busy process{'es' * (busy != 1)} ({per_core:g} per core) in both runs"
+        )
+    shown = [
+        f"median {rules.num(v[0])}, max {rules.num(v[1])} in the {name} run"
+        for run, name in (("faulted", "faulted"), ("clean", "undisturbed"))
+        if (v := _measured(line, run))
+    ]
+    if shown:
+        out += "; load average " + "; ".join(shown)
+    return out
+
+
 def chaos(claim: Claim, line: dict) -> Figure | None:
     """A training run through faults: did it finish, was every image applied once, its
-    accuracy and time beside the same run undisturbed."""
+    accuracy and time beside the same run undisturbed; the noisy neighbours it ran beside and
+    its slowest epoch beside the undisturbed run's median."""
     if "completed" not in line:
         return None
     acc, clean = line.get("test_accuracy") or [], line.get("clean_test_accuracy") or []
-    what = record.fill(claim.what, [{"faults": faults(line)}, line])
+    what = record.fill(claim.what, [{"faults": faults(line), "noise": noise(line)}, line])
     peer = "the same run undisturbed: " + (
         f"{rules.pc(clean[-1])} in {rules.num(line['clean_seconds'])} s"
         if clean
@@ -255,7 +294,16 @@ def chaos(claim: Claim, line: dict) -> Figure | None:
             words += ", " + rules.speed_words(
                 line, f"{rules.ratio(r)} the time {claim.peer_name} takes", r
             )
+    if rules.is_num(line.get("epoch_ratio_max")) and not rules.busy(line):
+        words += (
+            f"; its slowest epoch {rules.ratio(line['epoch_ratio_max'])} the undisturbed "
+            "run's median epoch"
+        )
     brief += "" if once else ", not every image once"
+    if rules.get(line, "throttle/role"):
+        brief += f", a {line['throttle']['role']} worker throttled"
+    if rules.is_num(line.get("load_per_core")) and line.get("busy_processes"):
+        brief += f", {line['load_per_core']:g} busy per core"
     return Figure(what, ours, peer, words, brief)
 
 
