@@ -52,7 +52,8 @@ known from heartbeats), ``healthy``, ``heartbeat_gap_max`` (the longest silence 
 worker's heartbeats), with ``--netns`` ``workers_retired``: PS workers the controller removed);
 ``epoch_seconds`` and ``clean_epoch_seconds`` (each epoch's seconds) and ``epoch_ratio_max`` (the
 faulted run's slowest epoch over the clean run's median epoch); ``load_per_core`` and
-``busy_processes`` (those still running when the faulted run ended); ``load_measured`` (the
+``busy_processes`` (started) and ``busy_alive`` (the fewest seen running, sampled each second
+of each run: ``{"clean": n, "faulted": n}``); ``load_measured`` (the
 1-minute load average sampled each second of each run: ``{"clean": [median, max], "faulted":
 [median, max]}``) and ``load_average`` (its highest); ``throttle`` (role, fraction, seconds asked,
 the quota's record) or null.
@@ -101,11 +102,14 @@ logger = logging.getLogger("chaos")
 
 
 class LoadSampler(threading.Thread):
-    """The machine's 1-minute load average, sampled every second until :meth:`stop`."""
+    """The machine's 1-minute load average and how many of ``busy``'s processes run, sampled
+    every second until :meth:`stop`."""
 
-    def __init__(self):
+    def __init__(self, busy):
         super().__init__(daemon=True, name="chaos-load")
+        self.busy = busy
         self.samples: list[float] = []
+        self.alive: list[int] = []
         self.halt = threading.Event()
 
     def run(self) -> None:
@@ -113,15 +117,17 @@ class LoadSampler(threading.Thread):
 
         while True:
             self.samples.append(load_average())
+            self.alive.append(self.busy.alive)
             if self.halt.wait(1.0):
                 return
 
-    def stop(self) -> list[float] | None:
-        """Stop sampling; [median, max] of the samples (None without one)."""
+    def stop(self) -> tuple[list[float] | None, int]:
+        """Stop sampling: ([median, max] of the load samples, None without one; the fewest
+        busy processes seen running)."""
         self.halt.set()
         self.join()
         s = self.samples
-        return [round(statistics.median(s), 2), max(s)] if s else None
+        return ([round(statistics.median(s), 2), max(s)] if s else None), min(self.alive, default=0)
 
 
 class Injector(threading.Thread):
@@ -277,7 +283,7 @@ def kinds(text: str) -> list[str]:
     return [k.strip() for k in text.split(",") if k.strip() and k.strip() != "none"]
 
 
-def run(url: str, args: argparse.Namespace, faults: bool) -> dict:
+def run(url: str, args: argparse.Namespace, faults: bool, busy) -> dict:
     import adam_dask
 
     with tempfile.TemporaryDirectory(prefix="adam-chaos-") as tmp, contextlib.ExitStack() as stack:
@@ -296,7 +302,7 @@ def run(url: str, args: argparse.Namespace, faults: bool) -> dict:
                 url, client=client, checkpoint=f"{tmp}/ckpt", progress=False, seed=args.seed
             )
             injector = Injector(client, trainer, args, net) if faults else None
-            sampler = LoadSampler()
+            sampler = LoadSampler(busy)
             sampler.start()
             t0 = time.perf_counter()
             history, error = None, None
@@ -309,7 +315,7 @@ def run(url: str, args: argparse.Namespace, faults: bool) -> dict:
                     error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                     logger.exception("the run ended")
                 seconds = time.perf_counter() - t0
-                load = sampler.stop()
+                load, alive = sampler.stop()
                 if injector is not None:
                     injector.done.set()
                     injector.join(timeout=120)
@@ -329,6 +335,7 @@ def run(url: str, args: argparse.Namespace, faults: bool) -> dict:
         "images_retrained": [r.get("images_retrained") for r in records],
         "epoch_seconds": [r.get("seconds") for r in records],
         "load": load,
+        "busy_alive": alive,
         "faults": sorted(injector.log, key=lambda f: f["second"]) if injector is not None else [],
         "faults_not_sent": injector.failures if injector is not None else [],
         "ps": {
@@ -370,9 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     from adam_dask.testing.noise import BusyLoad
 
     with BusyLoad(args.load) as busy:
-        clean = run(url, args, faults=False)
-        hit = run(url, args, faults=True)
-        busy_processes = busy.alive  # none is replaced: those that ran throughout
+        clean = run(url, args, faults=False, busy=busy)
+        hit = run(url, args, faults=True, busy=busy)
     throttle = None
     if args.throttle:
         held = [f.get("quota") for f in hit["faults"] if f["kind"].startswith("throttle-")]
@@ -392,11 +398,13 @@ def main(argv: list[str] | None = None) -> int:
             "freeze_seconds": args.freeze,
             "kinds": kinds(args.kinds),
             "load_per_core": args.load,
-            "busy_processes": busy_processes,
+            "busy_processes": busy.count,
+            # the fewest seen running in each run (one that dies is not replaced)
+            "busy_alive": {"clean": clean["busy_alive"], "faulted": hit["busy_alive"]},
             "throttle": throttle,
             "netns": bool(args.netns),
             "n_train": args.n_train or 60000,
-            **{k: v for k, v in hit.items() if k != "load"},
+            **{k: v for k, v in hit.items() if k not in ("load", "busy_alive")},
             "load_measured": {"clean": clean["load"], "faulted": hit["load"]},
             # the highest sampled: what report.py shows and judges a line's load by
             "load_average": max((r["load"][1] for r in (clean, hit) if r["load"]), default=None),

@@ -245,9 +245,14 @@ def noise(line: dict) -> str:
         )
     busy, per_core = line.get("busy_processes"), line.get("load_per_core")
     if rules.is_num(busy, per_core) and busy:
-        out += (
-            f"; beside {busy} busy process{'es' * (busy != 1)} ({per_core:g} per core) in both runs"
-        )
+        out += f"; {busy} busy process{'es' * (busy != 1)} ({per_core:g} per core)"
+        alive = line.get("busy_alive") or {}
+        fewer = [
+            f"as few as {alive[run]} running in the {name} run"
+            for run, name in (("faulted", "faulted"), ("clean", "undisturbed"))
+            if rules.is_num(alive.get(run)) and alive[run] < busy
+        ]
+        out += " started, " + ", ".join(fewer) if fewer else " beside both runs"
     shown = [
         f"median {rules.num(v[0])}, max {rules.num(v[1])} in the {name} run"
         for run, name in (("faulted", "faulted"), ("clean", "undisturbed"))
