@@ -276,6 +276,11 @@ def chaos(claim: Claim, line: dict) -> Figure | None:
         if clean
         else "did not finish"
     )
+    neighbours = ""  # for the list of every run
+    if rules.get(line, "throttle/role"):
+        neighbours += f", a {line['throttle']['role']} worker throttled"
+    if rules.is_num(line.get("load_per_core")) and line.get("busy_processes"):
+        neighbours += f", {line['load_per_core']:g} busy per core"
     if not line["completed"]:
         error = str(line.get("error") or "?").split(":")[0]
         return Figure(
@@ -283,7 +288,7 @@ def chaos(claim: Claim, line: dict) -> Figure | None:
             f"did not finish ({error}) after {line.get('epochs_done', 0)} epochs",
             peer,
             "did not finish",
-            f"ended ({error})",
+            f"ended ({error}){neighbours}",
         )
     once = line.get("every_image_applied_once")
     ours = (
@@ -304,11 +309,7 @@ def chaos(claim: Claim, line: dict) -> Figure | None:
             f"; its slowest epoch {rules.ratio(line['epoch_ratio_max'])} the undisturbed "
             "run's median epoch"
         )
-    brief += "" if once else ", not every image once"
-    if rules.get(line, "throttle/role"):
-        brief += f", a {line['throttle']['role']} worker throttled"
-    if rules.is_num(line.get("load_per_core")) and line.get("busy_processes"):
-        brief += f", {line['load_per_core']:g} busy per core"
+    brief += ("" if once else ", not every image once") + neighbours
     return Figure(what, ours, peer, words, brief)
 
 
