@@ -251,7 +251,7 @@ CLAIMS: tuple[Claim, ...] = (
     Claim(
         bench="chaos",
         name="through faults",
-        what="Training through {faults}, {epochs} epochs of {n_train:num} images",
+        what="Training through {faults}, {epochs} epochs of {n_train:num} images{noise}",
         peer_name="the undisturbed run",
         figure=helpers.chaos,
     ),

@@ -220,18 +220,67 @@ def faults(line: dict) -> str:
     )
 
 
+def _measured(line: dict, run: str) -> list[float]:
+    """[median, max] of the load average a chaos line sampled during its ``run`` (none: [])."""
+    v = rules.get(line, f"load_measured/{run}")
+    return v if isinstance(v, list) and len(v) == 2 and rules.is_num(*v) else []
+
+
+def noise(line: dict) -> str:
+    """The noisy neighbours a chaos line ran beside, in words: the worker its ``throttle`` held
+    under a CPU quota, the busy processes of its ``--load`` and the load measured meanwhile
+    ("" for a line with neither)."""
+    out = ""
+    quota = rules.get(line, "throttle/quota")
+    if isinstance(quota, dict) and rules.is_num(quota.get("fraction"), quota.get("seconds")):
+        how = (
+            f"{quota.get('mechanism')} CFS quota, throttled in {quota.get('throttled_periods')}"
+            f" of {quota.get('periods')} periods"
+            if str(quota.get("mechanism", "")).startswith("cgroup")
+            else "SIGSTOP/SIGCONT duty cycle"
+        )
+        out += (
+            f"; a {line['throttle'].get('role', '?')} worker held to "
+            f"{100 * quota['fraction']:g}% of a core for {rules.num(quota['seconds'])} s ({how})"
+        )
+    busy, per_core = line.get("busy_processes"), line.get("load_per_core")
+    if rules.is_num(busy, per_core) and busy:
+        out += f"; {busy} busy process{'es' * (busy != 1)} ({per_core:g} per core)"
+        alive = line.get("busy_alive") or {}
+        fewer = [
+            f"as few as {alive[run]} running in the {name} run"
+            for run, name in (("faulted", "faulted"), ("clean", "undisturbed"))
+            if rules.is_num(alive.get(run)) and alive[run] < busy
+        ]
+        out += " started, " + ", ".join(fewer) if fewer else " beside both runs"
+    shown = [
+        f"median {rules.num(v[0])}, max {rules.num(v[1])} in the {name} run"
+        for run, name in (("faulted", "faulted"), ("clean", "undisturbed"))
+        if (v := _measured(line, run))
+    ]
+    if shown:
+        out += "; load average " + "; ".join(shown)
+    return out
+
+
 def chaos(claim: Claim, line: dict) -> Figure | None:
     """A training run through faults: did it finish, was every image applied once, its
-    accuracy and time beside the same run undisturbed."""
+    accuracy and time beside the same run undisturbed; the noisy neighbours it ran beside and
+    its slowest epoch beside the undisturbed run's median."""
     if "completed" not in line:
         return None
     acc, clean = line.get("test_accuracy") or [], line.get("clean_test_accuracy") or []
-    what = record.fill(claim.what, [{"faults": faults(line)}, line])
+    what = record.fill(claim.what, [{"faults": faults(line), "noise": noise(line)}, line])
     peer = "the same run undisturbed: " + (
         f"{rules.pc(clean[-1])} in {rules.num(line['clean_seconds'])} s"
         if clean
         else "did not finish"
     )
+    neighbours = ""  # for the list of every run
+    if rules.get(line, "throttle/role"):
+        neighbours += f", a {line['throttle']['role']} worker throttled"
+    if rules.is_num(line.get("load_per_core")) and line.get("busy_processes"):
+        neighbours += f", {line['load_per_core']:g} busy per core"
     if not line["completed"]:
         error = str(line.get("error") or "?").split(":")[0]
         return Figure(
@@ -239,7 +288,7 @@ def chaos(claim: Claim, line: dict) -> Figure | None:
             f"did not finish ({error}) after {line.get('epochs_done', 0)} epochs",
             peer,
             "did not finish",
-            f"ended ({error})",
+            f"ended ({error}){neighbours}",
         )
     once = line.get("every_image_applied_once")
     ours = (
@@ -255,7 +304,12 @@ def chaos(claim: Claim, line: dict) -> Figure | None:
             words += ", " + rules.speed_words(
                 line, f"{rules.ratio(r)} the time {claim.peer_name} takes", r
             )
-    brief += "" if once else ", not every image once"
+    if rules.is_num(line.get("epoch_ratio_max")) and not rules.busy(line):
+        words += (
+            f"; its slowest epoch {rules.ratio(line['epoch_ratio_max'])} the undisturbed "
+            "run's median epoch"
+        )
+    brief += ("" if once else ", not every image once") + neighbours
     return Figure(what, ours, peer, words, brief)
 
 
