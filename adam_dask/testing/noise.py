@@ -183,7 +183,7 @@ class CpuQuota:
         return int(stat.get("nr_periods", 0)), int(stat.get("nr_throttled", 0))
 
     def _leave_cgroup(self) -> None:
-        assert self.group is not None
+        assert self.group is not None and self.root is not None
         try:
             self.stats.periods, self.stats.throttled = self._cgroup_counts()
         except OSError:
@@ -194,7 +194,7 @@ class CpuQuota:
             if not procs:
                 break
             for pid in procs:
-                home = self.home.get(pid, self.root)
+                home: Path = self.home.get(pid, self.root)
                 try:
                     (home / "cgroup.procs").write_text(str(pid))
                 except (ProcessLookupError, OSError):
