@@ -88,9 +88,8 @@ def hold_under_quota(client, t, box, addr: str) -> dict:
 
 
 def check_every_image_once(box):
-    th_box = box
-    assert "error" not in th_box, th_box.get("error")
-    hist = th_box["history"]
+    assert "error" not in box, box.get("error")
+    hist = box["history"]
     print("epoch seconds", [round(x, 1) for x in hist.column("seconds")])
     assert hist.column("images_applied") == hist.column("images"), hist.records
     assert set(hist.column("images_retrained")) == {0}, hist.records
