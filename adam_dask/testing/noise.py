@@ -74,15 +74,22 @@ class BusyLoad:
 @dataclass
 class QuotaStats:
     """What the quota did: ``mechanism`` ("cgroup-v1", "cgroup-v2" or "signals"), the CFS
-    periods it ran and in how many the processes were throttled (signals: every period), and
-    the seconds it was held."""
+    periods it ran and in how many the processes were throttled (signals: every period), the
+    seconds it was held and the CPU seconds the processes used meanwhile (every thread, from
+    ``/proc``)."""
 
     mechanism: str
     fraction: float
     periods: int = 0
     throttled: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     pids: list[int] = field(default_factory=list)
+
+    @property
+    def allowed_seconds(self) -> float:
+        """The CPU seconds the quota allowed while it was held."""
+        return self.fraction * self.seconds
 
     def as_record(self) -> dict:
         return {
@@ -91,6 +98,7 @@ class QuotaStats:
             "periods": self.periods,
             "throttled_periods": self.throttled,
             "seconds": round(self.seconds, 2),
+            "cpu_seconds": round(self.cpu_seconds, 2),
         }
 
 
@@ -143,6 +151,7 @@ class CpuQuota:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
+        self._cpu0 = 0.0
 
     # -- cgroups ---------------------------------------------------------------------------------
     def _own_group(self, pid: int) -> Path:
@@ -223,9 +232,22 @@ class CpuQuota:
             except ProcessLookupError:
                 pass
 
+    def _cpu_seconds(self) -> float:
+        """User and system CPU seconds the processes used so far (those still alive)."""
+        total = 0
+        for pid in self.pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+        return total / os.sysconf("SC_CLK_TCK")
+
     # -- the context -----------------------------------------------------------------------------
     def __enter__(self) -> CpuQuota:
         self._t0 = time.monotonic()
+        self._cpu0 = self._cpu_seconds()
         if self.mechanism == "signals":
             self._thread = threading.Thread(target=self._duty_cycle, name="cpu-quota", daemon=True)
             self._thread.start()
@@ -246,4 +268,5 @@ class CpuQuota:
         else:
             self._leave_cgroup()
         self.stats.seconds = time.monotonic() - self._t0
+        self.stats.cpu_seconds = self._cpu_seconds() - self._cpu0
         logger.info("quota lifted: %s", self.stats.as_record())
