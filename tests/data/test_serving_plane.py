@@ -342,3 +342,52 @@ def test_training_goes_on_when_a_data_worker_is_evicted(store):
             assert h.column("images_applied") == [N_TRAIN, N_TRAIN]  # none lost, none twice
             assert h.column("images_retrained") == [0, 0]
             t.close()
+
+
+def slow_reader_task(service, go: str, every: float = 0.1):
+    """On a TRAIN worker: a stream read one batch per ``every`` seconds (a replica training),
+    returning to a DATA worker every 0.5 s; until ``go``, a few batches only."""
+    from distributed import Event
+
+    with dask.config.set({"adam.serving.return-interval": 0.5}):
+        stream = service.stream(0, 1, 0, batch_size=8, return_index=True)
+        got = [next(stream) for _ in range(4)]
+        Event(f"{go}-ready").set()
+        Event(go).wait(timeout=120)
+        moved_at = None
+        for batch in stream:
+            got.append(batch)
+            if moved_at is None and stream.stats()["returns"]:
+                moved_at = len(got)
+            time.sleep(every)
+        return got, moved_at, stream.stats()
+
+
+def test_an_evicted_data_workers_partition_moves_to_its_replacement(store, arrays):
+    """The only DATA worker evicted mid-stream: the stream serves its partition itself, then
+    moves it to a DataServer it starts on the replacement worker in the background, and takes
+    its batches from there for the rest of the epoch; every image once."""
+    from distributed import Event
+
+    with adam_dask.cluster.local(
+        ps_nodes=0, data_nodes=0, trainers=1, memory_limit="2 GiB"
+    ) as client:
+        with _evictable_data_worker(client) as evict:
+            svc = DataService.create(client, store, augment=AUG, seed=7, batch_size=8)
+            task = client.submit(slow_reader_task, svc, "mv", resources={"TRAIN": 1}, pure=False)
+            assert Event("mv-ready", client=client).wait(timeout=120)
+            evict(Event("mv", client=client).set)  # the reader goes on while its worker closes
+            (new,) = _wait_data_workers(client, 1)
+            got, moved_at, stats = task.result(timeout=300)
+            assert svc.generation(0) >= 1 and svc.servers() == [new]
+            svc.close()
+    images, labels = arrays
+    idx = np.concatenate([b[2] for b in got])
+    assert len(idx) == N_TRAIN and np.array_equal(np.sort(idx), np.arange(N_TRAIN))
+    for x, y, i in got:
+        assert np.array_equal(y, labels[i])
+        np.testing.assert_array_equal(x, AUG.apply(images[i], i, seed=7, epoch=0))
+    assert stats["recoveries"] >= 1 and stats["returns"] == 1, stats
+    assert moved_at is not None and moved_at < len(got), (moved_at, stats)
+    # after the move the batches came from the new DataServer, not from this process
+    assert stats["local_batches"] < moved_at, (moved_at, stats)

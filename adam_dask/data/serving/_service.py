@@ -325,11 +325,12 @@ class DataService:
             logger.debug("partition %d: no published generation (%s)", p, exc)
         return refs[p]
 
-    def live_data_workers(self) -> list[str] | None:
+    def live_data_workers(self, silence: float | None = None) -> list[str] | None:
         """DATA workers whose heartbeats reach the scheduler: the last one arrived less than
-        ``adam.serving.heartbeat-timeout`` seconds ago (by the scheduler's clock, on which
-        it stamps them). ``None`` when the scheduler cannot say."""
-        silence = float(config.get("serving.heartbeat-timeout"))
+        ``silence`` seconds ago (``adam.serving.heartbeat-timeout``; by the scheduler's clock,
+        on which it stamps them; ``math.inf``: every DATA worker the scheduler has and that is
+        not closing). ``None`` when the scheduler cannot say."""
+        silence = float(config.get("serving.heartbeat-timeout", silence))
         client = _client()
         try:
             info = client.scheduler_info(n_workers=-1)["workers"]

@@ -11,18 +11,23 @@ A server that stops answering is noticed within seconds, not after ``call-timeou
 request that waits longer than ``adam.serving.probe-after`` sends the server a ``ping``, and a
 server that does not answer it within ``probe-timeout`` is lost (a frozen process keeps its
 sockets open but answers nothing). The stream then asks the service for a replacement on a live
-DATA worker and, with none, serves the partition itself; every ``return-interval`` seconds it
-looks for a DATA worker again and moves the partition back when one answers.
+DATA worker and, with none, serves the partition itself while a thread of its own starts a
+replacement as soon as a DATA worker joins (the replica trains on meanwhile) and the stream moves
+there once it runs; every ``return-interval`` seconds it also looks whether the lost server's
+own worker answers again (a frozen one thawed) and moves back to it. A stream opened after the
+server's worker left the cluster goes straight to recovery, without a probe.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,6 +109,11 @@ class BatchStream:
         if resume is not None or only is not None:
             self._restrict(resume or {}, only)
         self._sources: dict[int, Source] = {}
+        # replacements looked for in the background for partitions served here
+        self._starting: dict[int, Future] = {}
+        self._seeking: set[int] = set()
+        self._halt = threading.Event()
+        self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self.wait_seconds = self.max_wait_seconds = 0.0
         self.images_delivered = self.batches_delivered = self.local_batches = 0
@@ -174,7 +184,14 @@ class BatchStream:
         # loaded machine they arrive seconds late from a live worker (or the scheduler stamps
         # them late), so silence alone loses nothing; an open that waits is decided by a ping.
         refs = {p: self.service.server(p) for p in parts}
-        opening = [(p, ref, *self._start_open(p, ref)) for p, ref in refs.items()]
+        # a server whose worker left the cluster (evicted, removed) is not opened and probed
+        members = self.service.live_data_workers(math.inf)
+        opening = [
+            (p, ref, *self._start_open(p, ref))
+            if members is None or ref.address in members
+            else (p, ref, ServerLost(f"its worker {ref.address} left the cluster", "error"), None)
+            for p, ref in refs.items()
+        ]
         for p, ref, src, call in opening:  # collect the answers; a frozen server fails its probe
             out = self._finish_open(src, call)
             self._sources[p] = self._recover(p, out, ref) if isinstance(out, ServerLost) else out
@@ -248,7 +265,9 @@ class BatchStream:
         logger.warning(
             "stream %s: no DATA worker can serve partition %d; serving it here", self.sid, p
         )
-        return self._serve_locally(p, failed)
+        here = self._serve_locally(p, failed)
+        self._search(p, failed)
+        return here
 
     def _switch(self, p: int, new: Source, reissue: int) -> None:
         """Make ``new`` partition ``p``'s source: requests to the old one are dropped and
@@ -265,30 +284,71 @@ class BatchStream:
             self._issue(p)
 
     def _check_returns(self) -> None:
-        """Partitions served here move back to a DATA worker when one answers again."""
+        """Partitions served here move back to a DATA worker: to the replacement the
+        background search started, once it runs, or (looked for every ``return-interval``
+        seconds) to their DataServer when its worker answers again."""
         now = time.monotonic()
         for p, src in list(self._sources.items()):
-            if not (
-                isinstance(src, LocalSource) and src.lost is not None and now >= src.next_check
-            ):
+            if not (isinstance(src, LocalSource) and src.lost is not None):
                 continue
-            src.next_check = now + self._timing.return_interval
-            live = self.service.live_data_workers()
-            if not live:
-                continue
-            ref = self.service.server(p)
             back: Source | ServerLost | None = None
-            if ref.address in live:
-                back = self._connect(p, ref)
-            if back is None or isinstance(back, ServerLost):
-                ref2 = self.service.replacement(p, ref)
-                back = None if ref2 is None else self._connect(p, ref2)
-            if back is not None and not isinstance(back, ServerLost):
+            found = self._starting.get(p)
+            if found is not None and found.done():
+                self._forget_search(p)
+                try:
+                    ref = found.result()
+                except Exception as exc:
+                    logger.warning("stream %s: partition %d: no replacement: %s", self.sid, p, exc)
+                    ref = None
+                back = None if ref is None else self._connect(p, ref)
+            if not self._usable(back) and now >= src.next_check:
+                src.next_check = now + self._timing.return_interval
+                live = self.service.live_data_workers()
+                ref = self.service.server(p)
+                if live and ref.address in live:
+                    back = self._connect(p, ref)
+                if not self._usable(back):
+                    self._search(p, ref)
+            if self._usable(back):
+                assert back is not None and not isinstance(back, ServerLost)
+                self._forget_search(p)
                 logger.warning(
                     "stream %s: partition %d is served by a DATA worker again", self.sid, p
                 )
                 self.returns += 1
                 self._switch(p, back, 0)
+
+    @staticmethod
+    def _usable(src: Source | ServerLost | None) -> bool:
+        return src is not None and not isinstance(src, ServerLost)
+
+    # -- the background search for a replacement ----------------------------------------------------
+
+    def _search(self, p: int, failed: ServerRef) -> None:
+        """Start looking for a replacement of ``failed`` in a thread of this stream's own (the
+        replica trains on meanwhile: making one loads the partition); :meth:`_check_returns`
+        moves the partition once it runs."""
+        if p in self._starting:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"adam-data-{self.sid}")
+        self._seeking.add(p)
+        self._starting[p] = self._pool.submit(self._replace_when_live, p, failed)
+
+    def _forget_search(self, p: int) -> None:
+        self._seeking.discard(p)
+        self._starting.pop(p, None)
+
+    def _replace_when_live(self, p: int, failed: ServerRef) -> ServerRef | None:
+        """A replacement of ``failed`` on a live DATA worker, as soon as there is one; ``None``
+        once the stream ends or no longer needs it."""
+        poll = min(0.5, self._timing.return_interval)
+        while p in self._seeking and not self._halt.is_set():
+            ref = self.service.replacement(p, failed)
+            if ref is not None:
+                return ref
+            self._halt.wait(poll)
+        return None
 
     # -- iteration ----------------------------------------------------------------------------------
 
@@ -406,6 +466,9 @@ class BatchStream:
             self._pending.clear()
             for src in self._sources.values():
                 src.close()
+            self._halt.set()
+            if self._pool is not None:  # a search under way finishes on its own
+                self._pool.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
         """Stop early: release this stream's state on every server (does not wait)."""
