@@ -116,6 +116,10 @@ def pytest_configure(config):
     config._adam_runs = runs
     os.environ["DASK_ADAM__TRAIN__RUNS_DIR"] = runs
     dask.config.set({"adam.train.runs-dir": runs})
+    # every PS node and controller checks its invariants after every event (adam.ps.validate),
+    # here and in the worker, CLI and pipeline processes the tests start
+    os.environ["DASK_ADAM__PS__VALIDATE"] = "True"
+    dask.config.set({"adam.ps.validate": True})
 
 
 def pytest_unconfigure(config):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from adam_dask.ps import ParameterServer
+from adam_dask.ps.runtime.stimuli import validating
 from adam_dask.testing import PushLoad, push_on, stop_and_check_sum
 from adam_dask.testing import hard_kill as kill_workers
 
@@ -57,6 +58,8 @@ def check_placement(server: ParameterServer) -> None:
 
 @pytest.mark.usefixtures("busy_load")  # beside 3 busy processes per core
 def test_kill_primary_holder_while_pushing(fo_client):
+    # the nodes and the controller check their invariants after every event here
+    assert all(fo_client.run(validating).values()) and fo_client.run_on_scheduler(validating)
     s = ParameterServer.create(fo_client, size=N, shard_bytes=SHARD)
     try:
         victim = s.placement()[0][0]
@@ -86,7 +89,13 @@ def test_kill_primary_holder_while_pushing(fo_client):
         ]
         assert promoted and 0 in promoted[-1]["shards"], ctl
         node = story["nodes"][new_primary]
-        assert any(e["event"].startswith("Promote(") for e in node), node
+        promotions = [e for e in node if e["event"].startswith("Promote(")]
+        assert promotions, node
+        # one cause from end to end: the controller's call carried its stimulus id (Dask's
+        # removal of the worker, or the tick that found the node silent) to the node's story
+        cause = promoted[-1]["stimulus"]
+        assert cause in {e["stimulus"] for e in promotions}, (cause, promotions)
+        assert not cause.startswith("controller-"), cause  # a real stimulus, not a made-up id
         heal = info["heal_times"][heals_before:]
         assert heal
         logger.warning(

@@ -8,6 +8,7 @@ import pytest
 
 from adam_dask.ps.protocol.messages import (
     Assign,
+    Confirmed,
     Fence,
     Flush,
     Forward,
@@ -198,3 +199,15 @@ def test_a_forward_whose_push_ids_start_past_the_copy_is_refused_then_sent_whole
     assert again.snaps[0].full and [p for _, p in again.snaps[0].ids] == [20, 21, 22]
     (answer,) = replies(handle(fresh, Replicate("g", "p", again.snaps))).values()
     assert answer.held == {0: (3, 3)} and fresh.shards[0].ids() == {20: 1, 21: 2, 22: 3}
+
+
+def test_actions_carry_their_events_stimulus_and_handle_validates_when_asked(primary):
+    forwards = of(handle(primary, Pushes((push("x", 1, 100),), stimulus_id="push-100")), Forward)
+    forwards += of(handle(primary, ForwardDue(stimulus_id="forward-due-1")), Forward)
+    assert forwards and {f.stimulus_id for f in forwards} <= {"push-100", "forward-due-1"}
+    made_up = handle(primary, Confirmed("c", (0,)))  # no cause given: the machine names one
+    assert made_up and all(a.stimulus_id.startswith("node-") for a in made_up), made_up
+    primary.shards[0].gen = 9  # broken: only a validating handle says so
+    handle(primary, ForwardDue())
+    with pytest.raises(AssertionError, match="past the fence"):
+        handle(primary, ForwardDue(), validate=True)

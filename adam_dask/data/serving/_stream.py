@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +44,7 @@ from ._messages import (
     StreamExpired,
 )
 from ._plane_source import PlaneSource, check_mode, open_plane
+from ._search import ReplacementSearch
 from ._sources import ActorSource, LocalSource, Remote, Timing
 from ._types import ServerRef, Servers
 
@@ -110,10 +110,7 @@ class BatchStream:
             self._restrict(resume or {}, only)
         self._sources: dict[int, Source] = {}
         # replacements looked for in the background for partitions served here
-        self._starting: dict[int, Future] = {}
-        self._seeking: set[int] = set()
-        self._halt = threading.Event()
-        self._pool: ThreadPoolExecutor | None = None
+        self._search = ReplacementSearch(service, self.sid, min(0.5, self._timing.return_interval))
         self._closed = False
         self.wait_seconds = self.max_wait_seconds = 0.0
         self.images_delivered = self.batches_delivered = self.local_batches = 0
@@ -266,7 +263,7 @@ class BatchStream:
             "stream %s: no DATA worker can serve partition %d; serving it here", self.sid, p
         )
         here = self._serve_locally(p, failed)
-        self._search(p, failed)
+        self._search.start(p, failed)
         return here
 
     def _switch(self, p: int, new: Source, reissue: int) -> None:
@@ -292,9 +289,8 @@ class BatchStream:
             if not (isinstance(src, LocalSource) and src.lost is not None):
                 continue
             back: Source | ServerLost | None = None
-            found = self._starting.get(p)
-            if found is not None and found.done():
-                self._forget_search(p)
+            found = self._search.found(p)
+            if found is not None:
                 try:
                     ref = found.result()
                 except Exception as exc:
@@ -308,10 +304,10 @@ class BatchStream:
                 if live and ref.address in live:
                     back = self._connect(p, ref)
                 if not self._usable(back):
-                    self._search(p, ref)
+                    self._search.start(p, ref)
             if self._usable(back):
                 assert back is not None and not isinstance(back, ServerLost)
-                self._forget_search(p)
+                self._search.forget(p)
                 logger.warning(
                     "stream %s: partition %d is served by a DATA worker again", self.sid, p
                 )
@@ -321,34 +317,6 @@ class BatchStream:
     @staticmethod
     def _usable(src: Source | ServerLost | None) -> bool:
         return src is not None and not isinstance(src, ServerLost)
-
-    # -- the background search for a replacement ----------------------------------------------------
-
-    def _search(self, p: int, failed: ServerRef) -> None:
-        """Start looking for a replacement of ``failed`` in a thread of this stream's own (the
-        replica trains on meanwhile: making one loads the partition); :meth:`_check_returns`
-        moves the partition once it runs."""
-        if p in self._starting:
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"adam-data-{self.sid}")
-        self._seeking.add(p)
-        self._starting[p] = self._pool.submit(self._replace_when_live, p, failed)
-
-    def _forget_search(self, p: int) -> None:
-        self._seeking.discard(p)
-        self._starting.pop(p, None)
-
-    def _replace_when_live(self, p: int, failed: ServerRef) -> ServerRef | None:
-        """A replacement of ``failed`` on a live DATA worker, as soon as there is one; ``None``
-        once the stream ends or no longer needs it."""
-        poll = min(0.5, self._timing.return_interval)
-        while p in self._seeking and not self._halt.is_set():
-            ref = self.service.replacement(p, failed)
-            if ref is not None:
-                return ref
-            self._halt.wait(poll)
-        return None
 
     # -- iteration ----------------------------------------------------------------------------------
 
@@ -466,9 +434,7 @@ class BatchStream:
             self._pending.clear()
             for src in self._sources.values():
                 src.close()
-            self._halt.set()
-            if self._pool is not None:  # a search under way finishes on its own
-                self._pool.shutdown(wait=False, cancel_futures=True)
+            self._search.close()
 
     def close(self) -> None:
         """Stop early: release this stream's state on every server (does not wait)."""

@@ -30,6 +30,7 @@ from .messages import (
     WorkerAdded,
     WorkerRemoved,
     WriteReport,
+    caused_by,
 )
 from .story import shards_of
 
@@ -51,19 +52,22 @@ _HANDLERS: dict[type[Event], Callable[[ServerState, Any], list[Action]]] = {
 }
 
 
-def handle(state: ServerState, event: Event) -> list[Action]:
+def handle(state: ServerState, event: Event, *, validate: bool = False) -> list[Action]:
     """Apply ``event``; return the actions to carry out, in order: the handler's, then the
-    repair's next calls. Every event but a tick or a heartbeat that only gets its reply goes
-    into the controller's story, the shards of its calls named."""
+    repair's next calls, each stamped with the event's stimulus id. Every event but a tick or a
+    heartbeat that only gets its reply goes into the controller's story, the shards of its
+    calls named. ``validate``: check the controller's invariants after it (``adam.ps.validate``)."""
     handler = _HANDLERS.get(type(event))
     if handler is None:
         raise TypeError(f"the PS controller does not handle {type(event).__name__}")
-    out = handler(state, event)
-    out = out + repair.plan(state)
+    stimulus = state.story.stimulus(event)
+    out = caused_by(handler(state, event) + repair.plan(state), stimulus)
     if type(event) not in (Tick, Beat) or any(not isinstance(a, Reply) for a in out):
         touched = shards_of(event)
         for a in out:
             op = state.ops.get(a.op) if isinstance(a, Call) else None
             touched.update(op.sids if op is not None else shards_of(a))
-        state.story.record(event, touched, out)
+        state.story.record(event, touched, out, stimulus)
+    if validate:
+        state.validate()
     return out

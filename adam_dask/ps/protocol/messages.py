@@ -67,6 +67,7 @@ __all__ = [
     "WriteFailed",
     "WriteManifest",
     "WriteReport",
+    "caused_by",
 ]
 
 Position = tuple[int, int]
@@ -82,10 +83,23 @@ class Event:
     stimulus_id: str = field(default="", kw_only=True, compare=False)
 
 
+@dataclass(frozen=True, slots=True)
 class Action:
-    """What a state machine asks its runtime to carry out."""
+    """What a state machine asks its runtime to carry out. ``stimulus_id`` is its cause's: the
+    machine's ``handle`` stamps each action with the id of the event that led to it, and the
+    runtime hands it on to what the action's outcome feeds back (a call's answer, a forward's,
+    a write's), across processes too (a controller's call to a node)."""
 
-    __slots__ = ()
+    stimulus_id: str = field(default="", kw_only=True, compare=False)
+
+
+def caused_by(actions: list[Action], stimulus_id: str) -> list[Action]:
+    """Stamp ``actions`` with ``stimulus_id`` (those without one of their own); returns them.
+    Actions are frozen to their runtime; the machine that made them stamps them once, here."""
+    for a in actions:
+        if not a.stimulus_id:
+            object.__setattr__(a, "stimulus_id", stimulus_id)
+    return actions
 
 
 # -- node events -----------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from .messages import (
     WriteDone,
     WriteDue,
     WriteFailed,
+    caused_by,
 )
 from .node_state import NodeState
 from .story import shards_of
@@ -84,20 +85,25 @@ _DATA_PATH: frozenset[type[Event]] = frozenset(
 )
 
 
-def handle(node: NodeState, event: Event) -> list[Action]:
-    """Apply ``event`` to ``node``; return the actions to carry out, in order. An event of note
-    (every one but the data path's, which is noted only when it changes the node's role: a
-    shard held, lost or stepped down from) goes into the node's story."""
+def handle(node: NodeState, event: Event, *, validate: bool = False) -> list[Action]:
+    """Apply ``event`` to ``node``; return the actions to carry out, in order, each stamped
+    with the event's stimulus id. An event of note (every one but the data path's, which is
+    noted only when it changes the node's role: a shard held, lost or stepped down from) goes
+    into the node's story. ``validate``: check the node's invariants after it
+    (``adam.ps.validate``)."""
     handler = _HANDLERS.get(type(event))
     if handler is None:
         raise TypeError(f"a PS node does not handle {type(event).__name__}")
     role = (len(node.shards), len(node.primaries), node.member)
-    actions = handler(node, event)
+    stimulus = node.story.stimulus(event)
+    actions = caused_by(handler(node, event), stimulus)
     if type(event) not in _DATA_PATH or role != (
         len(node.shards),
         len(node.primaries),
         node.member,
     ):
         touched = shards_of(event).union(*(shards_of(a) for a in actions))
-        node.story.record(event, touched, actions)
+        node.story.record(event, touched, actions, stimulus)
+    if validate:
+        node.validate()
     return actions

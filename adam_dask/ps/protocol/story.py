@@ -74,11 +74,17 @@ class Story:
         self._entries: deque[Entry] = deque(maxlen=length)
         self._ids = itertools.count(1)
 
-    def record(self, event: Any, shards: Iterable[int], actions: Iterable[Any]) -> None:
-        """Note ``event`` under its stimulus id (a new one of this machine's when it has none),
-        with the ``shards`` it and its ``actions`` touched."""
-        stimulus = getattr(event, "stimulus_id", "")
-        stimulus = stimulus or f"{self.prefix}-{type(event).__name__}-{next(self._ids)}"
+    def stimulus(self, event: Any) -> str:
+        """``event``'s stimulus id, or a new one of this machine's when it came with none."""
+        given = getattr(event, "stimulus_id", "")
+        return given or f"{self.prefix}-{type(event).__name__}-{next(self._ids)}"
+
+    def record(
+        self, event: Any, shards: Iterable[int], actions: Iterable[Any], stimulus: str = ""
+    ) -> None:
+        """Note ``event`` under ``stimulus`` (its stimulus id by default), with the
+        ``shards`` it and its ``actions`` touched."""
+        stimulus = stimulus or self.stimulus(event)
         names = tuple(_action_line(a) for a in actions)
         self._entries.append(Entry(stimulus, _line(event), tuple(sorted(set(shards))), names))
 

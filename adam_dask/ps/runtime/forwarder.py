@@ -94,12 +94,13 @@ class Forwarder:
             await asyncio.sleep(delay)  # the backup stays busy meanwhile: nothing else is sent
             if self.tasks.get(a.addr) is asyncio.current_task():
                 self.tasks.pop(a.addr, None)
-                self.handle(ForwardFailed(a.addr, f"{type(exc).__name__}: {exc}"))
+                why = f"{type(exc).__name__}: {exc}"
+                self.handle(ForwardFailed(a.addr, why, stimulus_id=a.stimulus_id))
             return
         self.failures = 0
         if self.tasks.get(a.addr) is asyncio.current_task():
             self.tasks.pop(a.addr, None)
-        self.handle(ForwardDone(a.addr, got.held, got.refused))
+        self.handle(ForwardDone(a.addr, got.held, got.refused, stimulus_id=a.stimulus_id))
 
     async def _on_plane(self, a: Forward) -> ReplicateReply | None:
         """The forward ``a`` over the data plane, in a thread (:mod:`..plane.forward`); None

@@ -64,9 +64,10 @@ from ..protocol.replies import (
     VersionsReply,
 )
 from ..protocol.shard import Mark, ShardCopy
-from .background import spawn
+from .background import every, spawn
 from .forwarder import Forwarder
 from .node_plane import Answer, NodePlane
+from .stimuli import stimulus, validating
 from .writeback import WriteBack
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class PSNode:
         self.state: NodeState | None = None
         self._futures: dict[int, asyncio.Future] = {}
         self._reqs = itertools.count()
+        self._validate = validating()  # adam.ps.validate: check the invariants each event
         self._queue: list[Push] = []
         self._drain_scheduled = False
         self._timers: list[asyncio.Task] = []
@@ -136,14 +138,12 @@ class PSNode:
         )
         self._plane.register(self.server_id, self._entry)
         self._forwarder = Forwarder(self.server_id, self._worker, self.cfg, self._handle)
+        timers = [("forward_interval", self._forward_tick), ("heartbeat_interval", self._heartbeat)]
+        timers += [("writeback_interval", self._write_tick)] if ckpt else []
+        who = f"node {self._worker.address}"
         self._timers = [
-            spawn(self._every(self.cfg["forward_interval"], self._forward_tick)),
-            spawn(self._every(self.cfg["heartbeat_interval"], self._heartbeat)),
+            spawn(every(self.cfg[k], fn, lambda: not self._closed, who)) for k, fn in timers
         ]
-        if ckpt:
-            self._timers.append(
-                spawn(self._every(self.cfg["writeback_interval"], self._write_tick))
-            )
         return self.state
 
     def _do(self, actions: list) -> None:
@@ -166,48 +166,42 @@ class PSNode:
                 self._forwarder.cancel(a.addr or "")
             elif isinstance(a, WriteBlocks):
                 assert self._writeback is not None
-                spawn(self._writeback.write(a.snaps))
+                spawn(self._writeback.write(a.snaps, a.stimulus_id))
             else:  # pragma: no cover - every action of NodeState is handled above
                 raise TypeError(f"unknown node action {a!r}")
 
     def _handle(self, event: Any) -> None:
         state = self._start()
         with self._lock:
-            actions = handle(state, event)
+            actions = handle(state, event, validate=self._validate)
         self._do(actions)
 
-    async def _ask(self, make: Any) -> Any:
-        """Feed the event ``make(req)`` and wait for its reply."""
+    async def _ask(self, make: Any, stimulus_id: str = "") -> Any:
+        """Feed the event ``make(req)`` (caused by ``stimulus_id``, when given) and wait for
+        its reply."""
         state = self._start()
         req = next(self._reqs)
         fut = asyncio.get_running_loop().create_future()
         self._futures[req] = fut
+        event = make(req)
+        if stimulus_id:
+            event = replace(event, stimulus_id=stimulus_id)
         with self._lock:
-            actions = handle(state, make(req))
+            actions = handle(state, event, validate=self._validate)
         self._do(actions)
         try:
             return await fut
         finally:
             self._futures.pop(req, None)
 
-    async def _every(self, seconds: float, fn: Any) -> None:
-        while not self._closed:
-            await asyncio.sleep(float(seconds))
-            try:
-                await fn()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # pragma: no cover - a timer must keep running
-                logger.exception("node %s: %s failed", self._worker.address, fn.__name__)
-
     # -- timers ----------------------------------------------------------------------------------
 
     async def _forward_tick(self) -> None:
-        self._handle(ForwardDue())
+        self._handle(ForwardDue(stimulus_id=stimulus("forward-due")))
 
     async def _write_tick(self) -> None:
         if self._writeback is not None and self._writeback.due():
-            self._handle(WriteDue())
+            self._handle(WriteDue(stimulus_id=stimulus("write-due")))
 
     async def _heartbeat(self) -> None:
         if self.key is None or self.state is None:
@@ -226,7 +220,8 @@ class PSNode:
             logger.info("node %s: heartbeat failed (%s)", self._worker.address, exc)
             return
         beat = BeatReply.from_wire(reply)
-        self._handle(HeartbeatReply(beat.member, beat.gens))
+        cause = stimulus("heartbeat-reply")
+        self._handle(HeartbeatReply(beat.member, beat.gens, stimulus_id=cause))
 
     # -- commands from the controller ------------------------------------------------------------
 
@@ -240,13 +235,19 @@ class PSNode:
         self._start()
 
     async def assign(
-        self, shards: dict, gens: dict, primaries: dict | None = None, version: int = 0
+        self,
+        shards: dict,
+        gens: dict,
+        primaries: dict | None = None,
+        version: int = 0,
+        *,
+        stimulus_id: str = "",
     ) -> None:
         """Hold ``shards`` {sid: (start, stop)} at ``gens``; be primary of ``primaries``."""
         shards = {int(s): (int(a), int(b)) for s, (a, b) in shards.items()}
         gens = {int(s): int(g) for s, g in gens.items()}
         prim = {int(s): [tuple(p) for p in ps] for s, ps in (primaries or {}).items()}
-        await self._ask(lambda r: Assign(r, shards, gens, prim, int(version)))
+        await self._ask(lambda r: Assign(r, shards, gens, prim, int(version)), stimulus_id)
 
     async def load(
         self, values: dict, versions: dict, marks: dict | None = None, states: dict | None = None
@@ -258,32 +259,37 @@ class PSNode:
         with self._lock:
             state.load({int(s): v for s, v in values.items()}, versions, marks, states)
 
-    async def fence(self, gens: dict) -> dict:
-        return await self._ask(lambda r: Fence(r, {int(s): int(g) for s, g in gens.items()}))
+    async def fence(self, gens: dict, *, stimulus_id: str = "") -> dict:
+        gens = {int(s): int(g) for s, g in gens.items()}
+        return await self._ask(lambda r: Fence(r, gens), stimulus_id)
 
-    async def promote(self, shards: dict, stamp: int = 0) -> dict:
+    async def promote(self, shards: dict, stamp: int = 0, *, stimulus_id: str = "") -> dict:
         shards = {int(s): (int(g), [tuple(p) for p in ps]) for s, (g, ps) in shards.items()}
-        return await self._ask(lambda r: Promote(r, shards, int(stamp)))
+        return await self._ask(lambda r: Promote(r, shards, int(stamp)), stimulus_id)
 
-    async def restore(self, sid: int, gen: int, start: int, stop: int, block: Any) -> int:
+    async def restore(
+        self, sid: int, gen: int, start: int, stop: int, block: Any, *, stimulus_id: str = ""
+    ) -> int:
         """Become the primary of ``sid``, rebuilt from the checkpoint block ``block`` =
         (path, generation, version)."""
         self._start()
         if self._writeback is None:
             raise ShardUnavailable(f"shard {sid}: no checkpoint to restore it from")
         b = await asyncio.to_thread(self._writeback.store.read_snapshot, block[0])
-        return await self._ask(lambda r: Restore.of_block(r, int(sid), int(gen), start, stop, b))
+        return await self._ask(
+            lambda r: Restore.of_block(r, int(sid), int(gen), start, stop, b), stimulus_id
+        )
 
-    async def set_backups(self, shards: dict, stamp: int = 0) -> None:
+    async def set_backups(self, shards: dict, stamp: int = 0, *, stimulus_id: str = "") -> None:
         shards = {int(s): [tuple(p) for p in ps] for s, ps in shards.items()}
-        await self._ask(lambda r: SetBackups(r, shards, int(stamp)))
+        await self._ask(lambda r: SetBackups(r, shards, int(stamp)), stimulus_id)
 
-    async def add_backups(self, shards: dict, stamp: int = 0) -> dict:
+    async def add_backups(self, shards: dict, stamp: int = 0, *, stimulus_id: str = "") -> dict:
         shards = {int(s): [tuple(p) for p in ps] for s, ps in shards.items()}
-        return await self._ask(lambda r: AddBackups(r, shards, int(stamp)))
+        return await self._ask(lambda r: AddBackups(r, shards, int(stamp)), stimulus_id)
 
-    async def drop(self, sids: Iterable[int]) -> None:
-        await self._ask(lambda r: Drop(r, tuple(int(s) for s in sids)))
+    async def drop(self, sids: Iterable[int], *, stimulus_id: str = "") -> None:
+        await self._ask(lambda r: Drop(r, tuple(int(s) for s in sids)), stimulus_id)
 
     async def close(self) -> None:
         """Stop the timers and forwards (called before the actor is released)."""
@@ -344,7 +350,7 @@ class PSNode:
         self._drain_scheduled = False
         items, self._queue = tuple(self._queue), []
         if items:
-            self._handle(Pushes(items))
+            self._handle(Pushes(items, stimulus_id=stimulus(f"push-{items[0].push_id}")))
 
     async def push_outer(
         self,

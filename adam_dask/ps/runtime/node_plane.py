@@ -17,6 +17,7 @@ from ..protocol.node_machine import handle
 from ..protocol.node_state import NodeState
 from ..protocol.replies import ConfirmedReply, PushReply, ReplicateReply
 from ..protocol.shard import Mark, ShardCopy
+from .stimuli import stimulus, validating
 
 __all__ = ["Answer", "NodePlane"]
 
@@ -55,6 +56,7 @@ class NodePlane:
         self.counts = counts
         self.pending_lock = threading.Lock()
         self.pending: list[tuple[Push, Answer]] = []
+        self.validate = validating()  # adam.ps.validate: check the invariants each event
 
     def push(
         self,
@@ -86,14 +88,19 @@ class NodePlane:
             if not slot.done:
                 with self.pending_lock:
                     batch, self.pending = self.pending, []
-                actions = handle(state, Pushes(tuple(p for p, _ in batch)))
+                pushes = Pushes(
+                    tuple(p for p, _ in batch),
+                    stimulus_id=stimulus(f"push-{batch[0][0].push_id}"),
+                )
+                actions = handle(state, pushes, validate=self.validate)
                 for a in actions:
                     if isinstance(a, Reply) and isinstance(a.req, Answer):
                         a.req.set(a.value)
                     else:
                         rest.append(a)
             if urgent:
-                rest += handle(state, ForwardDue())
+                urgently = ForwardDue(stimulus_id=stimulus("urgent-forward"))
+                rest += handle(state, urgently, validate=self.validate)
             if rest:
                 self.worker.loop.asyncio_loop.call_soon_threadsafe(self.do, rest)
         if not slot.event.wait(float(self.cfg["call_timeout"])):
@@ -141,7 +148,8 @@ class NodePlane:
         the data plane; ``urgent``: forward to the backups now (a pusher waits for room)."""
         reply: ConfirmedReply = self._here(
             lambda req: (
-                [Confirmed(req, tuple(int(s) for s in sids))] + ([ForwardDue()] if urgent else [])
+                [Confirmed(req, tuple(int(s) for s in sids))]
+                + ([ForwardDue(stimulus_id=stimulus("urgent-forward"))] if urgent else [])
             )
         ).value
         return reply
@@ -153,7 +161,7 @@ class NodePlane:
         state = self.state
         slot = Answer()
         with self.lock:
-            actions = [a for ev in events(slot) for a in handle(state, ev)]
+            actions = [a for ev in events(slot) for a in handle(state, ev, validate=self.validate)]
         rest = []
         for a in actions:
             if isinstance(a, Reply) and a.req is slot:

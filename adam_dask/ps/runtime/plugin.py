@@ -23,6 +23,7 @@ import itertools
 import logging
 import time
 import warnings
+from dataclasses import replace
 from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -58,6 +59,7 @@ from ..protocol.policy import PLUGIN_NAME, ROLE, TOPIC, plan_placement
 from ..protocol.replies import BeatReply, ReportReply
 from .node_keeper import NodeKeeper
 from .rpc import call_actor
+from .stimuli import stimulus, validating
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class ShardPlacement(SchedulerPlugin):
         self.scheduler: Any = None
         self._keeper: NodeKeeper | None = None  # node actors and workers
         self._reqs = itertools.count()
+        self._validate = validating()  # adam.ps.validate: check the invariants each event
         self._futures: dict[int, asyncio.Future] = {}
         self._calls: dict[tuple[str, int], asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -115,16 +118,18 @@ class ShardPlacement(SchedulerPlugin):
         self, scheduler: Any, worker: str, *, stimulus_id: str | None = None, **kwargs: Any
     ) -> None:
         now = time.monotonic()
+        cause = stimulus_id or stimulus("remove-worker")  # Dask's, when it gives one
         for sid in list(self.servers):
-            self._feed(sid, WorkerRemoved(worker, now))
+            self._feed(sid, WorkerRemoved(worker, now, stimulus_id=cause))
 
     def add_worker(self, scheduler: Any, worker: str) -> None:
         ws = scheduler.workers.get(worker)
         if ws is None or not ws.resources.get(self.role):
             return
         now = time.monotonic()
+        cause = stimulus("add-worker")  # Dask hands this hook none
         for sid in list(self.servers):
-            self._feed(sid, WorkerAdded(worker, ws.host, now))
+            self._feed(sid, WorkerAdded(worker, ws.host, now, stimulus_id=cause))
 
     def valid_workers_downscaling(self, scheduler: Any, workers: list) -> list:
         busy = {a for st in self.servers.values() for hs in st.routing.values() for a in hs}
@@ -146,7 +151,7 @@ class ShardPlacement(SchedulerPlugin):
     def _feed(self, server_id: str, event: Any) -> None:
         state = self.servers.get(server_id)
         if state is not None:
-            self._do(server_id, handle(state, event))
+            self._do(server_id, handle(state, event, validate=self._validate))
 
     def _do(self, server_id: str, actions: list) -> None:
         for a in actions:
@@ -161,7 +166,7 @@ class ShardPlacement(SchedulerPlugin):
                 if task is not None:
                     task.cancel()
             elif isinstance(a, CreateNode):
-                self._spawn(self._create_node(server_id, a.addr))
+                self._spawn(self._create_node(server_id, a))
             elif isinstance(a, Retire):
                 self._spawn(self.keeper.retire(a.addr))
             elif isinstance(a, WriteManifest):
@@ -173,11 +178,11 @@ class ShardPlacement(SchedulerPlugin):
             else:  # pragma: no cover - every controller action is handled above
                 raise TypeError(f"unknown controller action {a!r}")
 
-    async def _ask(self, server_id: str, make: Any) -> Any:
+    async def _ask(self, server_id: str, make: Any, stimulus_id: str) -> Any:
         req = next(self._reqs)
         fut = asyncio.get_running_loop().create_future()
         self._futures[req] = fut
-        self._feed(server_id, make(req))
+        self._feed(server_id, replace(make(req), stimulus_id=stimulus_id))
         try:
             return await fut
         finally:
@@ -188,9 +193,10 @@ class ShardPlacement(SchedulerPlugin):
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
+            cause = stimulus("tick")
             for sid in list(self.servers):
                 try:
-                    self._feed(sid, Tick(now))
+                    self._feed(sid, Tick(now, stimulus_id=cause))
                 except Exception:  # pragma: no cover - the controller must keep ticking
                     logger.exception("PS controller tick of %s failed", sid)
 
@@ -206,24 +212,33 @@ class ShardPlacement(SchedulerPlugin):
     async def _call(self, server_id: str, a: Call) -> None:
         try:
             result = await call_actor(
-                self.scheduler.rpc, a.addr, a.key, a.method, *a.args, timeout=self._timeout
+                self.scheduler.rpc,
+                a.addr,
+                a.key,
+                a.method,
+                *a.args,
+                timeout=self._timeout,
+                stimulus_id=a.stimulus_id,  # the node's story names the controller's cause
             )
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self._calls.pop((server_id, a.op), None)
-            self._feed(server_id, CallFailed(a.op, f"{type(exc).__name__}: {exc}"))
+            why = f"{type(exc).__name__}: {exc}"
+            self._feed(server_id, CallFailed(a.op, why, stimulus_id=a.stimulus_id))
             return
         self._calls.pop((server_id, a.op), None)
-        self._feed(server_id, CallDone(a.op, result))
+        self._feed(server_id, CallDone(a.op, result, stimulus_id=a.stimulus_id))
 
-    async def _create_node(self, server_id: str, addr: str) -> None:
+    async def _create_node(self, server_id: str, a: CreateNode) -> None:
+        addr = a.addr
         try:
             key = await self.keeper.new_node(server_id, addr, self.info[server_id]["node_config"])
         except Exception as exc:
-            self._feed(server_id, NodeFailed(addr, f"{type(exc).__name__}: {exc}"))
+            why = f"{type(exc).__name__}: {exc}"
+            self._feed(server_id, NodeFailed(addr, why, stimulus_id=a.stimulus_id))
             return
-        self._feed(server_id, NodeReady(addr, key, time.monotonic()))
+        self._feed(server_id, NodeReady(addr, key, time.monotonic(), stimulus_id=a.stimulus_id))
 
     async def _write_manifest(self, server_id: str, a: WriteManifest) -> None:
         from ..checkpoint import put_manifest
@@ -237,9 +252,11 @@ class ShardPlacement(SchedulerPlugin):
             )
         except Exception as exc:
             why = process_redactor()(f"{type(exc).__name__}: {exc}")
-            self._feed(server_id, ManifestFailed(a.seq, why, time.monotonic()))
+            self._feed(
+                server_id, ManifestFailed(a.seq, why, time.monotonic(), stimulus_id=a.stimulus_id)
+            )
             return
-        self._feed(server_id, ManifestDone(a.seq))
+        self._feed(server_id, ManifestDone(a.seq, stimulus_id=a.stimulus_id))
 
     async def _delete_blocks(self, server_id: str, paths: tuple[str, ...]) -> None:
         from ..checkpoint import BlockStore
@@ -414,7 +431,7 @@ class ShardPlacement(SchedulerPlugin):
             return BeatReply(False, {}).to_wire()
         pos = {int(s): (int(p[0]), int(p[1])) for s, p in positions.items()}
         reply: BeatReply = await self._ask(
-            server_id, lambda r: Beat(r, addr, key, time.monotonic(), pos)
+            server_id, lambda r: Beat(r, addr, key, time.monotonic(), pos), stimulus("heartbeat")
         )
         return reply.to_wire()
 
@@ -422,12 +439,14 @@ class ShardPlacement(SchedulerPlugin):
         if server_id not in self.servers:
             return ReportReply({}, {int(s): NOT_MEMBER for s in blocks}).to_wire()
         b = {int(s): (int(g), int(v), str(p)) for s, (g, v, p) in blocks.items()}
-        reply: ReportReply = await self._ask(server_id, lambda r: WriteReport(r, addr, b))
+        reply: ReportReply = await self._ask(
+            server_id, lambda r: WriteReport(r, addr, b), stimulus("written")
+        )
         return reply.to_wire()
 
     async def commit(self, server_id: str, epoch: Any = None, meta: dict | None = None) -> dict:
         """Store ``epoch``/``meta`` in the manifest; returns the manifest once written."""
-        return await self._ask(server_id, lambda r: Commit(r, epoch, meta))
+        return await self._ask(server_id, lambda r: Commit(r, epoch, meta), stimulus("commit"))
 
     async def close_server(self, server_id: str) -> None:
         """Stop and release the nodes of a server."""

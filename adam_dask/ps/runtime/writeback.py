@@ -44,7 +44,10 @@ class WriteBack:
         """Whether a write may start now (not within a failure's back-off)."""
         return time.monotonic() >= self.retry_at
 
-    async def write(self, snaps: tuple[ShardCopy, ...]) -> None:
+    async def write(self, snaps: tuple[ShardCopy, ...], stimulus_id: str = "") -> None:
+        """Write ``snaps`` to the checkpoint and report them to the controller; the outcome
+        goes back to the node's machine as :class:`WriteDone` or :class:`WriteFailed`, caused
+        by ``stimulus_id`` (the write's)."""
         try:
             paths = await asyncio.to_thread(lambda: [self.store.write(s) for s in snaps])
             reply = await asyncio.wait_for(
@@ -75,7 +78,7 @@ class WriteBack:
                 "adam-ps-checkpoint",
                 {"server": self.server_id, "worker": self.worker.address, "error": error},
             )
-            self.handle(WriteFailed(error))
+            self.handle(WriteFailed(error, stimulus_id=stimulus_id))
             return
         if self.failures:
             logger.info(
@@ -90,4 +93,4 @@ class WriteBack:
         if refused:  # a block nobody will name: remove it
             stale = [p for s, p in zip(snaps, paths) if s.shard in refused]
             spawn(asyncio.to_thread(self.store.delete, stale))
-        self.handle(WriteDone(accepted, refused))
+        self.handle(WriteDone(accepted, refused, stimulus_id=stimulus_id))
