@@ -4,6 +4,7 @@ Table 1 is shown seed by seed for one recipe."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -793,3 +794,30 @@ def test_the_scaling_benchmark_judges_its_goals_from_its_line():
         "images_per_second_vs_engine_ge_0_8": None,
     }
     assert mod.parse_sweep("") == [] and mod.parse_sweep("1, 2,8") == [1, 2, 8]
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of ``page``'s headings (outside code blocks)."""
+    out, fenced = set(), False
+    for ln in page.read_text().splitlines():
+        fenced ^= ln.startswith("```")
+        if not fenced and re.match(r"#+ ", ln):
+            out.add(re.sub(r"[^\w\- ]", "", ln.lstrip("#").strip().lower()).replace(" ", "-"))
+    return out
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves():
+    """The README links the pages its content moved to (docs/), and they link back: every
+    relative link names a file that exists, and every #anchor a heading of it."""
+    pages = [ROOT / "README.md", ROOT / "deploy" / "README.md", *sorted(ROOT.glob("docs/*.md"))]
+    bad = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for link in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", link):
+                continue
+            path, _, anchor = link.partition("#")
+            target = (page.parent / path).resolve() if path else page
+            if not target.exists() or (anchor and anchor not in _anchors(target)):
+                bad.append(f"{page.relative_to(ROOT)}: {link}")
+    assert bad == []
