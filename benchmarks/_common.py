@@ -1,8 +1,8 @@
 """Helpers shared by the benchmark scripts: where MNIST is, a ready MNIST store,
 :func:`engine_rate` (the newest engine rate stored), and :func:`record`, which prints a
 benchmark's JSON line and appends it, stamped with the date, the commit and the machine's CPU
-count, to ``benchmarks/results/NAME.jsonl`` (committed; the README's figures are generated from
-those files by ``benchmarks/report.py``)."""
+count, to ``benchmarks/results/NAME.jsonl`` (committed; the figures of the README and docs/ are
+generated from those files by ``benchmarks/report.py``)."""
 
 from __future__ import annotations
 

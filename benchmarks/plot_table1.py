@@ -1,6 +1,6 @@
 """Draw Table 1's learning curves from the stored lines: ``docs/table1-curves.png``.
 
-For each recipe the README's Table 1 block shows (:func:`report.plain_and_newest`, then each
+For each recipe docs/table1.md's Table 1 block shows (:func:`report.plain_and_newest`, then each
 other server optimizer's, :func:`report.other_optimizers`), the test
 accuracy after every epoch, averaged over the seeds the block lists, asynchronous (solid) and
 synchronous (dashed), beside the paper's two figures. Needs matplotlib (``pip install

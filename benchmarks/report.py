@@ -1,25 +1,26 @@
-"""Write the README's measured figures, and docs/results.md, from the stored benchmark lines.
+"""Write the generated figures of the README and docs/ from the stored benchmark lines.
 
 Each benchmark appends one JSON line per run to ``benchmarks/results/NAME.jsonl`` (see
-``_common.record``). This script rewrites the README's generated blocks and ``docs/results.md``
-from those lines, so no figure in either is typed by hand; ``--check`` exits 1 when either is
-not up to date (and so does the test suite: ``tests/test_report.py``).
+``_common.record``). This script rewrites each page's generated blocks (``PAGES``: which page
+holds which block) and ``docs/results.md`` from those lines, so no figure in them is typed by
+hand; ``--check`` exits 1 when any of them is not up to date (and so does the test suite:
+``tests/test_report.py``). A block is delimited by ``<!-- NAME:start -->`` ...
+``<!-- NAME:end -->``.
 
-* ``<!-- figures:start -->`` ... ``<!-- figures:end -->``: a table of headline figures, one row
-  per claim (``report_claims.CLAIMS``: each a record of its benchmark, the fields it reads, the
-  peer measured in the same run and the words; ``report_record`` applies the same rules to all),
+* ``figures``, in README.md: a table of headline figures, one row per claim
+  (``report_claims.CLAIMS``: each a record of its benchmark, the fields it reads, the peer
+  measured in the same run and the words; ``report_record`` applies the same rules to all),
   each from the newest line of its benchmark that measures it: ours beside the peer, named, and
   their ratio in words ("0.84x the time PyTorch takes"), with the line's date, commit, CPU count
   and load. Benchmarks without a line have no row. Then the plots whose data is stored.
-* ``docs/results.md``: every stored line of every benchmark, oldest first, so the newest is
-  never shown without the others: for a benchmark the table reads, what each line says about
-  each of its claims; for the others, what the line records.
-* ``<!-- table1:start -->`` ... ``<!-- table1:end -->``: Table 1 seed by seed, and
-  ``<!-- sizing:start -->`` ... ``<!-- sizing:end -->``: the sizing sentence
-  (``report_table1``); ``<!-- server-optimizer:start -->`` ... ``<!-- server-optimizer:end -->``:
-  every server-optimizer run and the communication goal's sentence (``report_optimizer``);
-  ``<!-- scaling:start -->`` ... ``<!-- scaling:end -->``: every scaling line, its sweep and
-  the plot (``report_scaling``).
+* ``sizing``, in docs/setup.md: the sizing sentence (``report_table1``).
+* ``table1``, in docs/table1.md: Table 1 seed by seed (``report_table1``).
+* ``server-optimizer``, in docs/benchmarks.md: every server-optimizer run and the communication
+  goal's sentence (``report_optimizer``); ``scaling``, there too: every scaling line, its sweep
+  and the plot (``report_scaling``).
+* ``docs/results.md``, the whole page: every stored line of every benchmark, oldest first, so
+  the newest is never shown without the others: for a benchmark the table reads, what each line
+  says about each of its claims; for the others, what the line records.
 
 Without ``--check`` it also redraws, when matplotlib is installed and their lines are stored,
 ``docs/table1-curves.png`` (``plot_table1.py``), ``docs/time-to-accuracy.png``
@@ -65,13 +66,17 @@ __all__ = [
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
-RESULTS_MD = ROOT / "docs" / "results.md"
-RESULTS_LINK = "docs/results.md"  # from the README
-START, END = "<!-- figures:start -->", "<!-- figures:end -->"
-T1_START, T1_END = "<!-- table1:start -->", "<!-- table1:end -->"
-SIZING_START, SIZING_END = "<!-- sizing:start -->", "<!-- sizing:end -->"
-SOPT_START, SOPT_END = "<!-- server-optimizer:start -->", "<!-- server-optimizer:end -->"
-SCALING_START, SCALING_END = "<!-- scaling:start -->", "<!-- scaling:end -->"
+DOCS = ROOT / "docs"
+SETUP_MD, TABLE1_MD, BENCHMARKS_MD = DOCS / "setup.md", DOCS / "table1.md", DOCS / "benchmarks.md"
+RESULTS_MD = DOCS / "results.md"
+# each page with generated blocks, and the blocks it holds (docs/results.md is generated whole)
+PAGES: dict[Path, tuple[str, ...]] = {
+    README: ("figures",),
+    SETUP_MD: ("sizing",),
+    TABLE1_MD: ("table1",),
+    BENCHMARKS_MD: ("server-optimizer", "scaling"),
+}
+RESULTS_LINK = "docs/results.md"  # from the README, where the figures block is
 TTA_PNG_LINK, CAPACITY_PNG_LINK = "docs/time-to-accuracy.png", "docs/capacity.png"
 STAMP = ("date", "commit", "cpus", "benchmark", *rules.LOAD_KEYS)
 
@@ -273,7 +278,8 @@ def capacity_curves(line: dict) -> dict[str, dict[str, list]]:
     return out if "ours" in out else {}
 
 
-# --- the README: the figures block, the sizing sentence, Table 1 ---
+# --- the generated blocks: the README's figures; the sizing sentence, Table 1, the server
+# optimizer and scaling in docs/ ---
 
 
 def figures_block(results: dict[str, list[dict]]) -> str:
@@ -315,33 +321,51 @@ def figures_block(results: dict[str, list[dict]]) -> str:
     return "\n\n".join(parts)
 
 
-def _replace(readme: str, start: str, end: str, body: str) -> str:
-    if start not in readme or end not in readme:
-        raise SystemExit(f"README.md has no {start} ... {end} block")
-    head, rest = readme.split(start, 1)
+def markers(name: str) -> tuple[str, str]:
+    """The lines that open and close the generated block ``name``."""
+    return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+
+
+def block(name: str, results: dict[str, list[dict]]) -> str:
+    """What the generated block ``name`` holds, from ``results``."""
+    if name == "figures":
+        return figures_block(results)
+    if name == "sizing":
+        return sizing_sentence(results.get("time_to_accuracy") or [])
+    if name == "table1":
+        return table1_block(results.get("table1") or [])
+    if name == "server-optimizer":
+        return optimizer_block(results.get("server_optimizer") or [])
+    if name == "scaling":
+        return scaling_block(results.get("scaling") or [])
+    raise ValueError(f"no generated block {name!r}")
+
+
+def _replace(text: str, page: Path, name: str, body: str) -> str:
+    start, end = markers(name)
+    if start not in text or end not in text:
+        raise SystemExit(f"{page.relative_to(ROOT)} has no {start} ... {end} block")
+    head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     return f"{head}{start}\n{body}\n{end}{tail}"
 
 
-def render(readme: str, results: dict[str, list[dict]] | None = None) -> str:
-    """``readme`` with its generated blocks (figures, Table 1, the sizing sentence) rewritten
-    from ``results`` (default: the stored lines)."""
+def render(text: str, results: dict[str, list[dict]] | None = None, page: Path = README) -> str:
+    """``text`` (``page``'s) with the generated blocks ``page`` holds (``PAGES``) rewritten from
+    ``results`` (default: the stored lines)."""
     results = load_results() if results is None else results
-    out = _replace(readme, START, END, figures_block(results))
-    out = _replace(out, T1_START, T1_END, table1_block(results.get("table1") or []))
-    out = _replace(
-        out, SOPT_START, SOPT_END, optimizer_block(results.get("server_optimizer") or [])
-    )
-    out = _replace(out, SCALING_START, SCALING_END, scaling_block(results.get("scaling") or []))
-    return _replace(
-        out, SIZING_START, SIZING_END, sizing_sentence(results.get("time_to_accuracy") or [])
-    )
+    for name in PAGES[page]:
+        text = _replace(text, page, name, block(name, results))
+    return text
 
 
 def generated(results: dict[str, list[dict]] | None = None) -> dict[Path, str]:
-    """Each generated file and what it should hold: the README and docs/results.md."""
+    """Each generated file and what it should hold: the pages with generated blocks (the README,
+    docs/setup.md, docs/table1.md, docs/benchmarks.md) and docs/results.md."""
     results = load_results() if results is None else results
-    return {README: render(README.read_text(), results), RESULTS_MD: results_page(results)}
+    out = {page: render(page.read_text(), results, page) for page in PAGES}
+    out[RESULTS_MD] = results_page(results)
+    return out
 
 
 def stale(results: dict[str, list[dict]] | None = None) -> list[Path]:
@@ -388,7 +412,10 @@ def draw(results: dict[str, list[dict]]) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
-        "--check", action="store_true", help="exit 1 if README.md or docs/results.md is stale"
+        "--check",
+        action="store_true",
+        help="exit 1 if a generated file (the README, docs/setup.md, docs/table1.md, "
+        "docs/benchmarks.md, docs/results.md) is stale",
     )
     args = p.parse_args(argv)
     results = load_results()

@@ -1,9 +1,9 @@
-"""The README's server-optimizer block (issue 41), from ``benchmarks/results/server_optimizer.jsonl``:
-every stored line (one per setting and run, each seed's final test accuracy), then what the lines
-say of the communication goal: the best optimizer pushing every 4096 images against ``sum``
-pushing every 512, same replicas and epochs, newest lines first; and of the bandwidth goal: on a
-namespace cluster whose PS links are slow (``--link-rate``), time to the target with the best
-optimizer at 4096 against ``sum`` at 512.
+"""docs/benchmarks.md's server-optimizer block (issue 41), from
+``benchmarks/results/server_optimizer.jsonl``: every stored line (one per setting and run, each
+seed's final test accuracy), then what the lines say of the communication goal: the best
+optimizer pushing every 4096 images against ``sum`` pushing every 512, same replicas and epochs,
+newest lines first; and of the bandwidth goal: on a namespace cluster whose PS links are slow
+(``--link-rate``), time to the target with the best optimizer at 4096 against ``sum`` at 512.
 """
 
 from __future__ import annotations

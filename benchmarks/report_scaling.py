@@ -1,4 +1,4 @@
-"""The README's scaling block (issue 47), from ``benchmarks/results/scaling.jsonl``: every stored
+"""docs/benchmarks.md's scaling block (issue 47), from ``benchmarks/results/scaling.jsonl``: every stored
 line as a row (the run's stamp, the replicas x threads and DATA workers the machine sized, epochs
 and seconds to the target, PyTorch DDP's on the same cores, their ratio, the stall, images/s
 against the engine alone, the goals the line judged), then every line's replica sweep, and the
@@ -16,7 +16,7 @@ import report_rules as rules
 
 __all__ = ["GOAL_WORDS", "scaling_block", "scaling_series"]
 
-PNG_LINK = "docs/scaling.png"
+PNG_LINK = "scaling.png"  # from docs/benchmarks.md
 
 # a goal's key in a line's ``goals`` -> its words (an unknown key is shown as it is)
 GOAL_WORDS = {

@@ -1,4 +1,5 @@
-"""Table 1 seed by seed, and the sizing sentence (``report.py``'s two other README blocks).
+"""Table 1 seed by seed, and the sizing sentence (``report.py``'s blocks in docs/table1.md
+and docs/setup.md).
 
 * Table 1: one run of each mode is noise (two runs of one recipe differ by ~0.07 points), so
   the block shows, for the recipe of the newest table1 line, the newest async/sync pair of

@@ -1,9 +1,10 @@
-"""benchmarks/report.py: the README's figures come from the stored lines, and Table 1 is shown
-seed by seed for one recipe."""
+"""benchmarks/report.py: the figures of the README and docs/ come from the stored lines, and
+Table 1 is shown seed by seed for one recipe."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -134,10 +135,25 @@ def test_the_curves_plot_draws_each_shown_recipe(tmp_path):
         mod.plot([], tmp_path / "none.png")
 
 
-def test_the_readme_shows_what_the_stored_lines_say():
+def test_the_readme_and_docs_show_what_the_stored_lines_say():
     report = _report()
-    readme = (ROOT / "README.md").read_text()
-    assert report.render(readme) == readme, "run python benchmarks/report.py"
+    assert set(report.PAGES) == {
+        ROOT / "README.md",
+        ROOT / "docs" / "setup.md",
+        ROOT / "docs" / "table1.md",
+        ROOT / "docs" / "benchmarks.md",
+    }
+    for page in report.PAGES:
+        text = page.read_text()
+        assert report.render(text, page=page) == text, f"{page}: run python benchmarks/report.py"
+    # each block is on one page, once
+    names = [name for names in report.PAGES.values() for name in names]
+    assert sorted(names) == ["figures", "scaling", "server-optimizer", "sizing", "table1"]
+    for page, held in report.PAGES.items():
+        text = page.read_text()
+        for name in names:
+            start, end = report.markers(name)
+            assert text.count(start) == text.count(end) == (name in held), (page, name)
 
 
 # --- the headline table, from small synthetic lines ---
@@ -300,14 +316,9 @@ def test_the_sizing_sentence_counts_every_small_machine_run():
 
 def test_render_links_a_plot_only_when_its_data_is_stored():
     report = _report()
-    readme = "\n".join(
-        [
-            "a <!-- sizing:start -->\n<!-- sizing:end -->",
-            "<!-- figures:start -->\nold dump\n<!-- figures:end -->",
-            "<!-- table1:start -->\n<!-- table1:end --> z",
-            "<!-- server-optimizer:start -->\n<!-- server-optimizer:end -->",
-            "<!-- scaling:start -->\n<!-- scaling:end -->",
-        ]
+    readme = "a\n<!-- figures:start -->\nold dump\n<!-- figures:end -->\nz"
+    benchmarks = "<!-- server-optimizer:start -->\n<!-- server-optimizer:end -->\n" + (
+        "<!-- scaling:start -->\n<!-- scaling:end -->"
     )
     tta = _tta("t", 30.0, torch=40.0) | {"ours_curve": [0.98, 0.991], "torch_curve": [0.99]}
     out = report.render(readme, {"time_to_accuracy": [tta]})
@@ -316,8 +327,14 @@ def test_render_links_a_plot_only_when_its_data_is_stored():
     out = report.render(readme, {"time_to_accuracy": [tta], "capacity": [_capacity_line()]})
     assert "docs/capacity.png" in out
     assert report.render(out, {"time_to_accuracy": [tta], "capacity": [_capacity_line()]}) == out
-    assert "docs/scaling.png" not in out and "No stored `scaling` run yet" in out
-    assert "docs/scaling.png" in report.render(readme, {"scaling": [_scaling()]})
+    out = report.render(benchmarks, {}, report.BENCHMARKS_MD)
+    assert "scaling.png" not in out and "No stored `scaling` run yet" in out
+    # docs/benchmarks.md links its plot beside it
+    assert "](scaling.png)" in report.render(
+        benchmarks, {"scaling": [_scaling()]}, report.BENCHMARKS_MD
+    )
+    with pytest.raises(SystemExit, match=r"docs/table1\.md has no <!-- table1:start -->"):
+        report.render(readme, {}, report.TABLE1_MD)
 
 
 def test_the_plots_draw_from_synthetic_lines(tmp_path):
@@ -364,7 +381,7 @@ def test_a_chaos_row_names_only_the_faults_its_line_sent():
     for claim in ("every role", "SIGKILLs and SIGSTOPs of every"):
         assert claim not in out, claim
     for kind in ("kill-ps", "kill-shard", "freeze-data"):
-        assert kind not in out.partition("### Measured")[2], kind
+        assert kind not in out.partition("<!-- figures:start -->")[2], kind
     # faults the line could not send are said, not counted as sent
     missed = _chaos_line(
         ["kill-ps", "kill-ps"], faults_not_sent=["kill-shard: TimeoutError: no victim"]
@@ -777,3 +794,30 @@ def test_the_scaling_benchmark_judges_its_goals_from_its_line():
         "images_per_second_vs_engine_ge_0_8": None,
     }
     assert mod.parse_sweep("") == [] and mod.parse_sweep("1, 2,8") == [1, 2, 8]
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of ``page``'s headings (outside code blocks)."""
+    out, fenced = set(), False
+    for ln in page.read_text().splitlines():
+        fenced ^= ln.startswith("```")
+        if not fenced and re.match(r"#+ ", ln):
+            out.add(re.sub(r"[^\w\- ]", "", ln.lstrip("#").strip().lower()).replace(" ", "-"))
+    return out
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves():
+    """The README links the pages its content moved to (docs/), and they link back: every
+    relative link names a file that exists, and every #anchor a heading of it."""
+    pages = [ROOT / "README.md", ROOT / "deploy" / "README.md", *sorted(ROOT.glob("docs/*.md"))]
+    bad = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for link in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", link):
+                continue
+            path, _, anchor = link.partition("#")
+            target = (page.parent / path).resolve() if path else page
+            if not target.exists() or (anchor and anchor not in _anchors(target)):
+                bad.append(f"{page.relative_to(ROOT)}: {link}")
+    assert bad == []
