@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from ..errors import ShardUnavailable
-from ..ps.client.control import part_of
 from ..ps.protocol.mark import Mark
 from ..ps.protocol.messages import (
     Beat,
@@ -41,7 +40,7 @@ from ..ps.protocol.messages import (
 )
 from ..ps.protocol.node_commands import command
 from ..ps.protocol.replay import HeldPush
-from ..ps.protocol.request import Delivery, Refresh, Request, Send
+from ..ps.protocol.request import Delivery, Refresh, Request, Send, part_of
 from .sim_world import (
     FAILOVER_TIMEOUT,
     CallRecord,

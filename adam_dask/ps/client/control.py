@@ -20,7 +20,7 @@ import numpy as np
 
 from ...errors import ShardUnavailable
 from ..protocol.replies import NodeReply, PullReply, reply_from_wire
-from ..protocol.request import Request
+from ..protocol.request import Request, part_of, write_pulled
 from ..runtime.rpc import call_actor
 
 logger = logging.getLogger(__name__)
@@ -69,8 +69,8 @@ class Control:
         return client.sync, rpc, client.scheduler, client.loop.asyncio_loop
 
     def tls_context(self) -> Any:
-        """The SSL context this process presents on a TLS cluster (:mod:`adam_dask._tls`)."""
-        from ..._tls import connect_context
+        """The SSL context this process presents on a TLS cluster (:mod:`adam_dask.net.tls`)."""
+        from ...net.tls import connect_context
 
         return connect_context(self.client)
 
@@ -189,29 +189,3 @@ class DaskCalls:
                 write_pulled(req, self.shards[s], values)
             reply = PullReply(dict.fromkeys(reply.per_shard), reply.moved)
         return reply
-
-
-def part_of(req: Request, shard: tuple[int, int], sid: int) -> np.ndarray | None:
-    """Shard ``sid``'s part of a push's values (None: all zeros); a shard the values cover in
-    part (a partition's span) gets zeros outside them."""
-    if req.nonzero is not None and not req.nonzero[sid]:
-        return None
-    a, b = shard
-    lo, hi = a - req.base, b - req.base
-    values = req.values
-    if lo >= 0 and hi <= values.shape[0]:
-        return values[lo:hi]
-    part = np.zeros(b - a, np.float32)
-    s0, s1 = max(lo, 0), min(hi, values.shape[0])
-    part[s0 - lo : s1 - lo] = values[s0:s1]
-    return part
-
-
-def write_pulled(req: Request, shard: tuple[int, int], values: np.ndarray) -> None:
-    """Write a shard's pulled ``values`` into the request's ``out`` (which covers ``out_base``
-    onward: the whole server, or a partition's span)."""
-    a, b = shard
-    out, base = req.args["out"], int(req.args.get("out_base", 0))
-    lo, hi = max(a, base), min(b, base + out.shape[0])
-    if lo < hi:
-        out[lo - base : hi - base] = values[lo - a : hi - a]

@@ -26,9 +26,9 @@ from ...errors import ShardUnavailable
 from ..plane.channels import Channel, Channels, PlaneCalls, Segment
 from ..protocol.replay import HeldPush, ReplayLog
 from ..protocol.replies import NodeReply, PullReply, PushReply
-from ..protocol.request import Delivery, Outer, Refresh, Request, Send
+from ..protocol.request import Delivery, Outer, Refresh, Request, Send, part_of
 from ..protocol.routing import Routing
-from .control import Control, DaskCalls, part_of
+from .control import Control, DaskCalls
 
 logger = logging.getLogger(__name__)
 

@@ -32,10 +32,9 @@ from typing import Any
 import numpy as np
 
 from ...errors import ConfigError, ShardUnavailable, UpdateRejected
-from ..client.control import part_of, write_pulled
+from ...net.framing import recv_exact_into, recv_msg, send_msg
 from ..protocol.replies import NodeReply, PullReply, PushReply, reply_from_wire
-from ..protocol.request import Request
-from .wire import recv_exact_into, recv_msg, send_msg
+from ..protocol.request import Request, part_of, write_pulled
 
 logger = logging.getLogger(__name__)
 

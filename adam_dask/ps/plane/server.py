@@ -36,12 +36,12 @@ from typing import Any
 
 import numpy as np
 
-from ..._listen import Listeners
 from ...errors import AdamError
+from ...net.framing import recv_exact_into, recv_msg, send_msg
+from ...net.listen import Listeners
 from ..protocol.replies import ConfirmedReply, PullReply, PushReply
 from ..protocol.shard import Mark
 from .forward import payload_floats, snapshots_from
-from .wire import recv_exact_into, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def error_reply(exc: BaseException) -> dict:
 
 class PlaneServer:
     """The parameter server's plane in one PS worker process: its listeners
-    (:class:`~adam_dask._listen.Listeners`) and the nodes it serves, by server id."""
+    (:class:`~adam_dask.net.listen.Listeners`) and the nodes it serves, by server id."""
 
     def __init__(self, worker: Any):
         self.nodes: dict[str, Any] = {}  # server id -> PSNode

@@ -25,12 +25,24 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ...errors import ConfigError, ShardUnavailable, StorageError, UpdateRejected
 from .replies import NodeReply, PushReply
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DATA_OPS", "Delivery", "Outer", "Refresh", "Request", "Send", "overlapping"]
+__all__ = [
+    "DATA_OPS",
+    "Delivery",
+    "Outer",
+    "Refresh",
+    "Request",
+    "Send",
+    "overlapping",
+    "part_of",
+    "write_pulled",
+]
 
 DATA_OPS = ("push", "pull", "confirmed")  # what travels on the data plane; the rest is control
 
@@ -194,3 +206,29 @@ class Delivery:
         )
         self.last_error = exc
         self.refresh = True
+
+
+def part_of(req: Request, shard: tuple[int, int], sid: int) -> np.ndarray | None:
+    """Shard ``sid``'s part of a push's values (None: all zeros); a shard the values cover in
+    part (a partition's span) gets zeros outside them."""
+    if req.nonzero is not None and not req.nonzero[sid]:
+        return None
+    a, b = shard
+    lo, hi = a - req.base, b - req.base
+    values = req.values
+    if lo >= 0 and hi <= values.shape[0]:
+        return values[lo:hi]
+    part = np.zeros(b - a, np.float32)
+    s0, s1 = max(lo, 0), min(hi, values.shape[0])
+    part[s0 - lo : s1 - lo] = values[s0:s1]
+    return part
+
+
+def write_pulled(req: Request, shard: tuple[int, int], values: np.ndarray) -> None:
+    """Write a shard's pulled ``values`` into the request's ``out`` (which covers ``out_base``
+    onward: the whole server, or a partition's span)."""
+    a, b = shard
+    out, base = req.args["out"], int(req.args.get("out_base", 0))
+    lo, hi = max(a, base), min(b, base + out.shape[0])
+    if lo < hi:
+        out[lo - base : hi - base] = values[lo - a : hi - a]
