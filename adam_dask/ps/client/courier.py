@@ -130,7 +130,7 @@ class Courier:
         seg = None
         channels = self.channels_or_none() if req.data else None
         if req.op == "push" and self.staleness and self.read_versions:
-            req.args["bases"] = dict(self.read_versions)
+            req.bases = dict(self.read_versions)
         for send in sends:
             ch = self._channel(channels, send.addr) if channels is not None else None
             stamps = self.routing.stamps(send.sids)

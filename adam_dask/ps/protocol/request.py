@@ -77,7 +77,10 @@ class Request:
     ``values``: a push's flat float32 source (the whole server's, or ``base`` onward: a
     partition's span), with ``nonzero[sid]`` False for a shard whose part is all zeros (the
     push is recorded there, nothing added); ``outer`` instead for the offload; ``pull``: read
-    the shards back too. ``args`` carry a control call's arguments."""
+    the shards back too; ``urgent``, ``bases``: see
+    :class:`~adam_dask.ps.protocol.node_requests.PushRequest`. ``args`` carry what never
+    crosses a wire as it is: a control call's arguments, where pulled values go (``out``,
+    ``out_base``), the client's own marks (``replay``, ``own_segment``)."""
 
     op: str
     sids: tuple[int, ...]
@@ -90,6 +93,7 @@ class Request:
     outer: Outer | None = None
     pull: bool = False
     urgent: bool = False  # the pusher waits for room: the primaries forward at once
+    bases: dict[int, int] | None = None  # {sid: the version last read}: the staleness
     args: dict = field(default_factory=dict)
 
     @property
