@@ -93,6 +93,8 @@ def on_pushes(node: NodeState, ev: Pushes) -> list[Action]:
             out.append(Reply(p.req, exc))
             continue
         bases = p.bases or {}
+        if bases and checked:
+            node.pushes_with_bases += 1
         for sid, d in checked.items():
             todo.setdefault(sid, []).append((i, d, p.push_id, p.mark, bases.get(sid)))
         results.append((i, p, moved))
