@@ -7,6 +7,12 @@
   ``pkg.name`` when that is a module, else to ``pkg``. A package's ``__init__`` re-exporting its
   own submodules is not a cycle, so edges from an ``__init__`` into its own package are left
   out.
+* **No import cycle between packages**: package A's modules import package B's and B's import
+  A's (through any chain of packages). A module belongs to the package of its directory, so a
+  package's own modules and its subpackages' are apart: ``adam_dask/cluster.py`` importing
+  ``adam_dask.dashboard`` while the dashboard imports ``adam_dask.config`` is a cycle. As
+  above, a package's ``__init__`` re-exporting its own children is left out. Each cycle is
+  printed with one import per edge inside it.
 * **No import of a module of the package that does not exist** (mypy is told to ignore missing
   imports, for the third-party libraries without types, so it would not say).
 * **No private module reached from another package**: ``a/b/_c.py`` is imported only from
@@ -114,6 +120,44 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def package_of(name: str, known: dict[str, Path]) -> str:
+    """The package a module belongs to: its directory's (a package's ``__init__``: itself)."""
+    return name if known[name].name == "__init__.py" else name.rpartition(".")[0]
+
+
+def package_graph(graph: dict[str, set[str]], known: dict[str, Path]) -> dict[str, set[str]]:
+    """{package: the other packages its modules import}."""
+    out: dict[str, set[str]] = {}
+    for name, deps in graph.items():
+        a = package_of(name, known)
+        out.setdefault(a, set())
+        for d in deps:
+            b = package_of(d, known)
+            out.setdefault(b, set())
+            if a != b:
+                out[a].add(b)
+    return out
+
+
+def package_cycles(
+    graph: dict[str, set[str]], known: dict[str, Path]
+) -> list[tuple[str, list[str]]]:
+    """(``a <-> b <-> ...``, one ``module -> module`` import for each package edge inside it)
+    for each cycle between packages."""
+    out = []
+    for comp in cycles(package_graph(graph, known)):
+        inside, seen, via = set(comp), set(), []
+        for name in sorted(graph):
+            a = package_of(name, known)
+            for d in sorted(graph[name]):
+                b = package_of(d, known)
+                if a != b and a in inside and b in inside and (a, b) not in seen:
+                    seen.add((a, b))
+                    via.append(f"{name} -> {d}")
+        out.append((" <-> ".join(comp), via))
+    return out
+
+
 MAX_LINES = 500
 LONG_OK = {"adam_dask.model.kernels"}  # numba forward/backward pairs, read side by side
 BASES_OK = {
@@ -207,6 +251,7 @@ def main(argv: list[str]) -> int:
     graph = {name: imports(name, path, known) for name, path in known.items()}
     breaches = [
         *("import cycle: " + " <-> ".join(comp) for comp in cycles(graph)),
+        *("package import cycle: " + c for c, _ in package_cycles(graph, known)),
         *("import of a missing module: " + m for m in missing_modules(root, package, known)),
         *(
             "private module reached from another package: " + p
@@ -228,8 +273,12 @@ def main(argv: list[str]) -> int:
     listed_keys = {key(b) for b in listed}
     new = [b for b in breaches if key(b) not in listed_keys]
     gone = sorted(listed_keys - {key(b) for b in breaches})
+    via = {"package import cycle: " + c: v for c, v in package_cycles(graph, known)}
     for b in breaches:
         print(("NEW  " if b in new else "known ") + b)
+        if b in new:
+            for edge in via.get(b, ()):
+                print("       via " + edge)
     for b in gone:
         print("GONE " + b + "  (mended: take it off tools/structure-known.txt)")
     edges = sum(len(v) for v in graph.values())

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from ..errors import ShardUnavailable
-from ..ps.client.control import part_of
 from ..ps.protocol.mark import Mark
 from ..ps.protocol.messages import (
     Beat,
@@ -29,7 +28,6 @@ from ..ps.protocol.messages import (
     ManifestFailed,
     NodeFailed,
     NodeReady,
-    Push,
     Pushes,
     Replicate,
     Restore,
@@ -40,8 +38,14 @@ from ..ps.protocol.messages import (
     WriteReport,
 )
 from ..ps.protocol.node_commands import command
+from ..ps.protocol.node_requests import (
+    ConfirmedRequest,
+    PushRequest,
+    node_request,
+    request_from_wire,
+)
 from ..ps.protocol.replay import HeldPush
-from ..ps.protocol.request import Delivery, Refresh, Request, Send
+from ..ps.protocol.request import Delivery, Refresh, Request, Send, part_of
 from .sim_world import (
     FAILOVER_TIMEOUT,
     CallRecord,
@@ -290,13 +294,18 @@ class Traffic:
         for send in actions:
             assert isinstance(send, Send)
             stamps = p.routing.stamps(send.sids)
+            # the request as the transports write it and the node reads it back
+            head = node_request(req, send.sids, stamps, "sim", self.w.shards)
+            head = request_from_wire(head.to_wire())
             ev: Any
-            if req.op == "push":
+            if isinstance(head, PushRequest):
                 parts = {s: part_of(req, self.w.shards[s], s) for s in send.sids}
                 deltas = {s: None if v is None else v.copy() for s, v in parts.items()}
-                ev = Push(None, deltas, req.push_id, stamps, req.ack, req.mark)
-            else:
-                ev = Confirmed(None, send.sids)
+                ev = head.event(None, deltas, False)
+            elif isinstance(head, ConfirmedRequest):
+                ev = head.event(None)
+            else:  # pragma: no cover - the simulated pushers push and ask, nothing else
+                raise AssertionError(f"the simulation sends no {req.op!r}")
             cid = self.w.request(p.name, send.addr, req.op, ev, key=p.routing.key(send.addr))
             p.calls[cid] = (send.addr, send.sids)
 

@@ -1,6 +1,6 @@
 """The sockets between the partitions of one replica: how two neighbours meet
 (:func:`meet`, through a :class:`distributed.Variable` and a token) and how messages cross
-(:class:`Link`: the data plane's framing, :mod:`adam_dask.ps.plane.wire`, a msgpack header
+(:class:`Link`: the data plane's framing, :mod:`adam_dask.net.framing`, a msgpack header
 then the raw float32 bytes, each message in one ``sendmsg`` and read through a buffer).
 
 Activations go forward and error terms back over these long-lived TCP sockets; the
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..ps.plane.wire import recv_exact_into, recv_msg, send_msg
+from ..net.framing import recv_exact_into, recv_msg, send_msg
 
 if TYPE_CHECKING:
     from .replica import Flag
@@ -28,7 +28,7 @@ __all__ = ["Link", "meet"]
 
 
 class _Stream:
-    """A socket's reading side as the data plane's framing (:mod:`adam_dask.ps.plane.wire`) reads
+    """A socket's reading side as the data plane's framing (:mod:`adam_dask.net.framing`) reads
     it, in fewer system calls: ``recv_into`` serves small reads from one ``recv`` of whatever
     has arrived (a message's length, header and a small payload in one call); a read of at
     least half the buffer with nothing buffered goes straight into the caller's buffer. (The

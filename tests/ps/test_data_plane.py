@@ -201,7 +201,7 @@ def test_sigkill_of_the_pusher_mid_push_leaves_no_torn_value_and_no_segment(ps_c
 def test_a_connection_without_the_nodes_token_is_closed_and_changes_nothing(ps_client):
     import socket
 
-    from adam_dask.ps.plane.wire import send_msg
+    from adam_dask.net.framing import send_msg
     from adam_dask.ps.runtime.rpc import call_actor
 
     s = ParameterServer.create(ps_client, size=N, shard_bytes=SHARD)

@@ -1,13 +1,16 @@
 """The server optimizer on a real cluster: a PS primary SIGKILLed mid-stream with ``nesterov``
 on loses no acknowledged push, applies each once, and ends at the bits of a replay of the
 pushes in the order they were applied; the momentum survives a restore from the checkpoint;
-a push's staleness is counted from the versions its handle read on the data plane."""
+a push's staleness is counted from the versions its handle read, on the data plane and over
+Dask alike."""
 
 from __future__ import annotations
 
 import random
 
+import dask
 import numpy as np
+import pytest
 
 from adam_dask.ps import ParameterServer
 from adam_dask.ps.shard_kernels import nesterov_step
@@ -102,9 +105,17 @@ def test_restore_keeps_the_momentum(ps_client, tmp_path):
         r.close()
 
 
-def test_staleness_counts_the_versions_moved_since_the_read(ps_client):
+@pytest.mark.parametrize("plane", ["auto", "dask"])
+def test_staleness_counts_the_versions_moved_since_the_read(ps_client, plane):
+    """On the data plane and over Dask (``adam.ps.data-plane: dask``) alike: a pull's versions
+    come back, the next push names them (``bases``) and the node counts its staleness."""
     s = ParameterServer.create(ps_client, size=N, shard_bytes=SHARD, optimizer="sum+staleness")
     other = ParameterServer.attach(ps_client, s.server_id)
+    with dask.config.set({"adam.ps.data-plane": plane}):
+        check_staleness(s, other, plane)
+
+
+def check_staleness(s: ParameterServer, other: ParameterServer, plane: str) -> None:
     try:
         assert other.optimizer.name == "sum+staleness"
         s.pull()  # s reads version 0 of every shard
@@ -116,5 +127,8 @@ def test_staleness_counts_the_versions_moved_since_the_read(ps_client):
         s.push(np.full(N, 2.0, np.float32))  # read just now: not stale
         np.testing.assert_array_equal(s.pull(), np.full(N, 6.0, np.float32))
         other.settle(checkpoint=False)
+        nodes = s.stats()["nodes"].values()
+        moved = {k: sum(n["by_transport"][k] for n in nodes) for k in ("plane", "dask")}
+        assert moved["dask" if plane == "auto" else "plane"] == 0  # the transport asked for
     finally:
         s.close()

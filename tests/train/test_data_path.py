@@ -59,3 +59,40 @@ def test_every_kind_of_fit_moves_its_data_on_the_plane_alone(store, adam_cluster
             t.close()
     assert hist.column("images_applied") == [N_TRAIN], hist.records
     assert moved["plane"] > 0 and moved["dask"] == 0, moved
+
+
+@pytest.mark.timeout(600)
+def test_a_staleness_fit_over_dask_names_the_versions_read_as_on_the_plane(
+    store, adam_cluster, monkeypatch
+):
+    """``adam.ps.data-plane: dask`` (a firewall between pusher and node): a fit with
+    ``nesterov+staleness`` sends every push and pull as a Dask actor call, and the pushes name
+    the versions their replica read (``bases``: the server optimizer's staleness) as they do on
+    the plane; the same fit on the plane for comparison."""
+    import adam_dask
+
+    def fit(client) -> tuple[dict, int]:
+        t = Trainer(store, client=client, lr=0.05, push_every=64, batch_size=8, model=SPEC,
+                    progress=False, server_optimizer="nesterov+staleness")  # fmt: skip
+        try:
+            hist = t.fit(epochs=1)
+            nodes = [n for n in t.server.stats()["nodes"].values() if isinstance(n, dict)]
+            based = sum(n["pushes_with_bases"] for n in nodes)
+            moved = transports(t.server)
+        finally:
+            t.close()
+        assert hist.column("images_applied") == [N_TRAIN], hist.records
+        return moved, based
+
+    on_plane, based_on_plane = fit(adam_cluster)
+    assert on_plane["dask"] == 0 and based_on_plane > 0
+    monkeypatch.setenv("DASK_ADAM__PS__DATA_PLANE", "dask")  # the workers' setting
+    with (
+        dask.config.set({"adam.ps.data-plane": "dask"}),
+        adam_dask.cluster.local(
+            ps_nodes=3, data_nodes=1, trainers=2, trainer_threads=1, memory_limit="2 GiB"
+        ) as client,
+    ):
+        over_dask, based_over_dask = fit(client)
+    assert over_dask["plane"] == 0 and over_dask["dask"] > 0, over_dask
+    assert based_over_dask > 0

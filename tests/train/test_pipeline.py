@@ -269,7 +269,7 @@ def test_a_link_delivers_every_message_whole_and_in_order(size):
 def test_a_gathered_send_cut_short_by_the_kernel_goes_on_where_it_stopped():
     """The framing sends a message in one ``sendmsg``; one the kernel takes in part goes on
     from the byte where it stopped, the message whole and in order."""
-    from adam_dask.ps.plane.wire import recv_msg, send_msg
+    from adam_dask.net.framing import recv_msg, send_msg
 
     class Sock:  # sends at most 5 bytes a call, as a socket with a timeout or a signal may
         data = bytearray()

@@ -12,7 +12,7 @@ random id). It listens on
   batch's answer names its slot. The values never cross a socket. The segment has no name in
   any file system: the kernel frees it when the last mapping goes, SIGKILL included;
 * TCP on the worker's host (TLS with Dask's certificates on a ``tls://`` cluster,
-  :mod:`adam_dask._tls`): the batch's bytes follow its header, sent straight from the batch
+  :mod:`adam_dask.net.tls`): the batch's bytes follow its header, sent straight from the batch
   (the kernel's copy only).
 
 One connection is one stream of one partition, served by one thread: ``open`` (the stream's
@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from ..._listen import Listeners
 from ...errors import AdamError
-from ...ps.plane.wire import recv_msg, send_msg
+from ...net.framing import recv_msg, send_msg
+from ...net.listen import Listeners
 from ._messages import Batch, End, ServerClosed, ServingError, StreamExpired
 from ._partition import PartitionServer
 
@@ -128,7 +128,7 @@ class Arena:
 
 class ImagePlane:
     """The image plane of one DATA worker process: its listeners
-    (:class:`~adam_dask._listen.Listeners`) and the partition servers it serves."""
+    (:class:`~adam_dask.net.listen.Listeners`) and the partition servers it serves."""
 
     def __init__(self, worker: Any):
         self.servers: weakref.WeakValueDictionary[str, PartitionServer] = (

@@ -30,9 +30,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..._tls import connect_context
 from ...errors import ConfigError
-from ...ps.plane.wire import MAX_HEADER, send_msg
+from ...net.framing import MAX_HEADER, send_msg
+from ...net.tls import connect_context
 from ..augment import as_model_input
 from ._messages import (
     Batch,

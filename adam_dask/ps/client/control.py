@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 
 from ...errors import ShardUnavailable
+from ..protocol.node_requests import OuterRequest, PushRequest, node_request
 from ..protocol.replies import NodeReply, PullReply, reply_from_wire
-from ..protocol.request import Request
+from ..protocol.request import Request, part_of, write_pulled
 from ..runtime.rpc import call_actor
 
 logger = logging.getLogger(__name__)
@@ -69,8 +70,8 @@ class Control:
         return client.sync, rpc, client.scheduler, client.loop.asyncio_loop
 
     def tls_context(self) -> Any:
-        """The SSL context this process presents on a TLS cluster (:mod:`adam_dask._tls`)."""
-        from ..._tls import connect_context
+        """The SSL context this process presents on a TLS cluster (:mod:`adam_dask.net.tls`)."""
+        from ...net.tls import connect_context
 
         return connect_context(self.client)
 
@@ -146,37 +147,25 @@ class DaskCalls:
         self, addr: str, key: str, req: Request, sids: tuple[int, ...], stamps: dict, timeout: float
     ) -> concurrent.futures.Future:
         c = self.control
-        sl = list(sids)
-        if req.op == "push" and req.outer is not None:
-            o = req.outer
-            cols = {s: np.ascontiguousarray(o.errors[:, slice(*o.cols[s])]) for s in sl}
-            args = (cols, o.offset, o.out, o.inp, o.activations, o.scale)
-            rest = (req.push_id, req.ack, stamps, req.mark)
-            return c.start(addr, key, "push_outer", *args, *rest, timeout=timeout)
-        if req.op == "push":
-            parts = {s: part_of(req, self.shards[s], s) for s in sl}
-            return c.start(
-                addr,
-                key,
-                "push",
-                parts,
-                req.push_id,
-                req.ack,
-                stamps,
-                req.mark,
-                False,  # the node checks the values too: the path a bypassed client takes
-                timeout=timeout,
-            )
-        if req.op == "pull":
-            return c.start(addr, key, "pull", sl, stamps, timeout=timeout)
-        if req.op == "confirmed":
-            return c.start(addr, key, "confirmed", sl, timeout=timeout)
+        sl = tuple(sids)
+        if req.data:  # the node's ``call``: the header the data plane would send, the values
+            head = node_request(req, sl, stamps, c.server_id, self.shards)
+            payload: Any = None
+            if isinstance(head, OuterRequest):
+                o = req.outer
+                assert o is not None
+                cols = {s: np.ascontiguousarray(o.errors[:, slice(*o.cols[s])]) for s in sl}
+                payload = (cols, o.activations)
+            elif isinstance(head, PushRequest):
+                parts = {s: part_of(req, self.shards[s], s) for s in sl}
+                payload = {s: v for s, v in parts.items() if v is not None}
+            return c.start(addr, key, "call", head.to_wire(), payload, timeout=timeout)
         if req.op == "flush":
-            return c.start(addr, key, "flush", sl, timeout=timeout, **req.args)
+            return c.start(addr, key, "flush", list(sl), timeout=timeout, **req.args)
         if req.op == "marks":
-            return c.start(addr, key, "marks", sl, req.args["epoch"], timeout=timeout)
+            return c.start(addr, key, "marks", list(sl), req.args["epoch"], timeout=timeout)
         if req.op == "versions":
-            return c.start(addr, key, "pull_versions", sl, timeout=timeout)
+            return c.start(addr, key, "pull_versions", list(sl), timeout=timeout)
         raise ValueError(f"no such request {req.op!r}")  # pragma: no cover
 
     def finish(self, req: Request, wire: dict) -> NodeReply:
@@ -187,31 +176,5 @@ class DaskCalls:
             for s, values in reply.per_shard.items():
                 assert values is not None
                 write_pulled(req, self.shards[s], values)
-            reply = PullReply(dict.fromkeys(reply.per_shard), reply.moved)
+            reply = PullReply(dict.fromkeys(reply.per_shard), reply.moved, reply.versions)
         return reply
-
-
-def part_of(req: Request, shard: tuple[int, int], sid: int) -> np.ndarray | None:
-    """Shard ``sid``'s part of a push's values (None: all zeros); a shard the values cover in
-    part (a partition's span) gets zeros outside them."""
-    if req.nonzero is not None and not req.nonzero[sid]:
-        return None
-    a, b = shard
-    lo, hi = a - req.base, b - req.base
-    values = req.values
-    if lo >= 0 and hi <= values.shape[0]:
-        return values[lo:hi]
-    part = np.zeros(b - a, np.float32)
-    s0, s1 = max(lo, 0), min(hi, values.shape[0])
-    part[s0 - lo : s1 - lo] = values[s0:s1]
-    return part
-
-
-def write_pulled(req: Request, shard: tuple[int, int], values: np.ndarray) -> None:
-    """Write a shard's pulled ``values`` into the request's ``out`` (which covers ``out_base``
-    onward: the whole server, or a partition's span)."""
-    a, b = shard
-    out, base = req.args["out"], int(req.args.get("out_base", 0))
-    lo, hi = max(a, base), min(b, base + out.shape[0])
-    if lo < hi:
-        out[lo - base : hi - base] = values[lo - a : hi - a]

@@ -26,9 +26,9 @@ from ...errors import ShardUnavailable
 from ..plane.channels import Channel, Channels, PlaneCalls, Segment
 from ..protocol.replay import HeldPush, ReplayLog
 from ..protocol.replies import NodeReply, PullReply, PushReply
-from ..protocol.request import Delivery, Outer, Refresh, Request, Send
+from ..protocol.request import Delivery, Outer, Refresh, Request, Send, part_of
 from ..protocol.routing import Routing
-from .control import Control, DaskCalls, part_of
+from .control import Control, DaskCalls
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class Courier:
         seg = None
         channels = self.channels_or_none() if req.data else None
         if req.op == "push" and self.staleness and self.read_versions:
-            req.args["bases"] = dict(self.read_versions)
+            req.bases = dict(self.read_versions)
         for send in sends:
             ch = self._channel(channels, send.addr) if channels is not None else None
             stamps = self.routing.stamps(send.sids)

@@ -43,7 +43,8 @@ def server_figures(
     ``failed_calls`` (plane calls given up: the node died, froze or was dropped)),
     ``nodes`` (each node's figures, ``by_transport`` among them: the pushes and pulls it
     served over the plane and as Dask actor calls; ``outer_products``: the dense offload's
-    updates it computed from activations and errors)."""
+    updates it computed from activations and errors; ``pushes_with_bases``: those that named
+    the versions their pusher read, the server optimizer's staleness)."""
     ok = [n for n in nodes.values() if isinstance(n, dict)]
     total = sum(n["pushes"] for n in ok)
     if last is None:

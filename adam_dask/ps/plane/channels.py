@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 
 from ...errors import ConfigError, ShardUnavailable, UpdateRejected
-from ..client.control import part_of, write_pulled
+from ...net.framing import recv_exact_into, recv_msg, send_msg
+from ..protocol.node_requests import OuterRequest, PushRequest, node_request
 from ..protocol.replies import NodeReply, PullReply, PushReply, reply_from_wire
-from ..protocol.request import Request
-from .wire import recv_exact_into, recv_msg, send_msg
+from ..protocol.request import Request, part_of, write_pulled
 
 logger = logging.getLogger(__name__)
 
@@ -289,60 +289,39 @@ class PlaneCalls:
     def send(
         self, ch: Channel, req: Request, sids: tuple[int, ...], stamps: dict, seg: Segment | None
     ) -> Any:
-        """Write the part of ``req`` for ``sids`` to ``ch``; returns what :meth:`receive` needs
-        (the segment a node on this machine writes pulled values into)."""
-        sl = [int(s) for s in sids]
-        h: dict[str, Any] = {"op": req.op, "server": ch.server_id, "stamps": stamps}
-        payloads: list = []
+        """Write the part of ``req`` for ``sids`` to ``ch`` (its
+        :func:`~adam_dask.ps.protocol.node_requests.node_request`, then the values); returns
+        what :meth:`receive` needs (the segment a node on this machine writes pulled values
+        into)."""
+        sl = tuple(int(s) for s in sids)
         target = None
-        if req.op == "confirmed":
-            h["sids"], h["urgent"] = sl, req.urgent
-        elif req.op == "pull" or req.pull:
+        where: tuple[int | None, tuple[int, ...] | None] | None = None
+        if req.op == "pull" or (req.op == "push" and req.pull):
             if ch.unix:
                 target = self._pull_target(ch, req.args.get("out"), req.args.get("out_base", 0))
-                h["segment" if req.op == "pull" else "pull_segment"] = target.id
+                where = (target.id, None)
             else:
-                h["sizes"] = [self.shards[s][1] - self.shards[s][0] for s in sl]
-            if req.op == "pull":
-                h["sids"] = sl
-            else:
-                h["pull"], h["pull_sids"] = True, sl
-        if req.op == "push":
-            h.update(push_id=req.push_id, ack=req.ack, urgent=req.urgent)
-            bases = req.args.get("bases")
-            if bases:  # the versions this pusher last read (the server optimizer's staleness)
-                h["bases"] = {s: bases[s] for s in sl if s in bases}
-            h["mark"] = None if req.mark is None else req.mark.to_json()
-            if req.outer is not None:
-                o = req.outer
-                acts = np.ascontiguousarray(o.activations, dtype=np.float32)
-                errs = np.ascontiguousarray(o.errors, dtype=np.float32)
-                h["outer"] = {
-                    "offset": o.offset,
-                    "out": o.out,
-                    "inp": o.inp,
-                    "scale": o.scale,
-                    "batch": int(acts.shape[0]),
-                    "cols": {s: list(o.cols[s]) for s in sl},
-                }
-                payloads = [acts, errs]
-            else:
-                parts = []
-                for s in sl:
-                    a, b = self.shards[s]
-                    zero = req.nonzero is not None and not req.nonzero[s]
-                    parts.append([s, a, -1 if zero else b - a])
-                h["parts"] = parts
-                if ch.unix:
-                    assert seg is not None
-                    ch.share(seg)
-                    h["segment"], h["offset"] = seg.id, 0
-                else:
-                    payloads = [part_of(req, self.shards[s], s) for s in sl]
-                    payloads = [p for p in payloads if p is not None]
+                where = (None, tuple(self.shards[s][1] - self.shards[s][0] for s in sl))
+        values_in = None
+        if req.op == "push" and req.outer is None and ch.unix:
+            assert seg is not None
+            ch.share(seg)
+            values_in = seg.id
+        head = node_request(
+            req, sl, stamps, ch.server_id, self.shards, segment=values_in, pull=where
+        )
+        payloads: list = []
+        if isinstance(head, OuterRequest):
+            o = req.outer
+            assert o is not None
+            acts = np.ascontiguousarray(o.activations, dtype=np.float32)
+            errs = np.ascontiguousarray(o.errors, dtype=np.float32)
+            payloads = [acts, errs]
+        elif isinstance(head, PushRequest) and values_in is None:
+            payloads = [p for p in (part_of(req, self.shards[s], s) for s in sl) if p is not None]
         if target is not None:
             ch.share(target)
-        send_msg(ch.sock, h, *payloads)
+        send_msg(ch.sock, head.to_wire(), *payloads)
         return target
 
     def receive(self, ch: Channel, req: Request, target: Segment | None) -> NodeReply:

@@ -29,10 +29,10 @@ import os
 import threading
 from typing import Any
 
+from ...net.framing import recv_msg, send_msg
 from ..protocol.replies import ReplicateReply
 from ..protocol.shard import Mark, ShardCopy
 from .channels import Channels, Segment
-from .wire import recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
 

@@ -36,12 +36,18 @@ from typing import Any
 
 import numpy as np
 
-from ..._listen import Listeners
 from ...errors import AdamError
+from ...net.framing import recv_exact_into, recv_msg, send_msg
+from ...net.listen import Listeners
+from ..protocol.node_requests import (
+    ConfirmedRequest,
+    OuterRequest,
+    PullRequest,
+    PushRequest,
+    request_from_wire,
+)
 from ..protocol.replies import ConfirmedReply, PullReply, PushReply
-from ..protocol.shard import Mark
 from .forward import payload_floats, snapshots_from
-from .wire import recv_exact_into, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +81,7 @@ def error_reply(exc: BaseException) -> dict:
 
 class PlaneServer:
     """The parameter server's plane in one PS worker process: its listeners
-    (:class:`~adam_dask._listen.Listeners`) and the nodes it serves, by server id."""
+    (:class:`~adam_dask.net.listen.Listeners`) and the nodes it serves, by server id."""
 
     def __init__(self, worker: Any):
         self.nodes: dict[str, Any] = {}  # server id -> PSNode
@@ -113,19 +119,19 @@ class _Connection:
                 op = h["op"]
                 if op == "segment":
                     self._segment(h)
-                elif op == "push":
-                    if h.get("pull"):
-                        self._push_pull(h)
-                    else:
-                        send_msg(self.sock, _wire(self._push(h)))
-                elif op == "pull":
-                    self._pull(h)
-                elif op == "confirmed":
-                    send_msg(self.sock, self._confirmed(h))
-                elif op == "replicate":
+                    continue
+                if op == "replicate":
                     send_msg(self.sock, self._replicate(h))
+                    continue
+                r = request_from_wire(h)
+                if isinstance(r, PushRequest) and r.pull is not None:
+                    self._push_pull(r, r.pull)
+                elif isinstance(r, (PushRequest, OuterRequest)):
+                    send_msg(self.sock, _wire(self._push(r)))
+                elif isinstance(r, PullRequest):
+                    self._pull(r)
                 else:
-                    raise ConnectionError(f"unknown data-plane op {op!r}")
+                    send_msg(self.sock, self._confirmed(r))
         except (ConnectionError, OSError, ValueError) as exc:
             logger.debug("data-plane connection closed: %r", exc)
         except Exception as exc:  # a peer that broke the protocol: close, serve the others
@@ -157,75 +163,58 @@ class _Connection:
             self.buf = np.empty(n, np.float32)
         return self.buf[:n]
 
-    def _node(self, h: dict) -> Any:
-        return self.server.nodes.get(h["server"])
+    def _node(self, server: str) -> Any:
+        return self.server.nodes.get(server)
 
-    def _push(self, h: dict) -> PushReply | dict:
+    def _push(self, r: PushRequest | OuterRequest) -> PushReply | dict:
         """A push's values (named in a shared segment, or read from the socket; the dense
         offload's activations and errors always follow the header, and its update is computed
         here), applied by the node in this thread. Its answer, or the node's error as it goes
         on the wire."""
-        outer = h.get("outer")
         deltas: dict[int, np.ndarray | None] = {}
-        if outer is not None:
-            b, inp, out = int(outer["batch"]), int(outer["inp"]), int(outer["out"])
+        if isinstance(r, OuterRequest):
+            b, inp, out = r.batch, r.inp, r.out
             buf = self._buffer(b * (inp + out))
             recv_exact_into(self.sock, buf)
             acts = buf[: b * inp].reshape(b, inp)
             errs = buf[b * inp :].reshape(b, out)
-            cols = {int(s): (int(r0), int(r1)) for s, (r0, r1) in outer["cols"].items()}
-            sids = list(cols)
-        elif self.unix:
-            parts = h["parts"]  # [[sid, start, floats or -1 (zeros)], ...]
-            seg = self.segments[int(h["segment"])]
-            base = int(h["offset"])
-            for sid, start, n in parts:
-                lo = int(start) - base
-                deltas[int(sid)] = None if n < 0 else seg[lo : lo + int(n)]
-            sids = list(deltas)
+        elif r.segment is not None:  # the values lie in a segment the pusher shared
+            seg = self.segments[r.segment]
+            for sid, start, n in r.parts:
+                lo = start - r.offset
+                deltas[sid] = None if n < 0 else seg[lo : lo + n]
         else:
-            parts = h["parts"]
-            total = sum(int(n) for _, _, n in parts if n > 0)
-            buf = self._buffer(total)
+            buf = self._buffer(sum(n for _, _, n in r.parts if n > 0))
             recv_exact_into(self.sock, buf)
             o = 0
-            for sid, _, n in parts:
-                if n < 0:
-                    deltas[int(sid)] = None
-                else:
-                    deltas[int(sid)] = buf[o : o + int(n)]
-                    o += int(n)
-            sids = list(deltas)
-        node = self._node(h)
+            for sid, _, n in r.parts:
+                deltas[sid] = None if n < 0 else buf[o : o + n]
+                o += max(n, 0)
+        sids = list(r.sids)
+        node = self._node(r.server)
         if node is None:
             return PushReply({}, tuple(sids), gens={})
-        mark = None if h.get("mark") is None else Mark.from_json(h["mark"])
-        bases = {int(s): int(v) for s, v in (h.get("bases") or {}).items()} or None
-        stamps = {int(s): int(g) for s, g in h["stamps"].items()}
         try:
-            if outer is not None:
-                parts_of = {s: (errs[:, r0:r1], acts) for s, (r0, r1) in cols.items()}
-                deltas = node.outer(parts_of, int(outer["offset"]), out, inp, float(outer["scale"]))
+            if isinstance(r, OuterRequest):
+                parts_of = {s: (errs[:, c0:c1], acts) for s, (c0, c1) in r.cols.items()}
+                deltas = node.outer(parts_of, r.offset, out, inp, r.scale)
                 if not deltas:
                     return PushReply({}, tuple(sids), gens={})
-            reply: PushReply = node.push(
-                deltas, int(h["push_id"]), h["ack"], stamps, mark, bool(h.get("urgent")), bases
-            )
+            reply: PushReply = node.push(r.event(None, deltas, True), r.urgent)
         except Exception as exc:
             return error_reply(exc)
-        if outer is not None:  # the shards not primary here
+        if isinstance(r, OuterRequest):  # the shards not primary here
             reply = replace(
                 reply, moved=tuple(sorted(set(reply.moved) | (set(sids) - set(deltas))))
             )
         return reply
 
-    def _confirmed(self, h: dict) -> dict:
-        node = self._node(h)
-        sids = [int(s) for s in h["sids"]]
+    def _confirmed(self, r: ConfirmedRequest) -> dict:
+        node = self._node(r.server)
         if node is None:
-            return ConfirmedReply({}, {}, {}, tuple(sids)).to_wire()
+            return ConfirmedReply({}, {}, {}, r.sids).to_wire()
         try:
-            return node.confirmed(sids, bool(h.get("urgent"))).to_wire()
+            return node.confirmed(list(r.sids), r.urgent).to_wire()
         except Exception as exc:
             return error_reply(exc)
 
@@ -244,7 +233,7 @@ class _Connection:
         for n in sizes:
             values.append(buf[o : o + n])
             o += n
-        node = self._node(h)
+        node = self._node(h["server"])
         if node is None:
             return {"error": "ShardUnavailable", "message": "no such server here", "hint": None}
         try:
@@ -252,36 +241,31 @@ class _Connection:
         except Exception as exc:
             return error_reply(exc)
 
-    def _pull(self, h: dict) -> None:
-        sids = [int(s) for s in h["sids"]]
-        stamps = {int(s): int(g) for s, g in h["stamps"].items()}
-        node = self._node(h)
+    def _pull(self, r: PullRequest) -> None:
+        node = self._node(r.server)
         if node is None:
-            send_msg(self.sock, PullReply({}, tuple(sids)).plane_header())
+            send_msg(self.sock, PullReply({}, r.sids).plane_header())
             return
         try:
             versions: dict[int, int] = {}
-            ok, moved, views = self._read(h, node, sids, stamps, versions=versions)
+            ok, moved, views = self._read(r, node, list(r.sids), versions=versions)
         except Exception as exc:
             send_msg(self.sock, error_reply(exc))
             return
         reply = PullReply(dict.fromkeys(ok), tuple(moved), versions)
         send_msg(self.sock, reply.plane_header(), *views)
 
-    def _push_pull(self, h: dict) -> None:
+    def _push_pull(self, r: PushRequest, pull: PullRequest) -> None:
         """A push, then the values of the shards it was applied to, in one round trip (what a
         replica does every k images)."""
-        reply = self._push(h)
+        reply = self._push(r)
         views: list = []
-        node = self._node(h)
+        node = self._node(r.server)
         if isinstance(reply, PushReply) and node is not None and reply.per_shard:
             sids = sorted(reply.per_shard)
-            stamps = {int(s): int(g) for s, g in h["stamps"].items()}
             try:
                 versions: dict[int, int] = {}
-                ok, _, views = self._read(
-                    h, node, sids, stamps, order=h["pull_sids"], versions=versions
-                )
+                ok, _, views = self._read(pull, node, sids, order=pull.sids, versions=versions)
                 reply = replace(reply, pulled=tuple(ok), pulled_versions=versions)
             except Exception as exc:  # the push stands; the pusher pulls the Dask way
                 logger.debug("data-plane pull after a push failed: %r", exc)
@@ -290,26 +274,28 @@ class _Connection:
 
     def _read(
         self,
-        h: dict,
+        r: PullRequest,
         node: Any,
         sids: list[int],
-        stamps: dict,
-        order: list | None = None,
+        order: Any = None,
         versions: dict | None = None,
     ) -> tuple[list[int], list[int], list]:
-        """Copy the values of ``sids`` (primaries here) where the pusher reads them: its pull
-        segment (Unix), or this connection's buffer, returned as views to send (TCP, in the
-        order of ``order``, default ``sids``, with the sizes ``h["sizes"]``)."""
+        """Copy the values of ``sids`` (primaries here) where the pusher reads them: the
+        segment ``r`` names (Unix), or this connection's buffer, returned as views to send (TCP,
+        in the order of ``order``, default ``sids``, with the sizes ``r.sizes``)."""
         order = [int(s) for s in (order if order is not None else sids)]
-        if self.unix:
-            seg = self.segments[int(h["pull_segment" if "pull_segment" in h else "segment"])]
+        stamps = r.stamps
+        if r.segment is not None:
+            seg = self.segments[r.segment]
 
             def dest(start: int, stop: int, i: int) -> np.ndarray:
                 return seg[start:stop]
 
             ok, moved = node.read(sids, stamps, dest, versions)
             return ok, moved, []
-        sizes = [int(n) for n in h["sizes"]]
+        if r.sizes is None:
+            raise ConnectionError("a pull over TCP that names no sizes")
+        sizes = list(r.sizes)
         offs = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         buf = self._buffer(int(offs[-1]), pull=True)
         at = {s: i for i, s in enumerate(order)}

@@ -12,7 +12,8 @@
   :mod:`.routing`: the client's copy of the controller's table; :mod:`.replay`: the pushes a
   pusher keeps until every copy holds them;
 * :mod:`.messages`: the events and actions that cross between them; :mod:`.replies`: what
-  the machines answer (typed; the same dicts as ever on a wire).
+  the machines answer (typed; the same dicts as ever on a wire); :mod:`.node_requests`: what
+  a client asks one node on the data path (typed; the one header every transport sends).
 
 The runtime (:mod:`adam_dask.ps.runtime`) and the client (:mod:`adam_dask.ps.client`) carry
 them out; the simulation (:mod:`adam_dask.testing.simulation`) drives them with faults.

@@ -93,6 +93,8 @@ def on_pushes(node: NodeState, ev: Pushes) -> list[Action]:
             out.append(Reply(p.req, exc))
             continue
         bases = p.bases or {}
+        if bases and checked:
+            node.pushes_with_bases += 1
         for sid, d in checked.items():
             todo.setdefault(sid, []).append((i, d, p.push_id, p.mark, bases.get(sid)))
         results.append((i, p, moved))
@@ -139,8 +141,10 @@ def on_pushes(node: NodeState, ev: Pushes) -> list[Action]:
 def on_pull(node: NodeState, ev: Pull) -> list[Action]:
     ok = [s for s in ev.sids if node.accepts(s, ev.stamps)]
     moved = tuple(s for s in ev.sids if s not in ok)
-    per_shard: dict[int, np.ndarray | None] = {s: node.values_of(s)[1] for s in ok}
-    return [Reply(ev.req, PullReply(per_shard, moved))]
+    read = {s: node.values_of(s) for s in ok}
+    per_shard: dict[int, np.ndarray | None] = {s: v for s, (_, v) in read.items()}
+    versions = {s: pos[1] for s, (pos, _) in read.items()}
+    return [Reply(ev.req, PullReply(per_shard, moved, versions))]
 
 
 def on_marks(node: NodeState, ev: Marks) -> list[Action]:

@@ -116,6 +116,7 @@ class NodeState:
         self.member = True
         self.value_cache: dict[int, tuple[Position, np.ndarray]] = {}
         self.pushes = 0
+        self.pushes_with_bases = 0  # naming the versions their pusher read (the staleness)
         self.floats_applied = 0
         self.floats_written = 0  # shard values written back to the checkpoint (primaries)
         self.refused_stale = 0
@@ -335,6 +336,7 @@ class NodeState:
             "backups": sorted(set(self.shards) - set(self.primaries)),
             "member": self.member,
             "pushes": self.pushes,
+            "pushes_with_bases": self.pushes_with_bases,
             "pushes_fenced": sum(st.pushes_fenced for st in self.shards.values()),
             "floats_applied": self.floats_applied,
             "floats_written": self.floats_written,

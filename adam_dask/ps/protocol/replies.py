@@ -138,7 +138,7 @@ class ConfirmedReply:
 class PullReply:
     """The values of the primaries asked: ``per_shard`` {sid: values} (None on the client once
     they are written where the caller wants them), ``moved`` the shards not primary there,
-    ``versions`` {sid: the version read} (the data plane's: the puller's next push names it).
+    ``versions`` {sid: the version read} (the puller's next push names it: the staleness).
 
     On the data plane the values follow the header, which names the shards alone
     (:meth:`plane_header`, :meth:`from_plane`)."""
@@ -148,14 +148,17 @@ class PullReply:
     versions: dict[int, int] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"per_shard": dict(self.per_shard), "moved": list(self.moved)}
+        out: dict[str, Any] = {"per_shard": dict(self.per_shard), "moved": list(self.moved)}
+        if self.versions is not None:
+            out["versions"] = dict(self.versions)
+        return out
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> PullReply:
         per_shard = {
             int(s): None if v is None else np.asarray(v) for s, v in d["per_shard"].items()
         }
-        return cls(per_shard, _sids(d.get("moved", ())))
+        return cls(per_shard, _sids(d.get("moved", ())), _opt_ints(d.get("versions")))
 
     def plane_header(self) -> dict[str, Any]:
         out: dict[str, Any] = {"per_shard": list(self.per_shard), "moved": list(self.moved)}

@@ -25,12 +25,24 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ...errors import ConfigError, ShardUnavailable, StorageError, UpdateRejected
 from .replies import NodeReply, PushReply
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DATA_OPS", "Delivery", "Outer", "Refresh", "Request", "Send", "overlapping"]
+__all__ = [
+    "DATA_OPS",
+    "Delivery",
+    "Outer",
+    "Refresh",
+    "Request",
+    "Send",
+    "overlapping",
+    "part_of",
+    "write_pulled",
+]
 
 DATA_OPS = ("push", "pull", "confirmed")  # what travels on the data plane; the rest is control
 
@@ -65,7 +77,10 @@ class Request:
     ``values``: a push's flat float32 source (the whole server's, or ``base`` onward: a
     partition's span), with ``nonzero[sid]`` False for a shard whose part is all zeros (the
     push is recorded there, nothing added); ``outer`` instead for the offload; ``pull``: read
-    the shards back too. ``args`` carry a control call's arguments."""
+    the shards back too; ``urgent``, ``bases``: see
+    :class:`~adam_dask.ps.protocol.node_requests.PushRequest`. ``args`` carry what never
+    crosses a wire as it is: a control call's arguments, where pulled values go (``out``,
+    ``out_base``), the client's own marks (``replay``, ``own_segment``)."""
 
     op: str
     sids: tuple[int, ...]
@@ -78,6 +93,7 @@ class Request:
     outer: Outer | None = None
     pull: bool = False
     urgent: bool = False  # the pusher waits for room: the primaries forward at once
+    bases: dict[int, int] | None = None  # {sid: the version last read}: the staleness
     args: dict = field(default_factory=dict)
 
     @property
@@ -194,3 +210,29 @@ class Delivery:
         )
         self.last_error = exc
         self.refresh = True
+
+
+def part_of(req: Request, shard: tuple[int, int], sid: int) -> np.ndarray | None:
+    """Shard ``sid``'s part of a push's values (None: all zeros); a shard the values cover in
+    part (a partition's span) gets zeros outside them."""
+    if req.nonzero is not None and not req.nonzero[sid]:
+        return None
+    a, b = shard
+    lo, hi = a - req.base, b - req.base
+    values = req.values
+    if lo >= 0 and hi <= values.shape[0]:
+        return values[lo:hi]
+    part = np.zeros(b - a, np.float32)
+    s0, s1 = max(lo, 0), min(hi, values.shape[0])
+    part[s0 - lo : s1 - lo] = values[s0:s1]
+    return part
+
+
+def write_pulled(req: Request, shard: tuple[int, int], values: np.ndarray) -> None:
+    """Write a shard's pulled ``values`` into the request's ``out`` (which covers ``out_base``
+    onward: the whole server, or a partition's span)."""
+    a, b = shard
+    out, base = req.args["out"], int(req.args.get("out_base", 0))
+    lo, hi = max(a, base), min(b, base + out.shape[0])
+    if lo < hi:
+        out[lo - base : hi - base] = values[lo - a : hi - a]

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..._tls import connect_context
+from ...net.tls import connect_context
 from ..plane.forward import ForwardChannels
 from ..protocol.messages import Event, Forward, ForwardDone, ForwardFailed
 from ..protocol.replies import ReplicateReply

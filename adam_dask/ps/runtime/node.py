@@ -31,7 +31,6 @@ from ..protocol.messages import (
     AddBackups,
     Assign,
     Cancel,
-    Confirmed,
     Drop,
     Fence,
     Flush,
@@ -40,7 +39,6 @@ from ..protocol.messages import (
     HeartbeatReply,
     Marks,
     Promote,
-    Pull,
     Push,
     Pushes,
     Replicate,
@@ -52,6 +50,12 @@ from ..protocol.messages import (
     WriteDue,
 )
 from ..protocol.node_machine import handle
+from ..protocol.node_requests import (
+    ConfirmedRequest,
+    PullRequest,
+    PushRequest,
+    request_from_wire,
+)
 from ..protocol.node_state import NodeState
 from ..protocol.optimizer import ServerOptimizer
 from ..protocol.replies import (
@@ -63,7 +67,7 @@ from ..protocol.replies import (
     ReplicateReply,
     VersionsReply,
 )
-from ..protocol.shard import Mark, ShardCopy
+from ..protocol.shard import ShardCopy
 from .background import every, spawn
 from .forwarder import Forwarder
 from .node_plane import Answer, NodePlane
@@ -303,41 +307,59 @@ class PSNode:
 
     # -- update path -----------------------------------------------------------------------------
 
-    async def push(
-        self,
-        deltas: dict,
-        push_id: int | None = None,
-        ack: str | None = None,
-        stamps: dict | None = None,
-        mark: Mark | None = None,
-        scanned: bool = False,
-    ) -> dict:
-        """Add {sid: delta} to the primaries held here. Returns ``{"per_shard": {sid:
-        version}, "moved": [sid, ...], "confirmed": {sid: version every copy holds}, "durable":
-        {sid: version the checkpoint holds too}}``;
-        ``moved`` lists the shards this node may not take (the caller refreshes its routing
-        and retries them). Raises :class:`UpdateRejected` (nothing applied) for a bad delta.
-        ``mark``: what the push covers of the pusher's data (:class:`Mark`), recorded with it.
-        ``scanned``: the pusher checked the values for NaN/Inf."""
+    async def call(self, wire: dict, payload: Any = None) -> dict:
+        """A data-path request as the Dask transport carries it (``adam.ps.data-plane:
+        dask``): a :mod:`~adam_dask.ps.protocol.node_requests` header with its values beside it
+        (a push's {sid: values}, a part of zeros left out; the offload's ({sid: its error
+        columns}, activations)), answered as the data plane answers, every field carried (the
+        staleness ``bases``, ``urgent``, a pull's versions). A push's ``pull`` is not answered
+        here: the reply names no shard pulled, and the pusher pulls them itself."""
+        state = self._start()
         self.counts["dask"] += 1
-        return (await self._push(deltas, push_id, ack, stamps, mark, scanned)).to_wire()
+        r = request_from_wire(wire)
+        reply: PushReply | PullReply | ConfirmedReply
+        if isinstance(r, PullRequest):
+            reply = await self._ask(r.event)
+        elif isinstance(r, ConfirmedRequest):
+            reply = await self._ask(r.event)
+        elif isinstance(r, PushRequest):
+            deltas = {s: None if n < 0 else payload[s] for s, _, n in r.parts}
+            reply = await self._push(r.event(None, deltas, False))
+        else:
+            cols, activations = payload
+            self.counts["outer_products"] += 1
+            todo = {int(s): e for s, e in cols.items() if state.accepts(int(s), r.stamps)}
 
-    async def _push(
-        self,
-        deltas: dict,
-        push_id: int | None,
-        ack: str | None,
-        stamps: dict | None,
-        mark: Mark | None,
-        scanned: bool = False,
-    ) -> PushReply:
+            def compute() -> dict[int, np.ndarray | None]:
+                return {
+                    s: state.shards[s].outer_as_delta(
+                        r.offset, r.out, r.inp, e, activations, r.scale
+                    )
+                    for s, e in todo.items()
+                    if s in state.shards
+                }
+
+            deltas = await asyncio.to_thread(compute) if todo else {}
+            moved = set(r.sids) - set(deltas)
+            if deltas:
+                res = await self._push(r.event(None, deltas, False))
+                reply = replace(res, moved=tuple(sorted(set(res.moved) | moved)))
+            else:
+                reply = PushReply({}, tuple(sorted(moved)), confirmed={}, durable={})
+        if (
+            not isinstance(r, PullRequest) and r.urgent
+        ):  # the pusher waits for room in its replay log: the backups get it now
+            self._handle(ForwardDue())
+        return reply.to_wire()
+
+    async def _push(self, push: Push) -> PushReply:
+        """Apply ``push`` (its ``req`` replaced) with the others of this turn of the loop."""
         self._start()
         fut = asyncio.get_running_loop().create_future()
         req = next(self._reqs)
         self._futures[req] = fut
-        st = None if stamps is None else {int(s): int(g) for s, g in stamps.items()}
-        ds = {int(s): d for s, d in deltas.items()}
-        self._queue.append(Push(req, ds, push_id, st, ack or self.cfg["ack"], mark, scanned))
+        ack = push.ack or self.cfg["ack"]
+        self._queue.append(replace(push, req=req, ack=ack))
         if not self._drain_scheduled:
             self._drain_scheduled = True
             asyncio.get_running_loop().call_soon(self._drain)
@@ -351,51 +373,6 @@ class PSNode:
         items, self._queue = tuple(self._queue), []
         if items:
             self._handle(Pushes(items, stimulus_id=stimulus(f"push-{items[0].push_id}")))
-
-    async def push_outer(
-        self,
-        parts: dict,
-        offset: int,
-        out: int,
-        inp: int,
-        activations: np.ndarray,
-        scale: float = 1.0,
-        push_id: int | None = None,
-        ack: str | None = None,
-        stamps: dict | None = None,
-        mark: Mark | None = None,
-    ) -> dict:
-        """Add each shard's part of ``scale * errors.T @ activations``; ``parts`` maps sid ->
-        the error columns of the rows touching it. The product is computed here, in a thread,
-        and applied like a push."""
-        state = self._start()
-        self.counts["dask"] += 1
-        self.counts["outer_products"] += 1
-        st = None if stamps is None else {int(s): int(g) for s, g in stamps.items()}
-        todo = {int(s): e for s, e in parts.items() if state.accepts(int(s), st)}
-
-        def compute() -> dict[int, np.ndarray]:
-            return {
-                s: state.shards[s].outer_as_delta(offset, out, inp, e, activations, scale)
-                for s, e in todo.items()
-                if s in state.shards
-            }
-
-        deltas = await asyncio.to_thread(compute) if todo else {}
-        res = await self._push(deltas, push_id, ack, stamps, mark) if deltas else None
-        moved = [int(s) for s in parts if int(s) not in deltas]
-        if res is None:
-            return PushReply({}, tuple(moved), confirmed={}, durable={}).to_wire()
-        return replace(res, moved=tuple(sorted(set(res.moved) | set(moved)))).to_wire()
-
-    async def pull(self, sids: Iterable[int] | None = None, stamps: dict | None = None) -> dict:
-        """``{"per_shard": {sid: values}, "moved": [...]}`` for the primaries among ``sids``."""
-        state = self._start()
-        self.counts["dask"] += 1
-        sids = tuple(state.primaries) if sids is None else tuple(int(s) for s in sids)
-        st = None if stamps is None else {int(s): int(g) for s, g in stamps.items()}
-        reply: PullReply = await self._ask(lambda r: Pull(r, sids, st))
-        return reply.to_wire()
 
     def _locked(self, fn: Any, *args: Any) -> Any:
         with self._lock:
@@ -425,11 +402,6 @@ class PSNode:
         reply: MarksReply = await self._ask(
             lambda r: Marks(r, tuple(int(s) for s in sids), int(epoch))
         )
-        return reply.to_wire()
-
-    async def confirmed(self, sids: Iterable[int]) -> dict:
-        """``{"per_shard": {sid: version every copy holds}, "moved": [...]}``."""
-        reply: ConfirmedReply = await self._ask(lambda r: Confirmed(r, tuple(int(s) for s in sids)))
         return reply.to_wire()
 
     async def replicate(self, snaps: list[ShardCopy], sender: str = "") -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from ...errors import ShardUnavailable
@@ -16,7 +17,7 @@ from ..protocol.messages import Action, Confirmed, ForwardDue, Push, Pushes, Rep
 from ..protocol.node_machine import handle
 from ..protocol.node_state import NodeState
 from ..protocol.replies import ConfirmedReply, PushReply, ReplicateReply
-from ..protocol.shard import Mark, ShardCopy
+from ..protocol.shard import ShardCopy
 from .stimuli import stimulus, validating
 
 __all__ = ["Answer", "NodePlane"]
@@ -58,17 +59,9 @@ class NodePlane:
         self.pending: list[tuple[Push, Answer]] = []
         self.validate = validating()  # adam.ps.validate: check the invariants each event
 
-    def push(
-        self,
-        deltas: dict,
-        push_id: int,
-        ack: str,
-        stamps: dict,
-        mark: Mark | None,
-        urgent: bool = False,
-        bases: dict | None = None,
-    ) -> PushReply:
-        """A data-plane push (values scanned by the pusher), applied in the calling thread.
+    def push(self, ev: Push, urgent: bool = False) -> PushReply:
+        """A data-plane push (``ev``, its ``req`` None: the answer comes back here), applied in
+        the calling thread.
 
         Flat combining: the push joins the pending ones; the thread that holds the state's lock
         applies every pending push as one batch (:class:`Pushes`, as the event loop batches
@@ -81,7 +74,7 @@ class NodePlane:
         self.counts["plane"] += 1
         slot = Answer()
         with self.pending_lock:
-            push = Push(slot, deltas, push_id, stamps, ack, mark, True, bases)
+            push = replace(ev, req=slot)
             self.pending.append((push, slot))
         with self.lock:
             rest = []
@@ -105,7 +98,7 @@ class NodePlane:
                 self.worker.loop.asyncio_loop.call_soon_threadsafe(self.do, rest)
         if not slot.event.wait(float(self.cfg["call_timeout"])):
             raise ShardUnavailable(
-                f"node {self.worker.address}: the backups did not take push {push_id:x} in "
+                f"node {self.worker.address}: the backups did not take push {ev.push_id or 0:x} in "
                 f"{self.cfg['call_timeout']}s (ack='all')",
                 "check the PS workers",
             )

@@ -1,4 +1,4 @@
-"""The data plane's framing: one message is a 4-byte little-endian length, a msgpack header, then
+"""The planes' framing: one message is a 4-byte little-endian length, a msgpack header, then
 the raw bytes its header announces (over TCP) or nothing (shared memory: the header names a
 buffer both sides map).
 

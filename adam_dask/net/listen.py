@@ -4,7 +4,7 @@ the images', :mod:`adam_dask.data.serving._plane`): one per worker process and p
 * a Unix socket in the abstract namespace (the same machine and network namespace: peers hand
   over ``memfd`` buffers with ``SCM_RIGHTS``);
 * TCP on the worker's host, TLS with the worker's certificate on a ``tls://`` cluster
-  (:mod:`adam_dask._tls`).
+  (:mod:`adam_dask.net.tls`).
 
 Each connection is served by a thread of its own, which first performs the TLS handshake and
 checks the peer's token: the token reaches a peer only through the worker's actor (Dask's comm,
@@ -21,8 +21,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ._tls import listen_context
-from .ps.plane.wire import recv_msg
+from .framing import recv_msg
+from .tls import listen_context
 
 logger = logging.getLogger(__name__)
 
