@@ -21,6 +21,7 @@ from ._position import Marker, encode, resume_plan
 from .streams import resolve_push_every
 
 if TYPE_CHECKING:
+    from ._handle import ReplicaServer
     from .replica import Flag
     from .task import ReplicaJob
 
@@ -72,7 +73,7 @@ def push_groups(
 
 
 def replica_groups(
-    rj: ReplicaJob, server: Any, data: Any, stop: Flag, report: Callable[[int], None]
+    rj: ReplicaJob, server: ReplicaServer, data: Any, stop: Flag, report: Callable[[int], None]
 ) -> Iterator[Group]:
     """Partition 0's push groups of replica ``rj``'s share: the stretches the shards' marks
     say to re-train (:func:`~adam_dask.train._position.resume_plan`), each one group under its

@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import config
 from ..cluster import TRAIN
@@ -36,6 +36,9 @@ from ._groups import replica_groups
 from ._links import meet
 from ._submit import EpochRun
 from .task import EventPoll, ReplicaJob, _Reporter
+
+if TYPE_CHECKING:
+    from ._handle import ReplicaServer
 
 __all__ = ["PartitionJob", "cluster_plan", "run_partition", "run_partitioned"]
 
@@ -84,7 +87,7 @@ def _aborted(job: PartitionJob, reason: str, worker: str, t0: float) -> dict:
     }
 
 
-def run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
+def run_partition(job: PartitionJob, server: ReplicaServer, data: Any) -> dict:
     """Partition ``job.partition`` of replica ``job.replica.replica`` for one epoch, with the
     worker's switch interval at ``job.switch_interval``; returns its statistics (``aborted``:
     why it stopped early, None when it finished)."""
@@ -99,7 +102,7 @@ def run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
         sys.setswitchinterval(previous)
 
 
-def _run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
+def _run_partition(job: PartitionJob, server: ReplicaServer, data: Any) -> dict:
     from distributed import Event, get_worker
     from distributed.comm.addressing import get_address_host
 
@@ -193,7 +196,7 @@ def run_partitioned(
     client: Any,
     jobs: Sequence[ReplicaJob],
     *,
-    server: Any,
+    server: ReplicaServer,
     data: Any,
     quorum: float,
     bounds: Sequence[tuple[int, int, int, int]],

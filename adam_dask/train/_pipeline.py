@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -51,6 +51,9 @@ from ..ps.protocol.shard import Mark
 from ._groups import Group
 from ._links import Link
 from ._updates import summed
+
+if TYPE_CHECKING:
+    from ._handle import RangedPushes
 
 __all__ = ["PartitionRunner", "check_parts"]
 
@@ -73,8 +76,7 @@ class PartitionRunner:
     """Partition ``index`` of ``parts`` of one replica, training ``stage``.
 
     ``up`` / ``down``: the :class:`Link` to the previous / next partition (None at the ends).
-    ``server``: anything with ``push_range(values, start, mark=)`` and ``pull_range(start,
-    stop, out=)``. ``mark``: ``(epoch, replica, replicas)`` of the pushes' marks. ``stop``: a
+    ``server``: the span's pushes and pulls (:class:`~adam_dask.train._handle.RangedPushes`). ``mark``: ``(epoch, replica, replicas)`` of the pushes' marks. ``stop``: a
     flag (``is_set()``) partition 0 polls between groups (the epoch's quorum); ``abort``: one
     every partition polls (the replica is being re-run). ``timeout``: seconds without a
     message from a neighbour while it owes one, after which the partition gives up (a frozen
@@ -90,7 +92,7 @@ class PartitionRunner:
         threads: int,
         batch_size: int,
         window: int,
-        server: Any,
+        server: RangedPushes,
         mark: tuple[int, int, int],
         up: Link | None = None,
         down: Link | None = None,

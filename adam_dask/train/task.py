@@ -21,10 +21,13 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._settings import RunSettings
 from .schedule import Schedule
+
+if TYPE_CHECKING:
+    from ._handle import ReplicaServer
 
 __all__ = ["PROGRESS_TOPIC", "BarrierRef", "ReplicaJob", "SyncBarrier", "run_replica"]
 
@@ -215,7 +218,9 @@ class BarrierRef:
         )
 
 
-def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | None = None) -> dict:
+def run_replica(
+    job: ReplicaJob, server: ReplicaServer, data: Any, barrier: BarrierRef | None = None
+) -> dict:
     """Train replica ``job.replica`` for epoch ``job.epoch``; returns its statistics.
 
     Runs inside a Dask task on a TRAIN worker. ``server`` is a
