@@ -25,10 +25,7 @@ under a given number.
 
 from __future__ import annotations
 
-import contextvars
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ClusterError, ConfigError, UpdateRejected
+from ._communicator import Communicator
 from ._handle import PooledPushes, WholePushes
 from ._position import Marker, Stretch
 from ._updates import Update
@@ -171,66 +169,46 @@ class Exchange:
 
 
 class AsyncExchange(Exchange):
-    """Adam's exchange: pushes and pulls on a communicator thread, training never waits for it
+    """Adam's exchange: pushes and pulls on a communicator thread
+    (:class:`~adam_dask.train._communicator.Communicator`), training never waits for it
     (except behind one queued update)."""
 
     def __init__(self, replica: HogwildReplica, server: WholePushes, **kwargs: Any):
         super().__init__(replica, server, **kwargs)
-        self._queue: queue.Queue[Update | None] = queue.Queue(maxsize=1)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=contextvars.copy_context().run,
-            args=(self._run,),
-            name="adam-exchange",
-            daemon=True,
+        self._communicator: Communicator[Update] = Communicator(
+            self._send, name="adam-exchange", on_error=lambda _: replica.stop()
         )
-        self._thread.start()
 
     def step(self) -> None:
         """Take the update and queue it for the communicator; raises its first error."""
-        if self._error is not None:
-            raise self._error
+        if self._communicator.error is not None:
+            raise self._communicator.error
         # in transit: weights pulled before the server holds it must not set the replica back
-        self._queue.put(self._take(in_transit=True))
+        self._communicator.put(self._take(in_transit=True))
 
-    def _run(self) -> None:
-        while True:
-            update = self._queue.get()
-            if update is None:
-                return
-            if self._error is not None:
-                continue
-            try:
-                weights = self._push(update, pull=True)  # one round trip on the data plane
-                self.replica.landed(update)
-                self._give_back(update.delta)
-                if weights is None:
-                    weights = self._pull()
-                self.replica.install(weights)
-                self._give_back(weights)
-            except BaseException as exc:  # raised in the training thread at the next step
-                self._error = exc
-                self.replica.stop()
-
-    def _drain(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+    def _send(self, update: Update) -> None:
+        weights = self._push(update, pull=True)  # one round trip on the data plane
+        self.replica.landed(update)
+        self._give_back(update.delta)
+        if weights is None:
+            weights = self._pull()
+        self.replica.install(weights)
+        self._give_back(weights)
 
     def finish(self) -> None:
         """Wait for the queued updates, push the rest; raise the first error."""
-        self._drain()
-        if self._error is not None:
-            raise self._error
+        self._communicator.close()
+        if self._communicator.error is not None:
+            raise self._communicator.error
         super().finish()
 
     def close(self) -> None:
         try:
-            self._drain()
+            self._communicator.close()
         except BaseException:  # pragma: no cover - best effort after a training error
             logger.debug("exchange thread did not stop cleanly", exc_info=True)
-        if self._error is not None:
-            logger.debug("exchange error after a training error: %r", self._error)
+        if self._communicator.error is not None:
+            logger.debug("exchange error after a training error: %r", self._communicator.error)
 
 
 class SyncExchange(Exchange):

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ClusterError
-from ._position import Marker, encode, resume_plan
+from ._position import Marker, encode, replica_plan
 from .streams import resolve_push_every
 
 if TYPE_CHECKING:
@@ -76,18 +75,12 @@ def replica_groups(
     rj: ReplicaJob, server: ReplicaServer, data: Any, stop: Flag, report: Callable[[int], None]
 ) -> Iterator[Group]:
     """Partition 0's push groups of replica ``rj``'s share: the stretches the shards' marks
-    say to re-train (:func:`~adam_dask.train._position.resume_plan`), each one group under its
+    say to re-train (:func:`~adam_dask.train._position.replica_plan`), each one group under its
     number, then the rest of the share from the data service ``data``; ``report(images)`` as
     each group leaves (the replica's progress events). Stops between groups once ``stop`` is
     set."""
     s = rj.settings
-    plan = resume_plan({sid: m.get(rj.replica, ()) for sid, m in server.marks(rj.epoch).items()})
-    if plan.replicas is not None and plan.replicas != rj.replicas:
-        raise ClusterError(
-            f"replica {rj.replica} of epoch {rj.epoch} runs as one of {rj.replicas}, but its "
-            f"data position was recorded as one of {plan.replicas}",
-            f"resume the epoch with {plan.replicas} replicas",
-        )
+    plan = replica_plan(server.marks(rj.epoch), rj.epoch, rj.replica, rj.replicas)
     marker = Marker(rj.epoch, rj.replica, rj.replicas, plan)
     done = plan.images_done
 

@@ -9,7 +9,7 @@ replica, the attempt and the partition, and a token) and runs a
 :class:`~adam_dask.train._pipeline.PartitionRunner`. Partition 0 feeds the replica from the
 data service (:func:`~adam_dask.train._groups.replica_groups`), as an unpartitioned replica
 would: first the pushes some shard misses (the stretches of
-:func:`~adam_dask.train._position.resume_plan`), then the rest of its share.
+:func:`~adam_dask.train._position.replica_plan`), then the rest of its share.
 
 :func:`run_partitioned` (the Trainer's epoch when ``partitions > 1``) submits every replica's
 partitions, each with ``resources={"TRAIN": 1}`` (one partition per worker at once). When a
@@ -35,7 +35,7 @@ from ._epoch import quorum_size
 from ._groups import replica_groups
 from ._links import meet
 from ._submit import EpochRun
-from .task import EventPoll, ReplicaJob, _Reporter
+from .task import EventPoll, ReplicaJob, Reporter
 
 if TYPE_CHECKING:
     from ._handle import ReplicaServer
@@ -148,7 +148,7 @@ def _run_partition(job: PartitionJob, server: ReplicaServer, data: Any) -> dict:
         abort=abort,
         timeout=job.timeout,
     )
-    reporter = _Reporter(worker, rj, t0)
+    reporter = Reporter(worker, rj, t0)
     groups = None
     if job.partition == 0:
         groups = replica_groups(rj, server, data, stop, lambda n: reporter.report(n, runner.pushes))
