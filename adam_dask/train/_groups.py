@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .replica import Flag
     from .task import ReplicaJob
 
-__all__ = ["Group", "push_groups", "replica_groups"]
+__all__ = ["Group", "minibatches", "push_groups", "replica_groups"]
 
 
 @dataclass(slots=True)
@@ -42,6 +42,16 @@ class Group:
         return sum(len(y) for _, y in self.batches)
 
 
+def minibatches(
+    items: Iterable[tuple[np.ndarray, np.ndarray, Any]], batch_size: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, Any]]:
+    """The stream ``items`` ((x, y, key) batches) cut into mini-batches of up to
+    ``batch_size`` images, in order, each with its batch's key."""
+    for x, y, key in items:
+        for a in range(0, len(y), batch_size):
+            yield x[a : a + batch_size], y[a : a + batch_size], key
+
+
 def push_groups(
     items: Iterable[tuple[np.ndarray, np.ndarray, Any]],
     batch_size: int,
@@ -56,16 +66,14 @@ def push_groups(
     batches: list[tuple[np.ndarray, np.ndarray]] = []
     counts: dict[Any, int] = {}
     n = 0
-    for x, y, key in items:
-        for s in range(0, len(y), batch_size):
-            xs, ys = x[s : s + batch_size], y[s : s + batch_size]
-            batches.append((xs, ys))
-            counts[key] = counts.get(key, 0) + len(ys)
-            n += len(ys)
-            if n >= push_every:
-                seq, covers = marks(counts)
-                yield Group(seq, covers, batches)
-                batches, counts, n = [], {}, 0
+    for xs, ys, key in minibatches(items, batch_size):
+        batches.append((xs, ys))
+        counts[key] = counts.get(key, 0) + len(ys)
+        n += len(ys)
+        if n >= push_every:
+            seq, covers = marks(counts)
+            yield Group(seq, covers, batches)
+            batches, counts, n = [], {}, 0
     if batches:
         seq, covers = marks(counts)
         yield Group(seq, covers, batches)
@@ -93,9 +101,7 @@ def replica_groups(
         stream = data.stream(rj.replica, rj.replicas, rj.epoch, return_key=True, only=stretch.items)
         try:
             group = Group(stretch.seq, encode(stretch.items), lr=lr())
-            for x, y, _ in stream:
-                for a in range(0, len(y), s.batch_size):
-                    group.batches.append((x[a : a + s.batch_size], y[a : a + s.batch_size]))
+            group.batches = [(x, y) for x, y, _ in minibatches(stream, s.batch_size)]
         finally:
             stream.close()
         yield group
