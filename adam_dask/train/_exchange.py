@@ -15,9 +15,9 @@ A training thread calls :meth:`Exchange.step` every ``push_every`` images (the p
 The server is a :class:`~adam_dask.train._handle.WholePushes` (a
 :class:`~adam_dask.ps.client.server.ParameterServer`, or an in-process stand-in in tests); one
 with a buffer pool (:class:`~adam_dask.train._handle.PooledPushes`) takes deltas and pulls
-weights in its own buffers and pulls in the push's round trip. The exchange counts what it pushed: ``pushes``, ``images_pushed`` (images
-whose updates the server acknowledged) and ``items`` (per stream item, the images pushed: the
-replica's data position). With a :class:`~adam_dask.train._position.Marker` every push carries
+weights in its own buffers and pulls in the push's round trip. The exchange counts what it
+pushed: ``pushes``, ``images_pushed`` (images whose updates the server acknowledged) and
+``items`` (per stream item, the images pushed: the replica's data position). With a :class:`~adam_dask.train._position.Marker` every push carries
 its :class:`~adam_dask.ps.protocol.shard.Mark` (number, what it covers, the position after it), which the
 parameter server records with it; :meth:`Exchange.push_stretch` pushes a re-trained stretch
 under a given number.

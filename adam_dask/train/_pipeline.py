@@ -77,9 +77,10 @@ class PartitionRunner:
     """Partition ``index`` of ``parts`` of one replica, training ``stage``.
 
     ``up`` / ``down``: the :class:`Link` to the previous / next partition (None at the ends).
-    ``server``: the span's pushes and pulls (:class:`~adam_dask.train._handle.RangedPushes`). ``mark``: ``(epoch, replica, replicas)`` of the pushes' marks. ``stop``: a
-    flag (``is_set()``) partition 0 polls between groups (the epoch's quorum); ``abort``: one
-    every partition polls (the replica is being re-run). ``timeout``: seconds without a
+    ``server``: the span's pushes and pulls (:class:`~adam_dask.train._handle.RangedPushes`).
+    ``mark``: ``(epoch, replica, replicas)`` of the pushes' marks. ``stop``: a flag
+    (``is_set()``) partition 0 polls between groups (the epoch's quorum); ``abort``: one every
+    partition polls (the replica is being re-run). ``timeout``: seconds without a
     message from a neighbour while it owes one, after which the partition gives up (a frozen
     neighbour).
     """
@@ -420,9 +421,9 @@ class PartitionRunner:
                 return
 
     def _send(self, item: tuple[_Open, np.ndarray]) -> None:
-        """Push group ``grp``'s update ``buf`` as this partition's part of the group's push,
-        pull the span into ``buf`` and install it; nothing when the replica runs again (this
-        partition may have been frozen)."""
+        """Push a group's update (``item``: the group and the buffer its update was taken into)
+        as this partition's part of the group's push, pull the span into the buffer and install
+        it; nothing when the replica runs again (this partition may have been frozen)."""
         grp, buf = item
         if self.error is not None or (self.abort_flag is not None and self.abort_flag.is_set()):
             self._drop(item)
@@ -445,8 +446,9 @@ class PartitionRunner:
             self._recycle(buf)
 
     def _drop(self, item: tuple[_Open, np.ndarray]) -> None:
-        """Group ``grp``'s update ``buf`` is not pushed: forgotten, its buffer recycled."""
-        grp, buf = item
+        """A group's update (``item``: the group and its buffer) is not pushed: forgotten, its
+        buffer recycled."""
+        _, buf = item
         with self._take_lock:
             self._forget_unpushed(buf)
         self._recycle(buf)
