@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import config
 from ..cluster import TRAIN, workers_with_role
@@ -21,6 +21,9 @@ from ._settings import RunSettings
 from ._submit import run_replicas
 from .schedule import Schedule
 from .task import ReplicaJob
+
+if TYPE_CHECKING:
+    from ._handle import TrainerServer
 
 __all__ = ["epoch_replicas", "ps_stats", "replica_jobs", "replicas_now", "run_epoch"]
 
@@ -58,7 +61,9 @@ def replicas_now(client: Any, fixed: int | None, partitions: int) -> int:
     return replica_count(fixed, workers)
 
 
-def epoch_replicas(client: Any, server: Any, epoch: int, fixed: int | None, partitions: int) -> int:
+def epoch_replicas(
+    client: Any, server: TrainerServer, epoch: int, fixed: int | None, partitions: int
+) -> int:
     """The replicas of ``epoch``: those its data positions name (an epoch resumed midway keeps
     its shares), else :func:`replicas_now`."""
     recorded = recorded_replicas(server.marks(epoch))
@@ -102,7 +107,7 @@ def run_epoch(
     client: Any,
     jobs: Sequence[ReplicaJob],
     *,
-    server: Any,
+    server: TrainerServer,
     data: Any,
     quorum: float,
     plan: Any,
@@ -154,13 +159,13 @@ def run_epoch(
     )
 
 
-def keep_what_was_trained(server: Any) -> None:
+def keep_what_was_trained(server: TrainerServer) -> None:
     """An epoch stopped (the user's interrupt, a job's SIGTERM, an error), its replicas stopped:
     have the checkpoint take every push applied so far, so a run resumed from it (a Job's pod
     started again) re-trains none of the epoch's images. Bounded by ``adam.train.stop-timeout``
     (a pod's grace period is short); a checkpoint that can not take them is logged, not raised:
     the stop under way is what the caller sees."""
-    if server is None or getattr(server, "checkpoint", None) is None:
+    if server is None or server.checkpoint is None:
         return
     try:
         server.flush(timeout=float(config.get("train.stop-timeout")))
@@ -168,7 +173,7 @@ def keep_what_was_trained(server: Any) -> None:
         logger.warning("the stopped epoch's pushes are not all in the checkpoint: %s", exc)
 
 
-def ps_stats(server: Any) -> dict:
+def ps_stats(server: TrainerServer) -> dict:
     """The parameter server's statistics, {} when it does not answer (they never fail a run)."""
     try:
         return server.stats()

@@ -12,11 +12,12 @@ A training thread calls :meth:`Exchange.step` every ``push_every`` images (the p
   update, waits until every replica of the step has pushed (the barrier), pulls and installs.
   A barrier that times out is an error naming the replicas that did not arrive.
 
-The server is anything with ``push(delta)``, ``push_outer(offset, errors, activations,
-scale=)`` and ``pull()`` (a :class:`~adam_dask.ps.client.server.ParameterServer`, or an in-process
-stand-in in tests). The exchange counts what it pushed: ``pushes``, ``images_pushed`` (images
-whose updates the server acknowledged) and ``items`` (per stream item, the images pushed: the
-replica's data position). With a :class:`~adam_dask.train._position.Marker` every push carries
+The server is a :class:`~adam_dask.train._handle.WholePushes` (a
+:class:`~adam_dask.ps.client.server.ParameterServer`, or an in-process stand-in in tests); one
+with a buffer pool (:class:`~adam_dask.train._handle.PooledPushes`) takes deltas and pulls
+weights in its own buffers and pulls in the push's round trip. The exchange counts what it
+pushed: ``pushes``, ``images_pushed`` (images whose updates the server acknowledged) and
+``items`` (per stream item, the images pushed: the replica's data position). With a :class:`~adam_dask.train._position.Marker` every push carries
 its :class:`~adam_dask.ps.protocol.shard.Mark` (number, what it covers, the position after it), which the
 parameter server records with it; :meth:`Exchange.push_stretch` pushes a re-trained stretch
 under a given number.
@@ -24,10 +25,7 @@ under a given number.
 
 from __future__ import annotations
 
-import contextvars
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +33,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import ClusterError, ConfigError, UpdateRejected
+from ._communicator import Communicator
+from ._handle import PooledPushes, WholePushes
 from ._position import Marker, Stretch
 from ._updates import Update
 from .replica import HogwildReplica
@@ -54,7 +54,7 @@ class Exchange:
     def __init__(
         self,
         replica: HogwildReplica,
-        server: Any,
+        server: WholePushes,
         *,
         scale: float = 1.0,
         label: str = "the replica",
@@ -73,7 +73,7 @@ class Exchange:
         self.ps_seconds = 0.0
         # the data plane: deltas taken into the server's buffers and weights pulled into them
         # (neither copied on this side)
-        self._buffers = callable(getattr(server, "buffer", None)) and not replica.offload
+        self._pool = server if isinstance(server, PooledPushes) and not replica.offload else None
 
     def step(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -97,14 +97,14 @@ class Exchange:
 
     def _take(self, in_transit: bool = False) -> Update:
         """The replica's update, written into a buffer of the server's when it has them."""
-        out = self.server.buffer() if self._buffers else None
+        out = self._pool.buffer() if self._pool is not None else None
         return self.replica.take(in_transit, out=out)
 
     def _give_back(self, array: np.ndarray) -> None:
         """The exchange is done with ``array``, a delta or pulled weights: the server may reuse
         its buffer."""
-        if self._buffers:
-            self.server.release(array)
+        if self._pool is not None:
+            self._pool.release(array)
 
     def _push_taken(self, update: Update, stretch: Stretch | None = None) -> None:
         try:
@@ -133,8 +133,8 @@ class Exchange:
             elif scale != 1.0:  # the replica adds the unscaled update until it lands
                 delta = delta * np.float32(scale)
             kw: dict[str, Any] = {} if marks[0] is None else {"mark": marks[0]}
-            if pull and self._buffers and not prefixes:
-                weights = self.server.push_pull(delta, self._weights_out(), **kw)
+            if pull and self._pool is not None and not prefixes:
+                weights = self._pool.push_pull(delta, self._pool.buffer(), **kw)
                 self.pulls += 1
             else:
                 self.server.push(delta, **kw)
@@ -157,16 +157,10 @@ class Exchange:
             self.items[k] = self.items.get(k, 0) + n
         return weights
 
-    def _weights_out(self) -> np.ndarray:
-        """Where pulled weights land (install copies them into the replica's): a buffer of
-        the server's, which a node on this machine writes into directly; give it back with
-        :meth:`_give_back`."""
-        return self.server.buffer()
-
     def _pull(self) -> np.ndarray:
         t = time.perf_counter()
-        if self._buffers:  # installed, then given back
-            weights = self.server.pull(out=self._weights_out())
+        if self._pool is not None:  # into a buffer of the pool, installed, then given back
+            weights = self._pool.pull(out=self._pool.buffer())
         else:
             weights = self.server.pull()
         self.ps_seconds += time.perf_counter() - t
@@ -175,66 +169,46 @@ class Exchange:
 
 
 class AsyncExchange(Exchange):
-    """Adam's exchange: pushes and pulls on a communicator thread, training never waits for it
+    """Adam's exchange: pushes and pulls on a communicator thread
+    (:class:`~adam_dask.train._communicator.Communicator`), training never waits for it
     (except behind one queued update)."""
 
-    def __init__(self, replica: HogwildReplica, server: Any, **kwargs: Any):
+    def __init__(self, replica: HogwildReplica, server: WholePushes, **kwargs: Any):
         super().__init__(replica, server, **kwargs)
-        self._queue: queue.Queue[Update | None] = queue.Queue(maxsize=1)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=contextvars.copy_context().run,
-            args=(self._run,),
-            name="adam-exchange",
-            daemon=True,
+        self._communicator: Communicator[Update] = Communicator(
+            self._send, name="adam-exchange", on_error=lambda _: replica.stop()
         )
-        self._thread.start()
 
     def step(self) -> None:
         """Take the update and queue it for the communicator; raises its first error."""
-        if self._error is not None:
-            raise self._error
+        if self._communicator.error is not None:
+            raise self._communicator.error
         # in transit: weights pulled before the server holds it must not set the replica back
-        self._queue.put(self._take(in_transit=True))
+        self._communicator.put(self._take(in_transit=True))
 
-    def _run(self) -> None:
-        while True:
-            update = self._queue.get()
-            if update is None:
-                return
-            if self._error is not None:
-                continue
-            try:
-                weights = self._push(update, pull=True)  # one round trip on the data plane
-                self.replica.landed(update)
-                self._give_back(update.delta)
-                if weights is None:
-                    weights = self._pull()
-                self.replica.install(weights)
-                self._give_back(weights)
-            except BaseException as exc:  # raised in the training thread at the next step
-                self._error = exc
-                self.replica.stop()
-
-    def _drain(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+    def _send(self, update: Update) -> None:
+        weights = self._push(update, pull=True)  # one round trip on the data plane
+        self.replica.landed(update)
+        self._give_back(update.delta)
+        if weights is None:
+            weights = self._pull()
+        self.replica.install(weights)
+        self._give_back(weights)
 
     def finish(self) -> None:
         """Wait for the queued updates, push the rest; raise the first error."""
-        self._drain()
-        if self._error is not None:
-            raise self._error
+        self._communicator.close()
+        if self._communicator.error is not None:
+            raise self._communicator.error
         super().finish()
 
     def close(self) -> None:
         try:
-            self._drain()
+            self._communicator.close()
         except BaseException:  # pragma: no cover - best effort after a training error
             logger.debug("exchange thread did not stop cleanly", exc_info=True)
-        if self._error is not None:
-            logger.debug("exchange error after a training error: %r", self._error)
+        if self._communicator.error is not None:
+            logger.debug("exchange error after a training error: %r", self._communicator.error)
 
 
 class SyncExchange(Exchange):
@@ -248,7 +222,7 @@ class SyncExchange(Exchange):
     def __init__(
         self,
         replica: HogwildReplica,
-        server: Any,
+        server: WholePushes,
         *,
         wait: Callable[[], dict],
         **kwargs: Any,

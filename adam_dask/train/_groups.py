@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ClusterError
-from ._position import Marker, encode, resume_plan
+from ._position import Marker, encode, replica_plan
 from .streams import resolve_push_every
 
 if TYPE_CHECKING:
+    from ._handle import ReplicaServer
     from .replica import Flag
     from .task import ReplicaJob
 
-__all__ = ["Group", "push_groups", "replica_groups"]
+__all__ = ["Group", "minibatches", "push_groups", "replica_groups"]
 
 
 @dataclass(slots=True)
@@ -42,6 +42,16 @@ class Group:
         return sum(len(y) for _, y in self.batches)
 
 
+def minibatches(
+    items: Iterable[tuple[np.ndarray, np.ndarray, Any]], batch_size: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, Any]]:
+    """The stream ``items`` ((x, y, key) batches) cut into mini-batches of up to
+    ``batch_size`` images, in order, each with its batch's key."""
+    for x, y, key in items:
+        for a in range(0, len(y), batch_size):
+            yield x[a : a + batch_size], y[a : a + batch_size], key
+
+
 def push_groups(
     items: Iterable[tuple[np.ndarray, np.ndarray, Any]],
     batch_size: int,
@@ -56,37 +66,29 @@ def push_groups(
     batches: list[tuple[np.ndarray, np.ndarray]] = []
     counts: dict[Any, int] = {}
     n = 0
-    for x, y, key in items:
-        for s in range(0, len(y), batch_size):
-            xs, ys = x[s : s + batch_size], y[s : s + batch_size]
-            batches.append((xs, ys))
-            counts[key] = counts.get(key, 0) + len(ys)
-            n += len(ys)
-            if n >= push_every:
-                seq, covers = marks(counts)
-                yield Group(seq, covers, batches)
-                batches, counts, n = [], {}, 0
+    for xs, ys, key in minibatches(items, batch_size):
+        batches.append((xs, ys))
+        counts[key] = counts.get(key, 0) + len(ys)
+        n += len(ys)
+        if n >= push_every:
+            seq, covers = marks(counts)
+            yield Group(seq, covers, batches)
+            batches, counts, n = [], {}, 0
     if batches:
         seq, covers = marks(counts)
         yield Group(seq, covers, batches)
 
 
 def replica_groups(
-    rj: ReplicaJob, server: Any, data: Any, stop: Flag, report: Callable[[int], None]
+    rj: ReplicaJob, server: ReplicaServer, data: Any, stop: Flag, report: Callable[[int], None]
 ) -> Iterator[Group]:
     """Partition 0's push groups of replica ``rj``'s share: the stretches the shards' marks
-    say to re-train (:func:`~adam_dask.train._position.resume_plan`), each one group under its
+    say to re-train (:func:`~adam_dask.train._position.replica_plan`), each one group under its
     number, then the rest of the share from the data service ``data``; ``report(images)`` as
     each group leaves (the replica's progress events). Stops between groups once ``stop`` is
     set."""
     s = rj.settings
-    plan = resume_plan({sid: m.get(rj.replica, ()) for sid, m in server.marks(rj.epoch).items()})
-    if plan.replicas is not None and plan.replicas != rj.replicas:
-        raise ClusterError(
-            f"replica {rj.replica} of epoch {rj.epoch} runs as one of {rj.replicas}, but its "
-            f"data position was recorded as one of {plan.replicas}",
-            f"resume the epoch with {plan.replicas} replicas",
-        )
+    plan = replica_plan(server.marks(rj.epoch), rj.epoch, rj.replica, rj.replicas)
     marker = Marker(rj.epoch, rj.replica, rj.replicas, plan)
     done = plan.images_done
 
@@ -99,9 +101,7 @@ def replica_groups(
         stream = data.stream(rj.replica, rj.replicas, rj.epoch, return_key=True, only=stretch.items)
         try:
             group = Group(stretch.seq, encode(stretch.items), lr=lr())
-            for x, y, _ in stream:
-                for a in range(0, len(y), s.batch_size):
-                    group.batches.append((x[a : a + s.batch_size], y[a : a + s.batch_size]))
+            group.batches = [(x, y) for x, y, _ in minibatches(stream, s.batch_size)]
         finally:
             stream.close()
         yield group

@@ -9,7 +9,7 @@ replica, the attempt and the partition, and a token) and runs a
 :class:`~adam_dask.train._pipeline.PartitionRunner`. Partition 0 feeds the replica from the
 data service (:func:`~adam_dask.train._groups.replica_groups`), as an unpartitioned replica
 would: first the pushes some shard misses (the stretches of
-:func:`~adam_dask.train._position.resume_plan`), then the rest of its share.
+:func:`~adam_dask.train._position.replica_plan`), then the rest of its share.
 
 :func:`run_partitioned` (the Trainer's epoch when ``partitions > 1``) submits every replica's
 partitions, each with ``resources={"TRAIN": 1}`` (one partition per worker at once). When a
@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import config
 from ..cluster import TRAIN
@@ -35,7 +35,10 @@ from ._epoch import quorum_size
 from ._groups import replica_groups
 from ._links import meet
 from ._submit import EpochRun
-from .task import EventPoll, ReplicaJob, _Reporter
+from .task import EventPoll, ReplicaJob, Reporter
+
+if TYPE_CHECKING:
+    from ._handle import ReplicaServer
 
 __all__ = ["PartitionJob", "cluster_plan", "run_partition", "run_partitioned"]
 
@@ -84,7 +87,7 @@ def _aborted(job: PartitionJob, reason: str, worker: str, t0: float) -> dict:
     }
 
 
-def run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
+def run_partition(job: PartitionJob, server: ReplicaServer, data: Any) -> dict:
     """Partition ``job.partition`` of replica ``job.replica.replica`` for one epoch, with the
     worker's switch interval at ``job.switch_interval``; returns its statistics (``aborted``:
     why it stopped early, None when it finished)."""
@@ -99,7 +102,7 @@ def run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
         sys.setswitchinterval(previous)
 
 
-def _run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
+def _run_partition(job: PartitionJob, server: ReplicaServer, data: Any) -> dict:
     from distributed import Event, get_worker
     from distributed.comm.addressing import get_address_host
 
@@ -145,7 +148,7 @@ def _run_partition(job: PartitionJob, server: Any, data: Any) -> dict:
         abort=abort,
         timeout=job.timeout,
     )
-    reporter = _Reporter(worker, rj, t0)
+    reporter = Reporter(worker, rj, t0)
     groups = None
     if job.partition == 0:
         groups = replica_groups(rj, server, data, stop, lambda n: reporter.report(n, runner.pushes))
@@ -193,7 +196,7 @@ def run_partitioned(
     client: Any,
     jobs: Sequence[ReplicaJob],
     *,
-    server: Any,
+    server: ReplicaServer,
     data: Any,
     quorum: float,
     bounds: Sequence[tuple[int, int, int, int]],

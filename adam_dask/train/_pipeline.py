@@ -41,16 +41,20 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import ClusterError
 from ..model.stage import Stage, StageContext
 from ..ps.protocol.shard import Mark
+from ._communicator import Communicator
 from ._groups import Group
 from ._links import Link
 from ._updates import summed
+
+if TYPE_CHECKING:
+    from ._handle import RangedPushes
 
 __all__ = ["PartitionRunner", "check_parts"]
 
@@ -73,10 +77,10 @@ class PartitionRunner:
     """Partition ``index`` of ``parts`` of one replica, training ``stage``.
 
     ``up`` / ``down``: the :class:`Link` to the previous / next partition (None at the ends).
-    ``server``: anything with ``push_range(values, start, mark=)`` and ``pull_range(start,
-    stop, out=)``. ``mark``: ``(epoch, replica, replicas)`` of the pushes' marks. ``stop``: a
-    flag (``is_set()``) partition 0 polls between groups (the epoch's quorum); ``abort``: one
-    every partition polls (the replica is being re-run). ``timeout``: seconds without a
+    ``server``: the span's pushes and pulls (:class:`~adam_dask.train._handle.RangedPushes`).
+    ``mark``: ``(epoch, replica, replicas)`` of the pushes' marks. ``stop``: a flag
+    (``is_set()``) partition 0 polls between groups (the epoch's quorum); ``abort``: one every
+    partition polls (the replica is being re-run). ``timeout``: seconds without a
     message from a neighbour while it owes one, after which the partition gives up (a frozen
     neighbour).
     """
@@ -90,7 +94,7 @@ class PartitionRunner:
         threads: int,
         batch_size: int,
         window: int,
-        server: Any,
+        server: RangedPushes,
         mark: tuple[int, int, int],
         up: Link | None = None,
         down: Link | None = None,
@@ -123,7 +127,6 @@ class PartitionRunner:
         self._take_lock = threading.Lock()
         self._groups: dict[int, _Open] = {}
         self._pending: dict[int, tuple[StageContext, dict]] = {}
-        self._exchange: queue.Queue = queue.Queue(maxsize=1)
         self._unpushed: list[np.ndarray] = []
         self.error: BaseException | None = None
         self.failed: str | None = None
@@ -141,6 +144,12 @@ class PartitionRunner:
         self.images_pushed = 0
         self.ps_seconds = 0.0
         self.groups_pushed: list[int] = []
+        self._communicator: Communicator[tuple[_Open, np.ndarray]] = Communicator(
+            self._send,
+            name=f"partition-{self.index}-exchange",
+            on_error=lambda exc: self._fail(f"partition {self.index}: push failed ({exc!r})", exc),
+            drop=self._drop,
+        )
 
     # -- running ----------------------------------------------------------------------------
 
@@ -153,7 +162,6 @@ class PartitionRunner:
         threads = [
             self._thread(self._train, f"partition-{self.index}-{t}", t) for t in range(self.threads)
         ]
-        threads.append(self._thread(self._communicate, f"partition-{self.index}-exchange"))
         if self.up is not None:
             threads.append(self._thread(self._receive, "from-up", self.up, "up"))
         if self.down is not None:
@@ -176,8 +184,7 @@ class PartitionRunner:
             th.join()
         if self.failed is None and self.down is not None:
             self.down.send({"op": "end"})
-        self._exchange.put(None)
-        threads[self.threads].join()
+        self._communicator.close()
         for link in (self.up, self.down):
             if link is not None:
                 link.close()
@@ -401,7 +408,7 @@ class PartitionRunner:
                     self._accs[t][parity][...] = 0.0
                     self._touched[t][parity] = False
                 self._unpushed.append(buf)
-            self._exchange.put((grp, buf))
+            self._communicator.put((grp, buf))
 
     # -- the exchange with the parameter server ----------------------------------------------
 
@@ -413,37 +420,38 @@ class PartitionRunner:
                 del self._unpushed[i]
                 return
 
-    def _communicate(self) -> None:
-        stage = self.stage
-        epoch, replica, replicas = self.mark
-        while True:
-            item = self._exchange.get()
-            if item is None:
-                return
-            grp, buf = item
-            if self.error is not None or (
-                self.abort_flag is not None and self.abort_flag.is_set()
-            ):  # the replica runs again (this partition may have been frozen): push nothing
-                with self._take_lock:
-                    self._forget_unpushed(buf)
-                self._recycle(buf)
-                continue
-            try:
-                t = time.perf_counter()
-                mark = Mark(epoch, replica, grp.seq, self.index, self.parts, replicas, grp.covers)
-                self.server.push_range(buf, stage.start, mark=mark)
-                with self._take_lock:
-                    self._forget_unpushed(buf)
-                with self._lock:
-                    self.pushes += 1
-                    self.images_pushed += grp.images
-                    self.groups_pushed.append(grp.seq)
-                self.server.pull_range(stage.start, stage.stop, out=buf)
-                self.ps_seconds += time.perf_counter() - t
-                self._install(buf)
-            except BaseException as exc:
-                self._fail(f"partition {self.index}: push failed ({exc!r})", exc)
+    def _send(self, item: tuple[_Open, np.ndarray]) -> None:
+        """Push a group's update (``item``: the group and the buffer its update was taken into)
+        as this partition's part of the group's push, pull the span into the buffer and install
+        it; nothing when the replica runs again (this partition may have been frozen)."""
+        grp, buf = item
+        if self.error is not None or (self.abort_flag is not None and self.abort_flag.is_set()):
+            self._drop(item)
+            return
+        try:
+            t = time.perf_counter()
+            epoch, replica, replicas = self.mark
+            mark = Mark(epoch, replica, grp.seq, self.index, self.parts, replicas, grp.covers)
+            self.server.push_range(buf, self.stage.start, mark=mark)
+            with self._take_lock:
+                self._forget_unpushed(buf)
+            with self._lock:
+                self.pushes += 1
+                self.images_pushed += grp.images
+                self.groups_pushed.append(grp.seq)
+            self.server.pull_range(self.stage.start, self.stage.stop, out=buf)
+            self.ps_seconds += time.perf_counter() - t
+            self._install(buf)
+        finally:
             self._recycle(buf)
+
+    def _drop(self, item: tuple[_Open, np.ndarray]) -> None:
+        """A group's update (``item``: the group and its buffer) is not pushed: forgotten, its
+        buffer recycled."""
+        _, buf = item
+        with self._take_lock:
+            self._forget_unpushed(buf)
+        self._recycle(buf)
 
     def _recycle(self, buf: np.ndarray) -> None:
         """``buf`` zeroed back to the buffers a take swaps in."""

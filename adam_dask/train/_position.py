@@ -39,6 +39,7 @@ __all__ = [
     "decode",
     "encode",
     "recorded_replicas",
+    "replica_plan",
     "resume_plan",
 ]
 
@@ -149,6 +150,34 @@ def resume_plan(shards: Mapping[int, Sequence[Mark]]) -> Plan:
         next_seq += 1
     position = {key: max(b for _, b in r) for key, r in covered.items()}
     return Plan(tuple(stretches), position, next_seq, replicas.pop())
+
+
+def replica_plan(
+    marks: Mapping[int, Mapping[int, Sequence[Mark]]], epoch: int, replica: int, replicas: int
+) -> Plan:
+    """The plan of replica ``replica`` of ``replicas`` in ``epoch`` from every shard's marks of
+    the epoch ({sid: {replica: marks}}, :meth:`ParameterServer.marks`): where a run of it
+    starts, whether it runs whole or as partitions. Raises :class:`ClusterError` when the
+    marks were recorded with another replica count (the shares differ)."""
+    plan = resume_plan({sid: per.get(replica, ()) for sid, per in marks.items()})
+    if plan.replicas is not None and plan.replicas != replicas:
+        raise ClusterError(
+            f"replica {replica} of epoch {epoch} runs as one of {replicas}, but its data "
+            f"position was recorded as one of {plan.replicas}",
+            f"resume the epoch with {plan.replicas} replicas",
+        )
+    if plan.resumed:
+        logger.info(
+            "replica %d of epoch %d resumes at %d images, of which %d in %d stretch(es) to "
+            "re-train for some shards; next push %d",
+            replica,
+            epoch,
+            plan.images_done,
+            sum(stretch.images for stretch in plan.stretches),
+            len(plan.stretches),
+            plan.next_seq,
+        )
+    return plan
 
 
 def applied_images(marks: Mapping[int, Mapping[int, Sequence[Mark]]]) -> int:

@@ -6,11 +6,14 @@ they return and closes it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..cluster import PS, workers_with_role
 from ..errors import ClusterError
 from ._settings import RunSettings
+
+if TYPE_CHECKING:
+    from ._handle import TrainerServer
 
 __all__ = ["connect", "require_ps", "restore_server", "start_data", "start_server"]
 
@@ -48,7 +51,7 @@ def start_server(
     storage_options: dict | None,
     meta: dict,
     optimizer: str | None = None,
-) -> Any:
+) -> TrainerServer:
     """A new parameter server holding ``net``'s weights on the PS workers (``checkpoint``: where
     it writes back, with the run's ``meta``; ``optimizer``: the server optimizer's name)."""
     from ..ps.client.server import ParameterServer
@@ -67,7 +70,7 @@ def start_server(
 
 def restore_server(
     client: Any, checkpoint: str, storage_options: dict | None, given: dict | None = None
-) -> Any:
+) -> TrainerServer:
     """The parameter server of the run checkpointed at ``checkpoint``, restored from it, with
     the server optimizer it ran with unless ``given`` (the resume's keywords) names another."""
     from ..ps.client.server import ParameterServer

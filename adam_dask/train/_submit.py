@@ -10,12 +10,15 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import config
 from ..cluster import PS, TRAIN, workers_with_role
 from ._epoch import quorum_size
 from .task import BarrierRef, ReplicaJob, SyncBarrier, run_replica
+
+if TYPE_CHECKING:
+    from ._handle import ReplicaServer
 
 __all__ = ["EpochRun", "run_replicas"]
 
@@ -32,7 +35,7 @@ class EpochRun:
 
 
 def run_replicas(
-    client: Any, jobs: Sequence[ReplicaJob], *, server: Any, data: Any, quorum: float
+    client: Any, jobs: Sequence[ReplicaJob], *, server: ReplicaServer, data: Any, quorum: float
 ) -> EpochRun:
     """Run ``jobs`` (one epoch, one per replica) until ``quorum`` of them finished; the others
     are stopped through the epoch's stop event. A replica's error stops the epoch and is

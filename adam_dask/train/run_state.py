@@ -10,13 +10,16 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import config
 from ..errors import ConfigError, DestinationExistsError, StorageError
 from .metrics import History
+
+if TYPE_CHECKING:
+    from ._handle import TrainerServer
 
 __all__ = [
     "AVERAGE",
@@ -116,7 +119,7 @@ def refuse_existing(url: str, storage_options: dict | None) -> None:
 
 
 def start_commits(
-    server: Any, url: str, storage_options: dict | None, ps_workers: list[str]
+    server: TrainerServer, url: str, storage_options: dict | None, ps_workers: list[str]
 ) -> EpochCommits:
     """The commits of a run's epochs to its checkpoint ``url``; a warning when ``url`` is a
     local path while ``ps_workers`` run on other hosts (each would write its own disk)."""
@@ -202,7 +205,11 @@ class Resumed:
 
 
 def resumed_state(
-    server: Any, checkpoint: str, data: str | None, storage_options: dict | None, given: dict
+    server: TrainerServer,
+    checkpoint: str,
+    data: str | None,
+    storage_options: dict | None,
+    given: dict,
 ) -> Resumed:
     """The state in the checkpoint that ``server`` was restored from; ``given`` are the
     caller's Trainer keywords (None = keep the stored setting)."""
@@ -261,7 +268,7 @@ class EpochCommits:
     write the manifest (:meth:`watch`), else when a try fails.
     """
 
-    def __init__(self, server: Any, url: str, storage_options: dict | None):
+    def __init__(self, server: TrainerServer, url: str, storage_options: dict | None):
         self.server = server
         self.url = url
         self.storage_options = storage_options

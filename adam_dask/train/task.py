@@ -19,14 +19,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._settings import RunSettings
 from .schedule import Schedule
 
-__all__ = ["PROGRESS_TOPIC", "BarrierRef", "ReplicaJob", "SyncBarrier", "run_replica"]
+if TYPE_CHECKING:
+    from ._exchange import Exchange
+    from ._handle import ReplicaServer
+    from ._position import Marker, Plan, Stretch
+    from .replica import HogwildReplica
+
+__all__ = [
+    "PROGRESS_TOPIC",
+    "BarrierRef",
+    "EventPoll",
+    "ReplicaJob",
+    "Reporter",
+    "SyncBarrier",
+    "run_replica",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +173,7 @@ class EventPoll:
         return self._set
 
 
-class _Reporter:
+class Reporter:
     """Progress events to the client, at most every ``interval`` seconds (and a final one)."""
 
     def __init__(self, worker: Any, job: ReplicaJob, t0: float):
@@ -215,118 +229,43 @@ class BarrierRef:
         )
 
 
-def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | None = None) -> dict:
+def run_replica(
+    job: ReplicaJob, server: ReplicaServer, data: Any, barrier: BarrierRef | None = None
+) -> dict:
     """Train replica ``job.replica`` for epoch ``job.epoch``; returns its statistics.
 
     Runs inside a Dask task on a TRAIN worker. ``server`` is a
     :class:`~adam_dask.ps.client.server.ParameterServer`, ``data`` a
     :class:`~adam_dask.data.serving.DataService`, ``barrier`` a :class:`SyncBarrier` actor
-    (sync mode only).
+    (sync mode only). The replica starts from the server's weights and from the data position
+    the server holds for it (:func:`~adam_dask.train._position.replica_plan`): it re-trains the
+    stretches some shard misses, then the rest of its share.
     """
     from distributed import Event, get_worker, secede
 
-    from ..errors import ClusterError
-    from ..model.engines import network_from_dict
-    from ._exchange import AsyncExchange, Exchange, SyncExchange
-    from ._position import Marker, resume_plan
-    from .replica import HogwildReplica, profitable_offload
     from .streams import resolve_push_every
 
     secede()
     worker = get_worker()
     t0 = time.perf_counter()
-    s = job.settings
-    net = network_from_dict(job.model)
-    sync = s.mode == "sync"
-    every = resolve_push_every(s.push_every, job.replicas)  # the trainer's plan set it
-    offload = profitable_offload(net, every) if s.offload_dense else []
-    rep = HogwildReplica(
-        net,
-        # auto: as many Hogwild threads as the TRAIN worker has (its --nthreads), not the client's
-        # cores: the replica's threads share that worker's cores
-        threads=1 if sync else (s.threads or worker.state.nthreads),
-        momentum=s.momentum,
-        batch_size=s.batch_size,
-        offload=offload,
-        schedule=job.schedule,
-    )
-    rep.set_progress(job.epoch)
-    rep.set_weights(server.pull())
-    # where this run starts: the data position the parameter server holds for the replica
-    plan = resume_plan({sid: m.get(job.replica, ()) for sid, m in server.marks(job.epoch).items()})
-    if plan.replicas is not None and plan.replicas != job.replicas:
-        raise ClusterError(
-            f"replica {job.replica} of epoch {job.epoch} runs as one of {job.replicas}, but "
-            f"its data position was recorded as one of {plan.replicas}",
-            f"resume the epoch with {plan.replicas} replicas",
-        )
-    if plan.resumed:
-        logger.info(
-            "replica %d of epoch %d resumes at %d images, of which %d in %d stretch(es) to "
-            "re-train for some shards; next push %d",
-            job.replica,
-            job.epoch,
-            plan.images_done,
-            sum(stretch.images for stretch in plan.stretches),
-            len(plan.stretches),
-            plan.next_seq,
-        )
-    marker = Marker(job.epoch, job.replica, job.replicas, plan, synchronous=sync)
-    rep.set_progress(job.epoch + min(1.0, plan.images_done / max(1, job.share_images)))
-    label = f"replica {job.replica} in epoch {job.epoch}"
-    exchange: Exchange
-    if sync:
-
-        def wait() -> dict:
-            assert barrier is not None
-            return barrier.call("wait", job.replica, s.sync_timeout)
-
-        exchange = SyncExchange(
-            rep, server, wait=wait, scale=1.0 / job.replicas, label=label, marker=marker
-        )
-    else:
-        exchange = AsyncExchange(rep, server, label=label, marker=marker)
+    every = resolve_push_every(job.settings.push_every, job.replicas)  # the trainer's plan set it
+    rep = _engine(job, worker.state.nthreads, every)
+    plan, marker = _start(job, rep, server)
+    sync = job.settings.mode == "sync"
+    exchange = _exchange(job, rep, server, marker, barrier)
     stop = Event(job.stop_name)
-    reporter = _Reporter(worker, job, t0)
-    base = plan.images_done
-    retrained = 0
-    stream: Any = None
+    reporter = Reporter(worker, job, t0)
     stopped = stop.is_set()  # the epoch's quorum was reached before this replica started
-    batches = _Counted(())
+    retrained = 0
+    rest: _Rest | None = None
     done = False
     try:
-        for stretch in () if stopped else plan.stretches:  # images some shards miss, pushed alone
-            seg_stream = data.stream(
-                job.replica, job.replicas, job.epoch, return_key=True, only=stretch.items
-            )
-            try:
-                st = rep.train(_Counted(seg_stream, job.delay), stop_event=EventPoll(stop))
-            finally:
-                seg_stream.close()
-            if st.stopped:  # a part of a stretch must not be pushed: its number covers all of it
-                rep.take()
-                stopped = True
-                break
-            exchange.push_stretch(stretch)
-            retrained += st.images
-        base = sum(marker.position.values())
         if not stopped:
-            stream = data.stream(
-                job.replica, job.replicas, job.epoch, return_key=True, resume=marker.position
-            )
-            batches = _Counted(stream, job.delay)
-
-        def on_images(r: HogwildReplica) -> None:
-            nonlocal stopped
-            progress = (base + batches.images) / max(1, job.share_images)
-            r.set_progress(job.epoch + min(1.0, progress))
-            exchange.step()
-            reporter.report(base + batches.images, exchange.pushes)
-            if stop.is_set():
-                stopped = True
-                r.stop()
-
-        stats = rep.train(batches, on_images=on_images, every=every)
+            retrained, stopped = _retrain(job, rep, data, exchange, plan.stretches, stop)
+        rest = _Rest(job, rep, exchange, reporter, stop, sum(marker.position.values()))
+        if not stopped:
+            rest.open(data, marker.position)
+        stats = rep.train(rest.batches, on_images=rest.on_images, every=every)
         exchange.finish()
         # the result counts this replica's pushes as applied: every copy holds them first
         # (ack="replay" keeps them until then; a primary lost now has them replayed here, not
@@ -338,10 +277,9 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | N
             exchange.close()
         if sync and barrier is not None:
             barrier.call("leave", job.replica)
-        stream_stats = stream.stats() if stream is not None else {}
-        if stream is not None:
-            stream.close()
-    reporter.report(base + batches.images, exchange.pushes, final=True)
+        stream_stats = rest.close() if rest is not None else {}
+    assert rest is not None
+    reporter.report(rest.images, exchange.pushes, final=True)
     return {
         "replica": job.replica,
         "epoch": job.epoch,
@@ -354,7 +292,7 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | N
         "train_seconds": stats.seconds,
         "pushes": exchange.pushes,
         "ps_seconds": exchange.ps_seconds,
-        "stopped": bool(stopped or stats.stopped),
+        "stopped": bool(stopped or rest.stopped or stats.stopped),
         "stall_fraction": float(stream_stats.get("stall_fraction", 0.0)),
         "wait_seconds": float(stream_stats.get("wait_seconds", 0.0)),
         "worker": worker.address,
@@ -362,3 +300,140 @@ def run_replica(job: ReplicaJob, server: Any, data: Any, barrier: BarrierRef | N
         "lr_end": rep.lr,
         "unreplicated_at_end": server.held()["unreplicated"],
     }
+
+
+def _engine(job: ReplicaJob, nthreads: int, every: int) -> HogwildReplica:
+    """The replica's Hogwild engine for ``job``, at the start of its epoch: one thread in sync
+    mode, else ``job.settings.threads`` or the TRAIN worker's ``nthreads`` (the replica's
+    threads share that worker's cores, not the client's); with ``offload_dense``, the dense
+    layers worth offloading at a push every ``every`` images."""
+    from ..model.engines import network_from_dict
+    from .replica import HogwildReplica, profitable_offload
+
+    s = job.settings
+    net = network_from_dict(job.model)
+    rep = HogwildReplica(
+        net,
+        threads=1 if s.mode == "sync" else (s.threads or nthreads),
+        momentum=s.momentum,
+        batch_size=s.batch_size,
+        offload=profitable_offload(net, every) if s.offload_dense else [],
+        schedule=job.schedule,
+    )
+    rep.set_progress(job.epoch)
+    return rep
+
+
+def _start(job: ReplicaJob, rep: HogwildReplica, server: ReplicaServer) -> tuple[Plan, Marker]:
+    """Where the run of ``rep`` starts: the server's weights, the plan from the data position
+    the server holds for the replica, and the marker that numbers its pushes from there."""
+    from ._position import Marker, replica_plan
+
+    rep.set_weights(server.pull())
+    plan = replica_plan(server.marks(job.epoch), job.epoch, job.replica, job.replicas)
+    sync = job.settings.mode == "sync"
+    marker = Marker(job.epoch, job.replica, job.replicas, plan, synchronous=sync)
+    rep.set_progress(job.epoch + min(1.0, plan.images_done / max(1, job.share_images)))
+    return plan, marker
+
+
+def _exchange(
+    job: ReplicaJob,
+    rep: HogwildReplica,
+    server: ReplicaServer,
+    marker: Marker,
+    barrier: BarrierRef | None,
+) -> Exchange:
+    """The replica's exchange with ``server``: at ``barrier`` in sync mode (each replica
+    pushes ``1/R`` of its update), on a communicator thread in async mode."""
+    from ._exchange import AsyncExchange, SyncExchange
+
+    label = f"replica {job.replica} in epoch {job.epoch}"
+    if job.settings.mode != "sync":
+        return AsyncExchange(rep, server, label=label, marker=marker)
+
+    def wait() -> dict:
+        assert barrier is not None
+        return barrier.call("wait", job.replica, job.settings.sync_timeout)
+
+    scale = 1.0 / job.replicas
+    return SyncExchange(rep, server, wait=wait, scale=scale, label=label, marker=marker)
+
+
+def _retrain(
+    job: ReplicaJob,
+    rep: HogwildReplica,
+    data: Any,
+    exchange: Exchange,
+    stretches: Sequence[Stretch],
+    stop: Any,
+) -> tuple[int, bool]:
+    """Re-train each of ``stretches`` (images some shards miss) alone and push it under its
+    number; returns the images re-trained and whether ``stop`` ended it. A stretch stopped
+    midway is not pushed (its number covers all of it)."""
+    retrained = 0
+    for stretch in stretches:
+        stream = data.stream(
+            job.replica, job.replicas, job.epoch, return_key=True, only=stretch.items
+        )
+        try:
+            st = rep.train(_Counted(stream, job.delay), stop_event=EventPoll(stop))
+        finally:
+            stream.close()
+        if st.stopped:
+            rep.take()
+            return retrained, True
+        exchange.push_stretch(stretch)
+        retrained += st.images
+    return retrained, False
+
+
+class _Rest:
+    """The rest of a replica's share, after its stretches: the batches from the data service
+    (counted; none once the epoch stopped) and what the training threads do every
+    ``push_every`` images (:meth:`on_images`): the schedule's progress, the exchange's step, a
+    progress report, the epoch's stop."""
+
+    def __init__(
+        self,
+        job: ReplicaJob,
+        rep: HogwildReplica,
+        exchange: Exchange,
+        reporter: Reporter,
+        stop: Any,
+        base: int,
+    ):
+        self.job, self.exchange, self.reporter, self.stop = job, exchange, reporter, stop
+        self.base = base  # images of the share done before these batches
+        self.batches = _Counted(())
+        self.stream: Any = None
+        self.stopped = False
+
+    def open(self, data: Any, position: dict) -> None:
+        """The share's batches from ``position`` ({(p, k): images done}) on."""
+        job = self.job
+        self.stream = data.stream(
+            job.replica, job.replicas, job.epoch, return_key=True, resume=position
+        )
+        self.batches = _Counted(self.stream, job.delay)
+
+    @property
+    def images(self) -> int:
+        """Images of the share done so far."""
+        return self.base + self.batches.images
+
+    def on_images(self, rep: HogwildReplica) -> None:
+        rep.set_progress(self.job.epoch + min(1.0, self.images / max(1, self.job.share_images)))
+        self.exchange.step()
+        self.reporter.report(self.images, self.exchange.pushes)
+        if self.stop.is_set():
+            self.stopped = True
+            rep.stop()
+
+    def close(self) -> dict:
+        """Close the stream; its statistics ({} without one)."""
+        if self.stream is None:
+            return {}
+        stats = self.stream.stats()
+        self.stream.close()
+        return dict(stats)

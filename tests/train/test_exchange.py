@@ -194,3 +194,13 @@ def test_sync_barrier_lets_a_finished_replica_leave():
 
     left, answer = asyncio.run(scenario())
     assert left == 1 and answer["ok"]
+
+
+def test_the_parameter_server_handle_lends_the_exchange_its_buffer_pool():
+    """The exchange pushes from and pulls into the handle's buffers (no copy on this side)
+    when the server has a pool (PooledPushes); the in-process stand-in has none."""
+    from adam_dask.ps.client.server import ParameterServer
+    from adam_dask.train._handle import PooledPushes
+
+    assert issubclass(ParameterServer, PooledPushes)
+    assert not isinstance(InProcessServer(np.zeros(1, np.float32)), PooledPushes)

@@ -193,8 +193,6 @@ def test_takes_and_installs_under_concurrent_updates_push_every_update_exactly_o
     runner = PartitionRunner(
         stage, 1, 2, threads=threads, batch_size=8, window=4, server=store, mark=(0, 0, 1)
     )
-    exchange = threading.Thread(target=runner._communicate)
-    exchange.start()
     rng = np.random.default_rng(0)
     total = np.zeros(stage.size, np.float32)
     flat = stage.flat
@@ -209,8 +207,7 @@ def test_takes_and_installs_under_concurrent_updates_push_every_update_exactly_o
             total += u
             if g < groups:
                 runner._applied(info)
-    runner._exchange.put(None)
-    exchange.join()
+    runner._communicator.close()
     assert runner.error is None and runner.pushes == groups
     open_group = np.zeros(stage.size, np.float32)
     for pair in runner._accs:

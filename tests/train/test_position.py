@@ -6,13 +6,16 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 
+from adam_dask.errors import ClusterError
 from adam_dask.ps.protocol.shard import Mark, ShardState
 from adam_dask.train._position import (
     Marker,
     applied_images,
     decode,
     recorded_replicas,
+    replica_plan,
     resume_plan,
 )
 
@@ -156,3 +159,20 @@ def test_no_marks_no_plan():
     plan = resume_plan({0: (), 1: ()})
     assert not plan.resumed and plan.next_seq == 0 and plan.stretches == ()
     assert applied_images({0: {}, 1: {}}) == 0 and recorded_replicas({0: {}}) is None
+
+
+def test_a_replicas_plan_reads_its_own_marks_and_refuses_another_replica_count():
+    """Replica 1 of 2 plans from its own marks on every shard (replica 0's, further on, do
+    not move it); run as one of 3, the shares differ and it is refused, naming the count."""
+    shards = [ShardState(s, 0, 1) for s in range(2)]
+    for replica, covers in ((0, COVERS), (1, COVERS[:2])):
+        for marks in _pushes(Marker(5, replica, 2), covers):
+            for st in shards:
+                st.apply(np.ones(1, np.float32), mark=marks[0])
+    marks = {s: st.marks_of(5) for s, st in enumerate(shards)}
+    plan = replica_plan(marks, 5, 1, 2)
+    assert plan.next_seq == 2 and plan.stretches == ()
+    assert plan.images_done == sum(sum(c.values()) for c in COVERS[:2])
+    assert replica_plan(marks, 5, 2, 3).next_seq == 0  # no marks of its own: from the start
+    with pytest.raises(ClusterError, match="recorded as one of 2"):
+        replica_plan(marks, 5, 1, 3)
