@@ -201,3 +201,46 @@ def test_a_closed_client_collected_under_the_loop_lock_does_not_hang():
         pytest.fail(f"the collector hung finalising a closed client; it printed {exc.stdout!r}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["cluster", "closed", "collected", "True"], proc.stderr[-2000:]
+
+
+# The same finalising on the cluster's own event loop (a collection runs wherever the next
+# allocation is: the scheduler's loop, mid-write, as happened once in the suite). A close that
+# waited there for the loop would wait for itself: the scheduler stopped for good.
+_COLLECTED_ON_ITS_LOOP = """
+import gc, threading, time
+from distributed import Client, LocalCluster
+from adam_dask.cluster import EmbeddedClient
+
+cluster = LocalCluster(n_workers=1, processes=False, dashboard_address=":0")
+client = EmbeddedClient(cluster)
+assert client.submit(sum, [1, 2]).result() == 3
+Client.close(client)  # the client closed, its cluster still running (a close cut short)
+client.itself = client
+del client
+collected = threading.Event()
+
+def collect():
+    gc.collect()
+    collected.set()
+
+cluster.loop.add_callback(collect)
+print("loop", "free" if collected.wait(30) else "stuck", flush=True)
+deadline = time.monotonic() + 30
+while cluster.status.name != "closed" and time.monotonic() < deadline:
+    time.sleep(0.1)
+print("cluster", cluster.status.name, flush=True)
+"""
+
+
+def test_a_client_collected_on_its_clusters_loop_closes_the_cluster_without_stopping_it():
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _COLLECTED_ON_ITS_LOOP],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"finalising the client stopped its cluster's loop; it printed {exc.stdout!r}")
+    assert proc.stdout.split() == ["loop", "free", "cluster", "closed"], proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stderr[-2000:]
