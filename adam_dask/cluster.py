@@ -81,6 +81,18 @@ class EmbeddedClient(Client):
                 _close_cluster(cluster)
 
 
+class EmbeddedCluster(SpecCluster):
+    """The embedded cluster: a :class:`distributed.SpecCluster` of nannies that keeps each
+    nanny for as long as the cluster runs. A nanny restarts the worker it lost (a PS worker
+    SIGKILLed, a node retired); SpecCluster also closes the nanny of a lost worker when no
+    worker of its name is registered ``distributed.deploy.lost-worker-timeout`` (15 s) after the
+    loss, and a worker lost again within that time, its restart not yet registered then, lost
+    its nanny for good (the PS short of a host for its third copies)."""
+
+    def _update_worker_status(self, op: str, msg: Any) -> None:
+        Cluster._update_worker_status(self, op, msg)  # the scheduler's view, no nanny closed
+
+
 def _close_cluster(cluster: Any) -> None:
     """Close ``cluster``, never blocking an event loop: a client left unclosed is finalised by a
     garbage collection that may run on any thread, an event loop's too (another cluster's
@@ -294,7 +306,7 @@ def local(
         "starting the embedded cluster%s: %s", " (TLS)" if tls else "", ", ".join(sorted(workers))
     )
     try:
-        cluster = SpecCluster(
+        cluster = EmbeddedCluster(
             workers=workers, scheduler=scheduler, name="adam-local", security=security
         )
     except RuntimeError as exc:
@@ -305,7 +317,7 @@ def local(
         logger.info("the dashboard's port was taken while the cluster started; a free one")
         host = str(scheduler["options"]["dashboard_address"]).rpartition(":")[0]
         scheduler["options"]["dashboard_address"] = f"{host}:0"
-        cluster = SpecCluster(
+        cluster = EmbeddedCluster(
             workers=workers, scheduler=scheduler, name="adam-local", security=security
         )
     try:

@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -244,3 +245,27 @@ def test_a_client_collected_on_its_clusters_loop_closes_the_cluster_without_stop
         pytest.fail(f"finalising the client stopped its cluster's loop; it printed {exc.stdout!r}")
     assert proc.stdout.split() == ["loop", "free", "cluster", "closed"], proc.stderr[-2000:]
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_worker_lost_before_its_restart_registers_keeps_its_nanny():
+    """A nanny restarts the worker it lost; the embedded cluster never closes that nanny, even
+    when no worker of its name is registered ``lost-worker-timeout`` after the loss (a worker
+    SIGKILLed twice within it, as a fault test does; shortened here so the check lands before
+    the restart registers)."""
+    import dask
+
+    from adam_dask.cluster import PS, workers_with_role
+    from adam_dask.testing import hard_kill
+
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "0.1s"}):
+        with adam_dask.cluster.local(
+            ps_nodes=1, data_nodes=0, trainers=0, memory_limit="1 GiB"
+        ) as client:
+            (victim,) = workers_with_role(client, PS)
+            hard_kill(client, [victim])
+            deadline = time.monotonic() + 120
+            while not (back := workers_with_role(client, PS)):
+                assert time.monotonic() < deadline, "the lost PS worker's nanny did not restart it"
+                time.sleep(0.2)
+            assert back != [victim]
+            assert len(client.cluster.workers) == 1  # the cluster still holds its nanny
