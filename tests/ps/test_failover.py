@@ -15,9 +15,7 @@ from adam_dask.ps.runtime.stimuli import validating
 from adam_dask.testing import PushLoad, push_on, stop_and_check_sum
 from adam_dask.testing import hard_kill as kill_workers
 
-# beside three busy processes per core (tests/conftest.py): the loss of a primary; the loss of
-# two or all holders re-creates nodes on fresh workers, which beside that load missed the 90 s
-# heal bound in CI (2026-11-27: issue 48 left open on it), so those run on a quiet machine
+# every test beside three busy processes per core (tests/conftest.py)
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +106,7 @@ def test_kill_primary_holder_while_pushing(fo_client):
         s.close()
 
 
+@pytest.mark.usefixtures("busy_load")
 def test_kill_two_of_three_holders(fo_client):
     s = ParameterServer.create(fo_client, size=N, shard_bytes=SHARD)
     try:
@@ -131,6 +130,7 @@ def test_kill_two_of_three_holders(fo_client):
         s.close()
 
 
+@pytest.mark.usefixtures("busy_load")
 @pytest.mark.timeout(900)
 def test_kill_every_holder_while_pushing_loses_no_acknowledged_push(fo_client, tmp_path):
     """Every PS worker (all three copies of every shard) killed at once, mid-push: the shards

@@ -22,9 +22,7 @@ from adam_dask.testing import (
 )
 from adam_dask.train.trainer import Trainer
 
-# beside three busy processes per core (tests/conftest.py), but the loss of every copy: it
-# re-creates nodes on three fresh workers and beside that load did not heal within its bounds
-# (2026-11-27: issue 48 left open on it)
+# every test beside three busy processes per core (tests/conftest.py)
 
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"
 
@@ -123,6 +121,7 @@ def test_training_through_a_frozen_primary(store, cluster):
         t.close()
 
 
+@pytest.mark.usefixtures("busy_load")
 @pytest.mark.timeout(900)
 def test_training_through_the_loss_of_every_copy_of_a_shard(store, cluster, tmp_path):
     t = trainer(store, cluster, checkpoint=str(tmp_path / "ckpt"))
