@@ -159,3 +159,28 @@ def test_a_stream_opened_on_a_frozen_server_moves_its_partition(store, arrays):
         assert st["recoveries"] == 1 and st["unanswered"] == 1
         assert st["call_timeouts"] == 0 and st["local_batches"] == 0
         assert svc.servers() == [other, other]
+
+
+def test_streams_losing_one_server_at_once_start_one_replacement(store, arrays, caplog):
+    """Every replica's stream loses the frozen server at the same moment; one of them starts
+    the replacement (a claim per partition), the others take it: the partition is loaded once
+    more, not once per stream."""
+    import logging
+    import threading
+
+    caplog.set_level(logging.WARNING, logger="adam_dask.data.serving._service")
+    with serving(store, data_nodes=2, seed=8, batch_size=16) as (client, svc, pids):
+        victim = svc.servers()[0]
+        streams = [svc.stream(r, 3, 0, return_index=True) for r in range(3)]
+        got: list[list] = [[next(s) for _ in range(2)] for s in streams]
+        pids.update(freeze(client, [victim]))
+        threads = [threading.Thread(target=lambda i=i: got[i].extend(streams[i])) for i in range(3)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=120)
+        assert not any(th.is_alive() for th in threads)
+        check_exactly_once([b for g in got for b in g], arrays, seed=8, epoch=0)
+        assert all(s.stats()["recoveries"] >= 1 for s in streams if s.stats()["share_batches"])
+    starts = [r for r in caplog.records if "starting DataServer generation" in r.getMessage()]
+    assert len(starts) == 1, [r.getMessage() for r in starts]

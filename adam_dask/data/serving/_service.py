@@ -354,10 +354,28 @@ class DataService:
         """A DataServer for partition ``p`` newer than ``failed``: one another stream already
         published, else a new generation on a live DATA worker other than ``failed``'s (the
         one with the fewest of this service's servers). ``None`` when no DATA worker can take
-        it within ``adam.serving.recover-timeout``: the caller serves the partition itself."""
-        refs = self._refs_or_fail()
+        it within ``adam.serving.recover-timeout``: the caller serves the partition itself.
+
+        One stream at a time replaces a partition's server (a lock per partition on the
+        scheduler, released when its holder's process dies): every replica's stream loses the
+        same server at once, and each starting a generation of its own would load the
+        partition once per replica; the others wait and take the one it published."""
+        from distributed import Lock
+
+        self._refs_or_fail()
         client = _client()
         timeout = float(config.get("serving.recover-timeout"))
+        claim = Lock(f"{self._dataset(p)}-replacing")
+        if not claim.acquire(timeout=timeout):
+            logger.warning("partition %d: another stream's replacement took over %ss", p, timeout)
+            return None
+        try:
+            return self._replace(client, p, failed, timeout)
+        finally:
+            claim.release()
+
+    def _replace(self, client: Any, p: int, failed: ServerRef, timeout: float) -> ServerRef | None:
+        refs = self._refs_or_fail()
         avoid = {failed.address}
         for _ in range(2):  # a second try covers a target that died meanwhile
             fut, gen, addr = self._published(client, p)
