@@ -190,16 +190,20 @@ print("collected", alive() is None, flush=True)
 """
 
 
-def test_a_closed_client_collected_under_the_loop_lock_does_not_hang():
+def _run_script(script: str, timeout: float, hung: str) -> subprocess.CompletedProcess:
+    """``script`` in a Python process of its own; a hang fails the test with ``hung``."""
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _COLLECTED_UNDER_THE_LOOP_LOCK],
-            capture_output=True,
-            text=True,
-            timeout=90,
+        return subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the collector hung finalising a closed client; it printed {exc.stdout!r}")
+        pytest.fail(f"{hung}; it printed {exc.stdout!r}")
+
+
+def test_a_closed_client_collected_under_the_loop_lock_does_not_hang():
+    proc = _run_script(
+        _COLLECTED_UNDER_THE_LOOP_LOCK, 90, "the collector hung finalising a closed client"
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["cluster", "closed", "collected", "True"], proc.stderr[-2000:]
 
@@ -234,15 +238,9 @@ print("cluster", cluster.status.name, flush=True)
 
 
 def test_a_client_collected_on_its_clusters_loop_closes_the_cluster_without_stopping_it():
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _COLLECTED_ON_ITS_LOOP],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"finalising the client stopped its cluster's loop; it printed {exc.stdout!r}")
+    proc = _run_script(
+        _COLLECTED_ON_ITS_LOOP, 120, "finalising the client stopped its cluster's loop"
+    )
     assert proc.stdout.split() == ["loop", "free", "cluster", "closed"], proc.stderr[-2000:]
     assert proc.returncode == 0, proc.stderr[-2000:]
 

@@ -13,6 +13,7 @@ back when one is.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections import Counter
@@ -337,11 +338,13 @@ class DataService:
         except Exception as exc:
             logger.debug("no worker list from the scheduler (%s)", exc)
             return None
-        try:
-            now = float(client.run_on_scheduler(time.time))
-        except Exception as exc:  # not allowed here: the newest heartbeat of any worker
-            logger.debug("no clock from the scheduler (%s)", exc)
-            now = max((float(w.get("last_seen", 0.0)) for w in info.values()), default=0.0)
+        now = 0.0
+        if not math.isinf(silence):  # members only: no clock needed
+            try:
+                now = float(client.run_on_scheduler(time.time))
+            except Exception as exc:  # not allowed here: the newest heartbeat of any worker
+                logger.debug("no clock from the scheduler (%s)", exc)
+                now = max((float(w.get("last_seen", 0.0)) for w in info.values()), default=0.0)
         return sorted(
             a
             for a, w in info.items()
