@@ -13,7 +13,9 @@ the same cores, each training run stopping at the first epoch at or above ``--ta
   workers it was sized with (``data_nodes``), test ``accuracy``, ``images_per_second`` and
   ``stall_fraction`` per epoch, ``epochs_to_target`` and ``seconds_to_target`` (from the start of
   training, as the CLI's result line counts them; null when the target was not reached);
-  ``images_per_second_vs_engine``: its median images/s over the epochs after the first (the
+  ``push_images``, ``exchange_seconds`` and ``damping_min`` per epoch (images per push, seconds
+  per push and pull, the lowest damping of a replica's rate for pushing less often than
+  planned: ``AsyncExchange``); ``images_per_second_vs_engine``: its median images/s over the epochs after the first (the
   first alone when only one ran; ``images_per_second_epochs`` says which) over the engine's.
 * ``peer: "ddp"``: PyTorch DistributedDataParallel, gloo on CPU, P processes x t threads filling
   the same cores (P the replicas the defaults ran, t = cores // P, at least 1), the same network
@@ -33,7 +35,8 @@ the same cores, each training run stopping at the first epoch at or above ``--ta
   --threads max(1, cores // R)``: where R exceeds the cores, one thread each, the emulation of R
   asynchronous replicas on fewer cores. Each entry: replicas, threads, epochs_to_target,
   seconds_to_target, images_per_second (the median over the epochs after the first), accuracy
-  per epoch, stall_fraction (the median over the epochs).
+  per epoch, stall_fraction (the median over the epochs), push_images, exchange_seconds and
+  damping_min per epoch.
 
 Stamps: ``cpus`` (os.cpu_count()), ``cores`` (the cores this process may use, what the cluster is
 sized from), ``cpu_model``, ``load`` (the 1-minute load average before and after), ``target``,
@@ -151,6 +154,10 @@ def _median(v: list[float]) -> float | None:
     return statistics.median(v) if v else None
 
 
+def _round(v: float | None, digits: int = 1) -> float | None:
+    return None if v is None else round(float(v), digits)
+
+
 def cli_run(store: str, target: float, epochs: int, *flags: str) -> dict:
     """``adam-dask train`` to ``target`` (at most ``epochs``) with ``flags``: what its history
     and result line say (``error`` and nothing else when it failed)."""
@@ -169,6 +176,11 @@ def cli_run(store: str, target: float, epochs: int, *flags: str) -> dict:
     threads = sorted({t for r in history for t in r.get("replica_threads") or []})
     stall = [r["stall_fraction"] for r in history if "stall_fraction" in r]
     return {
+        # images per push (a push due while one is in flight joins the next) and the lowest
+        # damping of a replica's rate for pushing less often than planned, per epoch
+        "push_images": [_round(r.get("push_images")) for r in history],
+        "exchange_seconds": [_round(r.get("exchange_seconds"), 4) for r in history],
+        "damping_min": [_round(min(r.get("replica_damping") or [1.0]), 3) for r in history],
         "replicas": result.get("replicas") or (history[-1]["replicas"] if history else None),
         "threads": threads[0] if len(threads) == 1 else (threads or None),
         "accuracy": accuracy,
@@ -498,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
         epochs_to_target=ours.get("epochs_to_target"),
         seconds_to_target=ours.get("seconds_to_target"),
         wall_seconds=ours.get("wall_seconds"),
+        push_images=ours.get("push_images"),
+        exchange_seconds=ours.get("exchange_seconds"),
+        damping_min=ours.get("damping_min"),
     )
     if line["data_nodes"] is None:
         missing.append("data_nodes: neither the cluster's spec nor the setting gave a count")
@@ -615,6 +630,9 @@ def _sweep(args: Any, store: str, epochs: int, cores: int, sweep: list, missing:
                 "images_per_second": run["images_per_second_median"],
                 "accuracy": run["accuracy"],
                 "stall_fraction": _median(stall) if stall else None,
+                "push_images": run["push_images"],
+                "exchange_seconds": run["exchange_seconds"],
+                "damping_min": run["damping_min"],
             }
         )
         say(f"sweep {R} x {tr}: {run['epochs_to_target']} epochs to {args.target:g}")

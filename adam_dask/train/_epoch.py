@@ -77,6 +77,7 @@ def epoch_record(
     # shard updates applied by the primaries during the epoch
     pushes = ps_after.get("pushes_applied", 0) - ps_before.get("pushes_applied", 0)
     replica_seconds = sum(r["seconds"] for r in results)
+    pushes_made = sum(r.get("pushes", 0) for r in results)
     return {
         "epoch": epoch,
         "loss": loss,
@@ -103,6 +104,15 @@ def epoch_record(
         "replica_threads": sorted(r["threads"] for r in results),
         # the rate each replica stepped with last, as it ran (the schedule, scaled for R)
         "replica_lr_end": sorted(r["lr_end"] for r in results),
+        # images per push and seconds per exchange (push and pull) over the replicas' pushes,
+        # and each replica's damping at its end (below 1: it pushed less often than planned)
+        "push_images": (
+            sum(r["images_pushed"] for r in results) / pushes_made if pushes_made else None
+        ),
+        "exchange_seconds": (
+            sum(r["ps_seconds"] for r in results) / pushes_made if pushes_made else None
+        ),
+        "replica_damping": sorted(r.get("damping", 1.0) for r in results),
         # pushes some copy still lacked when a replica's result came back: 0, as each replica
         # settles before it returns (images_applied then counts durable pushes only)
         "unreplicated_at_end": sum(r.get("unreplicated_at_end", 0) for r in results),

@@ -3,11 +3,13 @@
 A training thread calls :meth:`Exchange.step` every ``push_every`` images (the paper's *k*) and
 :meth:`Exchange.finish` once its share is done. Two kinds:
 
-* :class:`AsyncExchange` (Adam): the step takes the update (:meth:`HogwildReplica.take`, exact,
-  at a mini-batch boundary) and hands it to one communicator thread, which pushes it, pulls
+* :class:`AsyncExchange` (Adam): the step says a push is due; the exchange's thread takes the
+  update (:meth:`HogwildReplica.take`, exact, at mini-batch boundaries), pushes it, pulls
   fresh weights and installs them (:meth:`HogwildReplica.install`, exact too) while the
-  training threads go on. At most one update waits behind the one in flight: a replica that
-  outruns the parameter server slows down rather than piling up memory.
+  training threads go on. One exchange at a time: a push due while one is in flight joins the
+  next (the update accumulates in the replica meanwhile), so a replica never waits for the
+  parameter server and a busy server gets fewer, larger pushes (the replica's rate damped for
+  them).
 * :class:`SyncExchange` (the baseline): one training thread; the step pushes ``1/R`` of the
   update, waits until every replica of the step has pushed (the barrier), pulls and installs.
   A barrier that times out is an error naming the replicas that did not arrive.
@@ -33,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ClusterError, ConfigError, UpdateRejected
-from ._communicator import Communicator
+from ._communicator import DueLoop
 from ._handle import PooledPushes, WholePushes
 from ._position import Marker, Stretch
 from ._updates import Update
@@ -169,24 +171,47 @@ class Exchange:
 
 
 class AsyncExchange(Exchange):
-    """Adam's exchange: pushes and pulls on a communicator thread
-    (:class:`~adam_dask.train._communicator.Communicator`), training never waits for it
-    (except behind one queued update)."""
+    """Adam's exchange: pushes and pulls on one thread of its own
+    (:class:`~adam_dask.train._communicator.DueLoop`); training never waits for it.
 
-    def __init__(self, replica: HogwildReplica, server: WholePushes, **kwargs: Any):
+    :meth:`step` says a push is due; the exchange thread takes the update when it sends it, so
+    a push that falls due while one is in flight joins the next one (at most one in flight).
+    ``push_every`` (the paper's *k*) with ``damp``: when the pushes cover more images than
+    ``push_every`` (the parameter server is busy), the replica's rate is damped by the period
+    it pushed at, as a longer push period's is (:mod:`~adam_dask.train.streams`):
+    :attr:`HogwildReplica.damping` = ``(k + threads x batch) / period`` at most 1, the period
+    smoothed over the last pushes.
+    """
+
+    def __init__(
+        self,
+        replica: HogwildReplica,
+        server: WholePushes,
+        *,
+        push_every: int = 0,
+        damp: bool = False,
+        **kwargs: Any,
+    ):
         super().__init__(replica, server, **kwargs)
-        self._communicator: Communicator[Update] = Communicator(
-            self._send, name="adam-exchange", on_error=lambda _: replica.stop()
-        )
+        self.push_every = int(push_every)
+        self._damp = bool(damp and push_every > 0)
+        self.period = float(push_every)
+        """Images per push, smoothed (0 without ``push_every``)."""
+        self._loop = DueLoop(self._send, name="adam-exchange", on_error=lambda _: replica.stop())
 
     def step(self) -> None:
-        """Take the update and queue it for the communicator; raises its first error."""
-        if self._communicator.error is not None:
-            raise self._communicator.error
-        # in transit: weights pulled before the server holds it must not set the replica back
-        self._communicator.put(self._take(in_transit=True))
+        """Say a push is due (never waits); raises the exchange's first error."""
+        if self._loop.error is not None:
+            raise self._loop.error
+        self._loop.due()
 
-    def _send(self, update: Update) -> None:
+    def _send(self) -> None:
+        # in transit: weights pulled before the server holds it must not set the replica back
+        update = self._take(in_transit=True)
+        if update.empty:
+            self.replica.landed(update)
+            self._give_back(update.delta)
+            return
         weights = self._push(update, pull=True)  # one round trip on the data plane
         self.replica.landed(update)
         self._give_back(update.delta)
@@ -194,21 +219,31 @@ class AsyncExchange(Exchange):
             weights = self._pull()
         self.replica.install(weights)
         self._give_back(weights)
+        self._pace(update.images)
+
+    def _pace(self, images: int) -> None:
+        if not self.push_every:
+            return
+        self.period += 0.25 * (images - self.period)
+        if self._damp:
+            rep = self.replica
+            slack = self.push_every + rep.threads * rep.batch_size
+            rep.damping = min(1.0, slack / max(1.0, self.period))
 
     def finish(self) -> None:
-        """Wait for the queued updates, push the rest; raise the first error."""
-        self._communicator.close()
-        if self._communicator.error is not None:
-            raise self._communicator.error
+        """Wait for the push in flight, push the rest; raise the first error."""
+        self._loop.close()
+        if self._loop.error is not None:
+            raise self._loop.error
         super().finish()
 
     def close(self) -> None:
         try:
-            self._communicator.close()
+            self._loop.close()
         except BaseException:  # pragma: no cover - best effort after a training error
             logger.debug("exchange thread did not stop cleanly", exc_info=True)
-        if self._communicator.error is not None:
-            logger.debug("exchange error after a training error: %r", self._communicator.error)
+        if self._loop.error is not None:
+            logger.debug("exchange error after a training error: %r", self._loop.error)
 
 
 class SyncExchange(Exchange):

@@ -166,6 +166,7 @@ class HogwildReplica:
         self.base_lr = float(config.get("train.lr", lr))
         self.lr = self.base_lr
         self.schedule = schedule
+        self.damping = 1.0  # on the schedule's rate; < 1 while pushing less often (exchange)
         self.momentum = float(config.get("train.momentum", momentum))
         self.batch_size = int(config.get("train.batch-size", batch_size))
         if self.threads < 1:
@@ -231,10 +232,10 @@ class HogwildReplica:
     # -- schedule ---------------------------------------------------------------------------------
 
     def set_progress(self, epochs: float) -> float:
-        """Set ``lr`` to the schedule's rate after ``epochs`` (fractional) epochs of the run and
-        return it; without a schedule ``lr`` stays as it is."""
+        """Set ``lr`` to the schedule's rate after ``epochs`` (fractional) epochs of the run
+        times :attr:`damping` and return it; without a schedule ``lr`` stays as it is."""
         if self.schedule is not None:
-            self.lr = self.schedule.at(epochs)
+            self.lr = self.schedule.at(epochs) * self.damping
         return self.lr
 
     # -- parameter-server sync ------------------------------------------------------------------

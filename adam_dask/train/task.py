@@ -252,7 +252,7 @@ def run_replica(
     rep = _engine(job, worker.state.nthreads, every)
     plan, marker = _start(job, rep, server)
     sync = job.settings.mode == "sync"
-    exchange = _exchange(job, rep, server, marker, barrier)
+    exchange = _exchange(job, rep, server, marker, barrier, every)
     stop = Event(job.stop_name)
     reporter = Reporter(worker, job, t0)
     stopped = stop.is_set()  # the epoch's quorum was reached before this replica started
@@ -298,6 +298,7 @@ def run_replica(
         "worker": worker.address,
         "threads": rep.threads,
         "lr_end": rep.lr,
+        "damping": rep.damping,
         "unreplicated_at_end": server.held()["unreplicated"],
     }
 
@@ -343,14 +344,18 @@ def _exchange(
     server: ReplicaServer,
     marker: Marker,
     barrier: BarrierRef | None,
+    every: int,
 ) -> Exchange:
     """The replica's exchange with ``server``: at ``barrier`` in sync mode (each replica
-    pushes ``1/R`` of its update), on a communicator thread in async mode."""
+    pushes ``1/R`` of its update), on an exchange thread in async mode (a push due every
+    ``every`` images; with other replicas, the rate damped while the pushes cover more)."""
     from ._exchange import AsyncExchange, SyncExchange
 
     label = f"replica {job.replica} in epoch {job.epoch}"
     if job.settings.mode != "sync":
-        return AsyncExchange(rep, server, label=label, marker=marker)
+        return AsyncExchange(
+            rep, server, label=label, marker=marker, push_every=every, damp=job.replicas > 1
+        )
 
     def wait() -> dict:
         assert barrier is not None

@@ -236,9 +236,11 @@ def test_offload_dense_learns(store, adam_cluster):
         t.close()
     assert t.history.last["test_accuracy"] >= 0.9, t.history.records
     # the offload ran: the nodes computed fc256's updates from activations and errors, at least
-    # once per push (768 images an epoch, a push every 64, 2 epochs), not from weight deltas
+    # once per push (768 images an epoch, a push due every 64: pushes due while one is in
+    # flight join the next), not from weight deltas
+    pushes = sum(round(r["images_pushed"] / r["push_images"]) for r in t.history.records)
     outer = sum(n["outer_products"] for n in nodes)
-    assert outer >= 2 * 768 // 64, [n["outer_products"] for n in nodes]
+    assert outer >= pushes >= 2, ([n["outer_products"] for n in nodes], pushes)
     assert t.history.column("images_applied") == t.history.column("images")
 
 
