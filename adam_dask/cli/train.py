@@ -104,7 +104,7 @@ def register(sub) -> None:
         type=positive_int,
         default=None,
         metavar="N",
-        help="async: each of R replicas x T threads past N steps lr * N / (R T) "
+        help="async: each of a replica's T threads past N steps lr * N / T "
         f"(default {config.get('train.lr-streams')})",
     )
     p.add_argument(

@@ -69,7 +69,9 @@ class RunSettings:
     stream_images: int
     average_from: float | None  # tail averaging from this fraction of the plan; None: off
     server_optimizer: str = "sum"  # what the PS does with each push (ps.protocol.optimizer)
-    lr_streams: int | None = 8  # async: past this many replicas x threads each steps lr * this / N
+    lr_streams: int | None = (
+        8  # async: past this many threads of a replica each steps lr * this / T
+    )
 
     @classmethod
     def resolve(cls, base: RunSettings | dict | None = None, **given: Any) -> RunSettings:

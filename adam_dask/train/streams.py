@@ -15,18 +15,20 @@ MNIST, 4 epochs at most, the default exponential schedule over 10):
   R x k and with how many replicas' deltas pile up in it, so ``push-every: auto`` is
   ``adam.train.auto-push.images / R**2`` rounded down to a power of two within
   ``[auto-push.min, auto-push.max]`` (R=1: 512, R=2: 256, R=4: 64, R=8 and more: 32).
-* **The rate is shared past ``lr-streams`` streams.** Linear scaling (every stream at ``lr``)
-  wins while it is stable: 8 x 1 at ``lr`` took 3 epochs where ``lr / 2`` took 4, and the
-  former ``lr / R`` rule ended 8 x 1 at 90.3% after 4 epochs. Past 8 streams the steps that
-  add up overshoot (1 x 16 threads at ``lr`` diverged, at ``lr / 2`` reached 99% in 3 epochs;
-  8 x 2 at ``lr / 2`` and pushes every 32 in 4), so each of N = R x T streams steps
-  ``lr x min(1, lr-streams / N)``.
-* **Past 2 replicas, less again.** Replicas run truly side by side on a machine of many cores,
-  and their pushes land later than the sweep's turn-taking lets them: on 16 cores
-  (``benchmarks/results/scaling.jsonl``, 8a3c5c2) 8 x 2 at ``lr / 2`` pushing every 32
-  diverged and 4 x 4 at ``lr / 2`` ended 10 epochs at 98.90%, where 2 x 8 at ``lr / 2``
-  reached 99% in 3. Each stream's rate is also times ``sqrt(2 / R)`` past 2 replicas (4: 0.71,
-  8: 0.5; on 2 cores the sweep reached 99% in 4 epochs with 8 x 1 at ``lr / 2``).
+* **A replica's threads share the rate past ``lr-streams`` of them.** Linear scaling (every
+  stream at ``lr``) wins while it is stable: 8 x 1 at ``lr`` took 3 epochs where ``lr / 2``
+  took 4, and the former ``lr / R`` rule ended 8 x 1 at 90.3% after 4 epochs. Past 8 threads
+  of one replica the steps that add up overshoot (1 x 16 at ``lr`` diverged, at ``lr / 2``
+  reached 99% in 3 epochs), so each of a replica's T threads steps ``lr x min(1, lr-streams
+  / T)``.
+* **Past 2 replicas, times ``sqrt(2 / R)``.** Replicas run truly side by side on a machine of
+  many cores, and their pushes land later than the sweep's turn-taking lets them. On 16 cores
+  (``benchmarks/results/replica_probe.jsonl``, 0a5ab28, 10 planned epochs) the rate that did
+  best for each R was ``sqrt(2 / R)`` of ``lr``: 2 x 8 at ``lr`` reached 99% in 4 epochs (5 at
+  ``lr / 2``); 4 x 4 at 0.71 ``lr`` in 8 (0.35: 98.77% after 10, 0.18: 98.50%, 1: 98.90%);
+  8 x 2 at 0.5 ``lr`` ended at 98.55% (0.25: 98.45%, 0.125: 97.85%, 1: unstable, 96.56%).
+  The former share over all R x T streams (``lr x 8 / (R T)`` too) held 8 x 2 and 4 x 4 at
+  half of that. On 2 cores (``--trainers R --threads 1``) the factor is what it was.
 * **A warm-up for many streams.** Replicas that start from the same weights push aligned
   deltas: ``lr-warmup: auto`` ramps the rate over ``auto-warmup`` epochs when there are more
   than 2 streams (one replica of 2 threads, a 2-core machine's default, trains as before).
@@ -157,7 +159,7 @@ def stream_plan(
     >>> p = stream_plan("async", 8, 2, push_every=None, lr_streams=8, lr_replicas=None,
     ...                 lr_warmup=None)
     >>> p.rate_factor, p.push_every, p.warmup
-    (0.25, 32, 0.5)
+    (0.5, 32, 0.5)
     >>> p = stream_plan("async", 1, 2, push_every=None, lr_streams=8, lr_replicas=None,
     ...                 lr_warmup=None)
     >>> p.rate_factor, p.push_every, p.warmup
@@ -173,7 +175,7 @@ def stream_plan(
     if lr_replicas is not None:
         factor = min(1.0, lr_replicas / replicas)
     elif lr_streams is not None:
-        factor = min(1.0, lr_streams / streams) * min(1.0, math.sqrt(2 / replicas))
+        factor = min(1.0, lr_streams / threads) * min(1.0, math.sqrt(2 / replicas))
     else:
         factor = 1.0
     auto_k = auto_push_every(replicas)

@@ -78,8 +78,8 @@ class Trainer:
         Training settings (config ``adam.train.*`` / ``adam.cluster.trainer-threads``). The
         learning rate follows ``lr_schedule`` from ``lr`` to ``lr * lr_floor`` over the epochs
         planned by :meth:`fit`, ramping up over the first ``lr_warmup`` epochs
-        (:class:`~adam_dask.train.schedule.Schedule`); past ``lr_streams`` async replicas x
-        threads each steps ``lr_streams / N`` as far, and ``push_every`` and ``lr_warmup``
+        (:class:`~adam_dask.train.schedule.Schedule`); past ``lr_streams`` threads of an
+        async replica each steps ``lr_streams / T`` as far (and ``sqrt(2 / R)`` past 2 replicas), and ``push_every`` and ``lr_warmup``
         follow the replicas when ``auto`` (:mod:`adam_dask.train.streams`).
         ``server_optimizer`` (``adam.ps.optimizer``): what the parameter server does with a
         push, ``"sum"``, ``"nesterov"``, either ``+staleness`` (``adam_dask.ps.protocol.optimizer``).

@@ -121,16 +121,19 @@ def _plan(mode="async", replicas=1, threads=1, **kw):
 
 
 def test_many_streams_share_the_rate_push_more_often_and_warm_up():
-    """The defaults for R replicas x T threads (streams.py): each of N = R x T streams at the
-    full rate up to lr_streams, lr_streams / N past it; a push period that shrinks with R**2
-    (512 for one replica, 32 from 8); a half-epoch warm-up past 2 streams."""
+    """The defaults for R replicas x T threads (streams.py): each of a replica's T threads at
+    the full rate up to lr_streams, lr_streams / T past it, times sqrt(2 / R) past 2
+    replicas; a push period that shrinks with R**2 (512 for one replica, 32 from 8); a
+    half-epoch warm-up past 2 streams."""
     assert [auto_push_every(r) for r in (1, 2, 4, 8, 16, 64)] == [512, 256, 64, 32, 32, 32]
     factors = [_plan(replicas=r).rate_factor for r in (1, 2, 4, 8)]
     assert factors == pytest.approx([1, 1, 0.5**0.5, 0.5])  # past 2 replicas, sqrt(2 / R)
-    assert _plan(replicas=8, threads=2).rate_factor == 0.25
+    assert _plan(replicas=8, threads=2).rate_factor == 0.5
+    assert _plan(replicas=4, threads=4).rate_factor == pytest.approx(0.5**0.5)
     assert _plan(replicas=1, threads=16).rate_factor == 0.5
-    assert _plan(replicas=2, threads=8).rate_factor == 0.5
-    assert _plan(replicas=16, threads=4).rate_factor == pytest.approx(8 / 64 * (2 / 16) ** 0.5)
+    assert _plan(replicas=2, threads=8).rate_factor == 1.0
+    assert _plan(replicas=2, threads=16).rate_factor == 0.5
+    assert _plan(replicas=16, threads=4).rate_factor == pytest.approx((2 / 16) ** 0.5)
     # one replica of up to 2 threads (a 2-core machine's default) trains as it always did
     one = _plan(replicas=1, threads=2)
     assert (one.rate_factor, one.push_every, one.warmup) == (1.0, 512, 0.0)
