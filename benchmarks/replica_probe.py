@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         except subprocess.SubprocessError as exc:  # pragma: no cover - reported in the line
             out = {"error": str(exc)}
-        line = {"replicas": r, "threads": t, "flags": flags, "epochs": epochs, **out}
+        setting = f"{r}x{t} {' '.join(flags)}".strip()
+        line = {"setting": setting, "replicas": r, "threads": t, "flags": flags, "epochs": epochs}
+        line.update(out)
         line["load"] = [round(v, 2) for v in os.getloadavg()]
         record("replica_probe", line, save=not args.no_save)
     return 0
