@@ -6,8 +6,8 @@ A replica does not train here: it reads its share of each epoch from
 ``DataService.stream(replica, replicas, epoch)`` as a training replica's task does
 (adam_dask/train/task.py: ``data.stream(...)``, a :class:`BatchStream` that keeps
 ``adam.serving.prefetch`` requests in flight and converts each uint8 batch to float32), one
-epoch after another, a new stream each. The batch is the replica's stream batch:
-``adam.train.batch-size`` x ``stream-images // batch-size`` (64 images at the defaults), the
+epoch after another, a new stream each. The batch is the replica's stream batch
+(``RunSettings.stream_batch`` for the paced replicas' threads: 64 images for 2 threads), the
 augmentation ``adam.augment.enabled`` (off by default: the stored uint8 travel). The store is
 real MNIST (60000 training images, ``_common.mnist_store``).
 
@@ -372,10 +372,10 @@ def bench(args: argparse.Namespace, pace: tuple[float, int]) -> dict:
     from adam_dask.cluster import DATA, TRAIN, workers_with_role
     from adam_dask.data.serving import DataService
     from adam_dask.testing import worker_pids
+    from adam_dask.train._settings import RunSettings
 
     store = mnist_store()
-    bs = int(config.get("train.batch-size"))
-    batch = bs * max(1, int(config.get("train.stream-images")) // bs)
+    batch = RunSettings.resolve().stream_batch(pace[1])
     curve: list[dict] = []
     sink_curve: list[dict] = []
     paced: list[dict] = []

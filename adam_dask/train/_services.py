@@ -84,9 +84,12 @@ def restore_server(
 def start_data(
     client: Any, url: str, *, storage_options: dict | None, augment: Any, settings: RunSettings
 ) -> Any:
-    """The data servers of the store at ``url``'s ``train`` split."""
+    """The data servers of the store at ``url``'s ``train`` split, serving batches sized for
+    the replicas' threads (``settings.threads``, or the most a TRAIN worker has)."""
     from ..data.serving import DataService
+    from ._epoch_run import train_threads
 
+    threads = settings.threads or train_threads(client)
     return DataService.create(
         client,
         url,
@@ -94,5 +97,5 @@ def start_data(
         storage_options=storage_options,
         augment=augment,
         seed=settings.seed,
-        batch_size=settings.stream_batch,
+        batch_size=settings.stream_batch(threads),
     )

@@ -66,7 +66,7 @@ class RunSettings:
     offload_dense: bool
     sync_timeout: float
     report_interval: float
-    stream_images: int
+    stream_images: int | None  # None ("auto"): stream-images-per-thread x a replica's threads
     average_from: float | None  # tail averaging from this fraction of the plan; None: off
     server_optimizer: str = "sum"  # what the PS does with each push (ps.protocol.optimizer)
     lr_streams: int | None = (
@@ -121,7 +121,12 @@ class RunSettings:
             offload_dense=bool(values["offload_dense"]),
             sync_timeout=float(values["sync_timeout"]),
             report_interval=float(values["report_interval"]),
-            stream_images=int(values["stream_images"]),
+            stream_images=_count_or_none(
+                values["stream_images"],
+                (sizing.AUTO,),
+                "stream_images",
+                "set adam.train.stream-images (auto: from a replica's threads)",
+            ),
             average_from=_optional_fraction(values["average_from"]),
             server_optimizer=ServerOptimizer.resolve(values["server_optimizer"]).name,
             lr_streams=_count_or_none(
@@ -173,11 +178,16 @@ class RunSettings:
                 "set adam.train.sync-timeout",
             )
 
-    @property
-    def stream_batch(self) -> int:
-        """Images per batch from the data stream: a multiple of the update mini-batch near
-        ``stream_images``, big enough to amortize the calls."""
-        return self.batch_size * max(1, self.stream_images // self.batch_size)
+    def stream_batch(self, threads: int) -> int:
+        """Images per batch from the data stream to a replica of ``threads`` threads: a
+        multiple of the update mini-batch near ``stream_images``, or where that is ``auto``
+        near ``stream-images-per-thread`` x ``threads`` and at least ``stream-images-min``
+        (a stream's batches each cost a round trip: more threads, larger batches)."""
+        images = self.stream_images
+        if images is None:
+            per = int(config.get("train.stream-images-per-thread"))
+            images = max(int(config.get("train.stream-images-min")), per * max(1, threads))
+        return self.batch_size * max(1, images // self.batch_size)
 
     def to_dict(self) -> dict:
         """JSON-safe, for the checkpoint's manifest."""

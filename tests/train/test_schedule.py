@@ -89,7 +89,11 @@ def test_settings_keyword_over_stored_over_config():
         resumed = RunSettings.resolve(stored, mode=None, push_every=32)
     assert resumed.mode == "sync" and resumed.lr == 0.07 and resumed.push_every == 32
     assert resumed.epoch_quorum == 1.0  # every replica finishes every synchronous step
-    assert RunSettings.resolve(batch_size=8, stream_images=70).stream_batch == 64
+    assert RunSettings.resolve(batch_size=8, stream_images=70).stream_batch(16) == 64
+    # auto: 32 images a thread, at least 64 (2 threads: 64, as before; 8: 256; 16: 512)
+    auto = RunSettings.resolve(batch_size=8)
+    assert auto.stream_images is None
+    assert [auto.stream_batch(t) for t in (1, 2, 4, 8, 16)] == [64, 64, 128, 256, 512]
     with pytest.raises(ConfigError, match="mode"):
         RunSettings.resolve(mode="fast")
     with pytest.raises(ConfigError, match="momentum"):
