@@ -16,8 +16,13 @@ is at most 1.3), ``next_ratio`` (the epoch after: the replacement's first), ``go
 ``images_applied`` and ``images_retrained`` per epoch, ``every_image_once``, ``completed``
 and ``error``.
 
+``--containers``: the same evictions on the DaskJob's pods (podman containers as
+deploy/operator/job.yaml starts them; ``benchmarks/_pod_evictions.py``), one run evicting each
+role in an epoch of its own after ``--epoch`` undisturbed ones; the lines say
+``cluster: "containers"`` (the processes' say ``"processes"``).
+
 Usage: ``python benchmarks/evictions.py [--roles PS,DATA,TRAIN] [--epochs 5] [--epoch 3]
-[--at 0.3] [--n-train N] [--seed 0]``.
+[--at 0.3] [--n-train N] [--seed 0] [--containers]``.
 """
 
 from __future__ import annotations
@@ -124,6 +129,7 @@ def run_role(url: str, role: str, args: argparse.Namespace) -> dict:
     images = [r["images"] for r in records]
     return {
         "role": role,
+        "cluster": "processes",
         "signal": "SIGTERM",
         "at": args.at,
         "fault_epoch": args.epoch,
@@ -152,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--at", type=float, default=0.3, help="how far into that epoch")
     p.add_argument("--n-train", type=int, default=None, help="a subset of MNIST's training set")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--containers", action="store_true", help="on the DaskJob's pods (podman)")
     args = p.parse_args(argv)
     roles = [r.strip().upper() for r in args.roles.split(",") if r.strip()]
     bad = sorted(set(roles) - set(ROLES))
@@ -162,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     url = mnist_subset_store(args.n_train) if args.n_train else mnist_store()
     failed = 0
+    if args.containers:
+        import _pod_evictions
+
+        for line in _pod_evictions.run(url, roles, args):
+            line = record("evictions", line)
+            failed += not (line["completed"] and line["every_image_once"])
+        return 1 if failed else 0
     for role in roles:
         line = record("evictions", {"epochs": args.epochs, **run_role(url, role, args)})
         failed += not (line["completed"] and line["every_image_once"])

@@ -1,0 +1,158 @@
+"""``benchmarks/evictions.py --containers``: the evictions on the DaskJob's pods (issue 48).
+
+The cluster is ``tools/pods.py``'s :class:`PodCluster`: the image ``tools/build-image`` builds,
+the scheduler and every worker in a podman container of its own as deploy/operator/job.yaml
+starts them, and the DaskJob's pod running ``pipelines/train.py`` on real MNIST (ingested here,
+mounted read-only in every pod) with its checkpoint. The undisturbed epochs come first
+(``--epoch`` of them); then each role of ``--roles`` is evicted in an epoch of its own, ``--at``
+into it (timed from the previous epoch's record in the checkpoint's history): ``podman stop``
+(SIGTERM, SIGKILL after the 30 s grace period, as Kubernetes evicts a pod), and once the pod is
+gone a replacement pod of its group starts, as the operator starts one. One epoch more ends the
+run. One line per role, as the processes' mode writes, with ``cluster: "containers"``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+HISTORY = ("run", "history.jsonl")
+
+
+def _history(ckpt: Path) -> list[dict]:
+    path = ckpt.joinpath(*HISTORY)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _mnist_folder(folder: Path, url: str) -> None:
+    """The MNIST store at ``url`` copied into ``folder/store.zarr``, readable by the image's
+    user (uid 1000)."""
+    import shutil
+
+    shutil.copytree(url, folder / "store.zarr")
+    for root, dirs, files in os.walk(folder):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o755)
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o644)
+    folder.chmod(0o755)
+
+
+def run(url: str, roles: list[str], args: Any) -> list[dict]:
+    """Evict each of ``roles`` in turn from one DaskJob's run; one record per role."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from pods import PodCluster, build_image
+
+    first = args.epoch
+    epochs = first + len(roles) + 1
+    built = build_image()
+    sent: list[dict] = []
+    error = None
+    with tempfile.TemporaryDirectory(prefix="adam-pod-evict-") as tmp:
+        data, ckpt = Path(tmp) / "data", Path(tmp) / "ckpt"
+        data.mkdir()
+        ckpt.mkdir()
+        ckpt.chmod(0o777)  # the image runs as uid 1000
+        _mnist_folder(data, url)
+        cluster = PodCluster(built["image"], built["env"], data, ckpt)
+        kept = [0.0]
+
+        def finished(n: int) -> list[dict] | None:
+            records = _history(ckpt)
+            if len(records) >= n:
+                return records
+            if time.monotonic() - kept[0] > 5:
+                cluster.keep_replicas()
+                kept[0] = time.monotonic()
+            return None
+
+        try:
+            cluster.start()
+            job = cluster.start_job(epochs=epochs)
+            for epoch, role in enumerate(roles, start=first):
+                deadline = time.monotonic() + 900
+                while (records := finished(epoch)) is None:
+                    if time.monotonic() > deadline or not cluster.running(job):
+                        raise RuntimeError(
+                            f"epoch {epoch - 1} never ended: {cluster.logs(job, tail=10)[-800:]}"
+                        )
+                    time.sleep(0.2)
+                began = ckpt.joinpath(*HISTORY).stat().st_mtime
+                time.sleep(max(0.0, began + args.at * records[-1]["seconds"] - time.time()))
+                victim = cluster.workers[role][0]
+                t0 = time.monotonic()
+                status = cluster.stop(victim)
+                gone = time.monotonic() - t0
+                cluster.start_worker(role)
+                sent.append(
+                    {
+                        "role": role,
+                        "epoch": epoch,
+                        "exit": status,
+                        "gone_seconds": gone,
+                        "landed": len(_history(ckpt)) == epoch,
+                    }
+                )
+            status = cluster.wait(job, timeout=900)
+            if status != 0:
+                error = f"the job exited {status}: {cluster.logs(job, tail=20)[-1500:]}"
+        except Exception as exc:  # the line says what went wrong
+            error = repr(exc)
+        finally:
+            records = _history(ckpt)
+            if error:
+                cluster.save_logs(Path(tempfile.mkdtemp(prefix="adam-pod-evict-logs-")))
+            cluster.close()
+    seconds = [r["seconds"] for r in records]
+    before = seconds[1:first] or seconds[:first]
+    undisturbed = statistics.median(before) if before else None
+
+    def ratio(i: int) -> float | None:
+        return seconds[i] / undisturbed if undisturbed and i < len(seconds) else None
+
+    applied = [r["images_applied"] for r in records]
+    images = [r["images"] for r in records]
+    base = {
+        "cluster": "containers",
+        "signal": "SIGTERM",
+        "at": args.at,
+        "epochs": epochs,
+        "completed": error is None and len(records) == epochs,
+        "error": error,
+        "epoch_seconds": seconds,
+        "undisturbed_seconds": undisturbed,
+        "replicas": [r["replicas"] for r in records],
+        "images": images,
+        "images_applied": applied,
+        "images_retrained": [r["images_retrained"] for r in records],
+        "every_image_once": bool(records) and applied == images,
+        "test_accuracy": [r.get("test_accuracy") for r in records],
+    }
+    out = []
+    for i, role in enumerate(roles):
+        fault = sent[i] if i < len(sent) else {}
+        epoch = first + i
+        out.append(
+            {
+                "role": role,
+                "fault_epoch": epoch,
+                "ratio": ratio(epoch),
+                "next_ratio": ratio(epoch + 1),
+                "gone_seconds": fault.get("gone_seconds"),
+                "exit": fault.get("exit"),
+                "landed_mid_epoch": fault.get("landed"),
+                **base,
+            }
+        )
+    return out
