@@ -102,7 +102,8 @@ def epoch_record(
         "replicas": replicas,
         "replica_workers": sorted(r["worker"] for r in results),
         "replica_threads": sorted(r["threads"] for r in results),
-        # the rate each replica stepped with last, as it ran (the schedule, scaled for R)
+        # the rate each replica stepped with last, as it ran (the schedule, scaled for R, damped
+        # where its pushes covered more than the plan's period)
         "replica_lr_end": sorted(r["lr_end"] for r in results),
         # images per push and seconds per exchange (push and pull) over the replicas' pushes,
         # and each replica's damping at its end (below 1: it pushed less often than planned)
