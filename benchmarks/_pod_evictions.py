@@ -13,7 +13,6 @@ run. One line per role, as the processes' mode writes, with ``cluster: "containe
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -23,16 +22,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-HISTORY = ("run", "history.jsonl")
-
-
-def _history(ckpt: Path) -> list[dict]:
-    path = ckpt.joinpath(*HISTORY)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def _mnist_folder(folder: Path, url: str) -> None:
@@ -72,29 +61,18 @@ def run(url: str, roles: list[str], args: Any) -> list[dict]:
         ckpt.chmod(0o777)  # the image runs as uid 1000
         _mnist_folder(data, url)
         cluster = PodCluster(built["image"], built["env"], data, ckpt)
-        kept = [0.0]
-
-        def finished(n: int) -> list[dict] | None:
-            records = _history(ckpt)
-            if len(records) >= n:
-                return records
-            if time.monotonic() - kept[0] > 5:
-                cluster.keep_replicas()
-                kept[0] = time.monotonic()
-            return None
-
         try:
             cluster.start()
             job = cluster.start_job(epochs=epochs)
             for epoch, role in enumerate(roles, start=first):
                 deadline = time.monotonic() + 900
-                while (records := finished(epoch)) is None:
+                while (records := cluster.epochs_done(epoch)) is None:
                     if time.monotonic() > deadline or not cluster.running(job):
                         raise RuntimeError(
                             f"epoch {epoch - 1} never ended: {cluster.logs(job, tail=10)[-800:]}"
                         )
                     time.sleep(0.2)
-                began = ckpt.joinpath(*HISTORY).stat().st_mtime
+                began = cluster.history_path.stat().st_mtime
                 time.sleep(max(0.0, began + args.at * records[-1]["seconds"] - time.time()))
                 victim = cluster.workers[role][0]
                 t0 = time.monotonic()
@@ -107,7 +85,7 @@ def run(url: str, roles: list[str], args: Any) -> list[dict]:
                         "epoch": epoch,
                         "exit": status,
                         "gone_seconds": gone,
-                        "landed": len(_history(ckpt)) == epoch,
+                        "landed": len(cluster.history()) == epoch,
                     }
                 )
             status = cluster.wait(job, timeout=900)
@@ -116,7 +94,7 @@ def run(url: str, roles: list[str], args: Any) -> list[dict]:
         except Exception as exc:  # the line says what went wrong
             error = repr(exc)
         finally:
-            records = _history(ckpt)
+            records = cluster.history()
             if error:
                 cluster.save_logs(Path(tempfile.mkdtemp(prefix="adam-pod-evict-logs-")))
             cluster.close()

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import yaml
 
+from adam_dask.train.run_state import HISTORY
+
 ROOT = Path(__file__).resolve().parents[1]
 JOB_YAML = ROOT / "deploy" / "operator" / "job.yaml"
 logger = logging.getLogger(__name__)
@@ -126,6 +128,7 @@ class PodCluster:
         self.counts: dict[str, int] = {}
         self.workers: dict[str, list[str]] = {}  # role -> live pod names
         self.ended: list[str] = []  # worker pods that ended by themselves, replaced
+        self._kept = 0.0  # when the operator's loop last ran (epochs_done)
 
     # -- podman ---------------------------------------------------------------------------------
     def podman(self, *args: str, check: bool = True, timeout: float = 120) -> str:
@@ -214,6 +217,32 @@ class PodCluster:
         for pods in self.workers.values():
             if pod in pods:
                 pods.remove(pod)
+
+    @property
+    def history_path(self) -> Path:
+        """The run's history in the checkpoint (a record appended as each epoch ends)."""
+        return self.checkpoint / "run" / HISTORY
+
+    def history(self) -> list[dict]:
+        """The run's epoch records so far."""
+        try:
+            text = self.history_path.read_text()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+    def epochs_done(self, epochs: int) -> list[dict] | None:
+        """The history once it holds ``epochs`` epochs, else None; the operator's loop
+        (:meth:`keep_replicas`) runs meanwhile, every 5 s: its podman calls take seconds on a
+        busy machine, and the history is read between them so a fault is sent as soon as its
+        epoch begins (CI: 20 s lost there put a fault past its epoch's end)."""
+        records = self.history()
+        if len(records) >= epochs:
+            return records
+        if time.monotonic() - self._kept > 5:
+            self.keep_replicas()
+            self._kept = time.monotonic()
+        return None
 
     def keep_replicas(self) -> list[str]:
         """The operator's loop, once: a worker pod that ended by itself (not by :meth:`kill` or

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from adam_dask.testing import write_mnist_like
-from adam_dask.train.run_state import HISTORY
 
 pytestmark = pytest.mark.slow
 
@@ -65,15 +64,6 @@ def data(podman_image, tmp_path_factory) -> Path:
     return folder
 
 
-def history(cluster) -> list[dict]:
-    path = cluster.checkpoint / "run" / HISTORY
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
 @pytest.fixture(scope="module")
 def run(pod_cluster_factory, data) -> dict:
     """The DaskJob's run through the faults: {"sent", "status", "logs", "result", "records",
@@ -83,26 +73,11 @@ def run(pod_cluster_factory, data) -> dict:
     job_pod = cluster.start_job(epochs=EPOCHS)
     sent: list[dict] = []
 
-    kept = [0.0]  # when the operator's loop last ran
-
-    def finished(epochs: int) -> list[dict] | None:
-        """The history once it holds ``epochs`` epochs; the operator's loop goes on meanwhile,
-        every 5 s: its podman calls take seconds on a busy machine, and the history is read
-        between them so the fault is sent as soon as the epoch begins (CI: 20 s lost there put
-        a fault past its epoch's end)."""
-        records = history(cluster)
-        if len(records) >= epochs:
-            return records
-        if time.monotonic() - kept[0] > 5:
-            cluster.keep_replicas()
-            kept[0] = time.monotonic()
-        return None
-
     try:
         for epoch, (how, role) in enumerate(FAULTS, start=FIRST):
             # epoch - 1 finished (its record in the checkpoint's history): fault epoch mid-way
             records = wait_for(
-                lambda n=epoch: finished(n),
+                lambda n=epoch: cluster.epochs_done(n),
                 timeout=600,
                 what=lambda n=epoch, pod=job_pod: (
                     f"epoch {n - 1}'s record; the job's log ends "
@@ -110,14 +85,14 @@ def run(pod_cluster_factory, data) -> dict:
                 ),
             )
             # 30% into the epoch: from when its predecessor's record was written
-            began = (cluster.checkpoint / "run" / HISTORY).stat().st_mtime
+            began = cluster.history_path.stat().st_mtime
             time.sleep(max(0.0, began + 0.3 * records[-1]["seconds"] - time.time()))
             victim = job_pod if role == "JOB" else cluster.workers[role][0]
             t0 = time.monotonic()
             status = cluster.kill(victim) if how == "kill" else cluster.stop(victim)
             gone = round(time.monotonic() - t0, 2)
             # the epoch still under way when the pod was gone
-            landed = len(history(cluster)) == epoch
+            landed = len(cluster.history()) == epoch
             if role == "JOB":  # it ended as a stopped job does; the Job starts its pod again
                 assert status == 143, cluster.logs(job_pod)
                 job_pod = cluster.start_job(epochs=EPOCHS, attempt=1)
@@ -138,7 +113,7 @@ def run(pod_cluster_factory, data) -> dict:
     # the job's last line on stdout is its JSON result (podman logs interleaves the pod's stderr
     # with it, so it is read from its opening brace)
     result, _ = json.JSONDecoder().raw_decode(logs[logs.rindex('{"data"') :])
-    records = history(cluster)
+    records = cluster.history()
     print(json.dumps(result))
     keys = ("epoch", "seconds", "images", "images_applied", "images_retrained", "replica_workers")
     keys += ("stall_fraction", "ps_fraction")
