@@ -4,8 +4,9 @@ The cluster is ``tools/pods.py``'s :class:`PodCluster`: the image ``tools/build-
 the scheduler and every worker in a podman container of its own as deploy/operator/job.yaml
 starts them, and the DaskJob's pod running ``pipelines/train.py`` on real MNIST (ingested here,
 mounted read-only in every pod) with its checkpoint. The undisturbed epochs come first
-(``--epoch`` of them); then each role of ``--roles`` is evicted in an epoch of its own, ``--at``
-into it (timed from the previous epoch's record in the checkpoint's history): ``podman stop``
+(``--epoch`` of them); then each role of ``--roles`` is evicted in an epoch of its own, ``--gap``
+undisturbed epochs apart (so that an epoch carries its own eviction, not the settling of the
+one before: the replacement pod's start and its first batches), ``--at`` into it (timed from the previous epoch's record in the checkpoint's history): ``podman stop``
 (SIGTERM, SIGKILL after the 30 s grace period, as Kubernetes evicts a pod), and once the pod is
 gone a replacement pod of its group starts, as the operator starts one. One epoch more ends the
 run. One line per role, as the processes' mode writes, with ``cluster: "containers"``.
@@ -49,8 +50,9 @@ def run(url: str, roles: list[str], args: Any) -> list[dict]:
     sys.path.insert(0, str(ROOT / "tools"))
     from pods import PodCluster, build_image
 
-    first = args.epoch
-    epochs = first + len(roles) + 1
+    first, step = args.epoch, 1 + max(0, args.gap)
+    at = [first + i * step for i in range(len(roles))]  # the epoch each role is evicted in
+    epochs = at[-1] + 2
     built = build_image()
     sent: list[dict] = []
     error = None
@@ -64,7 +66,7 @@ def run(url: str, roles: list[str], args: Any) -> list[dict]:
         try:
             cluster.start()
             job = cluster.start_job(epochs=epochs)
-            for epoch, role in enumerate(roles, start=first):
+            for epoch, role in zip(at, roles):
                 deadline = time.monotonic() + 900
                 while (records := cluster.epochs_done(epoch)) is None:
                     if time.monotonic() > deadline or not cluster.running(job):
@@ -115,6 +117,7 @@ def run(url: str, roles: list[str], args: Any) -> list[dict]:
         "cluster": "containers",
         "signal": "SIGTERM",
         "at": args.at,
+        "gap": max(0, args.gap),
         "epochs": epochs,
         "completed": error is None and len(records) == epochs,
         "error": error,
@@ -131,7 +134,7 @@ def run(url: str, roles: list[str], args: Any) -> list[dict]:
     out = []
     for i, role in enumerate(roles):
         fault = sent[i] if i < len(sent) else {}
-        epoch = first + i
+        epoch = at[i]
         out.append(
             {
                 "role": role,

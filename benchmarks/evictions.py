@@ -18,11 +18,13 @@ and ``error``.
 
 ``--containers``: the same evictions on the DaskJob's pods (podman containers as
 deploy/operator/job.yaml starts them; ``benchmarks/_pod_evictions.py``), one run evicting each
-role in an epoch of its own after ``--epoch`` undisturbed ones; the lines say
+role in an epoch of its own after ``--epoch`` undisturbed ones, ``--gap`` undisturbed epochs
+apart (default 1: each fault's epoch carries its own eviction, the next one the replacement's
+settling, ``next_ratio``); the lines say
 ``cluster: "containers"`` (the processes' say ``"processes"``).
 
 Usage: ``python benchmarks/evictions.py [--roles PS,DATA,TRAIN] [--epochs 5] [--epoch 3]
-[--at 0.3] [--n-train N] [--seed 0] [--containers]``.
+[--at 0.3] [--n-train N] [--seed 0] [--containers [--gap 1]]``.
 """
 
 from __future__ import annotations
@@ -159,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-train", type=int, default=None, help="a subset of MNIST's training set")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--containers", action="store_true", help="on the DaskJob's pods (podman)")
+    p.add_argument(
+        "--gap",
+        type=int,
+        default=1,
+        help="--containers: undisturbed epochs between two roles' evictions (1)",
+    )
     args = p.parse_args(argv)
     roles = [r.strip().upper() for r in args.roles.split(",") if r.strip()]
     bad = sorted(set(roles) - set(ROLES))

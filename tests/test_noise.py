@@ -11,14 +11,14 @@ import time
 
 import pytest
 
-from adam_dask.testing.noise import _SPIN, BusyLoad, CpuQuota, cpu_cgroup_root
+from adam_dask.testing.noise import BusyLoad, CpuQuota, cpu_cgroup_root, spin_command
 
 MECHANISMS = ["signals"] + ([cpu_cgroup_root()[0]] if cpu_cgroup_root() else [])  # type: ignore[index]
 
 
 @pytest.fixture
 def spinner():
-    p = subprocess.Popen([sys.executable, "-c", _SPIN], start_new_session=True)
+    p = subprocess.Popen(spin_command(), start_new_session=True)
     try:
         yield p
     finally:
@@ -52,3 +52,38 @@ def test_busy_load_starts_its_processes_and_kills_them_at_exit():
         assert load.count == 2 and load.alive == 2
         procs = list(load.procs)
     assert all(p.poll() is not None for p in procs)
+
+
+def test_busy_processes_end_when_the_process_that_started_them_is_killed():
+    """A test process SIGKILLed mid-test (its fixture's teardown never runs) leaves no busy
+    process behind to load the tests after it."""
+    starter = (
+        "import sys, time\n"
+        "from adam_dask.testing.noise import BusyLoad\n"
+        "load = BusyLoad(per_core=1, cores=2).__enter__()\n"
+        "print(' '.join(str(p.pid) for p in load.procs), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(x) for x in parent.stdout.readline().split()]
+        assert len(pids) == 2 and all(_running(p) for p in pids)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 30
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if _running(p)]
+    for p in left:
+        os.kill(p, 9)
+    assert not left, f"busy processes outlived their parent: {left}"
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

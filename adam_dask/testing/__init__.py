@@ -293,8 +293,25 @@ def push_on(pushers: list[PushLoad], more: int, timeout: float = 120.0) -> None:
         if not all(p.error is None and p.is_alive() for p in pushers):
             raise AssertionError(f"a pusher stopped: {[p.error for p in pushers]}")
         if time.monotonic() > deadline:
-            raise AssertionError(f"fewer than {more} more pushes in {timeout}s")
+            raise AssertionError(
+                f"fewer than {more} more pushes in {timeout}s; {_push_state(pushers)}"
+            )
         time.sleep(0.02)
+
+
+def _push_state(pushers: list[PushLoad]) -> str:
+    """What a stalled push waits for, for the failure's message: each pusher's held pushes
+    (and how many some copy may lack) and the server's figures (the copies' and the
+    checkpoint's lag, the forwards, each node's shards)."""
+    held = []
+    for p in pushers:
+        log = getattr(getattr(p.server, "_courier", None), "log", None)
+        held.append(None if log is None else (len(log), log.unreplicated, log.nbytes))
+    try:
+        stats = p.server.stats() if pushers else None
+    except Exception as exc:  # the message says it could not be read
+        stats = repr(exc)
+    return f"held (pushes, unreplicated, bytes) per pusher {held}; server stats {stats}"
 
 
 def stop_and_check_sum(server: Any, pushers: list[PushLoad]) -> None:

@@ -26,7 +26,16 @@ __all__ = ["BusyLoad", "CpuQuota", "QuotaStats", "cpu_cgroup_root", "load_averag
 logger = logging.getLogger(__name__)
 
 # a busy process: pure Python, so it competes for a core as a tenant's interpreter does
-_SPIN = "import os\nwhile True:\n    os.getppid()\n"
+# busy until its parent is gone: a test process killed before its fixture's teardown (a
+# timeout's SIGKILL, an interrupted run) leaves no load behind to slow the tests after it
+# (the parent's pid comes as an argument: read at the child's start, it is already 1 when the
+# parent died first)
+_SPIN = "import os, sys\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n    pass\n"
+
+
+def spin_command() -> list[str]:
+    """The command of one busy process, busy until the calling process is gone."""
+    return [sys.executable, "-c", _SPIN, str(os.getpid())]
 
 
 def load_average() -> float:
@@ -48,7 +57,7 @@ class BusyLoad:
         for _ in range(self.count):
             self.procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-c", _SPIN],
+                    spin_command(),
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
