@@ -130,6 +130,8 @@ def run(url: str, roles: list[str], args: Any) -> list[dict]:
         "train_images": n,
         "every_image_once": bool(records) and all(a == n for a in applied),
         "test_accuracy": [r.get("test_accuracy") for r in records],
+        # where an evicted epoch's time went: the replicas waiting for images (DATA), or not
+        "stall_fraction": [r.get("stall_fraction") for r in records],
     }
     out = []
     for i, role in enumerate(roles):

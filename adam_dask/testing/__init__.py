@@ -311,7 +311,10 @@ def _push_state(pushers: list[PushLoad]) -> str:
         stats = p.server.stats() if pushers else None
     except Exception as exc:  # the message says it could not be read
         stats = repr(exc)
-    return f"held (pushes, unreplicated, bytes) per pusher {held}; server stats {stats}"
+    return (
+        f"load {os.getloadavg()}; held (pushes, unreplicated, bytes) per pusher {held}; "
+        f"server stats {stats}"
+    )
 
 
 def stop_and_check_sum(server: Any, pushers: list[PushLoad]) -> None:

@@ -6,11 +6,9 @@ Usage (on a cluster, so not a doctest)::
     trainer.fit(epochs=5, target_accuracy=0.99); trainer.history.plot()
 
 The Trainer runs on the client (a notebook, the CLI, a pipeline). Each epoch it submits one
-long-running task per replica (:func:`~adam_dask.train.task.run_replica`) to the TRAIN workers.
-With ``replicas=None`` (``"auto"``, the default) the epoch runs one replica per TRAIN worker
-present when it starts, so workers added during a run (gateway scale-up, autoscaling) train
-from the next epoch on, and removed ones stop being counted; a replica whose worker dies is
-re-run by Dask on another TRAIN worker. The epoch ends when ``epoch_quorum`` of its replicas have
+long-running task per replica (:func:`~adam_dask.train.task.run_replica`) to the TRAIN workers:
+with ``replicas=None`` (the default) one per TRAIN worker present when it starts (workers added
+in a run train from the next epoch on); a replica whose worker dies is re-run elsewhere. The epoch ends when ``epoch_quorum`` of its replicas have
 finished their share (paper section 3.2.5): the Trainer then sets the epoch's stop event, the
 stragglers stop at once, and the test set is evaluated on the parameter server's weights.
 """
@@ -27,6 +25,7 @@ from .. import config
 from ..errors import ConfigError
 from ._epoch import say_epoch
 from ._epoch_run import epoch_replicas, replica_jobs, replicas_now, run_epoch, train_threads
+from ._handle import TrainerServer
 from ._services import connect, require_ps, restore_server, start_data, start_server
 from ._settings import RunSettings, network_for, resolve_augment, warn_if_nothing_to_offload
 from .metrics import EpochProgress, History
@@ -206,7 +205,7 @@ class Trainer:
         self.history = History(metrics_out)
         self.epoch = 0
         self.epochs: int | None = None  # the run's planned total, set by fit (or a checkpoint)
-        self.server: Any = None
+        self.server: TrainerServer | None = None
         self.dataservice: Any = None
         self.seconds_to_target: float | None = None
         self._progress = EpochProgress(self.run_id)
@@ -348,9 +347,10 @@ class Trainer:
         return self.history
 
     def _run_epoch(self) -> dict:
-        epoch = self.epoch
+        epoch, server = self.epoch, self.server
+        assert server is not None, "fit() starts the parameter server first"
         R = self._replicas_now = epoch_replicas(
-            self.client, self.server, epoch, self._fixed_replicas, self.partitions
+            self.client, server, epoch, self._fixed_replicas, self.partitions
         )
         plan = self.plan_for(R)
         jobs = replica_jobs(
@@ -368,7 +368,7 @@ class Trainer:
             record = run_epoch(
                 self.client,
                 jobs,
-                server=self.server,
+                server=server,
                 data=self.dataservice,
                 quorum=self.epoch_quorum,
                 plan=self.partition_plan if self.partitions > 1 else None,
