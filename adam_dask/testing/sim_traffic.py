@@ -1,9 +1,14 @@
 """How messages reach the parts of the PS simulation, and what its pushers do (a
-:class:`Traffic` acts in a :class:`~adam_dask.testing.sim_world.World` it holds): a node's answer reaches the incarnation that asked, no
-other; a pusher is a client handle on the simulated network and clock, one request at a time,
-each walked to its primaries by the client's :class:`~adam_dask.ps.protocol.request.Delivery` over the
-pusher's :class:`~adam_dask.ps.protocol.routing.Routing`, what the primaries acknowledged kept in its
-:class:`~adam_dask.ps.protocol.replay.ReplayLog` (which also makes its replays and questions).
+:class:`Traffic` acts in a :class:`~adam_dask.testing.sim_world.World` it holds): a node's
+answer reaches the incarnation that asked, no other; a pusher
+(:class:`~adam_dask.testing.sim_pusher.Pusher`) is a client handle on the simulated network and
+clock that does what the client's courier does, in the same order, because it runs the same
+plans (:mod:`~adam_dask.ps.protocol.courier_plan`: make room under its byte budget, replay
+what moved, push; the settler's rounds), one request at a time, each walked to its primaries
+by the client's :class:`~adam_dask.ps.protocol.request.Delivery` over the pusher's
+:class:`~adam_dask.ps.protocol.routing.Routing`, what the primaries acknowledged kept in its
+:class:`~adam_dask.ps.protocol.replay.ReplayLog`. When its pushes and settler rounds come is
+the simulation's draw.
 """
 
 from __future__ import annotations
@@ -15,6 +20,18 @@ from typing import Any
 import numpy as np
 
 from ..errors import ShardUnavailable
+from ..ps.protocol.courier_plan import (
+    Ask,
+    Deliver,
+    Done,
+    GiveUp,
+    Pushing,
+    Replay,
+    Replaying,
+    Settling,
+    Shed,
+    Wait,
+)
 from ..ps.protocol.mark import Mark
 from ..ps.protocol.messages import (
     Beat,
@@ -22,12 +39,14 @@ from ..ps.protocol.messages import (
     CallFailed,
     Confirmed,
     ForwardDone,
+    ForwardDue,
     ForwardFailed,
     HeartbeatReply,
     ManifestDone,
     ManifestFailed,
     NodeFailed,
     NodeReady,
+    Push,
     Pushes,
     Replicate,
     Restore,
@@ -46,10 +65,10 @@ from ..ps.protocol.node_requests import (
 )
 from ..ps.protocol.replay import HeldPush
 from ..ps.protocol.request import Delivery, Refresh, Request, Send, part_of
+from .sim_pusher import Pusher
 from .sim_world import (
     FAILOVER_TIMEOUT,
     CallRecord,
-    Pusher,
     SimNode,
     World,
     brief,
@@ -73,6 +92,8 @@ class Traffic:
 
     def __init__(self, w: World) -> None:
         self.w = w
+        self.room_made = 0  # pushes that waited for room in their pusher's byte budget
+        self.shed_pushes: dict[int, set[int]] = {}  # shard -> pushes a pusher let go of
 
     # -- delivery --------------------------------------------------------------------------------
 
@@ -167,16 +188,24 @@ class Traffic:
         what, ev = x
         if what == "replicate":
             self.w.node_handle(node, Replicate(cid, ev.sender, ev.snaps))
-        elif what == "push":
-            self.w.node_handle(node, Pushes((dataclasses.replace(ev, req=cid),)))
-        elif what == "confirmed":
-            self.w.node_handle(node, Confirmed(cid, ev.sids))
+        elif what in ("push", "confirmed"):
+            self.to_primary(node, cid, *ev)
         elif what == "command":
             method, args = ev
             if method == "restore":
                 self.restore(node, cid, *args)
             else:
                 self.w.node_handle(node, command(method, cid, args))
+
+    def to_primary(self, node: SimNode, cid: int, ev: Push | Confirmed, urgent: bool) -> None:
+        """A pusher's push or question, as the node's runtime takes it: ``urgent`` (the pusher
+        waits for room, or holds past half its budget), the node forwards at once after it."""
+        if isinstance(ev, Push):
+            self.w.node_handle(node, Pushes((dataclasses.replace(ev, req=cid),)))
+        else:
+            self.w.node_handle(node, Confirmed(cid, ev.sids))
+        if urgent:
+            self.w.node_handle(node, ForwardDue())
 
     def restore(
         self, node: SimNode, cid: int, sid: int, gen: int, start: int, stop: int, block: tuple
@@ -238,33 +267,83 @@ class Traffic:
         d[k :: self.w.total_pushes] = 1
         return d
 
-    def pusher_next(self, p: Pusher) -> Request | None:
-        """The pusher's next request, as the client makes them: the held pushes of moved shards
-        replayed first (before a push, and in each round of the settler), a new push, or a
-        round of the settler (the routing read again, then a replay or the question of what
-        every copy holds)."""
+    def new_plan(self, p: Pusher) -> Pushing | Settling | Replaying | None:
+        """What the pusher does next when nothing is under way, as the client's callers and
+        its settler thread make it: a push given up, pushed again (its id kept); the held
+        pushes of moved shards replayed, whatever comes next; a new push; or a round of the
+        settler while pushes are held."""
+        if not p.log:
+            p.settler = None  # the client's settler ends when nothing is held
         if p.retry is not None:
             req, p.retry = p.retry, None
-            return req
-        replays = p.log.replays(p.routing.primaries(), self.w.shards)
-        if replays:
-            return replays[0]
+            return p.plans.push(req)
+        if p.log.next_replay(p.routing.primaries(), self.w.shards) is not None:
+            return p.plans.replay()
         if self.w.pushes_started < self.w.total_pushes and self.w.rng.random() < 0.6:
             k = self.w.pushes_started
             self.w.pushes_started += 1
             self.w.log(f"{p.name} starts push {k}")
             sids = tuple(range(self.w.n_shards))
             mark = share_mark(k, self.w.rounds)
-            return Request("push", sids, k, self.w.ack, mark, values=self.onehot(k))
+            return p.plans.push(Request("push", sids, k, self.w.ack, mark, values=self.onehot(k)))
         if p.log and self.w.rng.random() < 0.5:
-            p.routing.set(self.w.ctl.routing_info())  # the client's settler reads it every round
-            replays = p.log.replays(p.routing.primaries(), self.w.shards)
-            return replays[0] if replays else p.log.question()
+            if p.settler is None:
+                p.settler = p.plans.settle(self.w.now)
+            return p.settler
         return None
 
+    def pusher_next(self, p: Pusher) -> Request | None:
+        """Carry out the pusher's plan (a new one when none is under way) up to the next
+        request to deliver; None: nothing to send now. The settler's wait between rounds is
+        the simulation's draw of when its next round comes."""
+        while True:
+            if p.plan is None:
+                p.plan = self.new_plan(p)
+                if p.plan is None:
+                    return None
+            step = p.plan.next(self.w.now)
+            if isinstance(step, (Replay, Ask, Deliver)):
+                return step.request
+            if isinstance(step, Refresh):
+                p.routing.set(self.w.ctl.routing_info())
+            elif isinstance(step, Shed):
+                self.shed(p, step)
+            elif isinstance(step, GiveUp):
+                self.w.log(f"{p.name} {type(p.plan).__name__.lower()} gives up: {step.error}")
+                self.abandon(p)
+                return None
+            elif isinstance(step, Wait) and p.plan is not p.settler:
+                p.next_act = max(p.next_act, self.w.now + step.seconds)
+                return None
+            else:  # done, or a round of the settler over
+                if isinstance(step, Done) and p.plan is p.settler:
+                    p.settler = None
+                p.plan = None
+
+    def abandon(self, p: Pusher) -> None:
+        """The pusher's plan ended in an error, as the client's callers see it: a push is
+        pushed again (with its id), the settler starts over."""
+        if isinstance(p.plan, Pushing):
+            p.retry = p.plan.request
+        if p.plan is p.settler:
+            p.settler = None
+        p.plan = None
+
+    def shed(self, p: Pusher, step: Shed) -> None:
+        """The plan lets go of what every copy holds (``step``): the pushes let go of are noted
+        (lost with every copy of their shard, nothing replays them)."""
+        held = {(s, h.push_id) for s in p.log.shards() for h in p.log.held(s)}
+        if not p.log.shed(step.below, step.primaries):
+            return
+        gone = held - {(s, h.push_id) for s in p.log.shards() for h in p.log.held(s)}
+        for sid, k in gone:
+            self.shed_pushes.setdefault(sid, set()).add(k)
+        self.w.log(f"{p.name} sheds {sorted(gone)}: the checkpoint is behind")
+
     def pusher_act(self, p: Pusher) -> None:
-        """One move of the pusher's :class:`Delivery`: read the routing when it asked to,
-        start the next request when none is under way, then send what its plan says."""
+        """One move of the pusher: read the routing when its :class:`Delivery` asked to, take
+        the next request of its plan when none is under way, then send what the delivery's
+        plan says."""
         if p.refresh:
             p.refresh = False
             p.routing.set(self.w.ctl.routing_info())
@@ -277,11 +356,10 @@ class Traffic:
         try:
             actions = d.plan(self.w.now)
         except ShardUnavailable as exc:
-            # the client gives this request up; the pusher tries again (a push keeps its id)
+            # the client gives this request up, and with it the plan it was a step of
             self.w.log(f"{p.name} {d.request.op} gives up: {exc}")
             p.delivery = None
-            if d.request.op == "push" and "replay" not in d.request.args:
-                p.retry = d.request
+            self.abandon(p)
             return
         if not actions:
             self.pusher_done(p)
@@ -306,7 +384,8 @@ class Traffic:
                 ev = head.event(None)
             else:  # pragma: no cover - the simulated pushers push and ask, nothing else
                 raise AssertionError(f"the simulation sends no {req.op!r}")
-            cid = self.w.request(p.name, send.addr, req.op, ev, key=p.routing.key(send.addr))
+            key = p.routing.key(send.addr)
+            cid = self.w.request(p.name, send.addr, req.op, (ev, head.urgent), key=key)
             p.calls[cid] = (send.addr, send.sids)
 
     def pusher_reply(self, p: Pusher, cid: int, x: Any) -> None:
@@ -324,7 +403,8 @@ class Traffic:
 
             def hold(sid: int, gen: int, version: int) -> HeldPush:
                 part = part_of(req, self.w.shards[sid], sid)
-                return HeldPush(req.push_id, "push", part, addr, gen, version, 1, req.mark)
+                nbytes = 0 if part is None else part.nbytes
+                return HeldPush(req.push_id, "push", part, addr, gen, version, nbytes, req.mark)
 
             p.log.answered(req, addr, x, hold)
         if d.done and not p.calls:
@@ -335,6 +415,9 @@ class Traffic:
         assert d is not None
         p.delivery = None
         req = d.request
+        if isinstance(p.plan, Pushing) and req is p.plan.request:  # the push, its plan's end
+            self.room_made += p.plan.made_room
+            p.plan = None
         if req.op == "push" and "replay" not in req.args:
             k = req.push_id
             self.w.acked[k] = set(range(self.w.n_shards))

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..ps.protocol.controller import ServerState
 from ..ps.protocol.controller_machine import handle as handle_ctl
+from ..ps.protocol.courier_plan import replay_budget
 from ..ps.protocol.messages import (
     Beat,
     Call,
@@ -37,16 +38,13 @@ from ..ps.protocol.node_machine import handle
 from ..ps.protocol.node_state import NodeState
 from ..ps.protocol.optimizer import ServerOptimizer
 from ..ps.protocol.policy import plan_placement
-from ..ps.protocol.replay import ReplayLog
-from ..ps.protocol.request import Delivery, Request
-from ..ps.protocol.routing import Routing
+from .sim_pusher import Pusher, drawn_replay_bytes
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "BEAT_INTERVAL",
     "CallRecord",
-    "Pusher",
     "SimNode",
     "SimulationFailure",
     "World",
@@ -93,20 +91,6 @@ class CallRecord:
     callee_key: str | None = None  # the node incarnation called (another one does not answer)
 
 
-@dataclass
-class Pusher:
-    """A client handle: its routing, its replay log and the request under way."""
-
-    name: str
-    routing: Routing = field(default_factory=lambda: Routing("sim"))
-    log: ReplayLog = field(default_factory=ReplayLog)
-    delivery: Delivery | None = None  # the request under way
-    calls: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # id -> Send
-    refresh: bool = False  # read the routing before the next move
-    retry: Request | None = None  # a push given up, to deliver again
-    next_act: float = 0.0
-
-
 class SimulationFailure(AssertionError):
     """An invariant of the simulation broke; the message holds the seed and the trace."""
 
@@ -121,6 +105,7 @@ class World:
         ack: str | None = None,
         optimizer: Any = None,
         rounds: int = 0,
+        replay_bytes: int | None = None,
     ):
         # the server optimizer (not drawn: a seed runs the same faults with either)
         self.optimizer = ServerOptimizer.from_dict(optimizer)
@@ -205,7 +190,14 @@ class World:
             retry_max=2.0,
         )
         self.next_tick = 0.0
-        self.pushers = [Pusher(f"pusher{i}") for i in range(rng.randint(2, 3))]
+        size = self.n_shards * n
+        if replay_bytes is None:
+            replay_bytes = drawn_replay_bytes(seed, size)
+        self.budget = replay_budget(replay_bytes, size)  # the pushers' (adam.ps.replay-bytes)
+        self.pushers = [
+            Pusher.make(f"pusher{i}", shards, self.budget, FAILOVER_TIMEOUT, FORWARD_INTERVAL)
+            for i in range(rng.randint(2, 3))
+        ]
         for p in self.pushers:
             p.routing.set(self.ctl.routing_info())
 
@@ -456,7 +448,7 @@ class World:
             out.append(("tick", None))
         more = self.pushes_started < self.total_pushes
         for p in self.pushers:
-            busy = p.delivery is not None or p.retry is not None
+            busy = p.delivery is not None or p.retry is not None or p.pushing
             if not p.calls and p.next_act <= now and (busy or more or p.log):
                 out.append(("pusher", p))
         return out

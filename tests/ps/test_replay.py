@@ -74,6 +74,19 @@ def test_shed_lets_go_of_replicated_pushes_only():
     assert [h.push_id for h in log.held(1)] == [3] and log.nbytes == 10
 
 
+def test_shed_keeps_what_a_primary_that_moved_said_every_copy_holds():
+    log = ReplayLog()
+    log.add(0, held(1, "a", 5))
+    log.add(1, held(2, "b", 1))
+    log.confirm(0, "a", 0, 5, durable=4)
+    log.confirm(1, "b", 0, 1, durable=0)
+    # shard 0 was rebuilt from the checkpoint (generation 1): its copies that held push 1 may
+    # all be gone, so push 1 waits to be replayed; shard 1's primary did not move
+    assert log.shed(0, {0: ("a", 1), 1: ("b", 0)}) == 1
+    assert [h.push_id for h in log.held(0)] == [1] and not log.held(1)
+    assert log.shed(0, {}) == 0  # no primary now (a fail-over under way): nothing goes
+
+
 def test_answers_fill_and_empty_the_log_and_moved_pushes_become_replays():
     """The rules the client's courier and the simulation's pushers share: a push's answer keeps
     its shards' parts and drops what the answer says is durable; a moved push becomes a replay
@@ -131,6 +144,7 @@ def test_the_log_agrees_with_a_plain_walk_over_random_histories():
 
     for seed in range(200):
         rng = random.Random(seed)
+        pick = random.Random(-seed)  # apart from the history's stream
         log = ReplayLog()
         ref: dict[int, list[list]] = {0: [], 1: []}  # [push_id, primary, gen, version, repl]
         version = {("a", 0): 0, ("b", 0): 0, ("a", 1): 0}
@@ -182,3 +196,12 @@ def test_the_log_agrees_with_a_plain_walk_over_random_histories():
                 stale = [e[0] for e in ref[s] if (e[1], e[2]) != now]
                 moved = log.moved({s: now}).get(s, [])
                 assert [h.push_id for h in moved] == stale, seed
+            # the first replay, made alone, is the first of all of them
+            now_of = {s: pick.choice(list(version)) for s in (0, 1)}
+            replays = log.replays(now_of, [(0, 2), (2, 4)])
+            first = log.next_replay(now_of, [(0, 2), (2, 4)])
+            if replays:
+                assert first is not None, seed
+                assert (first.sids, first.push_id) == (replays[0].sids, replays[0].push_id)
+            else:
+                assert first is None, seed

@@ -8,9 +8,11 @@ primary after a fail-over with the same push id.
 
 With ``ack="replay"`` the courier keeps what the primaries acknowledged (the
 :class:`~adam_dask.ps.protocol.replay.ReplayLog`, a lease on the pushed segment rather than a copy)
-until every copy and the checkpoint hold it, replays it to a new primary before the next
-request, and keeps settling in a thread of its own while pushes are held, so they are replayed
-even when the pusher pushes nothing more.
+until every copy and the checkpoint hold it. What it does with the held pushes (make room under
+the byte budget, shed, replay to a new primary before the next request, ask what every copy
+holds, give up) is the pure plan's (:mod:`~adam_dask.ps.protocol.courier_plan`); the courier
+carries its steps out (:meth:`Courier.run`) and keeps settling in a thread of its own while
+pushes are held, so they are replayed even when the pusher pushes nothing more.
 """
 
 from __future__ import annotations
@@ -24,6 +26,19 @@ from typing import Any
 from ... import config
 from ...errors import ShardUnavailable
 from ..plane.channels import Channel, Channels, PlaneCalls, Segment
+from ..protocol.courier_plan import (
+    Ask,
+    CourierPlan,
+    Done,
+    GiveUp,
+    Pushing,
+    Replay,
+    Replaying,
+    Settling,
+    Shed,
+    Wait,
+    replay_budget,
+)
 from ..protocol.replay import HeldPush, ReplayLog
 from ..protocol.replies import NodeReply, PullReply, PushReply
 from ..protocol.request import Delivery, Outer, Refresh, Request, Send, part_of
@@ -60,7 +75,10 @@ class Courier:
         self.call_timeout = float(config.get("ps.call-timeout"))
         self.plane_timeout = float(config.get("ps.plane-timeout"))
         self.failover_timeout = float(config.get("ps.failover-timeout"))
-        self.replay_bytes = int(config.get("ps.replay-bytes"))
+        self.forward_interval = float(config.get("ps.forward-interval"))
+        budget = replay_budget(int(config.get("ps.replay-bytes")), self.size)
+        timeouts = (self.failover_timeout, self.forward_interval)
+        self.plan = CourierPlan(self.log, self.routing, shards, budget, *timeouts)
         self.answered_at = -1e9  # monotonic time of the last push answered
         # {sid: the version this handle last read on the data plane}: with the server
         # optimizer's ``staleness``, each push names them (it counts the versions a shard
@@ -256,21 +274,49 @@ class Courier:
         )
 
     def send_push(self, req: Request) -> Delivery:
-        """One push through the courier: room made in the replay log first, held pushes of
-        moved shards replayed, the push delivered and kept until durable (``ack="replay"``)."""
+        """One push through the courier, as its plan says (:class:`Pushing`: room made in the
+        replay log, held pushes of moved shards replayed, the push delivered and kept until
+        durable with ``ack="replay"``)."""
         try:
-            if req.ack == "replay":
-                nbytes = 4 * sum(b - a for a, b in (self.shards[s] for s in req.sids))
-                req.urgent = self.make_room(nbytes)
-            self.replay_moved()
-            d = self.deliver(req)
+            d = self.run(self.plan.push(req))
         finally:
             own = req.args.pop("own_segment", None)  # the deliver did not get to it
             if own is not None:
                 own.release()
+        assert d is not None
         if req.ack == "replay":
             self.keep_settling()
         return d
+
+    def run(self, plan: Pushing | Settling | Replaying) -> Delivery | None:
+        """Carry out ``plan``'s steps (:mod:`~adam_dask.ps.protocol.courier_plan`) until it is
+        done; returns the :class:`Delivery` of its push, if it has one. A step's request that
+        fails raises, and so does the plan's :class:`GiveUp`."""
+        pushed = None
+        while True:
+            step = plan.next(time.monotonic())
+            if isinstance(step, Done):
+                return pushed
+            if isinstance(step, Refresh):
+                self.refresh()
+            elif isinstance(step, Shed):
+                self.shed(step)
+            elif isinstance(step, Wait):
+                time.sleep(step.seconds)
+            elif isinstance(step, GiveUp):
+                raise step.error
+            elif isinstance(step, Replay):
+                logger.info(
+                    "server %s: replaying push %x to the new primary of shard %d",
+                    self.server_id,
+                    step.request.push_id,
+                    step.request.sids[0],
+                )
+                self.deliver(step.request)
+            elif isinstance(step, Ask):
+                self.deliver(step.request)
+            else:
+                pushed = self.deliver(step.request)
 
     def ask_nodes(self, method: str, *args: Any) -> dict[str, Any]:
         """{addr: answer, or the error's repr} of ``method(*args)`` on every node the routing
@@ -306,51 +352,18 @@ class Courier:
         )
         return self.deliver(req, call_timeout=remaining + 5).results
 
-    # -- replay ----------------------------------------------------------------------------------
-
-    def replay_moved(self) -> int:
-        """Send the held pushes of shards whose primary changed to the new primary (same push
-        ids: a push the survivors or the checkpoint already hold is applied once)."""
-        sent = 0
-        while self.log:
-            replays = self.log.replays(self.routing.primaries(), self.shards)
-            if not replays:
-                break
-            for req in replays:
-                logger.info(
-                    "server %s: replaying push %x to the new primary of shard %d",
-                    self.server_id,
-                    req.push_id,
-                    req.sids[0],
-                )
-                self.deliver(req)
-                sent += 1
-        return sent
-
     # -- holding ---------------------------------------------------------------------------------
 
-    def budget(self) -> int:
-        """Bytes of held pushes before a push waits for room: ``adam.ps.replay-bytes``, and
-        never under two pushes of the whole model (a large model keeps pushing on the plane)."""
-        return max(self.replay_bytes, 2 * 4 * self.size)
+    def replay_moved(self) -> None:
+        """Send the held pushes of shards whose primary changed to the new primary (same push
+        ids: a push the survivors or the checkpoint already hold is applied once)."""
+        self.run(self.plan.replay())
 
-    def make_room(self, nbytes: int) -> bool:
-        """Before a push of ``nbytes``: let go of what every copy holds over the budget, and
-        while that is not enough ask the primaries to forward now and say what every copy
-        holds. Returns whether the held pushes are past half the budget (the push then asks
-        its primaries to forward at once, so its answer confirms the ones before it)."""
-        limit = self.budget()
-        below = max(limit - nbytes, 0)
-        if self.log.nbytes > below:
-            self.shed(below)
-            if self.log.nbytes > below:
-                self.settle(below=below)
-        return self.log.nbytes > limit // 2
-
-    def shed(self, below: int) -> None:
-        """Over the byte budget: let go of the pushes every copy holds that wait for the
-        checkpoint alone (its write-back is behind: a storage outage, or a slow store)."""
-        gone = self.log.shed(below)
+    def shed(self, step: Shed) -> None:
+        """Let go of the held pushes every copy holds that wait for the checkpoint alone, as
+        ``step`` says (the write-back is behind: a storage outage, or a slow store); say so
+        once a minute."""
+        gone = self.log.shed(step.below, step.primaries)
         if not gone:
             return
         self._shed_count += gone
@@ -365,52 +378,12 @@ class Courier:
             )
             self._shed_count = 0
 
-    def settle(
-        self, below: int = 0, *, copies_only: bool = False, limit: float | None = None
-    ) -> None:
-        """Until the held pushes take at most ``below`` bytes (``copies_only``: until every
-        copy holds each one, the checkpoint may lag): replay moved ones, ask the primaries
-        what every copy and the checkpoint hold. :class:`ShardUnavailable` after the fail-over
-        timeout without progress while some copy still lacks a push (the held bytes going down
-        restarts it). Waiting for room (``below`` > 0), the primaries forward at once and the
-        pushes every copy holds that wait for the checkpoint alone are let go first.
-        ``limit``: seconds in all before :class:`TimeoutError`."""
-        end = None if limit is None else time.monotonic() + float(limit)
-        timeout = self.failover_timeout
-        deadline = time.monotonic() + timeout
-        interval = float(config.get("ps.forward-interval"))
-        held = self.log.nbytes
-        while self.log and self.log.nbytes > below:
-            if copies_only and not self.log.unreplicated:
-                return
-            if self.log.nbytes < held:
-                held = self.log.nbytes
-                deadline = time.monotonic() + timeout
-            self.refresh()
-            self.replay_moved()
-            question = self.log.question(urgent=below > 0)
-            if question is not None:
-                self.deliver(question)
-            if below > 0:
-                self.shed(below)
-            if not self.log or self.log.nbytes <= below:
-                return
-            if copies_only and not self.log.unreplicated:
-                return
-            if end is not None and time.monotonic() > end:
-                raise TimeoutError(f"{len(self.log)} held push(es) not durable in {limit}s")
-            if time.monotonic() > deadline:
-                if not self.log.unreplicated:  # only the checkpoint is behind: keep waiting
-                    deadline = time.monotonic() + timeout
-                    continue
-                sid = self.log.shards()[0]
-                raise ShardUnavailable(
-                    f"server {self.server_id}: the copies of shard {sid} did not confirm "
-                    f"{len(self.log)} acknowledged push(es) in time",
-                    "check the PS workers (adam.ps.failover-timeout)",
-                    shard=sid,
-                )
-            time.sleep(0.002 if below > 0 else interval / 2)
+    def settle(self, *, copies_only: bool = False, limit: float | None = None) -> None:
+        """Until every held push is durable (``copies_only``: until every copy holds each one,
+        the checkpoint may lag), as :class:`Settling` says: :class:`ShardUnavailable` after the
+        fail-over timeout without progress while some copy still lacks a push; ``limit``:
+        seconds in all before :class:`TimeoutError`."""
+        self.run(self.plan.settle(time.monotonic(), copies_only=copies_only, limit=limit))
 
     def keep_settling(self) -> None:
         """Pushes are held: make sure the settler thread runs."""
@@ -426,7 +399,7 @@ class Courier:
     def _settle_in_background(self) -> None:
         """Settle while pushes are held (so they are replayed after a fail-over even when no
         more pushes come); ends when every held push is durable or the server is closed."""
-        interval = float(config.get("ps.forward-interval"))
+        interval = self.forward_interval
         while self.log and not self.control.closed:
             time.sleep(interval)
             if time.monotonic() - self.answered_at < interval:

@@ -10,7 +10,8 @@
 * :mod:`.manifest`: which checkpoint blocks hold what;
 * :mod:`.request`: the one request type of the client and its ``Delivery`` (routing, retries);
   :mod:`.routing`: the client's copy of the controller's table; :mod:`.replay`: the pushes a
-  pusher keeps until every copy holds them;
+  pusher keeps until every copy holds them; :mod:`.courier_plan`: what a pusher does with
+  them (make room, replay, deliver, settle), step by step;
 * :mod:`.messages`: the events and actions that cross between them; :mod:`.replies`: what
   the machines answer (typed; the same dicts as ever on a wire); :mod:`.node_requests`: what
   a client asks one node on the data path (typed; the one header every transport sends).

@@ -13,7 +13,8 @@ and marks, so a push the survivors or the checkpoint already hold is recognised 
 A push every copy holds is marked *replicated* while it waits for the write-back; over the byte
 budget (a storage outage holding the write-back up), replicated pushes are let go first
 (:meth:`ReplayLog.shed`): three copies still hold them, and only the loss of all three at once
-could take them.
+could take them; a push whose shard moved since is never let go of (its copies may be the
+ones lost), it is replayed.
 
 A primary is known by its address *and* the shard's generation: a worker that comes back under
 the same address holds another lineage of the shard, and its word confirms nothing acknowledged
@@ -21,9 +22,11 @@ by the one before.
 
 :class:`ReplayLog` is the bookkeeping, pure (no Dask, no I/O, no clocks): it takes the
 primaries' answers (:meth:`ReplayLog.answered`) and says which requests replay the moved pushes
-(:meth:`ReplayLog.replays`) and which asks what every copy holds (:meth:`ReplayLog.question`).
-The client's :class:`~adam_dask.ps.client.courier.Courier` and the simulation's pushers
-(:mod:`adam_dask.testing.simulation`) drive it, each with its own transport and clock.
+(:meth:`ReplayLog.replays`, :meth:`ReplayLog.next_replay`) and which asks what every copy holds
+(:meth:`ReplayLog.question`). What a pusher does with it, and when, is the plan's
+(:mod:`~adam_dask.ps.protocol.courier_plan`), carried out by the client's
+:class:`~adam_dask.ps.client.courier.Courier` and by the simulation's pushers
+(:mod:`adam_dask.testing.simulation`), each with its own transport and clock.
 """
 
 from __future__ import annotations
@@ -203,16 +206,24 @@ class ReplayLog:
             prev = h
         return True
 
-    def shed(self, below: int) -> int:
+    def shed(self, below: int, primaries: dict[int, tuple[str, int]] | None = None) -> int:
         """Let go of replicated pushes, each shard's oldest first, until the held ones take at
-        most ``below`` bytes (or none replicated is left). Returns how many went."""
+        most ``below`` bytes (or none replicated is left). With ``primaries`` (the routing's,
+        {sid: (address, generation)}) only those the shard's primary now acknowledged: the
+        copies that held a push whose shard moved may all be gone (a shard rebuilt from the
+        checkpoint lacks it), so it is replayed, not let go of. Returns how many went."""
         with self._lock:
-            return self._shed(below)
+            return self._shed(below, primaries)
 
-    def _shed(self, below: int) -> int:
+    def _shed(self, below: int, primaries: dict[int, tuple[str, int]] | None) -> int:
         gone = 0
-        for per in self._held.values():
-            for p in [p for p, h in per.items() if h.replicated]:
+        for sid, per in self._held.items():
+            now = None if primaries is None else primaries.get(sid)
+            for p in [
+                p
+                for p, h in per.items()
+                if h.replicated and (primaries is None or (h.primary, h.gen) == now)
+            ]:
                 if self.nbytes <= below:
                     return gone
                 self.nbytes -= per.pop(p).drop()
@@ -289,6 +300,23 @@ class ReplayLog:
             for sid, items in self.moved(primaries).items()
             for h in items
         ]
+
+    def next_replay(
+        self, primaries: dict[int, tuple[str, int]], shards: list[tuple[int, int]]
+    ) -> Request | None:
+        """The first of :meth:`replays` (None: no held push moved), the others not made: a
+        pusher sends one at a time and asks again after each answer."""
+        with self._lock:
+            for sid, per in self._held.items():
+                now = primaries.get(sid)
+                if now is None:
+                    continue
+                for h in per.values():
+                    if (h.primary, h.gen) != now:
+                        return replay_request(h, sid, shards[sid])
+                    if sid in self._ordered:  # one primary holds them all: moved all or none
+                        break
+        return None
 
     def question(self, urgent: bool = False) -> Request | None:
         """The request that asks the primaries of the shards with held pushes what every copy
