@@ -334,6 +334,9 @@ def run(url: str, args: argparse.Namespace, faults: bool, busy) -> dict:
         "images_applied": [r.get("images_applied") for r in records],
         "images_retrained": [r.get("images_retrained") for r in records],
         "epoch_seconds": [r.get("seconds") for r in records],
+        # where a slow epoch's time went: replicas waiting for images, or for their exchange
+        "stall_fraction": [r.get("stall_fraction") for r in records],
+        "exchange_seconds": [r.get("exchange_seconds") for r in records],
         "load": load,
         "busy_alive": alive,
         "faults": sorted(injector.log, key=lambda f: f["second"]) if injector is not None else [],
@@ -414,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
             "clean_test_accuracy": clean["test_accuracy"],
             "clean_images_applied": clean["images_applied"],
             "clean_epoch_seconds": clean["epoch_seconds"],
+            "clean_stall_fraction": clean["stall_fraction"],
+            "clean_exchange_seconds": clean["exchange_seconds"],
             "epoch_ratio_max": max(hit["epoch_seconds"]) / clean_median
             if hit["epoch_seconds"] and clean_median
             else None,

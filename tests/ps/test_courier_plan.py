@@ -141,16 +141,52 @@ def test_waiting_for_room_asks_again_after_a_short_wait_until_the_copies_hold_th
                 log.confirm(0, "a", 0, 2, durable=2)
 
     steps = walk(plan.push(a_push()), answer=answer, log=log)
-    # nothing every copy holds to shed: the push waits, asking every 2 ms
-    assert kinds(steps) == ["Shed"] + ["Refresh", "Ask", "Shed", "Wait"] * 2 + [
-        "Refresh",
+    # nothing every copy holds to shed: the push waits, asking after 2 ms, then 4 ms; the
+    # routing is read once (at most every half forward interval)
+    assert kinds(steps) == ["Shed", "Refresh"] + ["Ask", "Shed", "Wait"] * 2 + [
         "Ask",
         "Shed",
         "Deliver",
         "Done",
     ]
-    assert all(s.seconds == 0.002 for s in steps if isinstance(s, Wait))
+    assert [s.seconds for s in steps if isinstance(s, Wait)] == [0.002, 0.004]
     assert len(log) == 1
+
+
+def test_waiting_for_room_backs_off_while_nothing_is_let_go_and_starts_again_on_progress():
+    """A pusher waiting for slow copies asks less and less often, to half the forward
+    interval, and reads the routing at most that often; once something is let go it asks
+    quickly again (the copies are moving)."""
+    log = ReplayLog()
+    for pid in range(4):  # 64 bytes held; room for the push's 32 under 64: two must go
+        held(log, pid, 0, pid + 1)
+    plan = CourierPlan(log, routing(["a", "a"]), SHARDS, 4 * PART, TIMEOUT, INTERVAL)
+    asked = []
+
+    def answer(step, now):
+        if isinstance(step, Ask):
+            asked.append(now)
+            if now >= 10.0 and len(log) == 4:  # the copies catch up on push 0 at 10 s
+                log.confirm(0, "a", 0, 1, durable=1)
+            elif now >= 20.0:  # and on push 1 at 20 s: room
+                log.confirm(0, "a", 0, 2, durable=2)
+
+    steps = walk(plan.push(a_push()), answer=answer, log=log, limit=1000)
+    assert kinds(steps[-2:]) == ["Deliver", "Done"]
+    waits = [s.seconds for s in steps if isinstance(s, Wait)]
+    assert max(waits) == INTERVAL / 2  # backed off to half the forward interval
+    assert waits[:4] == [0.002, 0.004, 0.008, 0.016]
+    after = waits[waits.index(INTERVAL / 2) :]
+    assert 0.002 in after  # progress at 10 s: short waits again
+    reads = [i for i, s in enumerate(steps) if type(s).__name__ == "Refresh"]
+    clock, read_times = 0.0, []
+    for i, s in enumerate(steps):
+        if i in reads:
+            read_times.append(clock)
+        if isinstance(s, Wait):
+            clock += s.seconds
+    gaps = np.diff(read_times)
+    assert len(asked) < 60 and (gaps >= INTERVAL / 2).all()  # at 2 ms: ~10,000 asks
 
 
 def test_a_moved_primary_makes_the_push_replay_its_held_pushes_first():

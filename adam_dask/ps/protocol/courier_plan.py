@@ -56,7 +56,12 @@ __all__ = [
     "replay_budget",
 ]
 
-ROOM_WAIT = 0.002  # seconds between the rounds of a push waiting for room
+# seconds before the second round of a push waiting for room; while nothing is let go each
+# wait doubles, to half the forward interval: a pusher waiting for slow copies (a loaded
+# machine, a shard under repair) must not add its own load to the primaries and the controller
+# (at 2 ms every round, two such pushers beside 3 busy processes per core kept the controller's
+# repair and the forwards it waited for from ending: tests/ps/test_failover.py)
+ROOM_WAIT = 0.002
 
 
 def replay_budget(replay_bytes: int, size: int) -> int:
@@ -158,7 +163,8 @@ class CourierPlan:
     ) -> Settling:
         """Settle from ``now`` until at most ``below`` bytes are held (``copies_only``: until
         every copy holds each held push, the checkpoint may lag), waiting half the forward
-        interval between rounds (:data:`ROOM_WAIT` waiting for room, ``below`` > 0);
+        interval between rounds (waiting for room, ``below`` > 0: :data:`ROOM_WAIT`, doubled
+        while nothing is let go, up to that), the routing read at most every half interval;
         ``limit``: seconds in all before a :class:`TimeoutError`."""
         return Settling(self, now, below, copies_only, limit)
 
@@ -210,7 +216,9 @@ class Settling:
         self.end = None if limit is None else now + float(limit)
         self.deadline = now + plan.timeout
         self.held = plan.log.nbytes
-        self.wait = ROOM_WAIT if self.below > 0 else plan.interval / 2
+        self.first_wait = ROOM_WAIT if self.below > 0 else plan.interval / 2
+        self.wait = self.first_wait
+        self.read_at = -float("inf")  # when this plan last read the routing
         self._replays = Replaying(plan)
         self._phase = _HEAD
 
@@ -229,8 +237,11 @@ class Settling:
             if log.nbytes < self.held:  # progress: the fail-over timeout starts again
                 self.held = log.nbytes
                 self.deadline = now + self.plan.timeout
+                self.wait = self.first_wait
             self._phase = _REPLAY
-            return Refresh()
+            if now - self.read_at >= self.plan.interval / 2:
+                self.read_at = now
+                return Refresh()
         if self._phase == _REPLAY:
             step = self._replays.next(now)
             if isinstance(step, Replay):
@@ -266,7 +277,8 @@ class Settling:
                     shard=sid,
                 )
             )
-        return Wait(self.wait)
+        wait, self.wait = self.wait, min(2 * self.wait, self.plan.interval / 2)
+        return Wait(wait)
 
 
 _ROOM, _SETTLE, _PUSH, _SENT = range(4)
