@@ -81,6 +81,7 @@ def run_role(url: str, role: str, args: argparse.Namespace) -> dict:
     nthreads = threads if role == "TRAIN" else 2
     procs = []
     sent: dict = {}
+    split: dict = {}  # the training split's size, once the trainer opened it
     with (
         tempfile.TemporaryDirectory(prefix="adam-evict-") as tmp,
         adam_dask.cluster.local(
@@ -101,6 +102,7 @@ def run_role(url: str, role: str, args: argparse.Namespace) -> dict:
             th, box = fit_in_background(trainer, epochs=args.epochs)
             try:
                 n = len(trainer.train_split) if trainer.train_split is not None else args.n_train
+                split["images"] = n
                 _wait_for_progress(trainer, box, args.epoch, int(args.at * n))
                 t0 = time.monotonic()
                 procs[0].send_signal(signal.SIGTERM)  # from outside, as the kubelet sends it
@@ -120,6 +122,7 @@ def run_role(url: str, role: str, args: argparse.Namespace) -> dict:
                     p.kill()
                 p.wait(timeout=60)
     records = list(box["history"].records) if "history" in box else []
+    n = split.get("images")
     seconds = [r["seconds"] for r in records]
     before = seconds[1 : args.epoch] or seconds[: args.epoch]
     undisturbed = statistics.median(before) if before else None
@@ -147,7 +150,11 @@ def run_role(url: str, role: str, args: argparse.Namespace) -> dict:
         "images": images,
         "images_applied": applied,
         "images_retrained": [r["images_retrained"] for r in records],
-        "every_image_once": bool(records) and applied == images,
+        # an evicted TRAIN worker's replica returns no result (its images are not in the
+        # epoch's "images"), but its acknowledged pushes are applied: every image once is the
+        # whole split applied in every epoch, none re-trained
+        "train_images": n,
+        "every_image_once": bool(records) and n is not None and all(a == n for a in applied),
         "test_accuracy": [r.get("test_accuracy") for r in records],
     }
 
