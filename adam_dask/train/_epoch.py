@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 
 from ..errors import ClusterError, ConfigError
+from ._result import ReplicaResult
 
 __all__ = [
     "epoch_record",
@@ -52,7 +53,7 @@ def share_sizes(images: int, replicas: int) -> list[int]:
 
 def epoch_record(
     epoch: int,
-    results: Sequence[dict],
+    results: Sequence[ReplicaResult],
     *,
     replicas: int,
     seconds: float,
@@ -66,59 +67,53 @@ def epoch_record(
     mode: str,
     images_applied: int | None = None,
 ) -> dict:
-    """The history record of one epoch from the results of its replicas; ``images_applied``:
+    """The history record of one epoch from the results of its replicas (whole or partitioned
+    alike: a field one kind does not measure counts as nothing from it); ``images_applied``:
     the images whose updates the parameter server applied (its data positions)."""
-    images = sum(r["images"] for r in results)
-    loss = (
-        sum(r["loss"] * r["images"] for r in results if r["images"]) / images
-        if images
-        else float("nan")
-    )
+    images = sum(r.images for r in results)
+    loss = sum(r.loss * r.images for r in results if r.images) / images if images else float("nan")
     # shard updates applied by the primaries during the epoch
     pushes = ps_after.get("pushes_applied", 0) - ps_before.get("pushes_applied", 0)
-    replica_seconds = sum(r["seconds"] for r in results)
-    pushes_made = sum(r.get("pushes", 0) for r in results)
+    replica_seconds = sum(r.seconds for r in results)
+    pushes_made = sum(r.pushes for r in results)
+    ps_seconds = sum(r.ps_seconds for r in results)
+    images_pushed = sum(r.images_pushed for r in results)
     return {
         "epoch": epoch,
         "loss": loss,
         "test_accuracy": accuracy,
         "images": images,
-        "images_pushed": sum(r["images_pushed"] for r in results),
+        "images_pushed": images_pushed,
         "images_applied": images_applied,
-        "images_retrained": sum(r.get("images_retrained", 0) for r in results),
+        "images_retrained": sum(r.images_retrained or 0 for r in results),
         "images_per_second": images / seconds if seconds else 0.0,
         "seconds": seconds,
         "quorum_seconds": quorum_seconds,
         "flush_seconds": flush_seconds,
-        "stall_fraction": max((r["stall_fraction"] for r in results), default=0.0),
+        "stall_fraction": max((r.stall_fraction or 0.0 for r in results), default=0.0),
         "ps_updates_per_second": pushes / seconds if seconds else 0.0,
-        "ps_fraction": (
-            sum(r["ps_seconds"] for r in results) / replica_seconds if replica_seconds else 0.0
-        ),
+        "ps_fraction": ps_seconds / replica_seconds if replica_seconds else 0.0,
         "replication_lag": ps_after.get("max_replication_lag"),
         "writeback_lag": ps_after.get("writeback_lag_seconds"),
         "writeback_lag_versions": ps_after.get("writeback_lag_versions"),
-        "replicas_finished": sum(not r["stopped"] for r in results),
+        "replicas_finished": sum(not r.stopped for r in results),
         "replicas": replicas,
-        "replica_workers": sorted(r["worker"] for r in results),
-        "replica_threads": sorted(r["threads"] for r in results),
+        # a partitioned replica's workers joined by commas, in partition order
+        "replica_workers": sorted(",".join(r.workers) for r in results),
+        "replica_threads": sorted(r.threads for r in results),
         # the rate each replica stepped with last, as it ran (the schedule, scaled for R, damped
         # where its pushes covered more than the plan's period)
-        "replica_lr_end": sorted(r["lr_end"] for r in results),
+        "replica_lr_end": sorted(r.lr_end for r in results),
         # images per push and seconds per exchange (push and pull) over the replicas' pushes,
         # and each replica's damping at its end (below 1: it pushed less often than planned)
-        "push_images": (
-            sum(r["images_pushed"] for r in results) / pushes_made if pushes_made else None
-        ),
-        "exchange_seconds": (
-            sum(r["ps_seconds"] for r in results) / pushes_made if pushes_made else None
-        ),
-        "replica_damping": sorted(r.get("damping", 1.0) for r in results),
+        "push_images": images_pushed / pushes_made if pushes_made else None,
+        "exchange_seconds": ps_seconds / pushes_made if pushes_made else None,
+        "replica_damping": sorted(1.0 if r.damping is None else r.damping for r in results),
         # pushes some copy still lacked when a replica's result came back: 0, as each replica
         # settles before it returns (images_applied then counts durable pushes only)
-        "unreplicated_at_end": sum(r.get("unreplicated_at_end", 0) for r in results),
+        "unreplicated_at_end": sum(r.unreplicated_at_end or 0 for r in results),
         # a partitioned replica's activations and errors between its partitions (0 otherwise)
-        "cross_partition_bytes": sum(r.get("cross_bytes", 0) for r in results),
+        "cross_partition_bytes": sum(r.cross_bytes for r in results),
         "lr": lr,
         "lr_end": lr_end,
         "mode": mode,

@@ -1,8 +1,8 @@
 """One epoch on the cluster, for the Trainer (trainer.py): how many replicas it runs (those its
-data positions record, else a fixed count or one per TRAIN worker present), their jobs, their
-run (whole replicas, or each over ``partitions`` TRAIN workers) until the quorum, then the
-copies flushed and the weights evaluated: the epoch's record. Functions of explicit arguments: the arithmetic is ``_epoch.py``'s, the Dask
-tasks are ``_submit.py``'s and ``_partition_task.py``'s.
+data positions record, else a fixed count or one per TRAIN worker present), their jobs (whole
+replicas, or each over ``partitions`` TRAIN workers), their run until the quorum, then the
+copies flushed and the weights evaluated: the epoch's record. Functions of explicit arguments:
+the arithmetic is ``_epoch.py``'s, the Dask tasks are ``_submit.py``'s.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from ._position import applied_images, recorded_replicas
 from ._settings import RunSettings
 from ._submit import run_replicas
 from .schedule import Schedule
-from .task import ReplicaJob
+from .task import Partitioning, ReplicaJob
 
 if TYPE_CHECKING:
+    from ..model.partition import PartitionPlan
     from ._handle import TrainerServer
 
 __all__ = ["epoch_replicas", "ps_stats", "replica_jobs", "replicas_now", "run_epoch"]
@@ -83,10 +84,15 @@ def replica_jobs(
     schedule: Schedule,
     images: int,
     slow: Mapping[int, float],
+    partition_plan: PartitionPlan | None = None,
 ) -> list[ReplicaJob]:
     """The jobs of an epoch's ``replicas``: each a share of the ``images`` (``slow``: seconds
-    per batch of the deliberately slowed replicas)."""
+    per batch of the deliberately slowed replicas), each over the partitions of
+    ``partition_plan`` when it is not None."""
     model, shares = shipped(net), share_sizes(images, replicas)
+    parts = None
+    if partition_plan is not None:
+        parts = Partitioning(tuple(partition_plan.bounds()), partition_plan.window)
     return [
         ReplicaJob(
             run_id=run_id,
@@ -98,6 +104,7 @@ def replica_jobs(
             schedule=schedule,
             share_images=shares[i],
             delay=float(slow.get(i, 0.0)),
+            partitioning=parts,
         )
         for i in range(replicas)
     ]
@@ -110,30 +117,16 @@ def run_epoch(
     server: TrainerServer,
     data: Any,
     quorum: float,
-    plan: Any,
     evaluate: Callable[[], float],
 ) -> dict:
-    """Run an epoch's ``jobs`` until ``quorum`` of them finished (over the partitions of
-    ``plan``, a :class:`~adam_dask.model.partition.PartitionPlan`, when it is not None), flush
-    the copies (the checkpoint is the Trainer's to commit, in the background: storage never
-    holds training up), ``evaluate`` the weights; the epoch's history record."""
+    """Run an epoch's ``jobs`` until ``quorum`` of them finished (each whole or over its
+    partitions, as the job says), flush the copies (the checkpoint is the Trainer's to commit,
+    in the background: storage never holds training up), ``evaluate`` the weights; the
+    epoch's history record."""
     job = jobs[0]
     ps_before = ps_stats(server)
     try:
-        if plan is not None:
-            from ._partition_task import run_partitioned
-
-            run = run_partitioned(
-                client,
-                jobs,
-                server=server,
-                data=data,
-                quorum=quorum,
-                bounds=plan.bounds(),
-                window=plan.window,
-            )
-        else:
-            run = run_replicas(client, jobs, server=server, data=data, quorum=quorum)
+        run = run_replicas(client, jobs, server=server, data=data, quorum=quorum)
     except BaseException:
         keep_what_was_trained(server)
         raise

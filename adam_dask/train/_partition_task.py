@@ -1,6 +1,6 @@
-"""The Dask side of a partitioned replica: one long-running task per partition, each on a TRAIN
-worker of its own, joined by TCP sockets, and the epoch driver that re-runs a replica whose
-partition was lost.
+"""The task of one partition of a replica (each on a TRAIN worker of its own, joined to its
+neighbours by TCP sockets), and the partition plan checked against the cluster
+(:func:`cluster_plan`). The epoch drives a replica's partitions from :mod:`._partitioned`.
 
 :func:`run_partition` secedes, builds its :class:`~adam_dask.model.stage.Stage` from the
 model's skeleton (it never allocates the whole model), pulls its span, meets its neighbours
@@ -10,14 +10,6 @@ replica, the attempt and the partition, and a token) and runs a
 data service (:func:`~adam_dask.train._groups.replica_groups`), as an unpartitioned replica
 would: first the pushes some shard misses (the stretches of
 :func:`~adam_dask.train._position.replica_plan`), then the rest of its share.
-
-:func:`run_partitioned` (the Trainer's epoch when ``partitions > 1``) submits every replica's
-partitions, each with ``resources={"TRAIN": 1}`` (one partition per worker at once). When a
-partition's worker dies, its neighbours see their socket close and stop (pushing the groups
-they took whole, nothing else); the driver then sets the attempt's abort event (every
-partition, and Dask's automatic re-run of the lost task, return at once), waits until every
-task of the attempt has ended, and submits the replica again under the next attempt number:
-its partition 0 plans from the marks the shards hold, so every image is applied once.
 """
 
 from __future__ import annotations
@@ -25,22 +17,18 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .. import config
 from ..cluster import TRAIN
-from ._epoch import quorum_size
 from ._groups import replica_groups
 from ._links import meet
-from ._submit import EpochRun
 from .task import EventPoll, ReplicaJob, Reporter
 
 if TYPE_CHECKING:
     from ._handle import ReplicaServer
 
-__all__ = ["PartitionJob", "cluster_plan", "run_partition", "run_partitioned"]
+__all__ = ["PartitionJob", "cluster_plan", "run_partition"]
 
 logger = logging.getLogger(__name__)
 
@@ -161,204 +149,6 @@ def _run_partition(job: PartitionJob, server: ReplicaServer, data: Any) -> dict:
     out["threads"] = runner.threads
     out["stopped"] = bool(stop.is_set())
     return out
-
-
-def _combine(job: ReplicaJob, parts: Sequence[dict], retries: int, seconds: float) -> dict:
-    """One replica's result (the fields an unpartitioned replica reports) from its partitions'
-    last attempt."""
-    first, last = parts[0], parts[-1]
-    images = int(first["images"])
-    return {
-        "replica": job.replica,
-        "epoch": job.epoch,
-        "images": images,
-        "images_pushed": min(int(p["images_pushed"]) for p in parts),
-        "images_retrained": 0,
-        "loss": last["loss_sum"] / last["images"] if last["images"] else float("nan"),
-        "seconds": seconds,
-        "train_seconds": max(p["seconds"] for p in parts),
-        "pushes": sum(int(p["pushes"]) for p in parts),
-        "ps_seconds": max(p["ps_seconds"] for p in parts),
-        "stopped": bool(first.get("stopped")),
-        "stall_fraction": 0.0,
-        "wait_seconds": 0.0,
-        "worker": ",".join(p["worker"] for p in parts),
-        "threads": int(first.get("threads", 1)),
-        "lr_end": job.schedule.at(job.epoch + 1),
-        "unreplicated_at_end": 0,
-        "partitions": len(parts),
-        "partition_attempts": retries + 1,
-        "cross_bytes": sum(int(p["bytes_sent"]) for p in parts),
-    }
-
-
-def run_partitioned(
-    client: Any,
-    jobs: Sequence[ReplicaJob],
-    *,
-    server: ReplicaServer,
-    data: Any,
-    quorum: float,
-    bounds: Sequence[tuple[int, int, int, int]],
-    window: int,
-) -> EpochRun:
-    """Run ``jobs`` (one epoch, one per replica), each replica as ``len(bounds)`` partition
-    tasks pinned to distinct TRAIN workers, until ``quorum`` of the replicas finished; a
-    replica whose partition was lost runs again (next attempt, on the TRAIN workers free then)
-    from where the parameter server's marks say it stood."""
-    from distributed import Event, wait
-
-    from ..cluster import workers_with_role
-    from ..errors import AdamError, ClusterError
-
-    P = len(bounds)
-    first = jobs[0]
-    R, epoch = len(jobs), first.epoch
-    timeout = float(config.get("train.partition-timeout"))
-    max_attempts = int(config.get("train.partition-attempts"))
-    switch = float(config.get("train.partition-switch-interval"))
-    start_timeout = float(config.get("cluster.start-timeout"))
-    stop = Event(first.stop_name, client=client)
-    stop.clear()
-    t0 = time.perf_counter()
-    attempt = dict.fromkeys(range(R), 0)
-    results: dict[int, dict[int, dict]] = {r: {} for r in range(R)}
-    # replica -> its current attempt's unfinished futures, with their partition and worker
-    open_: dict[int, dict[Any, tuple[int, str]]] = {r: {} for r in range(R)}
-    futures: list[Any] = []
-    # tasks of aborted attempts that did not end within the timeout (a frozen worker):
-    # their workers get no partition while they run
-    stuck: dict[Any, str] = {}
-    aborted_at: dict[int, float] = {}
-
-    def pjob(r: int, p: int) -> PartitionJob:
-        return PartitionJob(jobs[r], p, P, tuple(bounds), attempt[r], window, timeout, switch)
-
-    def submit(r: int) -> None:
-        # pinned, one partition per worker: a task queued behind another partition's held
-        # TRAIN resource would wait for it forever
-        deadline = time.monotonic() + start_timeout
-        while True:
-            for f in [f for f in stuck if f.done()]:
-                del stuck[f]
-            busy = {w for per in open_.values() for _, w in per.values()} | set(stuck.values())
-            free = [w for w in workers_with_role(client, TRAIN) if w not in busy]
-            if len(free) >= P:
-                break
-            if time.monotonic() > deadline:
-                raise ClusterError(
-                    f"replica {r} of epoch {epoch} needs {P} free TRAIN workers, "
-                    f"{len(free)} are free",
-                    "add TRAIN workers, or train with fewer partitions",
-                )
-            time.sleep(0.25)
-        Event(pjob(r, 0).abort_name, client=client).clear()
-        for p in range(P):
-            pj = pjob(r, p)
-            f = client.submit(
-                run_partition,
-                pj,
-                server=server,
-                data=data,
-                workers=[free[p]],
-                allow_other_workers=False,
-                resources={TRAIN: 1},
-                pure=False,
-                key=f"{pj.name}-p{p}",
-            )
-            open_[r][f] = (p, free[p])
-            futures.append(f)
-
-    def ended(r: int, p: int, res: dict) -> None:
-        results[r][p] = res
-        if res.get("aborted") and r not in aborted_at:  # every partition of it gives up
-            aborted_at[r] = time.monotonic()
-            Event(pjob(r, p).abort_name, client=client).set()
-
-    for r in range(R):
-        submit(r)
-    needed = quorum_size(R, quorum)
-    done: list[dict] = []
-    finished: set[int] = set()
-    quorum_seconds = None
-    try:
-        while len(finished) < R:
-            pending = [f for per in open_.values() for f in per]
-            if pending:
-                try:
-                    wait(pending, timeout=0.5, return_when="FIRST_COMPLETED")
-                except TimeoutError:
-                    pass
-            live = set(workers_with_role(client, TRAIN))
-            for r in range(R):
-                for f, (p, w) in list(open_[r].items()):
-                    if f.done():
-                        del open_[r][f]
-                        try:
-                            res = f.result()
-                        except AdamError:
-                            raise
-                        except Exception as exc:  # lost with its worker, and the like
-                            res = {"partition": p, "aborted": f"{type(exc).__name__}: {exc}"}
-                        ended(r, p, res)
-                    elif w not in live:  # its worker died: the pinned task never runs again
-                        del open_[r][f]
-                        f.cancel()
-                        ended(r, p, {"partition": p, "aborted": f"its worker {w} was lost"})
-                    elif r in aborted_at and time.monotonic() - aborted_at[r] > timeout:
-                        # aborted, and it does not end: frozen. Awake again it sees the abort
-                        # and pushes nothing more; its worker waits until it ends.
-                        del open_[r][f]
-                        stuck[f] = w
-                        ended(r, p, {"partition": p, "aborted": f"its worker {w} does not answer"})
-                if open_[r] or r in finished:
-                    continue
-                parts = [results[r][q] for q in range(P)]
-                reasons = [q["aborted"] for q in parts if q.get("aborted")]
-                if reasons:
-                    if attempt[r] + 1 >= max_attempts:
-                        raise ClusterError(
-                            f"replica {r} of epoch {epoch}: {max_attempts} attempts of its "
-                            f"{P} partitions failed (the last: {reasons[0]})",
-                            "check the TRAIN workers, or raise adam.train.partition-attempts",
-                        )
-                    logger.warning(
-                        "epoch %d: replica %d's partitions stopped (%s); running it again",
-                        epoch,
-                        r,
-                        "; ".join(sorted(set(reasons))),
-                    )
-                    attempt[r] += 1
-                    results[r] = {}
-                    aborted_at.pop(r, None)
-                    submit(r)
-                    continue
-                finished.add(r)
-                done.append(_combine(jobs[r], parts, attempt[r], time.perf_counter() - t0))
-                if len(done) == needed and needed < R:
-                    quorum_seconds = time.perf_counter() - t0
-                    logger.info(
-                        "epoch %d: %d of %d replicas done; stopping the rest", epoch, needed, R
-                    )
-                    stop.set()
-    except BaseException:
-        stop.set()
-        for r in range(R):
-            Event(pjob(r, 0).abort_name, client=client).set()
-        try:
-            wait(futures, timeout=float(config.get("train.stop-timeout")))
-        except TimeoutError:
-            pass
-        for f in futures:
-            if f.done():
-                f.release()
-            else:
-                f.cancel()
-        raise
-    stop.clear()
-    for f in futures:
-        f.release()
-    return EpochRun(done, time.perf_counter() - t0, quorum_seconds)
 
 
 def cluster_plan(client: Any, net: Any, settings: Any, partitions: int) -> Any:

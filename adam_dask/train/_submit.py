@@ -1,7 +1,12 @@
 """Running one epoch's replicas on the cluster: submit, wait for the quorum, stop the rest.
 
-The Dask side of the Trainer's epoch (the arithmetic is in ``_epoch.py``, the replica itself in
-``task.py``).
+The Dask side of the Trainer's epoch (the arithmetic is in ``_epoch.py``). Every replica goes
+the same way: :func:`run_replicas` submits the epoch's jobs, collects a
+:class:`~adam_dask.train._result.ReplicaResult` per replica as it finishes, stops the rest at
+the quorum, and on an error or interrupt stops them all and waits for their tasks. What it
+submits for a replica is one :func:`~adam_dask.train.task.run_replica` task
+(:class:`WholeReplicas`) or, for jobs that carry a partitioning, its partitions' tasks
+(:class:`~adam_dask.train._partitioned.PartitionedReplicas`).
 """
 
 from __future__ import annotations
@@ -10,17 +15,18 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import config
 from ..cluster import PS, TRAIN, workers_with_role
 from ._epoch import quorum_size
+from ._result import ReplicaResult
 from .task import BarrierRef, ReplicaJob, SyncBarrier, run_replica
 
 if TYPE_CHECKING:
     from ._handle import ReplicaServer
 
-__all__ = ["EpochRun", "run_replicas"]
+__all__ = ["EpochRun", "ReplicaTasks", "WholeReplicas", "run_replicas"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,71 +35,76 @@ logger = logging.getLogger(__name__)
 class EpochRun:
     """What the replicas of one epoch returned."""
 
-    results: list[dict]
+    results: list[ReplicaResult]
     seconds: float
     quorum_seconds: float | None
+
+
+class ReplicaTasks(Protocol):
+    """One epoch's replicas as tasks on the cluster, driven by :func:`run_replicas`."""
+
+    def submit(self) -> None:
+        """Submit the replicas' tasks (the epoch's time runs from here)."""
+
+    def pending(self) -> list[Any]:
+        """The futures whose end may finish a replica (waited on)."""
+
+    def collect(self) -> list[ReplicaResult]:
+        """The replicas finished since the last call; raises the error that fails the epoch."""
+
+    def futures(self) -> list[Any]:
+        """Every task submitted (waited on when the epoch stops, then released)."""
+
+    def abort(self) -> None:
+        """The epoch stops on an error: what stops the tasks besides the epoch's stop event."""
+
+    def close(self) -> None:
+        """The epoch ended: let go of what served its tasks."""
 
 
 def run_replicas(
     client: Any, jobs: Sequence[ReplicaJob], *, server: ReplicaServer, data: Any, quorum: float
 ) -> EpochRun:
-    """Run ``jobs`` (one epoch, one per replica) until ``quorum`` of them finished; the others
-    are stopped through the epoch's stop event. A replica's error stops the epoch and is
-    raised."""
-    from distributed import Event, as_completed
+    """Run ``jobs`` (one epoch, one per replica, whole or partitioned as the jobs say) until
+    ``quorum`` of them finished; the others are stopped through the epoch's stop event. A
+    replica's error stops the epoch and is raised."""
+    from distributed import Event, wait
 
     first = jobs[0]
     R, epoch = len(jobs), first.epoch
     stop = Event(first.stop_name, client=client)
     stop.clear()
-    barrier = barrier_future = None
-    if first.settings.mode == "sync":
-        host = workers_with_role(client, PS)[0]
-        # the future is held until the epoch ends: released, the scheduler would forget the
-        # actor and cancel the replicas that take it ("lost dependencies")
-        barrier_future = client.submit(
-            SyncBarrier,
-            R,
-            actor=True,
-            workers=[host],
-            allow_other_workers=False,
-            key=f"adam-{first.run_id}-barrier-{epoch}",
-        )
-        barrier_future.result()  # the actor is up
-        barrier = BarrierRef(host, barrier_future.key)
+    tasks = _tasks(client, jobs, server=server, data=data)
     t0 = time.perf_counter()
-    # One graph for all replicas: the scheduler places them in one pass, each placement
-    # raising its worker's occupancy, so they spread over the TRAIN workers. (Submitted one
-    # by one, a replica that already seceded leaves its worker looking idle, and the next
-    # could queue there behind the held TRAIN resource; pinning instead breaks the rerun of
-    # a replica whose worker died.)
-    futures = client.map(
-        run_replica,
-        list(jobs),
-        server=server,
-        data=data,
-        barrier=barrier,
-        resources={TRAIN: 1},
-        pure=False,
-        key=[f"adam-{job.run_id}-e{epoch}-r{job.replica}" for job in jobs],
-    )
     needed = quorum_size(R, quorum)
-    results: list[dict] = []
+    results: list[ReplicaResult] = []
     quorum_seconds = None
     try:
-        for fut in as_completed(futures):
-            results.append(fut.result())
-            logger.debug("replica result %s", results[-1])
-            if len(results) == needed and needed < R:
-                quorum_seconds = time.perf_counter() - t0
-                logger.info("epoch %d: %d of %d replicas done; stopping the rest", epoch, needed, R)
-                stop.set()
+        tasks.submit()
+        while len(results) < R:
+            pending = tasks.pending()
+            if pending:
+                try:
+                    wait(pending, timeout=0.5, return_when="FIRST_COMPLETED")
+                except TimeoutError:
+                    pass
+            for result in tasks.collect():
+                results.append(result)
+                logger.debug("replica result %s", result)
+                if len(results) == needed and needed < R:
+                    quorum_seconds = time.perf_counter() - t0
+                    logger.info(
+                        "epoch %d: %d of %d replicas done; stopping the rest", epoch, needed, R
+                    )
+                    stop.set()
     except BaseException:
         # an error, or the user's interrupt: the replicas are seceded tasks that cancelling a
         # future does not stop, so they are told to stop and awaited (as the scheduler sees
         # them) before the stop is lifted; a new fit must not run beside them
-        running = _stop_and_wait(futures, stop, float(config.get("train.stop-timeout")))
-        for f in futures:  # forgotten, so a new fit runs the same keys again
+        stop.set()
+        tasks.abort()
+        running = _wait_ended(tasks.futures(), float(config.get("train.stop-timeout")))
+        for f in tasks.futures():  # forgotten, so a new fit runs the same keys again
             if f.done():
                 f.release()
             else:
@@ -110,21 +121,99 @@ def run_replicas(
         raise
     else:
         stop.clear()
+        for f in tasks.futures():
+            f.release()
     finally:
-        if barrier_future is not None:
-            barrier_future.release()
+        tasks.close()
     return EpochRun(results, time.perf_counter() - t0, quorum_seconds)
 
 
-def _stop_and_wait(futures: Sequence[Any], stop: Any, timeout: float) -> list[str]:
-    """Set ``stop`` and wait until every replica task of ``futures`` ended (finished, erred or
-    lost, by its future's state on the scheduler); returns the keys still running after
-    ``timeout`` seconds."""
+def _tasks(
+    client: Any, jobs: Sequence[ReplicaJob], *, server: ReplicaServer, data: Any
+) -> ReplicaTasks:
+    """The tasks of ``jobs``: their partitions' where the jobs carry a partitioning."""
+    if jobs[0].partitioning is not None:
+        from ._partitioned import PartitionedReplicas
+
+        return PartitionedReplicas(client, jobs, server=server, data=data)
+    return WholeReplicas(client, jobs, server=server, data=data)
+
+
+class WholeReplicas:
+    """One epoch's whole-model replicas: a :func:`~adam_dask.train.task.run_replica` task
+    each, with ``resources={"TRAIN": 1}`` (one replica per worker at once; Dask runs a
+    replica again elsewhere when its worker dies), and in sync mode the epoch's
+    :class:`~adam_dask.train.task.SyncBarrier` actor on a PS worker."""
+
+    def __init__(
+        self, client: Any, jobs: Sequence[ReplicaJob], *, server: ReplicaServer, data: Any
+    ):
+        self.client, self.jobs, self.server, self.data = client, list(jobs), server, data
+        self.barrier: BarrierRef | None = None
+        self._barrier_future: Any = None
+        self.all: list[Any] = []
+        self.open: list[Any] = []
+        first = jobs[0]
+        if first.settings.mode == "sync":
+            host = workers_with_role(client, PS)[0]
+            # the future is held until the epoch ends: released, the scheduler would forget
+            # the actor and cancel the replicas that take it ("lost dependencies")
+            self._barrier_future = client.submit(
+                SyncBarrier,
+                len(jobs),
+                actor=True,
+                workers=[host],
+                allow_other_workers=False,
+                key=f"adam-{first.run_id}-barrier-{first.epoch}",
+            )
+            self._barrier_future.result()  # the actor is up
+            self.barrier = BarrierRef(host, self._barrier_future.key)
+
+    def submit(self) -> None:
+        """One graph for all replicas: the scheduler places them in one pass, each placement
+        raising its worker's occupancy, so they spread over the TRAIN workers. (Submitted one
+        by one, a replica that already seceded leaves its worker looking idle, and the next
+        could queue there behind the held TRAIN resource; pinning instead breaks the rerun of
+        a replica whose worker died.)"""
+        self.all = self.client.map(
+            run_replica,
+            self.jobs,
+            server=self.server,
+            data=self.data,
+            barrier=self.barrier,
+            resources={TRAIN: 1},
+            pure=False,
+            key=[f"adam-{job.run_id}-e{job.epoch}-r{job.replica}" for job in self.jobs],
+        )
+        self.open = list(self.all)
+
+    def pending(self) -> list[Any]:
+        return list(self.open)
+
+    def collect(self) -> list[ReplicaResult]:
+        """The replicas whose task ended since the last call; raises a replica's error."""
+        done = [f for f in self.open if f.done()]
+        self.open = [f for f in self.open if not f.done()]
+        return [f.result() for f in done]
+
+    def futures(self) -> list[Any]:
+        return list(self.all)
+
+    def abort(self) -> None:
+        """The epoch's stop event is what stops a whole replica."""
+
+    def close(self) -> None:
+        if self._barrier_future is not None:
+            self._barrier_future.release()
+
+
+def _wait_ended(futures: Sequence[Any], timeout: float) -> list[str]:
+    """Wait until every task of ``futures`` ended (finished, erred or lost, by its future's
+    state on the scheduler); returns the keys still running after ``timeout`` seconds."""
     from distributed import wait
 
-    stop.set()
-    try:
-        wait(list(futures), timeout=timeout)
+    try:  # the ended ones left out: a cancelled one would make wait raise
+        wait([f for f in futures if not f.done()], timeout=timeout)
     except TimeoutError:
         pass
     return [f.key for f in futures if not f.done()]

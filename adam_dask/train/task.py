@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ._result import ReplicaResult
 from ._settings import RunSettings
 from .schedule import Schedule
 
@@ -36,6 +37,7 @@ __all__ = [
     "PROGRESS_TOPIC",
     "BarrierRef",
     "EventPoll",
+    "Partitioning",
     "ReplicaJob",
     "Reporter",
     "SyncBarrier",
@@ -48,8 +50,19 @@ PROGRESS_TOPIC = "adam-progress"
 
 
 @dataclass(frozen=True, slots=True)
+class Partitioning:
+    """A replica spread over partitions, one TRAIN worker each (the
+    :class:`~adam_dask.model.partition.PartitionPlan` as its tasks need it)."""
+
+    bounds: tuple[tuple[int, int, int, int], ...]  # each partition's layers and rows
+    window: int  # mini-batches in flight through the replica
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaJob:
-    """Everything one replica needs for one epoch; small and picklable."""
+    """Everything one replica needs for one epoch; small and picklable. With ``partitioning``
+    the replica runs as its partitions' tasks (:mod:`._partitioned`), else as one
+    :func:`run_replica` task."""
 
     run_id: str
     replica: int
@@ -60,6 +73,7 @@ class ReplicaJob:
     schedule: Schedule
     share_images: int  # about this replica's share of the epoch (for the schedule's progress)
     delay: float  # seconds of sleep per batch: a deliberately slow replica (experiments)
+    partitioning: Partitioning | None = None
 
     @property
     def stop_name(self) -> str:
@@ -231,8 +245,9 @@ class BarrierRef:
 
 def run_replica(
     job: ReplicaJob, server: ReplicaServer, data: Any, barrier: BarrierRef | None = None
-) -> dict:
-    """Train replica ``job.replica`` for epoch ``job.epoch``; returns its statistics.
+) -> ReplicaResult:
+    """Train replica ``job.replica`` (whole, on this worker) for epoch ``job.epoch``; returns
+    what it did.
 
     Runs inside a Dask task on a TRAIN worker. ``server`` is a
     :class:`~adam_dask.ps.client.server.ParameterServer`, ``data`` a
@@ -280,27 +295,27 @@ def run_replica(
         stream_stats = rest.close() if rest is not None else {}
     assert rest is not None
     reporter.report(rest.images, exchange.pushes, final=True)
-    return {
-        "replica": job.replica,
-        "epoch": job.epoch,
-        "images": stats.images + retrained,
-        "images_pushed": exchange.images_pushed,
-        "images_retrained": retrained,
-        "images_before": plan.images_done,
-        "loss": stats.loss,
-        "seconds": time.perf_counter() - t0,
-        "train_seconds": stats.seconds,
-        "pushes": exchange.pushes,
-        "ps_seconds": exchange.ps_seconds,
-        "stopped": bool(stopped or rest.stopped or stats.stopped),
-        "stall_fraction": float(stream_stats.get("stall_fraction", 0.0)),
-        "wait_seconds": float(stream_stats.get("wait_seconds", 0.0)),
-        "worker": worker.address,
-        "threads": rep.threads,
-        "lr_end": rep.lr,
-        "damping": rep.damping,
-        "unreplicated_at_end": server.held()["unreplicated"],
-    }
+    return ReplicaResult(
+        replica=job.replica,
+        epoch=job.epoch,
+        images=stats.images + retrained,
+        images_pushed=exchange.images_pushed,
+        loss=stats.loss,
+        seconds=time.perf_counter() - t0,
+        train_seconds=stats.seconds,
+        pushes=exchange.pushes,
+        ps_seconds=exchange.ps_seconds,
+        stopped=bool(stopped or rest.stopped or stats.stopped),
+        workers=(worker.address,),
+        threads=rep.threads,
+        lr_end=rep.lr,
+        images_retrained=retrained,
+        images_before=plan.images_done,
+        stall_fraction=float(stream_stats.get("stall_fraction", 0.0)),
+        wait_seconds=float(stream_stats.get("wait_seconds", 0.0)),
+        damping=rep.damping,
+        unreplicated_at_end=server.held()["unreplicated"],
+    )
 
 
 def _engine(job: ReplicaJob, nthreads: int, every: int) -> HogwildReplica:

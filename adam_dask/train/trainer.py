@@ -362,6 +362,7 @@ class Trainer:
             schedule=plan.applied(self.schedule),
             images=len(self.train_split),
             slow=self.slow_replicas,
+            partition_plan=self.partition_plan if self.partitions > 1 else None,
         )
         self._progress.begin(epoch, len(self.train_split), self.progress)
         try:
@@ -371,7 +372,6 @@ class Trainer:
                 server=server,
                 data=self.dataservice,
                 quorum=self.epoch_quorum,
-                plan=self.partition_plan if self.partitions > 1 else None,
                 evaluate=self.evaluate,
             )
         finally:

@@ -35,11 +35,11 @@ def cluster():
 
 
 def trainer(store, client, **kwargs):
+    kwargs.setdefault("partitions", 2)
     return Trainer(
         store,
         model=SPEC,
         client=client,
-        partitions=2,
         lr=0.05,
         push_every=64,
         batch_size=8,
@@ -93,6 +93,50 @@ def test_settings_a_partitioned_replica_does_not_train_with_are_refused(store, c
     with pytest.raises(PartitionError, match=r"does not train with mode='sync', momentum=0.9"):
         t.fit(epochs=1)
     assert t.server is None
+
+
+@pytest.mark.timeout(300)
+def test_a_whole_and_a_partitioned_replica_return_one_result_the_epoch_reads(
+    store, cluster, monkeypatch
+):
+    from adam_dask.train import _epoch_run
+    from adam_dask.train._result import ReplicaResult
+
+    runs = []
+    real = _epoch_run.run_replicas
+
+    def spy(*args, **kwargs):  # the one entry of every epoch's replicas, whole or partitioned
+        runs.append(real(*args, **kwargs))
+        return runs[-1]
+
+    monkeypatch.setattr(_epoch_run, "run_replicas", spy)
+    records = []
+    for partitions in (1, 2):
+        t = trainer(store, cluster, replicas=1, partitions=partitions)
+        try:
+            records.append(t.fit(epochs=1).records[0])
+        finally:
+            t.close()
+    assert [[type(r) for r in run.results] for run in runs] == [[ReplicaResult]] * 2
+    (whole,), (part,) = (run.results for run in runs)
+    for r, rec in ((whole, records[0]), (part, records[1])):
+        assert r.images == r.images_pushed == rec["images_applied"] == N_TRAIN
+        assert r.pushes > 0 and r.loss == r.loss and r.threads == 1 and not r.stopped
+        assert rec["replica_workers"] == [",".join(r.workers)]
+        assert rec["cross_partition_bytes"] == r.cross_bytes
+    # what one kind measures and the other does not is None, not a missing key
+    assert [whole.partitions, len(whole.workers), whole.cross_bytes, whole.attempts] == [
+        1,
+        1,
+        0,
+        None,
+    ]
+    assert whole.damping == 1.0 and whole.stall_fraction is not None
+    assert whole.images_retrained == 0 and whole.unreplicated_at_end == 0
+    assert [part.partitions, len(set(part.workers)), part.attempts] == [2, 2, 1]
+    assert part.cross_bytes > 0
+    assert [part.damping, part.stall_fraction, part.images_retrained] == [None] * 3
+    assert records[1]["replica_damping"] == [1.0] and records[1]["stall_fraction"] == 0.0
 
 
 @pytest.mark.timeout(300)
