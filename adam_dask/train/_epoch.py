@@ -105,7 +105,8 @@ def epoch_record(
         # where its pushes covered more than the plan's period)
         "replica_lr_end": sorted(r.lr_end for r in results),
         # images per push and seconds per exchange (push and pull) over the replicas' pushes,
-        # and each replica's damping at its end (below 1: it pushed less often than planned)
+        # and the damping each replica's last rate carried (below 1: it pushed less often
+        # than planned)
         "push_images": images_pushed / pushes_made if pushes_made else None,
         "exchange_seconds": ps_seconds / pushes_made if pushes_made else None,
         "replica_damping": sorted(1.0 if r.damping is None else r.damping for r in results),

@@ -40,7 +40,7 @@ class ReplicaResult:
     images_before: int | None = None  # images of its share done before this run
     stall_fraction: float | None = None  # its data stream's time blocked / time running
     wait_seconds: float | None = None  # its data stream's time blocked
-    damping: float | None = None  # its rate's damping at the end (1: pushed as planned)
+    damping: float | None = None  # the damping lr_end carries (1: pushed as planned)
     unreplicated_at_end: int | None = None  # its pushes some copy lacked when it returned
     # partitioned replicas only
     attempts: int | None = None  # runs of its partitions (a lost partition runs them again)

@@ -10,17 +10,15 @@ talks to the parameter server.
   terms, im2col patches, a private gradient buffer), so the hot loop allocates nothing.
 * Granularity: each thread steps a small mini-batch (``batch_size``, config
   ``adam.train.batch-size``) with the fused step (:meth:`Network.step_into`: forward, backward
-  and update in one numba call that releases the GIL throughout). Per-image
-  updates, as in the paper, work (``batch_size=1``) but are slower here: every update writes all
-  the weights, and one image's dense layers reuse no weight row from cache. Measured on the
-  paper's MNIST net, 2 threads, 2 shared cores (``benchmarks/engine.py --granularity``, images/s
-  by batch size): 1: 5.9k, 2: 8.5k, 4: 11.3k, 8: 12.9k, 16: 16.0k, 32: 14.0k.
+  and update in one numba call that releases the GIL throughout). Per-image updates, as in the
+  paper, work (``batch_size=1``) but are slower here: every update writes all the weights, and
+  one image's dense layers reuse no weight row from cache. The paper's MNIST net, 2 threads, 2
+  shared cores (``benchmarks/engine.py --granularity``), images/s by batch size: 1: 5.9k,
+  2: 8.5k, 4: 11.3k, 8: 12.9k, 16: 16.0k, 32: 14.0k.
 * The delta for the parameter server is kept exactly (:mod:`._updates`): each thread also adds
   its update to its own accumulator, swapped out at a mini-batch boundary by :meth:`take`, and
-  pulled weights are installed by :meth:`install` while no thread applies. No update is dropped
-  or pushed twice, however pulls and updates interleave.
-* The learning rate follows a :class:`~adam_dask.train.schedule.Schedule` of the run's progress
-  (:meth:`set_progress`), the one schedule of the package.
+  pulled weights are installed by :meth:`install` while no thread applies: no update is dropped
+  or pushed twice. The rate follows the schedule of the run's progress (:meth:`set_progress`).
 
 >>> from adam_dask.model import Network
 >>> net = Network.from_spec("conv3x3:4,maxpool2,fc10", input_shape=(1, 8, 8), seed=0)
@@ -167,6 +165,7 @@ class HogwildReplica:
         self.lr = self.base_lr
         self.schedule = schedule
         self.damping = 1.0  # on the schedule's rate; < 1 while pushing less often (exchange)
+        self.lr_damping = 1.0  # the damping ``lr`` carries (set_progress applied it)
         self.momentum = float(config.get("train.momentum", momentum))
         self.batch_size = int(config.get("train.batch-size", batch_size))
         if self.threads < 1:
@@ -235,6 +234,7 @@ class HogwildReplica:
         """Set ``lr`` to the schedule's rate after ``epochs`` (fractional) epochs of the run
         times :attr:`damping` and return it; without a schedule ``lr`` stays as it is."""
         if self.schedule is not None:
+            self.lr_damping = self.damping
             self.lr = self.schedule.at(epochs) * self.damping
         return self.lr
 

@@ -313,7 +313,7 @@ def run_replica(
         images_before=plan.images_done,
         stall_fraction=float(stream_stats.get("stall_fraction", 0.0)),
         wait_seconds=float(stream_stats.get("wait_seconds", 0.0)),
-        damping=rep.damping,
+        damping=rep.lr_damping,  # the one lr_end carries (a later push may have changed it)
         unreplicated_at_end=server.held()["unreplicated"],
     )
 

@@ -45,9 +45,11 @@ def test_async_training_learns(store, adam_cluster, tmp_path):
     assert all(len(set(r["replica_workers"])) == 2 for r in h), h.column("replica_workers")
     # threads "auto": each replica runs its TRAIN worker's one thread, not the client's cores
     assert all(r["replica_threads"] == [1, 1] for r in h), h.column("replica_threads")
-    # each replica stepped at the schedule's own rate, which falls from lr to lr_end
+    # each replica stepped at the schedule's own rate, which falls from lr to lr_end, or below
+    # it by the damping its record names (its pushes covered more than the plan's period)
     for r in h:
-        assert all(r["lr_end"] * 0.999 <= x <= r["lr"] * 1.001 for x in r["replica_lr_end"]), r
+        low = r["lr_end"] * min(r["replica_damping"]) * 0.999
+        assert all(low <= x <= r["lr"] * 1.001 for x in r["replica_lr_end"]), r
     lines = (tmp_path / "m.jsonl").read_text().splitlines()
     assert [json.loads(l)["epoch"] for l in lines] == [0, 1, 2]
     # every image of an epoch was trained on once (the quorum is all of two replicas at 0.75)
