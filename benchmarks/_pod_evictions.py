@@ -69,7 +69,7 @@ def run(url: str, roles: list[str], args: Any) -> list[dict]:
             for epoch, role in zip(at, roles):
                 deadline = time.monotonic() + 900
                 while (records := cluster.epochs_done(epoch)) is None:
-                    if time.monotonic() > deadline or not cluster.running(job):
+                    if time.monotonic() > deadline or not cluster.job_alive(job):
                         raise RuntimeError(
                             f"epoch {epoch - 1} never ended: {cluster.logs(job, tail=10)[-800:]}"
                         )

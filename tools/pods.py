@@ -29,6 +29,7 @@ from adam_dask.train.run_state import HISTORY
 ROOT = Path(__file__).resolve().parents[1]
 JOB_YAML = ROOT / "deploy" / "operator" / "job.yaml"
 logger = logging.getLogger(__name__)
+BACKOFF_LIMIT = 6  # a Job's pod failures before it is failed (Kubernetes' default backoffLimit)
 
 
 def _one_line(text: str) -> str:
@@ -128,6 +129,8 @@ class PodCluster:
         self.counts: dict[str, int] = {}
         self.workers: dict[str, list[str]] = {}  # role -> live pod names
         self.ended: list[str] = []  # worker pods that ended by themselves, replaced
+        self.jobs: dict[str, int] = {}  # job pod -> times it was started again in place
+        self.evicted: set[str] = set()  # pods ended by kill or stop (never started again)
         self._kept = 0.0  # when the operator's loop last ran (epochs_done)
 
     # -- podman ---------------------------------------------------------------------------------
@@ -199,7 +202,29 @@ class PodCluster:
         env = dict(env, ADAM_DATA="/data/store.zarr", ADAM_CHECKPOINT="/ckpt/run")
         pod = f"{self.name}-job" + (f"-{attempt}" if attempt else "")
         self._run(pod, [script], entrypoint=command, env=env)
+        self.jobs[pod] = 0
         return pod
+
+    def job_alive(self, pod: str) -> bool:
+        """Whether the job's pod runs, after the Job's ``restartPolicy: OnFailure``
+        (deploy/operator/job.yaml) had its say: a job pod that exited non-zero by itself (not
+        by :meth:`kill` or :meth:`stop`) starts again in place, as the kubelet restarts its
+        container, up to Kubernetes' default backoff limit (6); it resumes from its checkpoint.
+        Seen here (CI, 2026-11-27): a resumed job pod's new connection to the scheduler timed
+        out (30 s) while the scheduler served its others, and the run ended with exit 2."""
+        if self.running(pod):
+            return True
+        if pod in self.evicted or self.jobs.get(pod, BACKOFF_LIMIT) >= BACKOFF_LIMIT:
+            return False
+        status = self.podman("inspect", "--format", "{{.State.ExitCode}}", self.containers[pod])
+        if int(status) == 0:
+            return False
+        self.jobs[pod] += 1
+        logger.warning(
+            "job pod %s exited %s; started again: %s", pod, status.strip(), self.logs(pod, 5)
+        )
+        self.podman("start", self.containers[pod])
+        return True
 
     def kill(self, pod: str) -> None:
         """SIGKILL the pod's every process (``podman kill``: a machine lost)."""
@@ -214,6 +239,7 @@ class PodCluster:
         return int(self.podman("inspect", "--format", "{{.State.ExitCode}}", self.containers[pod]))
 
     def _gone(self, pod: str) -> None:
+        self.evicted.add(pod)
         for pods in self.workers.values():
             if pod in pods:
                 pods.remove(pod)
@@ -262,7 +288,7 @@ class PodCluster:
         """The pod's exit status once it ends, the worker groups kept at their replicas
         meanwhile."""
         deadline = time.monotonic() + timeout
-        while self.running(pod):
+        while self.job_alive(pod) if pod in self.jobs else self.running(pod):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{pod} still running after {timeout:.0f}s")
             self.keep_replicas()

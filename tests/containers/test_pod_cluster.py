@@ -97,7 +97,7 @@ def run(pod_cluster_factory, data) -> dict:
                 assert status == 143, cluster.logs(job_pod)
                 job_pod = cluster.start_job(epochs=EPOCHS, attempt=1)
             else:
-                assert cluster.running(job_pod), cluster.logs(job_pod)
+                assert cluster.job_alive(job_pod), cluster.logs(job_pod)
                 cluster.start_worker(role)  # the operator keeps the group at its replicas
             sent.append(
                 {"epoch": epoch, "fault": how, "victim": victim, "exit": status, "gone_s": gone}
@@ -109,6 +109,8 @@ def run(pod_cluster_factory, data) -> dict:
         print(json.dumps(sent))  # the pods' logs: logs-0/ beside the checkpoint
         if cluster.ended:  # replaced as the operator would, and worth knowing
             print(f"pods that ended by themselves: {cluster.ended}")
+        if any(cluster.jobs.values()):  # started again as the Job's restartPolicy does
+            print(f"job pods started again after a failure: {cluster.jobs}")
     assert status == 0, f"the job exited {status}: {logs[-3000:]}"
     # the job's last line on stdout is its JSON result (podman logs interleaves the pod's stderr
     # with it, so it is read from its opening brace)

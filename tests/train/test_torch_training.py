@@ -95,8 +95,10 @@ def cluster(user_pkg):
         yield client
 
 
-# lr 1.0 for 2 async replicas: each steps 0.5 (adam.train.lr-replicas), momentum 0
-TRAIN_FLAGS = ["--lr", "1.0", "--push-every", "64", "--no-progress"]
+# 2 async replicas of one thread, momentum 0: each steps the full rate (adam.train.lr-streams),
+# so 0.5 each (1.0, the rate these flags gave when a replica stepped lr / R, ended one run at
+# chance since)
+TRAIN_FLAGS = ["--lr", "0.5", "--push-every", "64", "--no-progress"]
 
 
 def test_a_user_module_trains_from_the_command_line_and_loads_back(torch, store, cluster, tmp_path):
