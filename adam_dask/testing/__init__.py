@@ -308,7 +308,7 @@ def _push_state(pushers: list[PushLoad]) -> str:
         log = getattr(getattr(p.server, "_courier", None), "log", None)
         held.append(None if log is None else (len(log), log.unreplicated, log.nbytes))
     try:
-        stats = p.server.stats() if pushers else None
+        stats = pushers[0].server.stats() if pushers else None
     except Exception as exc:  # the message says it could not be read
         stats = repr(exc)
     return (
