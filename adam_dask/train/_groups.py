@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._position import Marker, encode, replica_plan
+from ._position import encode
+from ._share import Share
 from .streams import resolve_push_every
 
 if TYPE_CHECKING:
@@ -83,31 +84,30 @@ def replica_groups(
     rj: ReplicaJob, server: ReplicaServer, data: Any, stop: Flag, report: Callable[[int], None]
 ) -> Iterator[Group]:
     """Partition 0's push groups of replica ``rj``'s share: the stretches the shards' marks
-    say to re-train (:func:`~adam_dask.train._position.replica_plan`), each one group under its
+    say to re-train (a :class:`~adam_dask.train._share.Share`), each one group under its
     number, then the rest of the share from the data service ``data``; ``report(images)`` as
     each group leaves (the replica's progress events). Stops between groups once ``stop`` is
     set."""
     s = rj.settings
-    plan = replica_plan(server.marks(rj.epoch), rj.epoch, rj.replica, rj.replicas)
-    marker = Marker(rj.epoch, rj.replica, rj.replicas, plan)
-    done = plan.images_done
+    share = Share(rj, server)
+    marker = share.marker
+    done = share.images_before
 
-    def lr() -> float:
-        return rj.schedule.at(rj.epoch + min(1.0, done / max(1, rj.share_images)))
-
-    for stretch in plan.stretches:
+    for stretch in share.stretches:
         if stop.is_set():
             return
-        stream = data.stream(rj.replica, rj.replicas, rj.epoch, return_key=True, only=stretch.items)
+        stream = share.stretch_stream(data, stretch)
         try:
-            group = Group(stretch.seq, encode(stretch.items), lr=lr())
+            group = Group(
+                stretch.seq, encode(stretch.items), lr=rj.schedule.at(share.progress(done))
+            )
             group.batches = [(x, y) for x, y, _ in minibatches(stream, s.batch_size)]
         finally:
             stream.close()
         yield group
     if stop.is_set():
         return
-    stream = data.stream(rj.replica, rj.replicas, rj.epoch, return_key=True, resume=marker.position)
+    stream = share.rest_stream(data)
 
     def marks(counts: dict) -> tuple[int, list]:
         m = marker.marks(counts, 1)[0]
@@ -117,7 +117,7 @@ def replica_groups(
     try:
         every = resolve_push_every(s.push_every, rj.replicas)  # the trainer's plan set it
         for group in push_groups(stream, s.batch_size, every, marks):
-            group.lr = lr()
+            group.lr = rj.schedule.at(share.progress(done))
             done += group.images
             yield group
             report(done)

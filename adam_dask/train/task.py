@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +30,7 @@ from .schedule import Schedule
 if TYPE_CHECKING:
     from ._exchange import Exchange
     from ._handle import ReplicaServer
-    from ._position import Marker, Plan, Stretch
+    from ._share import Share
     from .replica import HogwildReplica
 
 __all__ = [
@@ -265,9 +265,9 @@ def run_replica(
     t0 = time.perf_counter()
     every = resolve_push_every(job.settings.push_every, job.replicas)  # the trainer's plan set it
     rep = _engine(job, worker.state.nthreads, every)
-    plan, marker = _start(job, rep, server)
+    share = _start(job, rep, server)
     sync = job.settings.mode == "sync"
-    exchange = _exchange(job, rep, server, marker, barrier, every)
+    exchange = _exchange(job, rep, server, share, barrier, every)
     stop = Event(job.stop_name)
     reporter = Reporter(worker, job, t0)
     stopped = stop.is_set()  # the epoch's quorum was reached before this replica started
@@ -276,10 +276,10 @@ def run_replica(
     done = False
     try:
         if not stopped:
-            retrained, stopped = _retrain(job, rep, data, exchange, plan.stretches, stop)
-        rest = _Rest(job, rep, exchange, reporter, stop, sum(marker.position.values()))
+            retrained, stopped = _retrain(rep, data, exchange, share, stop, job.delay)
+        rest = _Rest(share, exchange, reporter, stop)
         if not stopped:
-            rest.open(data, marker.position)
+            rest.open(data)
         stats = rep.train(rest.batches, on_images=rest.on_images, every=every)
         exchange.finish()
         # the result counts this replica's pushes as applied: every copy holds them first
@@ -310,7 +310,7 @@ def run_replica(
         threads=rep.threads,
         lr_end=rep.lr,
         images_retrained=retrained,
-        images_before=plan.images_done,
+        images_before=share.images_before,
         stall_fraction=float(stream_stats.get("stall_fraction", 0.0)),
         wait_seconds=float(stream_stats.get("wait_seconds", 0.0)),
         damping=rep.lr_damping,  # the one lr_end carries (a later push may have changed it)
@@ -340,24 +340,22 @@ def _engine(job: ReplicaJob, nthreads: int, every: int) -> HogwildReplica:
     return rep
 
 
-def _start(job: ReplicaJob, rep: HogwildReplica, server: ReplicaServer) -> tuple[Plan, Marker]:
-    """Where the run of ``rep`` starts: the server's weights, the plan from the data position
-    the server holds for the replica, and the marker that numbers its pushes from there."""
-    from ._position import Marker, replica_plan
+def _start(job: ReplicaJob, rep: HogwildReplica, server: ReplicaServer) -> Share:
+    """Where the run of ``rep`` starts: the server's weights, then its share as the server's
+    marks leave it (the stretches to re-train, the rest's position and push numbers)."""
+    from ._share import Share
 
     rep.set_weights(server.pull())
-    plan = replica_plan(server.marks(job.epoch), job.epoch, job.replica, job.replicas)
-    sync = job.settings.mode == "sync"
-    marker = Marker(job.epoch, job.replica, job.replicas, plan, synchronous=sync)
-    rep.set_progress(job.epoch + min(1.0, plan.images_done / max(1, job.share_images)))
-    return plan, marker
+    share = Share(job, server, synchronous=job.settings.mode == "sync")
+    rep.set_progress(share.progress(share.images_before))
+    return share
 
 
 def _exchange(
     job: ReplicaJob,
     rep: HogwildReplica,
     server: ReplicaServer,
-    marker: Marker,
+    share: Share,
     barrier: BarrierRef | None,
     every: int,
 ) -> Exchange:
@@ -367,6 +365,7 @@ def _exchange(
     from ._exchange import AsyncExchange, SyncExchange
 
     label = f"replica {job.replica} in epoch {job.epoch}"
+    marker = share.marker
     if job.settings.mode != "sync":
         return AsyncExchange(
             rep, server, label=label, marker=marker, push_every=every, damp=job.replicas > 1
@@ -381,23 +380,16 @@ def _exchange(
 
 
 def _retrain(
-    job: ReplicaJob,
-    rep: HogwildReplica,
-    data: Any,
-    exchange: Exchange,
-    stretches: Sequence[Stretch],
-    stop: Any,
+    rep: HogwildReplica, data: Any, exchange: Exchange, share: Share, stop: Any, delay: float
 ) -> tuple[int, bool]:
-    """Re-train each of ``stretches`` (images some shards miss) alone and push it under its
-    number; returns the images re-trained and whether ``stop`` ended it. A stretch stopped
+    """Re-train each of ``share``'s stretches (images some shards miss) alone and push it under
+    its number; returns the images re-trained and whether ``stop`` ended it. A stretch stopped
     midway is not pushed (its number covers all of it)."""
     retrained = 0
-    for stretch in stretches:
-        stream = data.stream(
-            job.replica, job.replicas, job.epoch, return_key=True, only=stretch.items
-        )
+    for stretch in share.stretches:
+        stream = share.stretch_stream(data, stretch)
         try:
-            st = rep.train(_Counted(stream, job.delay), stop_event=EventPoll(stop))
+            st = rep.train(_Counted(stream, delay), stop_event=EventPoll(stop))
         finally:
             stream.close()
         if st.stopped:
@@ -414,36 +406,24 @@ class _Rest:
     ``push_every`` images (:meth:`on_images`): the schedule's progress, the exchange's step, a
     progress report, the epoch's stop."""
 
-    def __init__(
-        self,
-        job: ReplicaJob,
-        rep: HogwildReplica,
-        exchange: Exchange,
-        reporter: Reporter,
-        stop: Any,
-        base: int,
-    ):
-        self.job, self.exchange, self.reporter, self.stop = job, exchange, reporter, stop
-        self.base = base  # images of the share done before these batches
+    def __init__(self, share: Share, exchange: Exchange, reporter: Reporter, stop: Any):
+        self.share, self.exchange, self.reporter, self.stop = share, exchange, reporter, stop
         self.batches = _Counted(())
         self.stream: Any = None
         self.stopped = False
 
-    def open(self, data: Any, position: dict) -> None:
-        """The share's batches from ``position`` ({(p, k): images done}) on."""
-        job = self.job
-        self.stream = data.stream(
-            job.replica, job.replicas, job.epoch, return_key=True, resume=position
-        )
-        self.batches = _Counted(self.stream, job.delay)
+    def open(self, data: Any) -> None:
+        """The rest's batches, from where the share's marks say."""
+        self.stream = self.share.rest_stream(data)
+        self.batches = _Counted(self.stream, self.share.job.delay)
 
     @property
     def images(self) -> int:
         """Images of the share done so far."""
-        return self.base + self.batches.images
+        return self.share.images_before + self.batches.images
 
     def on_images(self, rep: HogwildReplica) -> None:
-        rep.set_progress(self.job.epoch + min(1.0, self.images / max(1, self.job.share_images)))
+        rep.set_progress(self.share.progress(self.images))
         self.exchange.step()
         self.reporter.report(self.images, self.exchange.pushes)
         if self.stop.is_set():
