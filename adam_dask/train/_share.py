@@ -11,22 +11,36 @@ counts the images of the share done, those before this run included.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._position import Marker, Plan, Stretch, replica_plan
 
 if TYPE_CHECKING:
     from ._handle import ReplicaServer
-    from .task import ReplicaJob
 
-__all__ = ["Share"]
+__all__ = ["Share", "ShareJob"]
+
+
+class ShareJob(Protocol):
+    """What a share is planned from (a :class:`~adam_dask.train.task.ReplicaJob`)."""
+
+    @property
+    def replica(self) -> int: ...
+    @property
+    def replicas(self) -> int: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def share_images(self) -> int: ...
+    @property
+    def delay(self) -> float: ...
 
 
 class Share:
     """Replica ``job.replica``'s share of epoch ``job.epoch``, planned from ``server``'s marks
     (``synchronous``: each push is a share of a synchronous step, its marks say so)."""
 
-    def __init__(self, job: ReplicaJob, server: ReplicaServer, *, synchronous: bool = False):
+    def __init__(self, job: ShareJob, server: ReplicaServer, *, synchronous: bool = False):
         self.job = job
         self.plan: Plan = replica_plan(
             server.marks(job.epoch), job.epoch, job.replica, job.replicas
