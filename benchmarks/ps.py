@@ -81,7 +81,7 @@ def rate(fn, seconds: float) -> float:
 
 def bench_apply(seconds: float) -> dict:
     from adam_dask.ps.protocol.shard import ShardState
-    from adam_dask.ps.shard_kernels import apply_rate_kernel
+    from adam_dask.ps.protocol.shard_kernels import apply_rate_kernel
 
     n = 1 << 18  # 1 MB of float32: one shard
     rng = np.random.default_rng(0)

@@ -26,7 +26,7 @@ def test_the_documented_path_is_the_one_a_push_takes():
     listed = set(tool.spines(tool.DOC.read_text()))
     # both legs were seen: the replica's exchange and a node applying the push
     assert "train/_updates.py:Updates.take" in measured
-    assert "ps/shard_kernels.py:apply_all" in measured
+    assert "ps/protocol/shard_kernels.py:apply_all" in measured
     assert measured == listed, (
         f"new: {sorted(measured - listed)}, gone: {sorted(listed - measured)}; "
         "run python tools/push_path.py --write and walk the change in docs/design.md"

@@ -9,8 +9,9 @@
   out.
 * **No import cycle between packages**: package A's modules import package B's and B's import
   A's (through any chain of packages). A module belongs to the package of its directory, so a
-  package's own modules and its subpackages' are apart: ``adam_dask/cluster.py`` importing
-  ``adam_dask.dashboard`` while the dashboard imports ``adam_dask.config`` is a cycle. As
+  package's own modules and its subpackages' are apart: a module ``adam_dask/x.py`` importing
+  ``adam_dask.dashboard`` while the dashboard imports ``adam_dask.config`` is a cycle (so the
+  embedded cluster, which registers the dashboard, is the package ``adam_dask/cluster/``). As
   above, a package's ``__init__`` re-exporting its own children is left out. Each cycle is
   printed with one import per edge inside it.
 * **No import of a module of the package that does not exist** (mypy is told to ignore missing

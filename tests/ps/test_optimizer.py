@@ -14,7 +14,7 @@ from adam_dask.ps.protocol.node_machine import handle
 from adam_dask.ps.protocol.node_state import NodeState
 from adam_dask.ps.protocol.optimizer import ServerOptimizer, staleness_scale
 from adam_dask.ps.protocol.shard import ShardState
-from adam_dask.ps.shard_kernels import nesterov_step
+from adam_dask.ps.protocol.shard_kernels import nesterov_step
 
 N = 1037  # not a multiple of a SIMD width
 NESTEROV = ServerOptimizer("nesterov", 0.7, 0.9)

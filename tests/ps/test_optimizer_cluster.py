@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from adam_dask.ps import ParameterServer
-from adam_dask.ps.shard_kernels import nesterov_step
+from adam_dask.ps.protocol.shard_kernels import nesterov_step
 from adam_dask.testing import PushLoad, push_on
 from adam_dask.testing import hard_kill as kill_workers
 

@@ -8,7 +8,7 @@ import pytest
 from adam_dask.errors import UpdateRejected
 from adam_dask.ps.protocol.outer import outer_part
 from adam_dask.ps.protocol.shard import ShardState
-from adam_dask.ps.shard_kernels import first_nonfinite, scan_delta
+from adam_dask.ps.protocol.shard_kernels import first_nonfinite, scan_delta
 
 
 def test_apply_sums_and_versions():

@@ -22,8 +22,8 @@ from ...storage import normalize_url
 from ..checkpoint import init_checkpoint, read_checkpoint, read_marks, read_states
 from ..protocol.optimizer import ServerOptimizer
 from ..protocol.policy import PLUGIN_NAME
+from ..protocol.shard_kernels import first_nonfinite
 from ..runtime.plugin import ShardPlacement
-from ..shard_kernels import first_nonfinite
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from ...errors import ConfigError, UpdateRejected
 from ..protocol.outer import outer_part
 from ..protocol.request import Outer, Request, overlapping
 from ..protocol.shard import Mark
-from ..shard_kernels import first_nonfinite, scan_delta
+from ..protocol.shard_kernels import first_nonfinite, scan_delta
 from .build import shard_of
 
 __all__ = [

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import ConfigError
-from ..shard_kernels import apply_all, nesterov_step
+from .shard_kernels import apply_all, nesterov_step
 
 __all__ = ["KINDS", "ServerOptimizer", "staleness_scale"]
 

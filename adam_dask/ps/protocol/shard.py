@@ -25,10 +25,10 @@ import numpy as np
 
 from ... import config
 from ...errors import UpdateRejected
-from ..shard_kernels import first_nonfinite
 from .mark import Mark
 from .optimizer import ServerOptimizer, staleness_scale
 from .outer import outer_delta, outer_part
+from .shard_kernels import first_nonfinite
 
 logger = logging.getLogger(__name__)
 

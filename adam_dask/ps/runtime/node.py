@@ -232,7 +232,7 @@ class PSNode:
     async def start(self, key: str) -> None:
         """Compile the kernels (in a thread: the loop keeps answering), then start the timers;
         ``key`` is this actor's key (it names the node in heartbeats)."""
-        from ..shard_kernels import warm_up
+        from ..protocol.shard_kernels import warm_up
 
         await asyncio.to_thread(warm_up)
         self.key = key

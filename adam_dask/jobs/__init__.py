@@ -36,8 +36,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from ._secrets import Redactor, install, process_redactor
-from .errors import AdamError
+from .._secrets import Redactor, install, process_redactor
+from ..errors import AdamError
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +148,8 @@ def non_negative_float(text: str) -> float:
 
 def server_optimizer(text: str) -> str:
     """A server optimizer's name (``sum``, ``nesterov``, either ``+staleness``)."""
-    from .errors import ConfigError
-    from .ps.protocol.optimizer import ServerOptimizer
+    from ..errors import ConfigError
+    from ..ps.protocol.optimizer import ServerOptimizer
 
     try:
         return ServerOptimizer.resolve(text).name

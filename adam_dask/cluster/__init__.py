@@ -26,9 +26,9 @@ from typing import Any
 
 from distributed import Client, Nanny, Scheduler
 
-from . import config, sizing
+from .. import config, sizing
+from ..errors import ClusterError, ConfigError
 from ._embedded import EmbeddedClient, EmbeddedCluster
-from .errors import ClusterError, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ def local(
     try:
         client = EmbeddedClient(cluster, direct_to_workers=True, security=security)
         client.wait_for_workers(len(workers), timeout=timeout)
-        from .dashboard import register  # the Adam page (/adam) beside the Dask dashboard
+        from ..dashboard import register  # the Adam page (/adam) beside the Dask dashboard
 
         register(client)
     except Exception as exc:

@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from .._secrets import redact_urls
-from ..checkpoint_io import (
+from ..._secrets import redact_urls
+from ...checkpoint_io import (
     BLOCKS,
     FORMAT,
     FORMAT_VERSION,
@@ -52,9 +52,9 @@ from ..checkpoint_io import (
     read_manifest,
     split_block,
 )
-from ..errors import CheckpointError
-from ..storage import filesystem, join_url, normalize_url, zarr_store
-from .protocol.shard import Mark, ShardCopy
+from ...errors import CheckpointError
+from ...storage import filesystem, join_url, normalize_url, zarr_store
+from ..protocol.shard import Mark, ShardCopy
 
 logger = logging.getLogger(__name__)
 
