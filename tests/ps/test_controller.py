@@ -307,3 +307,33 @@ def test_validate_finds_a_broken_invariant(ctl):
     ctl.routing[0] = ["a", "a", "b"]
     with pytest.raises(AssertionError, match="two copies"):
         ctl.validate()
+
+
+def test_a_backup_lost_and_back_under_its_address_during_a_promotion_is_not_a_copy(ctl):
+    """Shard 0 is promoted on c with b as its backup; while the promotion is in flight b's
+    worker is lost and a fresh node starts under the same address (holding nothing). The
+    promotion's answer must not put b back into the shard's copies by its address (simulation
+    seed 77505: the controller called itself healthy with a copy that held none of the shard,
+    and a pusher waited for that copy for ever)."""
+    for t in (0.5, 1.0, 1.5, 2.0):
+        for x in "bc":
+            beat(ctl, x, t)
+        handle(ctl, Tick(t))
+    out = handle(ctl, Tick(2.1))  # a silent: declared dead, b and c fenced
+    fences = {c.addr: c for c in of(out, Call) if c.method == "fence"}
+    handle(ctl, CallDone(fences["b"].op, {0: (0, 5), 1: (0, 9)}))
+    out = handle(ctl, CallDone(fences["c"].op, {0: (0, 7), 1: (0, 9)}))
+    promote = next(c for c in of(out, Call) if c.method == "promote" and 0 in c.args[0])
+    assert promote.addr == "c" and ("b", "kb") in promote.args[0][0][1]
+    t = 2.1
+    while "b" in ctl.nodes:  # b goes silent (frozen) and is declared dead
+        t += 0.25
+        beat(ctl, "c", t)
+        handle(ctl, Tick(t))
+        assert t < 20
+    beat(ctl, "b", t + 0.1)  # it speaks again: its worker may host a new node
+    handle(ctl, NodeReady("b", "kb-new", t + 0.2))  # a fresh node, same address
+    assert ctl.nodes.get("b") == "kb-new"
+    handle(ctl, CallDone(promote.op, {0: 9}))
+    assert ctl.routing[0][0] == "c"
+    assert "b" not in ctl.routing[0]  # the new b holds none of shard 0 (yet: a copy is added)

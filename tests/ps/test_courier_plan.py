@@ -13,6 +13,7 @@ from adam_dask.ps.protocol.courier_plan import (
     Deliver,
     Done,
     GiveUp,
+    Refresh,
     Replay,
     Shed,
     Wait,
@@ -52,16 +53,26 @@ def a_push(pid: int = 99) -> Request:
     return Request("push", (0, 1), pid, "replay", values=np.zeros(8, np.float32))
 
 
-def walk(plan, now: float = 0.0, answer=None, log: ReplayLog | None = None, limit: int = 50):
+def walk(
+    plan,
+    now: float = 0.0,
+    answer=None,
+    log: ReplayLog | None = None,
+    limit: int = 50,
+    refresh=None,
+):
     """Carry out ``plan``'s steps as a runner would (a shed on ``log``, a wait moves the clock,
-    each request answered by ``answer(step, now)``); returns the steps up to its end."""
+    each request answered by ``answer(step, now)``, the routing read by ``refresh()``); returns
+    the steps up to its end."""
     steps = []
     for _ in range(limit):
         step = plan.next(now)
         steps.append(step)
         if isinstance(step, (Done, GiveUp)):
             return steps
-        if isinstance(step, Shed):
+        if isinstance(step, Refresh) and refresh is not None:
+            refresh()
+        elif isinstance(step, Shed):
             assert log is not None
             log.shed(step.below, step.primaries)
         elif isinstance(step, Wait):
@@ -119,12 +130,45 @@ def test_a_budget_reached_sheds_what_waits_for_the_checkpoint_then_asks_urgently
 
     pushing = plan.push(push)
     steps = walk(pushing, answer=answer, log=log)
-    # room for a push of 32 bytes under 48: at most 16 held. Shed 0 and 1 (32 left, not
-    # enough: 2 and 3 are on the primary alone); ask urgently; shed 2: 16 held, room
-    assert kinds(steps) == ["Shed", "Refresh", "Ask", "Shed", "Deliver", "Done"]
-    assert steps[0] == steps[3] == Shed(PART, {0: ("a", 0), 1: ("a", 0)})
+    # room for a push of 32 bytes under 48: at most 16 held. Read the routing, shed 0 and 1
+    # (32 left, not enough: 2 and 3 are on the primary alone); ask urgently; read the routing,
+    # shed 2: 16 held, room
+    assert kinds(steps) == ["Refresh", "Shed", "Ask", "Refresh", "Shed", "Deliver", "Done"]
+    assert steps[1] == steps[4] == Shed(PART, {0: ("a", 0), 1: ("a", 0)})
     assert [h.push_id for h in log.held(0)] == [3] and pushing.made_room
     assert not push.urgent  # 16 bytes held of 48: not past half
+
+
+def test_a_shed_reads_the_routing_first_so_a_shard_rebuilt_without_its_copies_keeps_them():
+    """The pusher's copy of the routing still names the primary that every copy of shard 0
+    confirmed; since it was read, every copy was lost and the controller rebuilds the shard from
+    the checkpoint. The shed reads the routing first, and keeps those pushes (they are replayed
+    to the rebuilt shard) instead of letting them go as if they waited for the checkpoint alone
+    (the simulation found it: seeds 10173 and 4 more of 100,000)."""
+    log = ReplayLog()
+    for pid in range(4):
+        held(log, pid, 0, pid + 1)
+    log.confirm(0, "a", 0, 4, durable=0)  # every copy held all four, the checkpoint none
+    r = routing(["a", "a"])
+    plan = CourierPlan(log, r, SHARDS, 3 * PART, TIMEOUT, INTERVAL)
+
+    def rebuilt():
+        r.set(
+            {
+                "routing": [[], ["a", "x", "y"]],
+                "gens": [0, 0],
+                "nodes": {},
+                "pending": [0],
+                "lost": [],
+                "generation": 3,
+                "healthy": False,
+            }
+        )
+
+    steps = walk(plan.push(a_push()), log=log, refresh=rebuilt, limit=2)
+    assert kinds(steps) == ["Refresh", "Shed"]
+    assert 0 not in steps[1].primaries
+    assert [h.push_id for h in log.held(0)] == [0, 1, 2, 3]
 
 
 def test_waiting_for_room_asks_again_after_a_short_wait_until_the_copies_hold_them():
@@ -141,10 +185,11 @@ def test_waiting_for_room_asks_again_after_a_short_wait_until_the_copies_hold_th
                 log.confirm(0, "a", 0, 2, durable=2)
 
     steps = walk(plan.push(a_push()), answer=answer, log=log)
-    # nothing every copy holds to shed: the push waits, asking after 2 ms, then 4 ms; the
-    # routing is read once (at most every half forward interval)
-    assert kinds(steps) == ["Shed", "Refresh"] + ["Ask", "Shed", "Wait"] * 2 + [
+    # nothing every copy holds to shed: the push waits, asking after 2 ms, then 4 ms; each
+    # shed on a routing read just before
+    assert kinds(steps) == ["Refresh", "Shed"] + ["Ask", "Refresh", "Shed", "Wait"] * 2 + [
         "Ask",
+        "Refresh",
         "Shed",
         "Deliver",
         "Done",
@@ -178,10 +223,19 @@ def test_waiting_for_room_backs_off_while_nothing_is_let_go_and_starts_again_on_
     assert waits[:4] == [0.002, 0.004, 0.008, 0.016]
     after = waits[waits.index(INTERVAL / 2) :]
     assert 0.002 in after  # progress at 10 s: short waits again
-    reads = [i for i, s in enumerate(steps) if type(s).__name__ == "Refresh"]
+    # every shed on a routing read just before; the other reads (for the replays) at most
+    # every half forward interval
+    assert all(
+        isinstance(steps[i - 1], Refresh) for i, s in enumerate(steps) if isinstance(s, Shed)
+    )
+    replay_reads = [
+        i
+        for i, s in enumerate(steps)
+        if isinstance(s, Refresh) and not isinstance(steps[i + 1], Shed)
+    ]
     clock, read_times = 0.0, []
     for i, s in enumerate(steps):
-        if i in reads:
+        if i in replay_reads:
             read_times.append(clock)
         if isinstance(s, Wait):
             clock += s.seconds
@@ -227,7 +281,17 @@ def test_a_push_whose_shard_moved_is_replayed_not_shed():
             log.confirm(0, "c", 1, 2, durable=2)
 
     steps = walk(plan.push(a_push()), answer=answer, log=log)
-    assert kinds(steps) == ["Shed", "Refresh", "Replay", "Replay", "Ask", "Shed", "Deliver", "Done"]
+    assert kinds(steps) == [
+        "Refresh",
+        "Shed",
+        "Replay",
+        "Replay",
+        "Ask",
+        "Refresh",
+        "Shed",
+        "Deliver",
+        "Done",
+    ]
     assert not log  # both replayed, then durable at the new primary: none was let go of
 
 
