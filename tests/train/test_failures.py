@@ -126,7 +126,15 @@ def test_ps_worker_killed_mid_epoch(store, cluster):
 def test_sync_step_waiting_for_a_frozen_replica_fails_naming_it(store, cluster):
     """Sync mode: the TRAIN worker of replica 1 is frozen (SIGSTOP) mid-epoch; replica 0 waits
     at the step's barrier for adam.train.sync-timeout, then the run stops with an error that
-    names replica 1, instead of going on unsynchronised."""
+    names replica 1, instead of going on unsynchronised. The frozen replica's task never ends,
+    so the stop waits adam.train.stop-timeout for it and the stopped epoch's flush as long
+    again: 10 s each here (30 s by default), so the run ends well within the join below on a
+    loaded machine (CI, beside a simulation, took more than 120 s with the defaults)."""
+    with dask.config.set({"adam.train.stop-timeout": 10.0}):
+        _sync_step_waiting_for_a_frozen_replica(store, cluster)
+
+
+def _sync_step_waiting_for_a_frozen_replica(store, cluster):
     with dask.config.set({"adam.train.sync-timeout": 10.0}):
         t = Trainer(
             store,
