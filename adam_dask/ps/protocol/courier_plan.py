@@ -11,14 +11,15 @@ for the next step with the time. A plan ends with :class:`Done` or :class:`GiveU
 
 * :class:`Pushing`, one push: **make room** under the byte budget (:func:`replay_budget`:
   ``adam.ps.replay-bytes``, never under two pushes of the whole model): read the routing and
-  shed what waits for the checkpoint alone, then settle until there is room, asking urgently; the push asks its
-  primaries to forward at once past half the budget (its own answer then confirms the pushes
-  before it); **replay** the held pushes whose primary moved; **deliver** the push.
+  shed what waits for the checkpoint alone, then settle until there is room, asking urgently;
+  the push asks its primaries to forward at once past half the budget (its own answer then
+  confirms the pushes before it); **replay** the held pushes whose primary moved; **deliver**
+  the push.
 * :class:`Settling`, until the held pushes take at most ``below`` bytes (or every copy holds
   them): rounds of reading the routing, replaying what moved and asking the primaries what every
   copy holds (``confirmed``; urgent while waiting for room, after which the routing is read
-  and what waits for the checkpoint alone is shed), then a wait. It gives up with :class:`ShardUnavailable` after the
-  fail-over timeout without progress (the held bytes going down restarts it) while some copy
+  and what waits for the checkpoint alone is shed), then a wait. It gives up with
+  :class:`ShardUnavailable` after the fail-over timeout without progress (the held bytes going down restarts it) while some copy
   still lacks a push, and keeps waiting where only the checkpoint is behind.
 * :class:`Replaying`: the held pushes whose primary moved, to the new primary (same push ids),
   one request at a time, each made from the log just before it is sent.
@@ -166,8 +167,8 @@ class CourierPlan:
         every copy holds each held push, the checkpoint may lag), waiting half the forward
         interval between rounds (waiting for room, ``below`` > 0: :data:`ROOM_WAIT`, doubled
         while nothing is let go, up to that), the routing read for the replays at most every
-        half interval; ``limit``: seconds in all before a :class:`TimeoutError`; ``read_at``: when the
-        routing was last read (a push that just read it does not read it again at once for
+        half interval; ``limit``: seconds in all before a :class:`TimeoutError`; ``read_at``:
+        when the routing was last read (a push that just read it does not read it again at once for
         its replays). While waiting for room, each round reads the routing again just before
         it sheds (see :class:`Pushing`); the rounds' waits bound how often."""
         return Settling(self, now, below, copies_only, limit, read_at)
