@@ -5,7 +5,8 @@ for the default net, and builds a whole replica's :class:`~adam_dask.train._exch
 in this process as a TRAIN task does. After a warm-up push (connections opened, kernels
 compiled), it profiles every thread here and every *new* thread on the PS workers
 (``threading.setprofile``, installed on the workers before any handle connects, so their
-connection threads are profiled), makes a fresh handle as a TRAIN task gets one, trains the replica on a few mini-batches untraced, and then traces one exchange:
+connection threads are profiled), makes a fresh handle as a TRAIN task gets one, trains the
+replica on a few mini-batches untraced, and then traces one exchange:
 ``step()`` on this thread (what a training thread calls when a push is due), the exchange
 thread's push-and-pull, and each node's connection thread serving it. The forward to the
 backups is not part of the push (it goes on the forwarder's timer, set to a minute here so

@@ -19,8 +19,9 @@ for the next step with the time. A plan ends with :class:`Done` or :class:`GiveU
   them): rounds of reading the routing, replaying what moved and asking the primaries what every
   copy holds (``confirmed``; urgent while waiting for room, after which the routing is read
   and what waits for the checkpoint alone is shed), then a wait. It gives up with
-  :class:`ShardUnavailable` after the fail-over timeout without progress (the held bytes going down restarts it) while some copy
-  still lacks a push, and keeps waiting where only the checkpoint is behind.
+  :class:`ShardUnavailable` after the fail-over timeout without progress (the held bytes going
+  down restarts it) while some copy still lacks a push, and keeps waiting where only the
+  checkpoint is behind.
 * :class:`Replaying`: the held pushes whose primary moved, to the new primary (same push ids),
   one request at a time, each made from the log just before it is sent.
 
