@@ -129,8 +129,14 @@ class Traffic:
                 return
             self.w.nodes[x] = self.w._make_node(x)  # a new actor (an old one there is no member)
             self.w.nodes[x].next_beat = self.w.now
-            self.w.log(f"  node ready {x} ({self.w.nodes[x].key})")
-            self.w.ctl_handle(NodeReady(x, self.w.nodes_key(x), self.w.now))
+            # the answer to the node's start travels to the plugin as its first beat does:
+            # either may reach the controller first
+            key = self.w.nodes_key(x)
+            self.w.send("sched", "ready", 0, (x, key), delay=self.w.start_rng.choice([0.0, 0.3]))
+        elif kind == "ready":
+            x, key = x
+            self.w.log(f"  node ready {x} ({key})")
+            self.w.ctl_handle(NodeReady(x, key, self.w.now))
         elif kind == "create-failed":
             self.w.log(f"  no node on {x}: the worker stayed frozen")
             self.w.ctl_handle(NodeFailed(x, "TimeoutError: the actor did not start"))

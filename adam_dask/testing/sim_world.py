@@ -112,6 +112,9 @@ class World:
         self.rounds = int(rounds)  # > 0: push k is a share of synchronous step k // rounds
         self.rng = random.Random(seed)
         rng = self.rng
+        # whether a started node's first beat overtakes the answer to its start: a stream of
+        # its own, so schedules that create no node stay those of the seed before it was drawn
+        self.start_rng = random.Random(f"{seed}:node-start")
         self.seed = seed
         self.now = 0.0
         self.trace: list[str] = []

@@ -217,6 +217,24 @@ def test_all_copies_lost_restores_from_the_checkpoint(ctl):
     }
 
 
+def test_a_new_nodes_first_beat_before_its_ready_does_not_retire_it(ctl):
+    """The node started on a worker beats before the answer to its start (NodeReady, with its
+    key) reaches the controller: it is not told "no member" (it would stop serving for good
+    while the controller counts it and places copies on it)."""
+    out = []
+    for x in "abc":
+        out += handle(ctl, WorkerRemoved(x, 1.0))
+    assert of(out, CreateNode) == [CreateNode("d")]
+    early = handle(ctl, Beat("r1", "d", "kd", 1.05, {}))  # its first beat overtakes NodeReady
+    assert of(early, Reply)[0].value.member
+    assert "d" not in ctl.nodes  # only NodeReady makes it a node
+    handle(ctl, NodeReady("d", "kd", 1.1))
+    assert ctl.nodes["d"] == "kd"
+    assert of(handle(ctl, Beat("r2", "d", "kd", 1.3, {})), Reply)[0].value.member
+    # once no node is being created there, a stranger's beat is told it is no member
+    assert not of(handle(ctl, Beat("r3", "d", "kd-old", 1.4, {})), Reply)[0].value.member
+
+
 def test_most_nodes_silent_at_once_is_a_stall_not_a_massacre(ctl):
     retired = []
     for i in range(1, 15):  # only c beats: a and b are silent (a compiler, a swap storm...)

@@ -81,14 +81,14 @@ def test_a_primary_promoted_again_keeps_its_shard_when_its_older_block_is_refuse
 
 LOST_ANSWER = [
     (
-        118,
-        "w4, w5 and w1 crash at once; a controller call's answer is lost, and a primary "
-        "promoted again meets the refusal of its older block",
+        212,
+        "a storage outage while w1 and w3 are frozen and declared dead; a controller call's "
+        "answer is lost, and a primary promoted again meets the refusal of its older block",
     ),
     (
-        162,
-        "a storage outage while w3 is frozen and declared dead; a controller call's answer "
-        "is lost, and a primary promoted again meets the refusal of its older block",
+        330,
+        "w1 frozen for six seconds and declared dead; a controller call's answer is lost, and "
+        "a primary promoted again meets the refusal of its older block",
     ),
 ]
 
@@ -157,14 +157,14 @@ def test_a_new_node_on_a_backups_worker_is_sent_everything():
 
 NEW_NODE = [
     (
-        180,
-        "three nodes, one shard; w1 and w2 crash, the new w4 freezes, is declared dead, "
-        "speaks again and gets a new node",
+        177,
+        "w1, w2 and w3 crash at once; the new w5 freezes, is declared dead, speaks again and "
+        "gets a new node",
     ),
     (
-        382,
-        "three nodes; w1 crashes, the new w4 freezes for six seconds, is declared dead and "
-        "gets a new node when it wakes",
+        442,
+        "w4 and w3 freeze, w2 crashes; the new w5 freezes for three seconds, is declared dead "
+        "and gets a new node when it wakes",
     ),
 ]
 

@@ -221,6 +221,12 @@ class ServerState:
 
     def on_beat(self, ev: Beat) -> list:
         self.now = max(self.now, ev.now)
+        if self.nodes.get(ev.addr) != ev.key and ev.addr in self.creating:
+            # a node starting there: its first beat can overtake the answer to its start (the
+            # NodeReady that names its key). "No member" would retire it for good while the
+            # controller goes on to count it and place copies on it, which it then refuses.
+            # The answer without generations is the one a lost reply leaves: nothing changes.
+            return [Reply(ev.req, BeatReply(True, {}))]
         if self.nodes.get(ev.addr) != ev.key:
             if self.suspects.pop(ev.addr, None) is not None:
                 # the worker lives: its old node is out for good, the worker may host a new one
