@@ -245,11 +245,12 @@ class Accumulate:
 
 
 class Update:
-    """A :class:`GradientSink` that applies each layer's plain SGD step (``-lr * grad``, no
-    momentum) to the weights in ``flat`` and adds it to ``acc`` (like ``flat``) as soon as the
-    layer's gradient is known. ``offsets``: a parameter's name -> its offset in ``flat``;
-    ``grads``: position -> a conv or bn layer's flat (weight, bias) gradient buffer, zero
-    between steps (each update zeroes it); ``row``: the dense layers' scratch row."""
+    """A :class:`GradientSink` that applies each layer's SGD step to the weights in ``flat`` and
+    adds it to ``acc`` (like ``flat``) as soon as the layer's gradient is known: ``u = momentum
+    * v - lr * grad`` (``v <- u``, ``velocity`` like ``flat``; plain ``-lr * grad`` when
+    ``momentum`` is 0 or ``velocity`` None). ``offsets``: a parameter's name -> its offset in
+    ``flat``; ``grads``: position -> a conv or bn layer's flat (weight, bias) gradient buffer,
+    zero between steps (each update zeroes it); ``row``: the dense layers' scratch row."""
 
     def __init__(
         self,
@@ -259,10 +260,17 @@ class Update:
         lr: float,
         grads: dict[int, np.ndarray],
         row: np.ndarray,
+        velocity: np.ndarray | None = None,
+        momentum: float = 0.0,
     ):
         self.flat, self.offsets, self.acc, self.lr = flat, offsets, acc, lr
         self.grads, self.row = grads, row
+        self.momentum = float(momentum) if velocity is not None else 0.0
+        self.velocity = velocity if self.momentum > 0.0 else None
         self.none = np.zeros(0, np.float32)  # no velocity: plain SGD
+
+    def _velocity(self, lo: int, hi: int) -> np.ndarray:
+        return self.none if self.velocity is None else self.velocity[lo:hi]
 
     def gradients(self, j: int, layer: Layer, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         g = self.grads[j]
@@ -272,23 +280,26 @@ class Update:
         g = self.grads[j]
         lo = self.offsets[f"{layer.index}.weight"]
         hi = lo + g.shape[0]
-        F.sgd_update_into(self.flat[lo:hi], self.acc[lo:hi], g, self.none, self.lr, 0.0)
+        v = self._velocity(lo, hi)
+        F.sgd_update_into(self.flat[lo:hi], self.acc[lo:hi], g, v, self.lr, self.momentum)
 
     def dense(self, layer, dx, dout, x, w, b, need_dx) -> None:
         lo = self.offsets[f"{layer.index}.weight"]
         o, isz = w.shape
+        mid, hi = lo + w.size, lo + w.size + b.size
+        vw = self._velocity(lo, mid).reshape(-1, isz)
         F.dense_backward_update(
             dx,
             w,
             b,
-            self.none.reshape(0, isz),
-            self.none,
-            self.acc[lo : lo + w.size].reshape(o, isz),
-            self.acc[lo + w.size : lo + w.size + b.size],
+            vw,
+            self._velocity(mid, hi),
+            self.acc[lo:mid].reshape(o, isz),
+            self.acc[mid:hi],
             self.row[:isz],
             dout,
             x.reshape(x.shape[0], -1),
             self.lr,
-            0.0,
+            self.momentum,
             need_dx,
         )

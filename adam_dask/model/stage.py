@@ -191,16 +191,22 @@ class Stage:
         *,
         dout: np.ndarray | None = None,
         labels: np.ndarray | None = None,
+        velocity: np.ndarray | None = None,
+        momentum: float = 0.0,
     ) -> float:
         """The backward pass of the mini-batch last forwarded in ``ctx`` and the update of the
-        stage's weights (``flat += -lr * grad``, and ``acc += -lr * grad``).
+        stage's weights (``flat += u`` and ``acc += u``, ``u = -lr * grad``; with ``momentum``
+        > 0 and a ``velocity`` like ``flat``, the caller's, ``u = momentum * velocity - lr *
+        grad`` and ``velocity <- u``, as the whole network's step).
 
         ``dout`` (n, *out_shape): the error wrt the stage's output (every stage but the last);
         ``labels`` (n,) int64: the last stage's targets (its loss is the mean softmax
         cross-entropy). Writes ``ctx.din[:n]`` (error wrt the input) unless the stage is first
         in the network. Returns the mean loss (last stage), else 0."""
+        mu = float(momentum) if velocity is not None else 0.0
         if self.rows is not None:
-            return self._slice_backward(ctx, n, lr, acc, dout, labels)
+            vel = velocity if mu > 0.0 else None
+            return self._slice_backward(ctx, n, lr, acc, dout, labels, vel, mu)
         loss = 0.0
         dlast = ctx.errs[-1][:n]
         if self.last:
@@ -209,7 +215,7 @@ class Stage:
         else:
             assert dout is not None
             dlast[...] = dout[:n]
-        sink = Update(self.flat, self.offsets, acc, lr, ctx.grads, ctx.row)
+        sink = Update(self.flat, self.offsets, acc, lr, ctx.grads, ctx.row, velocity, mu)
         din = None if self.first == 0 else ctx.din  # the network's first layer: no input error
         backward_layers(self.layers, self.parameters, ctx, ctx.x, n, sink, din)
         return loss
@@ -247,6 +253,8 @@ class Stage:
         acc: np.ndarray,
         dout: np.ndarray | None,
         labels: np.ndarray | None,
+        velocity: np.ndarray | None,
+        momentum: float,
     ) -> float:
         assert self.rows is not None
         r0, r1 = self.rows
@@ -269,7 +277,8 @@ class Stage:
                     ACT_BWD[L.act](dz, y)
             ctx.gbias[...] = dz.sum(axis=0)
             nb = self.O
-            F.sgd_update_into(self.bias, acc[acc.shape[0] - nb :], ctx.gbias, ctx.novel, lr, 0.0)
+            vb = ctx.novel if velocity is None else velocity[velocity.shape[0] - nb :]
+            F.sgd_update_into(self.bias, acc[acc.shape[0] - nb :], ctx.gbias, vb, lr, momentum)
             own = np.ascontiguousarray(dz[:, r0:])
             before = dz[:, :r0]
         else:
@@ -283,15 +292,15 @@ class Stage:
             dx if need_dx else ctx.dummy,
             self.weight,
             ctx.scratch_bias,
-            ctx.novel[:0].reshape(0, I),
-            ctx.novel[:0],
+            ctx.novel.reshape(0, I) if velocity is None else velocity[: rows * I].reshape(rows, I),
+            ctx.novel if velocity is None else ctx.scratch_bias_velocity,
             acc[: rows * I].reshape(rows, I),
             ctx.scratch_bias_acc,
             ctx.row[:I],
             own,
             ctx.xs,
             lr,
-            0.0,
+            momentum,
             need_dx,
         )
         din = ctx.din[:n].reshape(n, -1)
@@ -344,7 +353,7 @@ class StageContext:
         self.probs = np.zeros((B, stage.classes), np.float32)
         self.losses = np.zeros(B, np.float32)
         self.dummy = np.zeros((1, 1), np.float32)
-        self.novel = np.zeros(0, np.float32)  # no velocity: partitions train without momentum
+        self.novel = np.zeros(0, np.float32)  # no velocity: plain SGD
         if stage.rows is not None:  # a dense layer's slice
             r0, r1 = stage.rows
             self.acts = [np.zeros((B, *stage.out_shape), np.float32)]
@@ -353,6 +362,7 @@ class StageContext:
             self.zero_bias = np.zeros(r1 - r0, np.float32)
             self.scratch_bias = np.zeros(r1 - r0, np.float32)  # the bias is the last slice's
             self.scratch_bias_acc = np.zeros(r1 - r0, np.float32)
+            self.scratch_bias_velocity = np.zeros(r1 - r0, np.float32)
             self.gbias = np.zeros(stage.O, np.float32)
             self.dx = np.zeros((B, stage.I), np.float32)
             self.xs = self.dx

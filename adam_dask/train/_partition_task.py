@@ -135,6 +135,7 @@ def _run_partition(job: PartitionJob, server: ReplicaServer, data: Any) -> dict:
         stop=stop,
         abort=abort,
         timeout=job.timeout,
+        momentum=s.momentum,
     )
     reporter = Reporter(worker, rj, t0)
     groups = None
@@ -175,7 +176,6 @@ def cluster_plan(client: Any, net: Any, settings: Any, partitions: int) -> Any:
             what
             for what, on in (
                 ("mode='sync'", settings.mode == "sync"),
-                (f"momentum={settings.momentum}", settings.momentum > 0),
                 ("offload_dense", settings.offload_dense),
                 (f"dropout={net.dropout}", net.dropout > 0),
             )

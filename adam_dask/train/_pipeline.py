@@ -101,6 +101,7 @@ class PartitionRunner:
         stop: Any = None,
         abort: Any = None,
         timeout: float = 60.0,
+        momentum: float = 0.0,
     ):
         self.stage, self.index, self.parts = stage, int(index), int(parts)
         self.first, self.last = self.index == 0, self.index == self.parts - 1
@@ -113,6 +114,12 @@ class PartitionRunner:
         # accumulators: one per thread and group parity, and whether each may hold updates
         # (an install adds only those)
         self._accs = [[np.zeros(n, np.float32) for _ in range(2)] for _ in range(self.threads)]
+        # with momentum, each thread's velocity over the stage (as a whole replica's threads)
+        m = float(momentum)
+        self._steps: list[dict[str, Any]] = [
+            {"velocity": np.zeros(n, np.float32), "momentum": m} if m > 0 else {}
+            for _ in range(self.threads)
+        ]
         self._touched = [[False, False] for _ in range(self.threads)]
         # zeroed buffers: a take swaps one in for thread 0's accumulator, which is pushed
         self._buffers: queue.Queue[np.ndarray] = queue.Queue()
@@ -340,13 +347,18 @@ class PartitionRunner:
                     out = stage.forward_into(ctx, values, n)
                     if self.last:
                         acc = self._acc(t, info["g"])
-                        loss = stage.backward_update(ctx, n, info["lr"], acc, labels=y)
+                        loss = stage.backward_update(
+                            ctx, n, info["lr"], acc, labels=y, **self._steps[t]
+                        )
                         with self._lock:
                             self.images += n
                             self.loss_sum += loss * n
                         self._applied(info)
-                        assert self.up is not None
-                        self.up.send({"op": "b", "mb": mb, "n": n}, ctx.din[:n])
+                        if self.first:  # the whole model, one stage: the mini-batch is back
+                            self._back(info["g"])
+                        else:
+                            assert self.up is not None
+                            self.up.send({"op": "b", "mb": mb, "n": n}, ctx.din[:n])
                         self._contexts.put(ctx)
                     else:
                         with self._lock:
@@ -362,7 +374,7 @@ class PartitionRunner:
                         ctx, info = self._pending.pop(mb)
                     n = len(values)
                     acc = self._acc(t, info["g"])
-                    stage.backward_update(ctx, n, info["lr"], acc, dout=values)
+                    stage.backward_update(ctx, n, info["lr"], acc, dout=values, **self._steps[t])
                     if self.first:
                         with self._lock:
                             self.images += n

@@ -88,3 +88,36 @@ def test_a_dense_layers_slices_hold_its_rows_and_the_last_one_its_bias():
     np.testing.assert_array_equal(b.bias, net.parameters["0.bias"])
     assert a.bias is None and (a.in_shape, a.out_shape) == ((1, 6, 6), (36 + 15,))
     assert (b.in_shape, b.out_shape) == ((36 + 15,), (40,)) and c.in_shape == (40,)
+
+
+@pytest.mark.parametrize(("spec", "shape", "bounds"), [SPECS[2], SPECS[4], SPECS[5]])
+def test_the_stages_momentum_steps_equal_the_whole_networks(spec, shape, bounds):
+    """Two steps with momentum (each stage's velocity its own, like its weights) move every
+    weight as SGD with momentum on the whole network does: v = mu v - lr g, w += v."""
+    lr, mu = 0.1, 0.9
+    net = Network.from_spec(spec, input_shape=shape, activation="relu", seed=2)
+    ref = Network.from_spec(spec, input_shape=shape, activation="relu", seed=2)
+    stages = stages_of(net, bounds)
+    vels = [np.zeros(s.size, np.float32) for s in stages]
+    v = np.zeros_like(ref.flat)
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        x = rng.random((5, *shape), dtype=np.float32)
+        y = rng.integers(0, 10, 5)
+        _, g = ref.loss_and_gradient(x, y)
+        v = mu * v - lr * g
+        ref.flat += v
+        ctxs = [s.context(5) for s in stages]
+        inp = x
+        for s, c in zip(stages, ctxs):
+            inp = s.forward_into(c, inp, 5).copy()
+        dout = None
+        for k in range(len(stages) - 1, -1, -1):
+            s, c, acc = stages[k], ctxs[k], np.zeros(stages[k].size, np.float32)
+            kw = {"labels": y} if s.last else {"dout": dout}
+            s.backward_update(c, 5, lr, acc, velocity=vels[k], momentum=mu, **kw)
+            np.testing.assert_allclose(acc, vels[k], rtol=1e-6)  # what it pushes is its step
+            dout = c.din
+    for s, vel in zip(stages, vels):
+        np.testing.assert_allclose(s.flat, ref.flat[s.start : s.stop], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(vel, v[s.start : s.stop], rtol=1e-3, atol=1e-6)

@@ -45,7 +45,7 @@ class RangedStore:
         return out
 
 
-def _replica(net, bounds, store, groups, *, break_after=None, threads=2):
+def _replica(net, bounds, store, groups, *, break_after=None, threads=2, momentum=0.0):
     stages = stages_of(net, bounds)
     P = len(stages)
     pairs = [socket.socketpair() for _ in range(P - 1)]
@@ -62,6 +62,7 @@ def _replica(net, bounds, store, groups, *, break_after=None, threads=2):
             up=Link(pairs[k - 1][1]) if k > 0 else None,
             down=Link(pairs[k][0]) if k < P - 1 else None,
             timeout=30,
+            momentum=momentum,
         )
         for k, s in enumerate(stages)
     ]
@@ -94,14 +95,16 @@ def _groups(x, y, marker, lr=0.05):
 
 
 @pytest.mark.parametrize(
-    "bounds",
+    ("bounds", "momentum"),
     [
-        [(0, 2), (2, 4)],
-        [(0, 1), (1, 3), (3, 4)],
-        [(0, 2), (2, 3, 0, 16), (2, 3, 16, 32), (3, 4)],  # the dense layer split by neurons
+        ([(0, 2), (2, 4)], 0.0),
+        ([(0, 1), (1, 3), (3, 4)], 0.0),
+        ([(0, 2), (2, 3, 0, 16), (2, 3, 16, 32), (3, 4)], 0.0),  # a dense layer split by neurons
+        ([(0, 4)], 0.0),  # the whole model, one stage
+        ([(0, 2), (2, 3, 0, 16), (2, 3, 16, 32), (3, 4)], 0.9),  # each thread's velocity
     ],
 )
-def test_a_partitioned_replica_trains_and_pushes_every_group_once_per_partition(bounds):
+def test_a_partitioned_replica_trains_and_pushes_every_group_once_per_partition(bounds, momentum):
     net = Network.from_spec(SPEC, input_shape=(1, 12, 12), seed=0)
     x, y = synthetic_digits(1536, seed=0, size=12)
     x = x[:, None].astype(np.float32) / 255
@@ -109,9 +112,9 @@ def test_a_partitioned_replica_trains_and_pushes_every_group_once_per_partition(
     store = RangedStore(net.flat, [(s.start, s.stop) for s in stages])
     before = net.evaluate(x, y)
     marker = Marker(0, 0, 1)
-    runners, results = _replica(
-        net, bounds, store, [*_groups(x, y, marker), *_groups(x, y, marker)]
-    )
+    lr = 0.05 * (1 - momentum)  # the same step once the velocity has built up
+    groups = [*_groups(x, y, marker, lr), *_groups(x, y, marker, lr)]
+    runners, results = _replica(net, bounds, store, groups, momentum=momentum)
     assert all(r["aborted"] is None for r in results.values())
     assert results[0]["images"] == results[len(bounds) - 1]["images"] == 2 * len(y)
     # every partition pushed every group, each once
