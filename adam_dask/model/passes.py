@@ -103,9 +103,13 @@ def forward_layers(
     train: bool = True,
     population: dict[int, np.ndarray] | None = None,
     collect: np.ndarray | None = None,
+    dropout: float = 0.0,
+    output: int = -1,
 ) -> np.ndarray | None:
     """Forward ``x[:n]`` through ``layers`` in ``ctx``; returns the last layer's output view
-    (n, *out_shape).
+    (n, *out_shape). In training, ``dropout`` > 0: the outputs of the hidden dense layers (fc,
+    index below ``output``, the network's output layer) go through inverted dropout after their
+    activation (:func:`kernels.dropout_forward`, as the fused step does).
 
     ``train``: bn layers normalise by the batch's statistics (kept in ``ctx.stats`` for the
     backward pass), else by ``population`` (layer index -> (2, C) mean and variance). With
@@ -145,8 +149,15 @@ def forward_layers(
             K.dense_forward(out, inp.reshape(n, -1), params[f"{i}.weight"], params[f"{i}.bias"])
         if L.act is not None:
             ACT_FWD[L.act](out)
+        if train and _drops(L, dropout, output):
+            K.dropout_forward(out, dropout, -1)
         inp = out
     return inp
+
+
+def _drops(layer: Layer, dropout: float, output: int) -> bool:
+    """Whether ``layer``'s output goes through dropout: a hidden dense layer, rate > 0."""
+    return dropout > 0.0 and layer.kind == "fc" and layer.index < output
 
 
 def softmax_loss(
@@ -174,15 +185,20 @@ def backward_layers(
     n: int,
     sink: GradientSink,
     din: np.ndarray | None = None,
+    dropout: float = 0.0,
+    output: int = -1,
 ) -> None:
     """Backward through ``layers`` from the error wrt the last one's output (already in
-    ``ctx.errs[-1][:n]``, before its activation's derivative) down to ``din[:n]``, the error
-    wrt ``x`` (the run's input of the forward pass); ``din`` None: the run starts the network
-    and nobody needs it. Each layer's parameter gradient goes to ``sink``."""
+    ``ctx.errs[-1][:n]``, before its dropout and activation's derivative) down to ``din[:n]``,
+    the error wrt ``x`` (the run's input of the forward pass); ``din`` None: the run starts the
+    network and nobody needs it. Each layer's parameter gradient goes to ``sink``. ``dropout``,
+    ``output``: as :func:`forward_layers` (a dropped layer's mask is read from its output)."""
     for j in range(len(layers) - 1, -1, -1):
         L = layers[j]
         i = L.index
         dout = ctx.errs[j][:n]
+        if _drops(L, dropout, output):  # its mask is in its output (relu: kept values > 0)
+            K.dropout_backward(dout, ctx.acts[j][:n], dropout)
         if L.act is not None:
             ACT_BWD[L.act](dout, ctx.acts[j][:n])
         inp = x[:n] if j == 0 else ctx.acts[j - 1][:n]

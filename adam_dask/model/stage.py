@@ -75,8 +75,6 @@ class Stage:
     ):
         if not 0 <= first < stop <= len(net.layers):
             raise ValueError(f"no layers [{first}, {stop}) in a network of {len(net.layers)}")
-        if net.dropout > 0.0:
-            raise ValueError("a partitioned network does not support dropout")
         self.layers: list[Layer] = list(net.layers[first:stop])
         self.first, self.stop_layer = first, stop
         self.last = stop == len(net.layers)
@@ -84,6 +82,8 @@ class Stage:
         self.out_shape = tuple(self.layers[-1].out_shape)
         self.classes = net.classes
         self.label_smoothing = net.label_smoothing
+        # inverted dropout on the network's hidden dense layers (those before ``output``)
+        self.dropout, self.output = float(net.dropout), len(net.layers) - 1
         self.rows = None if rows is None or tuple(rows) == (0, 0) else (int(rows[0]), int(rows[1]))
         if self.rows is not None:
             self._init_slice(net, weights)
@@ -178,7 +178,9 @@ class Stage:
         ctx.x = x
         if self.rows is not None:
             return self._slice_forward(ctx, x, n)
-        out = forward_layers(self.layers, self.parameters, ctx, x, n)
+        out = forward_layers(
+            self.layers, self.parameters, ctx, x, n, dropout=self.dropout, output=self.output
+        )
         assert out is not None  # training: bn layers need no population
         return out
 
@@ -217,7 +219,9 @@ class Stage:
             dlast[...] = dout[:n]
         sink = Update(self.flat, self.offsets, acc, lr, ctx.grads, ctx.row, velocity, mu)
         din = None if self.first == 0 else ctx.din  # the network's first layer: no input error
-        backward_layers(self.layers, self.parameters, ctx, ctx.x, n, sink, din)
+        backward_layers(
+            self.layers, self.parameters, ctx, ctx.x, n, sink, din, self.dropout, self.output
+        )
         return loss
 
     def _slice_forward(self, ctx: StageContext, x: np.ndarray, n: int) -> np.ndarray:
@@ -238,6 +242,8 @@ class Stage:
             out += self.bias
             if L.act is not None:
                 ACT_FWD[L.act](out)
+            if self.dropout > 0.0 and L.index < self.output:  # the layer's whole output
+                K.dropout_forward(out, self.dropout, -1)
         else:
             out[:, :I] = xs
             if r0:
@@ -273,6 +279,8 @@ class Stage:
             else:
                 assert dout is not None
                 dz[...] = dout[:n].reshape(n, -1)
+                if self.dropout > 0.0 and L.index < self.output:
+                    K.dropout_backward(dz, y, self.dropout)
                 if L.act is not None:
                     ACT_BWD[L.act](dz, y)
             ctx.gbias[...] = dz.sum(axis=0)

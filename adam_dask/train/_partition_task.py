@@ -177,7 +177,6 @@ def cluster_plan(client: Any, net: Any, settings: Any, partitions: int) -> Any:
             for what, on in (
                 ("mode='sync'", settings.mode == "sync"),
                 ("offload_dense", settings.offload_dense),
-                (f"dropout={net.dropout}", net.dropout > 0),
             )
             if on
         ]

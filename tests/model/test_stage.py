@@ -121,3 +121,44 @@ def test_the_stages_momentum_steps_equal_the_whole_networks(spec, shape, bounds)
     for s, vel in zip(stages, vels):
         np.testing.assert_allclose(s.flat, ref.flat[s.start : s.stop], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(vel, v[s.start : s.stop], rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("spec", "shape", "bounds"),
+    [
+        ("conv3x3:4,maxpool2,fc24,fc16,fc10", (1, 10, 10), [(0, 3), (3, 5)]),
+        ("fc40,fc30,fc10", (1, 6, 6), [(0, 1), (1, 2, 0, 12), (1, 2, 12, 30), (2, 3)]),
+    ],
+)
+def test_the_stages_dropout_step_equals_the_whole_networks_with_the_same_draws(spec, shape, bounds):
+    """Inverted dropout on the hidden dense layers, in the stages (a sliced layer's last slice
+    drops the layer's whole output): with the thread's generator seeded alike, the stages run
+    one after the other draw the masks the whole network's fused step draws, and move every
+    weight as it does (with the rate of dropout 0, they would differ)."""
+    from adam_dask.model import fused as F
+    from adam_dask.model import kernels as K
+
+    lr, seed, n = 0.1, 11, 6
+    net = Network.from_spec(spec, input_shape=shape, activation="relu", seed=4, dropout=0.5)
+    stages = stages_of(net, bounds)
+    rng = np.random.default_rng(5)
+    x = rng.random((n, *shape), dtype=np.float32)
+    y = rng.integers(0, 10, n)
+    acc = np.zeros_like(net.flat)
+    F.step(net, net.context(n), x, y, n, lr, 0.0, np.zeros(1, np.float32), acc, None, seed)
+    K.dropout_forward(np.zeros(0, np.float32), 0.5, seed)  # seeds the draws, draws none
+    ctxs = [s.context(n) for s in stages]
+    inp = x
+    for s, c in zip(stages, ctxs):
+        inp = s.forward_into(c, inp, n).copy()
+    dout = None
+    for k in range(len(stages) - 1, -1, -1):
+        s, c = stages[k], ctxs[k]
+        a = np.zeros(s.size, np.float32)
+        s.backward_update(c, n, lr, a, **({"labels": y} if s.last else {"dout": dout}))
+        np.testing.assert_allclose(a, acc[s.start : s.stop], rtol=1e-4, atol=1e-6)
+        dout = c.din
+    dropped = [c.acts[-1] for s, c in zip(stages, ctxs) if not s.last]
+    assert any((d == 0).mean() > 0.3 for d in dropped)  # the masks were drawn
+    for s in stages:
+        np.testing.assert_allclose(s.flat, net.flat[s.start : s.stop], rtol=1e-4, atol=1e-5)
