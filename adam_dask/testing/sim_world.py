@@ -268,6 +268,8 @@ class World:
             self.msgs.append((self.now + 0.01, self.seqno, rec.caller, "reply", call, err))
             return
         copies = 2 if lossy and self.rng.random() < self.p_dup else 1
+        if copies == 2:
+            self.log(f"  duplicate {kind} #{call} -> {dst}")
         for _ in range(copies):
             d = self.rng.choice([0.0, 0.001, 0.01, 0.05, 0.2]) if delay is None else delay
             self.seqno += 1

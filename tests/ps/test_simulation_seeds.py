@@ -27,6 +27,7 @@ from adam_dask.ps.protocol.messages import (
     Promote,
     Push,
     Pushes,
+    Reply,
     WriteBlocks,
     WriteDone,
     WriteDue,
@@ -155,6 +156,26 @@ def test_a_new_node_on_a_backups_worker_is_sent_everything():
     assert again.snaps[0].full  # everything: k2 holds nothing yet
 
 
+def test_an_add_asked_again_answers_only_once_the_added_backup_holds_the_shard():
+    """The rule seed 41688 broke (the 100,000-seed sweep at dc3c58f), on one node: the
+    controller's add of backup "b" reached the primary twice (a copy of the request; a retry
+    after a lost answer is the same). The second found "b" listed already, waited for no
+    backup and answered at once: the controller counted "b", still empty, as a copy, and when
+    the primary died the pushes it had acknowledged were lost. Both answers now wait until "b"
+    holds the shard's position."""
+    n = 4
+    ns = NodeState("p", dedup_window=16, checkpoint=True)
+    handle(ns, Assign("a", {0: (0, n)}, {0: 2}, {0: []}))
+    handle(ns, Pushes((Push("x", {0: np.ones(n, np.float32)}, 1, {0: 2}, "replay"),)))
+    first = handle(ns, AddBackups("add", {0: [("b", "k1")]}, 5))
+    again = handle(ns, AddBackups("add", {0: [("b", "k1")]}, 5))
+    (fwd,) = [a for a in first + again if isinstance(a, Forward)]
+    assert not [a for a in first + again if isinstance(a, Reply)]  # "b" holds nothing yet
+    done = handle(ns, ForwardDone("b", {0: (2, 1)}, {}))
+    assert [a.value for a in done if isinstance(a, Reply)] == [{0: 1}, {0: 1}]
+    assert fwd.snaps[0].full
+
+
 NEW_NODE = [
     (
         177,
@@ -183,16 +204,20 @@ def test_seed_heals_when_a_backups_worker_gets_a_new_node(seed, story, capsys, c
 # -- a backup added but never filled, then every filled copy lost --------------------------------
 
 
-def test_seed_restores_a_shard_whose_survivor_was_never_filled(capsys, caplog):
-    """Seed 55436 (the 100,000-seed sweep's one failure): shard 0 loses a copy, its
-    replacement is added at version -1 and frozen before the first forward, then the primary and
-    the other backup crash; the empty survivor must not be promoted (the acknowledged pushes
-    the checkpoint holds would be lost): the shard is rebuilt from the checkpoint
-    (:func:`test_controller.test_survivors_never_filled_are_not_promoted_the_shard_is_restored`
-    is the rule on the pure controller)."""
+def test_seed_55436_fills_the_backup_its_copied_add_lists_before_it_counts(capsys, caplog):
+    """Seed 55436 (a 100,000-seed sweep's one failure, before seed 41688's rule): the add of
+    backup w4 reached the primary twice; the copy found w4 listed and answered at once, so the
+    controller counted w4, still empty, as a copy; then the primary and the other backup
+    crashed and the empty survivor was all there was. The controller's rule for such a
+    survivor (never promoted: the shard is rebuilt from the checkpoint,
+    :func:`test_controller.test_survivors_never_filled_are_not_promoted_the_shard_is_restored`)
+    stays; with the add's rule above w4 holds the shard before it counts, the schedule meets
+    no empty survivor and heals with nothing acknowledged lost."""
     r, trace, log = heals(55436, capsys, caplog)
-    assert "never filled" in log, "the schedule no longer meets the situation"
-    assert r["acknowledged_lost"] == 0 and r["restored"] >= 1
+    add = trace.index("add_backups on w1 ({0: [('w2', 'key-w2-2'), ('w4', 'key-w4-4')]}")
+    assert re.match(r"\s+[\d.]+\s+duplicate request #\d+ -> w1", trace[add:].split("\n")[1])
+    assert "never filled" not in log
+    assert r["acknowledged_lost"] == 0
 
 
 @pytest.mark.parametrize("seed", [9680, 17706])
