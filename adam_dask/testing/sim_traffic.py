@@ -243,7 +243,8 @@ class Traffic:
             if isinstance(x, BaseException):
                 self.w.node_handle(node, ForwardFailed(rec.callee, repr(x)))
             else:
-                self.w.node_handle(node, ForwardDone(rec.callee, x.held, x.refused))
+                done = ForwardDone(rec.callee, x.held, x.refused, rec.callee_key)
+                self.w.node_handle(node, done)
         elif rec.kind == "report":
             if isinstance(x, BaseException):
                 self.w.node_handle(node, WriteFailed(repr(x)))

@@ -176,6 +176,26 @@ def test_an_add_asked_again_answers_only_once_the_added_backup_holds_the_shard()
     assert fwd.snaps[0].full
 
 
+def test_the_late_answer_of_a_backups_old_node_does_not_fill_its_new_one():
+    """Backup "b" was node k1; its worker now hosts k2, which an add lists. k1's answer to a
+    forward sent before (its cancel came too late) names the position k1 held: counted for
+    k2, the add answered while k2 held nothing. An answer names the node it came from, and
+    only the listed one's counts."""
+    n = 4
+    ns = NodeState("p", dedup_window=16, checkpoint=True)
+    handle(ns, Assign("a", {0: (0, n)}, {0: 3}, {0: [("b", "k1")]}))
+    handle(ns, Pushes((Push("x", {0: np.ones(n, np.float32)}, 1, {0: 3}, "replay"),)))
+    handle(ns, ForwardDue())
+    out = handle(ns, AddBackups("add", {0: [("b", "k2")]}, 5))
+    out += handle(ns, ForwardDone("b", {0: (3, 1)}, {}, "k1"))  # k1's answer, late
+    out += handle(ns, ForwardDue())
+    assert not [a for a in out if isinstance(a, Reply)]
+    (fwd,) = [a for a in out if isinstance(a, Forward)]
+    assert fwd.key == "k2" and fwd.snaps[0].full
+    done = handle(ns, ForwardDone("b", {0: (3, 1)}, {}, "k2"))
+    assert [a.value for a in done if isinstance(a, Reply)] == [{0: 1}]
+
+
 NEW_NODE = [
     (
         177,

@@ -170,11 +170,13 @@ class ForwardDue(Event):
 @dataclass(frozen=True, slots=True)
 class ForwardDone(Event):
     """A backup answered a forward: ``held`` {sid: position it holds now}, ``refused`` {sid:
-    the generation it knows, newer than the one sent, or -1 when it does not hold the shard}."""
+    the generation it knows, newer than the one sent, or -1 when it does not hold the shard};
+    ``key``: the node the forward went to (None: not said)."""
 
     backup: str
     held: dict[int, Position]
     refused: dict[int, int]
+    key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

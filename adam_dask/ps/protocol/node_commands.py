@@ -178,14 +178,14 @@ def set_backups(node: NodeState, shards: dict[int, list[Peer]], stamp: int) -> l
 
 
 def on_add_backups(node: NodeState, ev: AddBackups) -> list[Action]:
-    """Make ``shards`` {sid: peers} the backup lists; answer once the backups new to a list,
-    and those listed that never answered a forward of the shard, hold its current position.
-    A listed backup that never answered may be the one this adds: a retry, or a copy of the
-    request, after an add whose answer was lost, finds it listed, and it is no copy before
-    it holds the shard (answered at once, the controller counted an empty node as a copy, and
-    the primary's loss lost acknowledged pushes: seed 41688). A backup that answered once
-    holds every push the primary confirmed before it was listed, and is not waited for (a
-    lost one would hold the add until the list changes)."""
+    """Make ``shards`` {sid: peers} the backup lists; answer once the backups it adds hold the
+    shard's current position: those new to a list (a node new on a listed worker too) and
+    those an add listed that have not answered a forward of the shard since. A copy of the
+    request, or a retry after an add whose answer was lost, finds the backup it adds listed
+    already; it is no copy before it holds the shard (answered at once, the controller
+    counted an empty node as a copy, and the primary's loss lost acknowledged pushes: seed
+    41688). Backups listed otherwise are copies already and are not waited for (a lost one
+    would hold the add until the list changes)."""
     need, backups = {}, {}
     for sid, peers in ev.shards.items():
         if sid not in node.primaries:
@@ -193,9 +193,13 @@ def on_add_backups(node: NodeState, ev: AddBackups) -> list[Action]:
         if ev.stamp < node.list_stamps.get(sid, 0):
             return [Reply(ev.req, ShardUnavailable(f"a later backup list of {sid} is in force"))]
         need[sid] = node.shards[sid].version
-        unfilled = {a for a in node.backups_of(sid) if sid not in node.acked.get(a, {})}
-        backups[sid] = {a for a, _ in peers} - (node.backups_of(sid) - unfilled)
+        listed = {tuple(p) for p in node.primaries[sid]}
+        named = {a for a, _ in peers}
+        new = {a for a, k in peers if (a, k) not in listed}
+        backups[sid] = new | (node.adding.get(sid, set()) & named)
     out = set_backups(node, ev.shards, ev.stamp)
+    for sid, adds in backups.items():
+        node.adding[sid] = (node.adding.get(sid, set()) & node.backups_of(sid)) | adds
     node.waiters.append(Waiter(ev.req, "add", need, backups=backups))
     return [*out, *forwards(node), *node.settle()]
 

@@ -108,6 +108,9 @@ class NodeState:
         self.primaries: dict[int, list[Peer]] = {}  # sid -> its backups
         self.list_stamps: dict[int, int] = {}  # sid -> stamp of the backup list in force
         self.acked: dict[str, dict[int, Position]] = {}  # backup -> sid -> position it holds
+        # sid -> backups an add listed that have not answered a forward of it since: no copies
+        # yet (a copy of that add, or a retry, finds them listed and still waits for them)
+        self.adding: dict[int, set[str]] = {}
         self.inflight: set[str] = set()  # backups with a forward on the way
         self.written: dict[int, int] = {}  # primaries: the version the manifest names
         self.writing = False
@@ -258,6 +261,7 @@ class NodeState:
     def forget(self, sid: int) -> None:
         self.shards.pop(sid, None)
         self.primaries.pop(sid, None)
+        self.adding.pop(sid, None)
         self.written.pop(sid, None)
         self.value_cache.pop(sid, None)
         for acked in self.acked.values():

@@ -100,7 +100,8 @@ class Forwarder:
         self.failures = 0
         if self.tasks.get(a.addr) is asyncio.current_task():
             self.tasks.pop(a.addr, None)
-        self.handle(ForwardDone(a.addr, got.held, got.refused, stimulus_id=a.stimulus_id))
+        done = ForwardDone(a.addr, got.held, got.refused, a.key, stimulus_id=a.stimulus_id)
+        self.handle(done)
 
     async def _on_plane(self, a: Forward) -> ReplicateReply | None:
         """The forward ``a`` over the data plane, in a thread (:mod:`..plane.forward`); None
