@@ -101,6 +101,7 @@ def on_promote(node: NodeState, ev: Promote) -> list[Action]:
         node.gens[sid] = gen
         st.gen = gen
         node.primaries[sid] = [tuple(p) for p in peers]  # type: ignore[misc]
+        node.adding.pop(sid, None)  # the survivors it lists are copies
         node.list_stamps[sid] = max(node.list_stamps.get(sid, 0), ev.stamp)
         node.written[sid] = -1  # the checkpoint holds another generation: write ours
         node.value_cache.pop(sid, None)

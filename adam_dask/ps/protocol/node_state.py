@@ -248,6 +248,7 @@ class NodeState:
         self.stepped_down += 1
         self.gens[sid] = max(self.gens.get(sid, NOT_HELD), gen)
         self.primaries.pop(sid, None)
+        self.adding.pop(sid, None)
         self.written.pop(sid, None)
         for acked in self.acked.values():
             acked.pop(sid, None)
