@@ -209,16 +209,15 @@ def forwards(node: NodeState, only: set[str] | None = None) -> list[Action]:
 
 
 def on_forward_done(node: NodeState, ev: ForwardDone) -> list[Action]:
-    if ev.key is not None and any(
-        a == ev.backup and k != ev.key for peers in node.primaries.values() for a, k in peers
-    ):
-        # the answer of a node its worker replaced by a new, empty one (listed now, a forward
-        # to it may be on its way): it says nothing of the new one
-        return []
     node.inflight.discard(ev.backup)
     acked = node.acked.setdefault(ev.backup, {})
     for sid, pos in ev.held.items():
-        if ev.backup in node.backups_of(sid):
+        # only the node listed for the shard counts: the late answer of one its worker has
+        # replaced by a new, empty node says nothing of the new one (an address may be listed
+        # under the old key for one shard and the new for another while the lists change)
+        if ev.backup in node.backups_of(sid) and (
+            ev.key is None or (ev.backup, ev.key) in {tuple(p) for p in node.primaries[sid]}
+        ):
             gen, version = pos  # a list if it came over the network
             acked[sid] = max(acked.get(sid, NOWHERE), (gen, version))
             node.adding.get(sid, set()).discard(ev.backup)  # it holds the shard now
