@@ -149,13 +149,13 @@ def forward_layers(
             K.dense_forward(out, inp.reshape(n, -1), params[f"{i}.weight"], params[f"{i}.bias"])
         if L.act is not None:
             ACT_FWD[L.act](out)
-        if train and _drops(L, dropout, output):
+        if train and dropped(L, dropout, output):
             K.dropout_forward(out, dropout, -1)
         inp = out
     return inp
 
 
-def _drops(layer: Layer, dropout: float, output: int) -> bool:
+def dropped(layer: Layer, dropout: float, output: int) -> bool:
     """Whether ``layer``'s output goes through dropout: a hidden dense layer, rate > 0."""
     return dropout > 0.0 and layer.kind == "fc" and layer.index < output
 
@@ -197,7 +197,7 @@ def backward_layers(
         L = layers[j]
         i = L.index
         dout = ctx.errs[j][:n]
-        if _drops(L, dropout, output):  # its mask is in its output (relu: kept values > 0)
+        if dropped(L, dropout, output):  # its mask is in its output (relu: kept values > 0)
             K.dropout_backward(dout, ctx.acts[j][:n], dropout)
         if L.act is not None:
             ACT_BWD[L.act](dout, ctx.acts[j][:n])

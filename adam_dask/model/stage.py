@@ -35,7 +35,15 @@ from . import fused as F
 from . import kernels as K
 from .layout import ParameterLayout
 from .network import Network, parameter_entries
-from .passes import ACT_BWD, ACT_FWD, Update, backward_layers, forward_layers, softmax_loss
+from .passes import (
+    ACT_BWD,
+    ACT_FWD,
+    Update,
+    backward_layers,
+    dropped,
+    forward_layers,
+    softmax_loss,
+)
 from .spec import Layer, parse_spec
 
 logger = logging.getLogger(__name__)
@@ -242,7 +250,7 @@ class Stage:
             out += self.bias
             if L.act is not None:
                 ACT_FWD[L.act](out)
-            if self.dropout > 0.0 and L.index < self.output:  # the layer's whole output
+            if dropped(L, self.dropout, self.output):  # the layer's whole output
                 K.dropout_forward(out, self.dropout, -1)
         else:
             out[:, :I] = xs
@@ -279,7 +287,7 @@ class Stage:
             else:
                 assert dout is not None
                 dz[...] = dout[:n].reshape(n, -1)
-                if self.dropout > 0.0 and L.index < self.output:
+                if dropped(L, self.dropout, self.output):
                     K.dropout_backward(dz, y, self.dropout)
                 if L.act is not None:
                     ACT_BWD[L.act](dz, y)
