@@ -9,6 +9,10 @@ Parts (each stores one line in benchmarks/results/partitions.jsonl):
   model and mini-batch size in this process, on the same cores, measured in the same run).
 * ``mnist``: the paper's MNIST net, P = 2 against P = 1 (one replica each, same cluster, same
   seeds): test accuracy per seed.
+* ``runner``: a whole model (P = 1) through each runner (``adam.train.runner``): one
+  ``run_replica`` task (the fused numba step) against the partition pipeline with the model as
+  its one stage (the layer loops); the paper's MNIST net, the same seeds, alternating which
+  goes first: images/s (the ratio pipeline / replica) and test accuracy.
 * ``cache``: the paper's cache claim (3.2.4), measured in one thread: images/s of each
   partition's layers alone (their weights small enough for L2 / L3) against the same layers run
   unpartitioned (all weights in turn), for a dense net; the pipeline's rate is the slowest
@@ -73,7 +77,16 @@ class _PeakMemory:
         return sorted((round(v / 2**20) for v in self.peak.values()), reverse=True)
 
 
-def _fit(client, store, spec, P, *, epochs, seed, lr, push_every, activation=None) -> dict:
+def _fit(client, store, spec, P, *, epochs, seed, lr, push_every, runner="replica") -> dict:
+    import dask
+
+    with dask.config.set({"adam.train.runner": runner}):
+        return _fit_with(
+            client, store, spec, P, epochs=epochs, seed=seed, lr=lr, push_every=push_every
+        )
+
+
+def _fit_with(client, store, spec, P, *, epochs, seed, lr, push_every) -> dict:
     from adam_dask.errors import AdamError
     from adam_dask.train.trainer import Trainer
 
@@ -155,6 +168,47 @@ def part_mnist(args) -> dict:
         "images_per_second_p1": rate[1],
         "images_per_second_p2": rate[2],
         "rate_ratio_p2_vs_p1": (sum(rate[2]) / sum(rate[1])),
+        "runs": runs,
+    }
+
+
+def part_runner(args) -> dict:
+    spec = "conv5x5:10,maxpool2,conv5x5:20,maxpool2,fc400,fc400,fc10"
+    store = mnist_subset_store(args.images, args.test_images)
+    runs = []
+    with _cluster(2, "2 GiB") as client:
+        for seed in range(args.seeds):
+            order = ("replica", "pipeline") if seed % 2 == 0 else ("pipeline", "replica")
+            for runner in order:
+                r = _fit(
+                    client,
+                    store,
+                    spec,
+                    1,
+                    epochs=args.epochs,
+                    seed=seed,
+                    lr=0.05,
+                    push_every=512,
+                    runner=runner,
+                )
+                r.pop("plan", None)
+                runs.append({"seed": seed, "runner": runner, **r})
+                print(runs[-1], flush=True)
+    names = ("replica", "pipeline")
+    acc = {n: [r["test_accuracy"] for r in runs if r["runner"] == n] for n in names}
+    rate = {n: [r["images_per_second"] for r in runs if r["runner"] == n] for n in names}
+    return {
+        "part": "runner",
+        "spec": spec,
+        "images": args.images,
+        "test_images": args.test_images,
+        "epochs": args.epochs,
+        "seeds": args.seeds,
+        "accuracy_replica": acc["replica"],
+        "accuracy_pipeline": acc["pipeline"],
+        "images_per_second_replica": rate["replica"],
+        "images_per_second_pipeline": rate["pipeline"],
+        "rate_ratio_pipeline_vs_replica": sum(rate["pipeline"]) / sum(rate["replica"]),
         "runs": runs,
     }
 
@@ -314,7 +368,8 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING)
     for part in [p.strip() for p in args.parts.split(",") if p.strip()]:
         load = [round(v, 2) for v in os.getloadavg()]
-        line = {"large": part_large, "mnist": part_mnist, "cache": part_cache}[part](args)
+        parts = {"large": part_large, "mnist": part_mnist, "runner": part_runner}
+        line = {**parts, "cache": part_cache}[part](args)
         line["load"] = load
         line["load_after"] = [round(v, 2) for v in os.getloadavg()]
         record("partitions", line, save=not args.no_save)

@@ -208,13 +208,14 @@ def plan_partitions(
     with each one's memory estimate on its worker: its weights, two accumulators per thread
     (the push group being summed and the next), two exchange buffers (a push being sent and
     one queued), the copy the replay log keeps until every copy holds a push, ``window``
-    mini-batches' work buffers (default ``2 * partitions * threads``), and the process itself
+    mini-batches' work buffers (default ``partitions * threads``: every thread of every stage
+    busy when the stages are balanced; ``adam.train.partition-window``), and the process itself
     (:data:`BASE_BYTES`)."""
     P, T, B = int(partitions), int(threads), int(batch_size)
     layers = net.layers
     if P < 1:
         raise PartitionError(f"partitions={P}", "use at least 1")
-    W = int(window) if window is not None else 2 * P * T
+    W = int(window) if window is not None else P * T
     sizes = []
     for L in layers:
         s = 0

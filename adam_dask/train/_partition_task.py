@@ -28,7 +28,7 @@ from .task import EventPoll, ReplicaJob, Reporter
 if TYPE_CHECKING:
     from ._handle import ReplicaServer
 
-__all__ = ["PartitionJob", "cluster_plan", "run_partition"]
+__all__ = ["PartitionJob", "cluster_plan", "pipelined", "run_partition"]
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,20 @@ def _run_partition(job: PartitionJob, server: ReplicaServer, data: Any) -> dict:
     return out
 
 
+def pipelined(partitions: int) -> bool:
+    """Whether a replica of ``partitions`` trains through the partition pipeline: always over
+    several partitions; a whole model too when ``adam.train.runner`` is ``pipeline`` (one
+    stage; ``replica``, the default, runs it as one :func:`~adam_dask.train.task.run_replica`
+    task)."""
+    from .. import config
+    from ..errors import ConfigError
+
+    runner = config.get("train.runner")
+    if runner not in ("replica", "pipeline"):
+        raise ConfigError(f"adam.train.runner={runner!r}", "use 'replica' or 'pipeline'")
+    return partitions > 1 or runner == "pipeline"
+
+
 def cluster_plan(client: Any, net: Any, settings: Any, partitions: int) -> Any:
     """The partition plan of ``net`` for this cluster's TRAIN workers (their threads and
     memory limit), checked: :class:`~adam_dask.errors.PartitionError` names a partition that
@@ -163,15 +177,16 @@ def cluster_plan(client: Any, net: Any, settings: Any, partitions: int) -> Any:
     from ..model.engines import TORCH
     from ..model.partition import plan_partitions
 
+    staged = pipelined(partitions)
     if getattr(net, "engine", None) == TORCH:  # a user's nn.Module: no layer list to split
-        if partitions > 1:
+        if staged:
             raise PartitionError(
                 f"partitions={partitions}: a PyTorch model trains on one worker per replica",
                 "train a torch model with partitions=1 (partitioning splits the numba "
                 "engine's layers)",
             )
         return None
-    if partitions > 1:
+    if staged:
         unsupported = [
             what
             for what, on in (
@@ -194,7 +209,14 @@ def cluster_plan(client: Any, net: Any, settings: Any, partitions: int) -> Any:
     if limits and min(limits) > 0:
         pause = dask.config.get("distributed.worker.memory.pause")
         budget = int(min(limits) * (float(pause) if pause else 1.0))
-    plan = plan_partitions(net, partitions, threads=threads, batch_size=settings.batch_size)
+    window = dask.config.get("adam.train.partition-window")
+    plan = plan_partitions(
+        net,
+        partitions,
+        threads=threads,
+        batch_size=settings.batch_size,
+        window=None if window is None else int(window),
+    )
     if partitions > 1:
         logger.info("%s", plan.describe(budget))
     if budget is not None:

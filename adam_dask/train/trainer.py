@@ -26,6 +26,7 @@ from ..errors import ConfigError
 from ._epoch import say_epoch
 from ._epoch_run import epoch_replicas, replica_jobs, replicas_now, run_epoch, train_threads
 from ._handle import TrainerServer
+from ._partition_task import cluster_plan, pipelined
 from ._services import connect, require_ps, restore_server, start_data, start_server
 from ._settings import RunSettings, network_for, resolve_augment, warn_if_nothing_to_offload
 from .metrics import EpochProgress, History
@@ -297,8 +298,6 @@ class Trainer:
         :class:`~adam_dask.errors.PartitionError` names a partition that does not fit its
         worker's memory. :meth:`fit` calls it before anything starts."""
         if self.partition_plan is None:
-            from ._partition_task import cluster_plan
-
             self.client = connect(self.client)
             self.partition_plan = cluster_plan(
                 self.client, self.net, self.settings, self.partitions
@@ -362,7 +361,7 @@ class Trainer:
             schedule=plan.applied(self.schedule),
             images=len(self.train_split),
             slow=self.slow_replicas,
-            partition_plan=self.partition_plan if self.partitions > 1 else None,
+            partition_plan=self.partition_plan if pipelined(self.partitions) else None,
         )
         self._progress.begin(epoch, len(self.train_split), self.progress)
         try:

@@ -56,7 +56,9 @@ def test_a_two_partition_replica_trains_above_chance_with_every_image_applied_on
     before = cluster.run(sys.getswitchinterval, workers=train)
     seen = set()
     # the driver reads the setting when each epoch starts: set for the whole fit
-    with dask.config.set({"adam.train.partition-switch-interval": 0.00125}):
+    # and the window: mini-batches in flight in the replica
+    config = {"adam.train.partition-switch-interval": 0.00125, "adam.train.partition-window": 3}
+    with dask.config.set(config):
         t = trainer(store, cluster)
         th, box = fit_in_background(t, epochs=2)
         try:
@@ -71,7 +73,7 @@ def test_a_two_partition_replica_trains_above_chance_with_every_image_applied_on
     hist = box["history"]
     assert seen == set(train)
     assert cluster.run(sys.getswitchinterval, workers=train) == before  # restored after
-    assert [len(t.partition_plan), t.replicas] == [2, 1]
+    assert [len(t.partition_plan), t.replicas, t.partition_plan.window] == [2, 1, 3]
     assert hist.column("images_applied") == [N_TRAIN, N_TRAIN]
     assert hist.records[-1]["test_accuracy"] > 0.5  # chance is 0.1
     # the replica ran on both TRAIN workers, one partition each
@@ -111,7 +113,8 @@ def test_a_two_partition_replica_trains_with_momentum(store, cluster):
         hist = t.fit(epochs=2)
     finally:
         t.close()
-    assert len(t.partition_plan) == 2
+    plan = t.partition_plan
+    assert len(plan) == 2 and plan.window == 2 * plan.threads  # the default: P * T
     assert hist.column("images_applied") == [N_TRAIN, N_TRAIN]
     assert hist.records[-1]["test_accuracy"] > 0.6
 
@@ -158,6 +161,38 @@ def test_a_whole_and_a_partitioned_replica_return_one_result_the_epoch_reads(
     assert part.cross_bytes > 0
     assert [part.damping, part.stall_fraction, part.images_retrained] == [None] * 3
     assert records[1]["replica_damping"] == [1.0] and records[1]["stall_fraction"] == 0.0
+
+
+@pytest.mark.timeout(300)
+def test_a_whole_model_trains_as_one_stage_of_the_pipeline_when_asked(store, cluster, monkeypatch):
+    """``adam.train.runner: pipeline``: a whole-model replica (partitions 1) runs as the
+    pipeline's one stage, not as a run_replica task; what the pipeline lacks is refused."""
+    from adam_dask.train import _epoch_run
+
+    runs = []
+    real = _epoch_run.run_replicas
+
+    def spy(*args, **kwargs):
+        runs.append(real(*args, **kwargs))
+        return runs[-1]
+
+    monkeypatch.setattr(_epoch_run, "run_replicas", spy)
+    with dask.config.set({"adam.train.runner": "pipeline"}):
+        t = trainer(store, cluster, replicas=2, partitions=1)
+        try:
+            hist = t.fit(epochs=2)
+        finally:
+            t.close()
+        with pytest.raises(PartitionError, match=r"does not train with mode='sync'"):
+            trainer(store, cluster, partitions=1, mode="sync").fit(epochs=1)
+    results = [r for run in runs for r in run.results]
+    # the pipeline's result (attempts counted), one stage on one worker per replica
+    assert [(r.partitions, r.attempts, len(r.workers)) for r in results] == [(1, 1, 1)] * 4
+    assert hist.column("images_applied") == [N_TRAIN, N_TRAIN]
+    assert hist.records[-1]["test_accuracy"] > 0.5  # chance is 0.1
+    with dask.config.set({"adam.train.runner": "stages"}):
+        with pytest.raises(adam_dask.errors.ConfigError, match=r"runner='stages'"):
+            trainer(store, cluster, partitions=1).fit(epochs=1)
 
 
 @pytest.mark.timeout(300)

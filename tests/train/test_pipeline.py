@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from adam_dask.model import Network
+from adam_dask.model.partition import plan_partitions
 from adam_dask.model.stage import stages_of
 from adam_dask.ps.protocol.shard import Mark
 from adam_dask.testing import synthetic_digits
@@ -49,6 +50,7 @@ def _replica(net, bounds, store, groups, *, break_after=None, threads=2, momentu
     stages = stages_of(net, bounds)
     P = len(stages)
     pairs = [socket.socketpair() for _ in range(P - 1)]
+    window = plan_partitions(net, P, threads=threads, batch_size=8).window  # the default
     runners = [
         PartitionRunner(
             s,
@@ -56,7 +58,7 @@ def _replica(net, bounds, store, groups, *, break_after=None, threads=2, momentu
             P,
             threads=threads,
             batch_size=8,
-            window=2 * P * threads,
+            window=window,
             server=store,
             mark=(0, 0, 1),
             up=Link(pairs[k - 1][1]) if k > 0 else None,
