@@ -33,6 +33,7 @@ import numpy as np
 
 from . import fused as F
 from . import kernels as K
+from .context import Context
 from .layout import ParameterLayout
 from .network import Network, parameter_entries
 from .passes import (
@@ -48,6 +49,8 @@ from .spec import Layer, parse_spec
 
 logger = logging.getLogger(__name__)
 
+_NO_VELOCITY = np.zeros(1, np.float32)  # the fused step's velocity without momentum (unused)
+
 __all__ = ["Skeleton", "Stage", "StageContext", "stages_of"]
 
 
@@ -62,6 +65,7 @@ class Skeleton:
         self.classes = self.layers[-1].out_shape[0]
         self.label_smoothing = float(d.get("label_smoothing", 0.0))
         self.dropout = float(d.get("dropout", 0.0))
+        self.description = d
 
 
 class Stage:
@@ -93,6 +97,8 @@ class Stage:
         # inverted dropout on the network's hidden dense layers (those before ``output``)
         self.dropout, self.output = float(net.dropout), len(net.layers) - 1
         self.rows = None if rows is None or tuple(rows) == (0, 0) else (int(rows[0]), int(rows[1]))
+        #: the whole model as one stage: a :class:`Network` over ``flat`` for the fused step
+        self.whole: Network | None = None
         if self.rows is not None:
             self._init_slice(net, weights)
             return
@@ -105,7 +111,15 @@ class Stage:
             self.stop = entries[-1].offset + entries[-1].size
         else:  # parameter-free layers only (pooling): an empty span where they sit
             self.start = self.stop = _offset_before(net, first)
-        self.flat = np.zeros(self.stop - self.start, np.float32)
+        if first == 0 and self.last:
+            d = net.to_dict() if isinstance(net, Network) else net.description
+            self.whole = Network(
+                d["spec"], tuple(d["input_shape"]), d["activation"], self.dropout,
+                self.label_smoothing,
+            )  # fmt: skip
+            self.flat = self.whole.flat  # the same buffer: the fused step moves the stage
+        else:
+            self.flat = np.zeros(self.stop - self.start, np.float32)
         if weights is None and isinstance(net, Network):
             weights = net.flat
         if weights is not None:  # a Skeleton's stage starts at zeros: pull its weights
@@ -231,6 +245,32 @@ class Stage:
             self.layers, self.parameters, ctx, ctx.x, n, sink, din, self.dropout, self.output
         )
         return loss
+
+    def step(
+        self,
+        ctx: Context,
+        x: np.ndarray,
+        labels: np.ndarray,
+        n: int,
+        lr: float,
+        acc: np.ndarray,
+        *,
+        velocity: np.ndarray | None = None,
+        momentum: float = 0.0,
+    ) -> float:
+        """A whole-model stage's forward, backward and update of ``x[:n]`` in one numba call
+        (:meth:`Network.step_into`, the fused step a whole replica runs; ``ctx`` from
+        :meth:`fused_context`): what :meth:`forward_into` and :meth:`backward_update` do, up to
+        float rounding. Returns the mean loss."""
+        assert self.whole is not None, "only a stage of the whole model runs the fused step"
+        mu = float(momentum) if velocity is not None else 0.0
+        vel = velocity if mu > 0.0 else _NO_VELOCITY
+        return self.whole.step_into(ctx, x, labels, n, lr, mu, vel, acc=acc)
+
+    def fused_context(self, batch_size: int) -> Context:
+        """Work buffers for :meth:`step` (one per thread)."""
+        assert self.whole is not None, "only a stage of the whole model runs the fused step"
+        return self.whole.context(batch_size)
 
     def _slice_forward(self, ctx: StageContext, x: np.ndarray, n: int) -> np.ndarray:
         assert self.rows is not None

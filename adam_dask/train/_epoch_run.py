@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from .. import config
 from ..cluster import TRAIN, workers_with_role
+from ..errors import ClusterError
 from ..model.engines import shipped
 from ._epoch import epoch_record, replica_count, share_sizes
+from ._partition_task import pipelined
 from ._position import applied_images, recorded_replicas
 from ._settings import RunSettings
 from ._submit import run_replicas
@@ -53,13 +55,16 @@ def train_threads(client: Any) -> int:
 def replicas_now(client: Any, fixed: int | None, partitions: int) -> int:
     """``fixed``, or one replica per TRAIN worker (per ``partitions`` of them) present now."""
     workers = len(train_workers(client))
-    if partitions > 1:
-        from ._pipeline import check_parts
-
-        R = replica_count(fixed, max(1, workers // partitions))
-        check_parts(partitions, workers, R)
-        return R
-    return replica_count(fixed, workers)
+    if not pipelined(partitions):  # run_replica tasks wait for a TRAIN worker in turn
+        return replica_count(fixed, workers)
+    R = replica_count(fixed, max(1, workers // partitions))
+    if partitions * R > workers:  # every partition of every replica at once
+        raise ClusterError(
+            f"{R} replica(s) of {partitions} partition(s) need {partitions * R} TRAIN "
+            f"workers, the cluster has {workers}",
+            "add TRAIN workers, or train with fewer replicas or partitions",
+        )
+    return R
 
 
 def epoch_replicas(

@@ -45,7 +45,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ClusterError
 from ..model.stage import Stage, StageContext
 from ..ps.protocol.shard import Mark
 from ._communicator import Communicator
@@ -56,7 +55,7 @@ from ._updates import summed
 if TYPE_CHECKING:
     from ._handle import RangedPushes
 
-__all__ = ["PartitionRunner", "check_parts"]
+__all__ = ["PartitionRunner"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,9 +124,14 @@ class PartitionRunner:
         self._buffers: queue.Queue[np.ndarray] = queue.Queue()
         for _ in range(2):
             self._buffers.put(np.zeros(n, np.float32))
-        self._contexts: queue.Queue[StageContext] = queue.Queue()
+        # a mini-batch's work buffers, kept until its errors come back; a whole model as one
+        # stage runs the fused step (a whole replica's) in a context per thread
+        self._fused = stage.whole is not None
+        self._contexts: queue.Queue[Any] = queue.Queue()
         for _ in range(self.window if not self.last else self.threads):
-            self._contexts.put(stage.context(batch_size))
+            self._contexts.put(
+                stage.fused_context(batch_size) if self._fused else stage.context(batch_size)
+            )
         self._work: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._lock = threading.Lock()
@@ -344,12 +348,8 @@ class PartitionRunner:
                 if kind == "f":
                     ctx = self._contexts.get()
                     n = len(values)
-                    out = stage.forward_into(ctx, values, n)
                     if self.last:
-                        acc = self._acc(t, info["g"])
-                        loss = stage.backward_update(
-                            ctx, n, info["lr"], acc, labels=y, **self._steps[t]
-                        )
+                        loss = self._last_step(t, ctx, values, y, n, info)
                         with self._lock:
                             self.images += n
                             self.loss_sum += loss * n
@@ -361,6 +361,7 @@ class PartitionRunner:
                             self.up.send({"op": "b", "mb": mb, "n": n}, ctx.din[:n])
                         self._contexts.put(ctx)
                     else:
+                        out = stage.forward_into(ctx, values, n)
                         with self._lock:
                             self._pending[mb] = (ctx, info)
                         header = {k: info[k] for k in ("g", "seq", "gn", "covers", "lr", "images")}
@@ -387,6 +388,15 @@ class PartitionRunner:
                     self._contexts.put(ctx)
         except BaseException as exc:
             self._fail(f"partition {self.index}: {exc!r}", exc)
+
+    def _last_step(self, t: int, ctx: Any, x: np.ndarray, y: np.ndarray, n: int, info: dict):
+        """The last stage's forward, loss, backward and update of a mini-batch, by thread
+        ``t``; a whole model as one stage runs the fused step (one numba call). The loss."""
+        acc, lr = self._acc(t, info["g"]), info["lr"]
+        if self._fused:
+            return self.stage.step(ctx, x, y, n, lr, acc, **self._steps[t])
+        self.stage.forward_into(ctx, x, n)
+        return self.stage.backward_update(ctx, n, lr, acc, labels=y, **self._steps[t])
 
     def _acc(self, t: int, g: int) -> np.ndarray:
         """Thread ``t``'s accumulator for group ``g``, marked as holding updates."""
@@ -484,13 +494,3 @@ class PartitionRunner:
                 addends += [acc for p, acc in enumerate(pair) if self._touched[t][p]]
             summed(pulled, pulled, addends)
         np.copyto(self.stage.flat, pulled)
-
-
-def check_parts(plan_parts: int, workers: int, replicas: int) -> None:
-    """Every partition of every replica needs a TRAIN worker of its own at once."""
-    if plan_parts * replicas > workers:
-        raise ClusterError(
-            f"{replicas} replica(s) of {plan_parts} partitions need {plan_parts * replicas} TRAIN "
-            f"workers, the cluster has {workers}",
-            "add TRAIN workers, or train with fewer replicas or partitions",
-        )

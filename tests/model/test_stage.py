@@ -162,3 +162,36 @@ def test_the_stages_dropout_step_equals_the_whole_networks_with_the_same_draws(s
     assert any((d == 0).mean() > 0.3 for d in dropped)  # the masks were drawn
     for s in stages:
         np.testing.assert_allclose(s.flat, net.flat[s.start : s.stop], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("spec", "shape"), [(s, sh) for s, sh, _ in SPECS[:4]])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_whole_model_stage_runs_the_fused_step_as_its_layer_loops_do(spec, shape, momentum):
+    """The whole model as one stage trains with the fused step (one numba call, a whole
+    replica's) and moves its weights, its accumulator and its velocity as the stage's layer
+    loops do; a stage of part of the model has no fused step."""
+    net = Network.from_spec(spec, input_shape=shape, activation="relu", seed=4)
+    (fused,), (loops,) = (
+        stages_of(net, [(0, len(net.layers))]),
+        stages_of(net, [(0, len(net.layers))]),
+    )
+    assert fused.whole is not None and fused.flat is fused.whole.flat  # one buffer
+    assert all(s.whole is None for s in stages_of(net, [(0, 1), (1, len(net.layers))]))
+    acc_f, acc_l = (np.zeros(fused.size, np.float32) for _ in range(2))
+    vel_f, vel_l = (np.zeros(fused.size, np.float32) for _ in range(2))
+    ctx_f, ctx_l = fused.fused_context(6), loops.context(6)
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        x = rng.random((6, *shape), dtype=np.float32)
+        y = rng.integers(0, 10, 6).astype(np.int64)
+        lf = fused.step(ctx_f, x, y, 6, 0.1, acc_f, velocity=vel_f, momentum=momentum)
+        loops.forward_into(ctx_l, x, 6)
+        ll = loops.backward_update(
+            ctx_l, 6, 0.1, acc_l, labels=y, velocity=vel_l, momentum=momentum
+        )
+        assert lf == pytest.approx(ll, rel=1e-4)
+    assert np.abs(acc_f).max() > 0  # the step moved the weights
+    np.testing.assert_allclose(fused.flat, loops.flat, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(acc_f, acc_l, rtol=1e-3, atol=1e-5)
+    if momentum:
+        np.testing.assert_allclose(vel_f, vel_l, rtol=1e-3, atol=1e-5)

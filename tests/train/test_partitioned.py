@@ -13,7 +13,7 @@ import pytest
 
 import adam_dask
 from adam_dask.cluster import TRAIN, workers_with_role
-from adam_dask.errors import PartitionError
+from adam_dask.errors import ClusterError, PartitionError
 from adam_dask.testing import fit_in_background, hard_kill, synthetic_store
 from adam_dask.train.trainer import Trainer
 
@@ -185,6 +185,10 @@ def test_a_whole_model_trains_as_one_stage_of_the_pipeline_when_asked(store, clu
             t.close()
         with pytest.raises(PartitionError, match=r"does not train with mode='sync'"):
             trainer(store, cluster, partitions=1, mode="sync").fit(epochs=1)
+        # the pipeline's replicas train at once, each on its own worker (run_replica tasks
+        # would wait for one in turn)
+        with pytest.raises(ClusterError, match=r"3 replica\(s\) of 1 partition\(s\) need 3"):
+            trainer(store, cluster, partitions=1, replicas=3).fit(epochs=1)
     results = [r for run in runs for r in run.results]
     # the pipeline's result (attempts counted), one stage on one worker per replica
     assert [(r.partitions, r.attempts, len(r.workers)) for r in results] == [(1, 1, 1)] * 4
