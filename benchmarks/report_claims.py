@@ -453,6 +453,27 @@ CLAIMS: tuple[Claim, ...] = (
     ),
     Claim(
         bench="partitions",
+        name="a whole model: pipeline vs run_replica",
+        what="The paper's MNIST net as one replica, through the partition pipeline as one stage "
+        "(adam.train.runner: pipeline) and as one run_replica task, {seeds} seeds, {images} "
+        "images x {epochs} epochs",
+        when=("part", "runner"),
+        needs=("accuracy_pipeline", "accuracy_replica"),
+        ratio="rate_ratio_pipeline_vs_replica",
+        ours_runs="images_per_second_pipeline",
+        peer_runs="images_per_second_replica",
+        unit="images/s",
+        values=helpers.runner_accuracy,
+        ours_cell="pipeline: {mean_pipeline:pc} mean test accuracy",
+        peer_cell="run_replica: {mean_replica:pc}",
+        lead="{acc}; ",
+        words="images/s {ratio:x} of run_replica",
+        alone_words="images/s not measured",
+        brief="{ratio:x} the images/s",
+        any_line=True,
+    ),
+    Claim(
+        bench="partitions",
         name="too large for one worker",
         what="A {spec} net (too large for one TRAIN worker of {worker_memory_limit}) on MNIST, "
         "{images} images, 1 epoch",

@@ -173,6 +173,20 @@ def partitions_accuracy(line: dict) -> dict[str, Any]:
     return {"acc": acc}
 
 
+def runner_accuracy(line: dict) -> dict[str, Any]:
+    """A whole model through the pipeline against one run_replica task: mean test accuracy of
+    each, the difference in points, within noise where the seeds overlap."""
+    a_p, a_r = rules.nums(line.get("accuracy_pipeline")), rules.nums(line.get("accuracy_replica"))
+    if not a_p or not a_r:
+        return {}
+    m_p, m_r = sum(a_p) / len(a_p), sum(a_r) / len(a_r)
+    acc = f"accuracy {100 * (m_p - m_r):+.2f} points"
+    if rules.overlap(a_p, a_r):
+        acc += f", within noise: the seeds overlap ({100 * min(a_p):.2f}-{rules.pc(max(a_p))} vs "
+        acc += f"{100 * min(a_r):.2f}-{rules.pc(max(a_r))})"
+    return {"acc": acc, "mean_pipeline": m_p, "mean_replica": m_r}
+
+
 def partitions_large(line: dict) -> dict[str, Any] | None:
     """What each partition count learnt, and which counts were refused before starting."""
     acc = line.get("accuracy") or {}
