@@ -263,9 +263,9 @@ class Stage:
         :meth:`fused_context`): what :meth:`forward_into` and :meth:`backward_update` do, up to
         float rounding. Returns the mean loss."""
         assert self.whole is not None, "only a stage of the whole model runs the fused step"
-        mu = float(momentum) if velocity is not None else 0.0
-        vel = velocity if mu > 0.0 else _NO_VELOCITY
-        return self.whole.step_into(ctx, x, labels, n, lr, mu, vel, acc=acc)
+        if velocity is None or not momentum > 0.0:
+            return self.whole.step_into(ctx, x, labels, n, lr, 0.0, _NO_VELOCITY, acc=acc)
+        return self.whole.step_into(ctx, x, labels, n, lr, float(momentum), velocity, acc=acc)
 
     def fused_context(self, batch_size: int) -> Context:
         """Work buffers for :meth:`step` (one per thread)."""
