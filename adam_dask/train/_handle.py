@@ -71,11 +71,14 @@ class PooledPushes(WholePushes, Protocol):
 class RangedPushes(Protocol):
     """Pushes and pulls of a span ``[start, stop)`` of the parameters."""
 
-    def push_range(self, values: np.ndarray, start: int, *, mark: Mark | None = None) -> None:
-        """Add ``values`` to the parameters ``[start, start + len(values))``."""
-
     def pull_range(self, start: int, stop: int, *, out: np.ndarray | None = None) -> np.ndarray:
         """The parameters ``[start, stop)``, written into ``out`` when given."""
+
+    def push_pull_range(
+        self, values: np.ndarray, start: int, out: np.ndarray, *, mark: Mark | None = None
+    ) -> np.ndarray:
+        """Add ``values`` to the parameters ``[start, start + len(values))`` and read that span
+        back into ``out`` after the push, in one round trip."""
 
 
 class ReplicaServer(PooledPushes, RangedPushes, Protocol):

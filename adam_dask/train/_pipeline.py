@@ -23,7 +23,8 @@ stashing keeps the forward's weights for the backward; we do not (see docs/desig
 re-trained stretch is one group) and numbers them; every partition pushes its update of a
 group as part ``p`` of that group's push (one :class:`~adam_dask.ps.protocol.shard.Mark`: the group's
 number, the images it covers, ``parts = P``) to the shards of its own span
-(:meth:`ParameterServer.push_range`), then pulls its span. A push of a group holds exactly that
+and reads its span back in the same round trip (:meth:`ParameterServer.push_pull_range`), as a
+whole replica pushes with its pull. A push of a group holds exactly that
 group's mini-batches: each thread accumulates into one of two buffers by the group's parity,
 and partition 0 does not start group ``g + 2`` before group ``g`` came back from every
 partition (each partition takes group ``g``'s buffers when it applied the group's last
@@ -124,6 +125,7 @@ class PartitionRunner:
         self._buffers: queue.Queue[np.ndarray] = queue.Queue()
         for _ in range(2):
             self._buffers.put(np.zeros(n, np.float32))
+        self._pulled = np.zeros(n, np.float32)  # the span read back with each push
         # a mini-batch's work buffers, kept until its errors come back; a whole model as one
         # stage runs the fused step (a whole replica's) in a context per thread
         self._fused = stage.whole is not None
@@ -444,8 +446,8 @@ class PartitionRunner:
 
     def _send(self, item: tuple[_Open, np.ndarray]) -> None:
         """Push a group's update (``item``: the group and the buffer its update was taken into)
-        as this partition's part of the group's push, pull the span into the buffer and install
-        it; nothing when the replica runs again (this partition may have been frozen)."""
+        as this partition's part of the group's push, with the span read back in the same round
+        trip, and install it; nothing when the replica runs again (it may have been frozen)."""
         grp, buf = item
         if self.error is not None or (self.abort_flag is not None and self.abort_flag.is_set()):
             self._drop(item)
@@ -454,16 +456,15 @@ class PartitionRunner:
             t = time.perf_counter()
             epoch, replica, replicas = self.mark
             mark = Mark(epoch, replica, grp.seq, self.index, self.parts, replicas, grp.covers)
-            self.server.push_range(buf, self.stage.start, mark=mark)
+            pulled = self.server.push_pull_range(buf, self.stage.start, self._pulled, mark=mark)
             with self._take_lock:
                 self._forget_unpushed(buf)
             with self._lock:
                 self.pushes += 1
                 self.images_pushed += grp.images
                 self.groups_pushed.append(grp.seq)
-            self.server.pull_range(self.stage.start, self.stage.stop, out=buf)
             self.ps_seconds += time.perf_counter() - t
-            self._install(buf)
+            self._install(pulled)
         finally:
             self._recycle(buf)
 

@@ -63,3 +63,30 @@ def test_bad_ranges_and_values_are_refused(make_server):
     with pytest.raises(UpdateRejected, match="flat index 1007"):
         s.push_range(bad, 1000)
     np.testing.assert_array_equal(s.pull(), np.zeros(N, np.float32))
+
+
+@pytest.mark.parametrize("plane", ["auto", "tcp", "dask"])
+def test_a_ranged_push_with_its_pull_reads_the_span_after_the_push(make_server, plane):
+    """A partition's exchange in one call: the span it pushed to, read back after the push
+    (with the other part's pushes in it), on every transport; nothing outside the span."""
+    import dask
+
+    with dask.config.set({"adam.ps.data-plane": plane}):
+        s = make_server(size=N, shard_bytes=SHARD)
+    rng = np.random.default_rng(1)
+    total = np.zeros(N, np.float32)
+    spans = [(0, 2500), (2500, 6000)]  # shard 2 straddles the edge
+    for seq in range(3):
+        for part, (a, b) in enumerate(spans):
+            d = rng.integers(-4, 5, b - a).astype(np.float32)
+            out = np.full(b - a, -7, np.float32)
+            mark = Mark(0, 0, seq, part, 2, 1, [[0, seq, 0, 10]])
+            assert s.push_pull_range(d, a, out, mark=mark) is out
+            total[a:b] += d
+            np.testing.assert_array_equal(out, total[a:b])
+    assert applied_images(s.marks(0)) == 30
+    counts = s.stats()["data_plane"]
+    s.flush()
+    np.testing.assert_array_equal(s.pull(), total)
+    if plane != "dask":  # on the plane each exchange is its pushes, no pull of their own
+        assert counts["pushes"] >= 6 and counts["pulls"] == 0, counts

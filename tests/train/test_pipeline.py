@@ -40,6 +40,10 @@ class RangedStore:
             m = Mark(*mark.to_json()[:7], targets=(sid,)) if mark is not None else None
             self.marks[sid].setdefault(m.replica, []).append(m)
 
+    def push_pull_range(self, values, start, out, *, mark=None):
+        self.push_range(values, start, mark=mark)
+        return self.pull_range(start, start + len(values), out=out)
+
     def pull_range(self, start, stop, *, out):
         with self.lock:
             out[...] = self.flat[start:stop]

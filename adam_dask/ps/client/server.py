@@ -330,6 +330,31 @@ class ParameterServer:
         req = range_request(values, start, self.size, self.shards, push_id, ack or self.ack, mark)
         self._courier.send_push(req)
 
+    def push_pull_range(
+        self,
+        values: np.ndarray,
+        start: int,
+        out: np.ndarray | None = None,
+        *,
+        ack: str | None = None,
+        mark: Mark | None = None,
+    ) -> np.ndarray:
+        """:meth:`push_range`, then :meth:`pull_range` of the same span into ``out`` (float32
+        like ``values``, a new one if omitted) and return it: a partition's exchange, in one
+        round trip per primary on the data plane, as :meth:`push_pull` is a whole replica's
+        (the shards a node did not send back are pulled after)."""
+        push_id = self._rng.getrandbits(62)
+        req = range_request(values, start, self.size, self.shards, push_id, ack or self.ack, mark)
+        base = req.base  # the plane moves the values into a segment (and its base to 0)
+        out = out_buffer(out, req.values.shape[0])
+        req.pull = True
+        req.args.update(out=out, out_base=base)
+        pulled = self._courier.send_push(req).pulled()
+        missing = tuple(s for s in req.sids if s not in pulled)
+        if missing:
+            self._pull(missing, out, base)
+        return out
+
     def pull_range(self, start: int, stop: int, *, out: np.ndarray | None = None) -> np.ndarray:
         """The current parameters ``[start, stop)`` (from the primaries of the shards that
         overlap it), written into ``out`` (float32 (stop - start,), a new array if omitted)."""
