@@ -154,6 +154,30 @@ def test_workers_of_any_cluster_redact_their_logs(local_client):
     assert shown and all(S not in t and "'secret': '***'" in t for t in shown.values()), shown
 
 
+def _library_warning_as_shown(text: str) -> list[str]:
+    """The lines this worker's handlers of the library's logger write for a warning."""
+    lib = logging.getLogger("adam_dask")
+    handlers = [h for h in lib.handlers if isinstance(h, logging.StreamHandler)]
+    record = logging.getLogger("adam_dask.tests.stamp").makeRecord(
+        "adam_dask.tests.stamp", logging.WARNING, __file__, 1, "%s", (text,), None
+    )
+    return [h.format(record) for h in handlers]
+
+
+def test_workers_show_the_librarys_records_with_time_and_logger(local_client):
+    """A worker shows the library's warnings as Dask shows its own (time, logger, level), not
+    as Python's bare last resort does: a stream's recovery is placed in time."""
+    import re
+
+    from adam_dask._worker_preload import RedactLogs
+
+    local_client.register_plugin(RedactLogs())  # what a parameter server registers
+    shown = local_client.run(_library_warning_as_shown, "the DataServer is lost")
+    stamp = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} - adam_dask\.tests\.stamp - WARNING - "
+    for lines in shown.values():
+        assert len(lines) == 1 and re.match(stamp + "the DataServer is lost$", lines[0]), lines
+
+
 FAILING_THREAD_AND_WARNING = """
 import threading, warnings, sys
 from adam_dask import _secrets
