@@ -10,7 +10,7 @@ alone, one group under its own number), then the rest of the share. The runner
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,13 +81,19 @@ def push_groups(
 
 
 def replica_groups(
-    rj: ReplicaJob, server: ReplicaServer, data: Any, stop: Flag, report: Callable[[int], None]
-) -> Iterator[Group]:
+    rj: ReplicaJob,
+    server: ReplicaServer,
+    data: Any,
+    stop: Flag,
+    report: Callable[[int], None],
+    stream_stats: dict | None = None,
+) -> Generator[Group, None, None]:
     """Partition 0's push groups of replica ``rj``'s share: the stretches the shards' marks
     say to re-train (a :class:`~adam_dask.train._share.Share`), each one group under its
     number, then the rest of the share from the data service ``data``; ``report(images)`` as
     each group leaves (the replica's progress events). Stops between groups once ``stop`` is
-    set."""
+    set. ``stream_stats`` receives the share's data stream's figures when it closes (its
+    ``stats()``: the time the replica waited on it among them)."""
     s = rj.settings
     share = Share(rj, server)
     marker = share.marker
@@ -122,4 +128,6 @@ def replica_groups(
             yield group
             report(done)
     finally:
+        if stream_stats is not None:
+            stream_stats.update(stream.stats())
         stream.close()

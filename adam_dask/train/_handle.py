@@ -74,11 +74,16 @@ class RangedPushes(Protocol):
     def pull_range(self, start: int, stop: int, *, out: np.ndarray | None = None) -> np.ndarray:
         """The parameters ``[start, stop)``, written into ``out`` when given."""
 
-    def push_pull_range(
-        self, values: np.ndarray, start: int, out: np.ndarray, *, mark: Mark | None = None
-    ) -> np.ndarray:
-        """Add ``values`` to the parameters ``[start, start + len(values))`` and read that span
-        back into ``out`` after the push, in one round trip."""
+    def push_range(
+        self,
+        values: np.ndarray,
+        start: int,
+        *,
+        mark: Mark | None = None,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray | None:
+        """Add ``values`` to the parameters ``[start, start + len(values))``; with ``out``,
+        read that span back into it after the push, in one round trip."""
 
 
 class ReplicaServer(PooledPushes, RangedPushes, Protocol):

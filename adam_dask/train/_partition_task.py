@@ -139,9 +139,14 @@ def _run_partition(job: PartitionJob, server: ReplicaServer, data: Any) -> dict:
     )
     reporter = Reporter(worker, rj, t0)
     groups = None
+    fed: dict = {}  # partition 0's data stream's figures
     if job.partition == 0:
-        groups = replica_groups(rj, server, data, stop, lambda n: reporter.report(n, runner.pushes))
+        report = lambda n: reporter.report(n, runner.pushes)  # noqa: E731
+        groups = replica_groups(rj, server, data, stop, report, fed)
     out = runner.run(groups)
+    if groups is not None:
+        groups.close()  # its stream's figures, also after a stop or a failure
+    out["stall_fraction"], out["wait_seconds"] = fed.get("stall_fraction"), fed.get("wait_seconds")
     if job.partition == 0:
         reporter.report(runner.images, runner.pushes, final=True)
     # what it pushed is held by every copy before the result counts (ack="replay")

@@ -55,6 +55,8 @@ def combine(job: ReplicaJob, parts: Sequence[dict], attempts: int, seconds: floa
         partitions=len(parts),
         cross_bytes=sum(int(p["bytes_sent"]) for p in parts),
         attempts=attempts,
+        stall_fraction=first.get("stall_fraction"),  # partition 0 waits on the data stream
+        wait_seconds=first.get("wait_seconds"),
     )
 
 

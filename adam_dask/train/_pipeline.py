@@ -23,7 +23,7 @@ stashing keeps the forward's weights for the backward; we do not (see docs/desig
 re-trained stretch is one group) and numbers them; every partition pushes its update of a
 group as part ``p`` of that group's push (one :class:`~adam_dask.ps.protocol.shard.Mark`: the group's
 number, the images it covers, ``parts = P``) to the shards of its own span
-and reads its span back in the same round trip (:meth:`ParameterServer.push_pull_range`), as a
+and reads its span back in the same round trip (:meth:`ParameterServer.push_range` with ``out``), as a
 whole replica pushes with its pull. A push of a group holds exactly that
 group's mini-batches: each thread accumulates into one of two buffers by the group's parity,
 and partition 0 does not start group ``g + 2`` before group ``g`` came back from every
@@ -456,7 +456,8 @@ class PartitionRunner:
             t = time.perf_counter()
             epoch, replica, replicas = self.mark
             mark = Mark(epoch, replica, grp.seq, self.index, self.parts, replicas, grp.covers)
-            pulled = self.server.push_pull_range(buf, self.stage.start, self._pulled, mark=mark)
+            pulled = self.server.push_range(buf, self.stage.start, mark=mark, out=self._pulled)
+            assert pulled is not None
             with self._take_lock:
                 self._forget_unpushed(buf)
             with self._lock:

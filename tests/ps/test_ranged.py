@@ -81,7 +81,7 @@ def test_a_ranged_push_with_its_pull_reads_the_span_after_the_push(make_server, 
             d = rng.integers(-4, 5, b - a).astype(np.float32)
             out = np.full(b - a, -7, np.float32)
             mark = Mark(0, 0, seq, part, 2, 1, [[0, seq, 0, 10]])
-            assert s.push_pull_range(d, a, out, mark=mark) is out
+            assert s.push_range(d, a, mark=mark, out=out) is out
             total[a:b] += d
             np.testing.assert_array_equal(out, total[a:b])
     assert applied_images(s.marks(0)) == 30

@@ -33,16 +33,15 @@ class RangedStore:
         self.lock = threading.Lock()
         self.marks: dict[int, dict[int, list[Mark]]] = {s: {} for s in range(len(spans))}
 
-    def push_range(self, values, start, *, mark=None):
+    def push_range(self, values, start, *, mark=None, out=None):
         with self.lock:
             self.flat[start : start + len(values)] += values
             sid = next(s for s, (a, _) in enumerate(self.spans) if a == start)
             m = Mark(*mark.to_json()[:7], targets=(sid,)) if mark is not None else None
             self.marks[sid].setdefault(m.replica, []).append(m)
-
-    def push_pull_range(self, values, start, out, *, mark=None):
-        self.push_range(values, start, mark=mark)
-        return self.pull_range(start, start + len(values), out=out)
+            if out is not None:  # the span after the push
+                out[...] = self.flat[start : start + len(values)]
+        return out
 
     def pull_range(self, start, stop, *, out):
         with self.lock:

@@ -253,35 +253,34 @@ class ParameterServer:
         omitted) and return it: what a replica does every *k* images, in one round trip per
         primary on the data plane (the values read after the push was applied)."""
         out = out_buffer(out, self.size)
-        d = self._push_now(delta, ack, mark, out)
-        pulled = d.pulled()
-        missing = [s for s in range(len(self.shards)) if s not in pulled]
-        if missing:
-            self.pull(missing, out=out)
+        self._push_now(delta, ack, mark, out)
         return out
 
     def _push_now(
         self, delta: np.ndarray, ack: str | None, mark: Mark | None, pull: np.ndarray | None
-    ) -> Any:
+    ) -> None:
         """Check ``delta`` once and send it to the primaries (reading the shards back into
         ``pull`` on the way)."""
         channels = self._courier.channels_or_none()  # a copy goes into its pool (the plane on)
         pool = channels.pool if channels is not None else None
         delta, nonzero, seg = checked_delta(delta, self.size, self.shards, self._bounds, pool)
-        req = Request(
-            "push",
-            tuple(range(len(self.shards))),
-            self._rng.getrandbits(62),
-            ack or self.ack,
-            mark,
-            values=delta,
-            nonzero=nonzero,
-            pull=pull is not None,
-            args={} if pull is None else {"out": pull},
-        )
+        push_id, sids = self._rng.getrandbits(62), tuple(range(len(self.shards)))
+        req = Request("push", sids, push_id, ack or self.ack, mark, values=delta, nonzero=nonzero)
         if seg is not None:  # released when delivered (held parts keep a lease on it)
             req.args["own_segment"] = seg
-        return self._courier.send_push(req)
+        self._send_push(req, pull)
+
+    def _send_push(self, req: Request, out: np.ndarray | None, base: int = 0) -> None:
+        """Send push ``req``; with ``out`` (the parameters from ``base`` on), the shards are
+        read back into it after the push in the same round trip, and those a node did not
+        send back (the Dask transport) pulled after."""
+        if out is not None:
+            req.pull = True
+            req.args.update(out=out, out_base=base)
+        pulled = self._courier.send_push(req).pulled()
+        missing = tuple(s for s in req.sids if s not in pulled)
+        if out is not None and missing:
+            self._pull(missing, out, base)
 
     def push_outer(
         self,
@@ -300,16 +299,9 @@ class ParameterServer:
         row-major (a dense layer's weight), computed on the PS nodes that hold it.
         """
         push_id = self._rng.getrandbits(62)
+        shards, ack = self.shards, ack or self.ack
         req = outer_request(
-            offset,
-            errors,
-            activations,
-            scale,
-            self.size,
-            self.shards,
-            push_id,
-            ack or self.ack,
-            mark,
+            offset, errors, activations, scale, self.size, shards, push_id, ack, mark
         )
         self._courier.send_push(req)
 
@@ -320,39 +312,19 @@ class ParameterServer:
         *,
         ack: str | None = None,
         mark: Mark | None = None,
-    ) -> None:
+        out: np.ndarray | None = None,
+    ) -> np.ndarray | None:
         """Add ``values`` (flat float32) to the parameters ``[start, start + len(values))``,
         sending only to the shards that overlap that range (a partition of a replica holds one
         span; a shard straddling its edge gets zeros outside it). ``mark`` as for ``push``
-        (its ``targets`` become those shards). Raises :class:`UpdateRejected` (nothing
-        applied) on NaN/Inf."""
+        (its ``targets`` become those shards). With ``out`` (float32 like ``values``) the span
+        is read back into it after the push, in the same round trip per primary on the data
+        plane (a partition's exchange, as :meth:`push_pull` is a whole replica's), and
+        returned. Raises :class:`UpdateRejected` (nothing applied) on NaN/Inf."""
         push_id = self._rng.getrandbits(62)
         req = range_request(values, start, self.size, self.shards, push_id, ack or self.ack, mark)
-        self._courier.send_push(req)
-
-    def push_pull_range(
-        self,
-        values: np.ndarray,
-        start: int,
-        out: np.ndarray | None = None,
-        *,
-        ack: str | None = None,
-        mark: Mark | None = None,
-    ) -> np.ndarray:
-        """:meth:`push_range`, then :meth:`pull_range` of the same span into ``out`` (float32
-        like ``values``, a new one if omitted) and return it: a partition's exchange, in one
-        round trip per primary on the data plane, as :meth:`push_pull` is a whole replica's
-        (the shards a node did not send back are pulled after)."""
-        push_id = self._rng.getrandbits(62)
-        req = range_request(values, start, self.size, self.shards, push_id, ack or self.ack, mark)
-        base = req.base  # the plane moves the values into a segment (and its base to 0)
-        out = out_buffer(out, req.values.shape[0])
-        req.pull = True
-        req.args.update(out=out, out_base=base)
-        pulled = self._courier.send_push(req).pulled()
-        missing = tuple(s for s in req.sids if s not in pulled)
-        if missing:
-            self._pull(missing, out, base)
+        out = None if out is None else out_buffer(out, req.values.shape[0])
+        self._send_push(req, out, req.base)
         return out
 
     def pull_range(self, start: int, stop: int, *, out: np.ndarray | None = None) -> np.ndarray:
