@@ -149,6 +149,9 @@ class WholeReplicas:
         self, client: Any, jobs: Sequence[ReplicaJob], *, server: ReplicaServer, data: Any
     ):
         self.client, self.jobs, self.server, self.data = client, list(jobs), server, data
+        self.max_submissions = int(config.get("train.replica-submissions"))
+        self.submissions = [1] * len(self.jobs)
+        self.job_of: dict[str, ReplicaJob] = {}  # task key -> its replica's job
         self.barrier: BarrierRef | None = None
         self._barrier_future: Any = None
         self.all: list[Any] = []
@@ -175,26 +178,58 @@ class WholeReplicas:
         by one, a replica that already seceded leaves its worker looking idle, and the next
         could queue there behind the held TRAIN resource; pinning instead breaks the rerun of
         a replica whose worker died.)"""
-        self.all = self.client.map(
-            run_replica,
-            self.jobs,
-            server=self.server,
-            data=self.data,
-            barrier=self.barrier,
-            resources={TRAIN: 1},
-            pure=False,
-            key=[f"adam-{job.run_id}-e{job.epoch}-r{job.replica}" for job in self.jobs],
-        )
+        keys = [self._key(job) for job in self.jobs]
+        self.all = self.client.map(run_replica, self.jobs, pure=False, key=keys, **self._kw())
         self.open = list(self.all)
+
+    def _kw(self) -> dict:
+        return {
+            "server": self.server,
+            "data": self.data,
+            "barrier": self.barrier,
+            "resources": {TRAIN: 1},
+        }
 
     def pending(self) -> list[Any]:
         return list(self.open)
 
+    def _key(self, job: ReplicaJob) -> str:
+        n = self.submissions[job.replica]
+        key = f"adam-{job.run_id}-e{job.epoch}-r{job.replica}" + (f"-s{n}" if n > 1 else "")
+        self.job_of[key] = job
+        return key
+
     def collect(self) -> list[ReplicaResult]:
-        """The replicas whose task ended since the last call; raises a replica's error."""
+        """The replicas whose task ended since the last call; raises a replica's error. A task
+        Dask gave up on (``KilledWorker``: the workers running it died, ``allowed-failures``
+        + 1 of them) is submitted again, ``adam.train.replica-submissions`` times in all: it
+        resumes from the server's marks as Dask's own re-runs do."""
+        from distributed import KilledWorker
+
         done = [f for f in self.open if f.done()]
         self.open = [f for f in self.open if not f.done()]
-        return [f.result() for f in done]
+        results = []
+        for f in done:
+            job = self.job_of[f.key]
+            lost = f.status == "error" and isinstance(f.exception(), KilledWorker)
+            if lost and self.submissions[job.replica] < self.max_submissions:
+                self.submissions[job.replica] += 1
+                logger.warning(
+                    "epoch %d: replica %d's task was lost with every worker that ran it; "
+                    "submitting it again (%d of adam.train.replica-submissions %d)",
+                    job.epoch,
+                    job.replica,
+                    self.submissions[job.replica],
+                    self.max_submissions,
+                )
+                again = self.client.submit(
+                    run_replica, job, pure=False, key=self._key(job), **self._kw()
+                )
+                self.all.append(again)
+                self.open.append(again)
+                continue
+            results.append(f.result())
+        return results
 
     def futures(self) -> list[Any]:
         return list(self.all)

@@ -163,3 +163,39 @@ def _sync_step_waiting_for_a_frozen_replica(store, cluster):
     assert "replica(s) 1" in message and "sync-timeout" in message
     assert len(t.history) == 0  # the epoch did not count
     t.close()
+
+
+@pytest.mark.timeout(900)
+def test_a_replica_task_dask_gave_up_on_is_submitted_again(store):
+    """Dask gives up on a task once ``allowed-failures + 1`` workers died running it
+    (KilledWorker); the replica's task is then submitted again and resumes from the server's
+    marks. Here Dask gives up at the first death (allowed-failures 0), as it would at the
+    fourth TRAIN worker lost in an epoch by default."""
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+        with adam_dask.cluster.local(
+            ps_nodes=3, data_nodes=1, trainers=2, trainer_threads=1, memory_limit="2 GiB"
+        ) as client:
+            t = Trainer(
+                store,
+                model=SPEC,
+                client=client,
+                lr=0.05,
+                push_every=64,
+                batch_size=8,
+                progress=False,
+                epoch_quorum=1.0,
+                replicas=2,
+                slow_replicas={0: 0.1, 1: 0.1},
+            )
+            th, box = fit_in_background(t, epochs=1)
+            _wait_for_images(t, 0, 256, box)
+            victim = workers_with_role(client, TRAIN)[0]
+            kill_workers(client, [victim])
+            th.join(timeout=300)
+            t.close()
+    assert not th.is_alive()
+    assert "error" not in box, box.get("error")
+    h = box["history"]
+    assert h.column("images_applied") == [1024]  # every image once
+    assert h.records[0]["replicas_finished"] == 2
+    assert victim not in h.records[0]["replica_workers"]
