@@ -153,3 +153,37 @@ def test_kill_every_holder_while_pushing_loses_no_acknowledged_push(fo_client, t
         check_placement(s)
     finally:
         s.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_copy_made_before_its_nodes_died_reaches_their_successors_without_waiting_for_them():
+    """A handle unpickled in a task starts from the routing it was pickled with (a replica
+    task re-run after a fail-over): a node it names as a primary is dead. Its first request
+    must go to the successors once the controller dropped the dead one, not wait on a call to
+    a dead address (Dask retries a refused connection until its connect timeout, and the call
+    is given up after ``adam.ps.call-timeout``: both set past this test's timeout here, on a
+    cluster of its own, whose connection pools read them when made)."""
+    import pickle
+
+    import dask
+
+    import adam_dask
+
+    waits = {"distributed.comm.timeouts.connect": "600s", "adam.ps.call-timeout": 600}
+    with (
+        dask.config.set(waits),
+        adam_dask.cluster.local(
+            ps_nodes=3, data_nodes=0, trainers=0, memory_limit="1 GiB"
+        ) as client,
+    ):
+        s = ParameterServer.create(client, size=N, shard_bytes=SHARD)
+        s.push(np.ones(N, np.float32))
+        s.flush()
+        copy = pickle.dumps(s)  # the routing of now, as a task's argument carries it
+        lost = {s.placement()[0][0]}  # shard 0's primary (and the others' it holds)
+        kill_workers(client, lost)
+        wait_healed(s, lost)
+        h = pickle.loads(copy)  # its routing still names the dead primary
+        assert lost <= set(h._courier.routing.nodes)
+        np.testing.assert_array_equal(h.pull(), np.ones(N, np.float32))
+        s.close()

@@ -107,7 +107,8 @@ class Courier:
         key = self.routing.key(addr)
 
         def endpoint() -> dict:
-            return self.control.call(addr, key, "plane", timeout=self.call_timeout)
+            fut = self.control.start(addr, key, "plane", timeout=self.call_timeout)
+            return self._node_answer(addr, fut, self.call_timeout)
 
         return channels.get(addr, key, endpoint)
 
@@ -150,9 +151,10 @@ class Courier:
         if req.op == "push" and self.staleness and self.read_versions:
             req.bases = dict(self.read_versions)
         for send in sends:
-            ch = self._channel(channels, send.addr) if channels is not None else None
+            ch = None
             stamps = self.routing.stamps(send.sids)
-            try:
+            try:  # a node that does not give its endpoint fails as one that does not answer
+                ch = self._channel(channels, send.addr) if channels is not None else None
                 if ch is not None:
                     assert self.plane is not None
                     if seg is None and ch.unix:
@@ -202,11 +204,30 @@ class Courier:
                     if req.data:
                         self._count(req, "dask")
                     return self.dask.finish(req, reply)
-            if time.monotonic() - t0 > timeout:
-                raise TimeoutError(f"no answer from the PS node on {addr} in {timeout}s")
-            self.refresh()
-            if addr not in self.routing.nodes:
-                raise OSError(f"the PS worker {addr} was dropped by the controller")
+            self._still_waiting(addr, t0, timeout)
+
+    def _node_answer(self, addr: str, fut: Any, timeout: float) -> Any:
+        """The answer of a node's control call (``fut``), waited for as :meth:`_answer` waits
+        (a dead node's address may take Dask's connect timeout to fail: the routing says so
+        sooner)."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                return fut.result(timeout=self.plane_timeout)
+            except TimeoutError:
+                self._still_waiting(addr, t0, timeout)
+            except Exception:
+                fut.cancel()
+                raise
+
+    def _still_waiting(self, addr: str, t0: float, timeout: float) -> None:
+        """Go on waiting for ``addr`` (since ``t0``): raises once ``timeout`` passed or the
+        controller dropped ``addr`` (a dead or frozen worker: waiting would only time out)."""
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"no answer from the PS node on {addr} in {timeout}s")
+        self.refresh()
+        if addr not in self.routing.nodes:
+            raise OSError(f"the PS worker {addr} was dropped by the controller")
 
     def _count(self, req: Request, transport: str) -> None:
         if self.channels is None:
