@@ -297,7 +297,9 @@ class Courier:
     def send_push(self, req: Request) -> Delivery:
         """One push through the courier, as its plan says (:class:`Pushing`: room made in the
         replay log, held pushes of moved shards replayed, the push delivered and kept until
-        durable with ``ack="replay"``)."""
+        durable with ``ack="replay"``). A push with ``pull`` reads its shards back into
+        ``args["out"]`` (from ``args["out_base"]`` on) in the same round trip; those a node
+        did not send back (the Dask transport's) are pulled after."""
         try:
             d = self.run(self.plan.push(req))
         finally:
@@ -307,6 +309,12 @@ class Courier:
         assert d is not None
         if req.ack == "replay":
             self.keep_settling()
+        if req.pull:
+            pulled = d.pulled()
+            missing = tuple(s for s in req.sids if s not in pulled)
+            if missing:
+                out = {"out": req.args["out"], "out_base": req.args.get("out_base", 0)}
+                self.deliver(Request("pull", missing, args=out))
         return d
 
     def run(self, plan: Pushing | Settling | Replaying) -> Delivery | None:

@@ -268,19 +268,9 @@ class ParameterServer:
         req = Request("push", sids, push_id, ack or self.ack, mark, values=delta, nonzero=nonzero)
         if seg is not None:  # released when delivered (held parts keep a lease on it)
             req.args["own_segment"] = seg
-        self._send_push(req, pull)
-
-    def _send_push(self, req: Request, out: np.ndarray | None, base: int = 0) -> None:
-        """Send push ``req``; with ``out`` (the parameters from ``base`` on), the shards are
-        read back into it after the push in the same round trip, and those a node did not
-        send back (the Dask transport) pulled after."""
-        if out is not None:
-            req.pull = True
-            req.args.update(out=out, out_base=base)
-        pulled = self._courier.send_push(req).pulled()
-        missing = tuple(s for s in req.sids if s not in pulled)
-        if out is not None and missing:
-            self._pull(missing, out, base)
+        if pull is not None:
+            req.pull, req.args["out"] = True, pull
+        self._courier.send_push(req)
 
     def push_outer(
         self,
@@ -323,8 +313,11 @@ class ParameterServer:
         returned. Raises :class:`UpdateRejected` (nothing applied) on NaN/Inf."""
         push_id = self._rng.getrandbits(62)
         req = range_request(values, start, self.size, self.shards, push_id, ack or self.ack, mark)
-        out = None if out is None else out_buffer(out, req.values.shape[0])
-        self._send_push(req, out, req.base)
+        if out is not None:
+            out = out_buffer(out, req.values.shape[0])
+            req.pull = True
+            req.args.update(out=out, out_base=req.base)
+        self._courier.send_push(req)
         return out
 
     def pull_range(self, start: int, stop: int, *, out: np.ndarray | None = None) -> np.ndarray:
