@@ -137,25 +137,45 @@ def _fit_with(client, store, spec, P, *, epochs, seed, lr, push_every) -> dict:
     return out
 
 
-def part_mnist(args) -> dict:
-    spec = "conv5x5:10,maxpool2,conv5x5:20,maxpool2,fc400,fc400,fc10"
+MNIST_NET = "conv5x5:10,maxpool2,conv5x5:20,maxpool2,fc400,fc400,fc10"  # the paper's
+
+
+def _mnist_runs(args, variants: dict, *, tag: str | None = None) -> list[dict]:
+    """Fits of the paper's MNIST net on the subset, for each seed one per ``variants``
+    ({name: (partitions, runner)}): in that order, or with ``tag`` reversed on odd seeds and
+    each run's name under ``tag``; each run carries its seed."""
     store = mnist_subset_store(args.images, args.test_images)
     runs = []
     with _cluster(2, "2 GiB") as client:
         for seed in range(args.seeds):
-            for P in (1, 2):
+            names = list(variants)[:: -1 if tag and seed % 2 else 1]
+            for name in names:
+                P, runner = variants[name]
                 r = _fit(
-                    client, store, spec, P, epochs=args.epochs, seed=seed, lr=0.05, push_every=512
+                    client,
+                    store,
+                    MNIST_NET,
+                    P,
+                    epochs=args.epochs,
+                    seed=seed,
+                    lr=0.05,
+                    push_every=512,
+                    runner=runner,
                 )
                 r.pop("plan", None)
-                runs.append({"seed": seed, **r})
+                runs.append({"seed": seed, **({tag: name} if tag else {}), **r})
                 print(runs[-1], flush=True)
+    return runs
+
+
+def part_mnist(args) -> dict:
+    runs = _mnist_runs(args, {1: (1, "replica"), 2: (2, "replica")})
     acc = {P: [r["test_accuracy"] for r in runs if r["partitions"] == P] for P in (1, 2)}
     rate = {P: [r["images_per_second"] for r in runs if r["partitions"] == P] for P in (1, 2)}
     mean = {P: sum(v) / len(v) for P, v in acc.items()}
     return {
         "part": "mnist",
-        "spec": spec,
+        "spec": MNIST_NET,
         "images": args.images,
         "test_images": args.test_images,
         "epochs": args.epochs,
@@ -173,33 +193,14 @@ def part_mnist(args) -> dict:
 
 
 def part_runner(args) -> dict:
-    spec = "conv5x5:10,maxpool2,conv5x5:20,maxpool2,fc400,fc400,fc10"
-    store = mnist_subset_store(args.images, args.test_images)
-    runs = []
-    with _cluster(2, "2 GiB") as client:
-        for seed in range(args.seeds):
-            order = ("replica", "pipeline") if seed % 2 == 0 else ("pipeline", "replica")
-            for runner in order:
-                r = _fit(
-                    client,
-                    store,
-                    spec,
-                    1,
-                    epochs=args.epochs,
-                    seed=seed,
-                    lr=0.05,
-                    push_every=512,
-                    runner=runner,
-                )
-                r.pop("plan", None)
-                runs.append({"seed": seed, "runner": runner, **r})
-                print(runs[-1], flush=True)
+    variants = {"replica": (1, "replica"), "pipeline": (1, "pipeline")}
+    runs = _mnist_runs(args, variants, tag="runner")
     names = ("replica", "pipeline")
     acc = {n: [r["test_accuracy"] for r in runs if r["runner"] == n] for n in names}
     rate = {n: [r["images_per_second"] for r in runs if r["runner"] == n] for n in names}
     return {
         "part": "runner",
-        "spec": spec,
+        "spec": MNIST_NET,
         "images": args.images,
         "test_images": args.test_images,
         "epochs": args.epochs,
