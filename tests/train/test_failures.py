@@ -48,19 +48,26 @@ def _wait_for_images(trainer, epoch, n, box, timeout=300):
     )
 
 
-@pytest.mark.timeout(900)
-def test_train_worker_killed_mid_epoch(store, cluster):
-    t = Trainer(
+def _slowed_trainer(store, client, **kwargs):
+    """Two replicas slowed to 0.1 s a batch (an epoch long enough to kill one mid-way), the
+    epoch waiting for both."""
+    return Trainer(
         store,
         model=SPEC,
-        client=cluster,
+        client=client,
         lr=0.05,
         push_every=64,
         batch_size=8,
         progress=False,
         epoch_quorum=1.0,
         slow_replicas={0: 0.1, 1: 0.1},
+        **kwargs,
     )
+
+
+@pytest.mark.timeout(900)
+def test_train_worker_killed_mid_epoch(store, cluster):
+    t = _slowed_trainer(store, cluster)
     th, box = fit_in_background(t, epochs=2)
     _wait_for_images(t, 0, 256, box)
     victim = workers_with_role(cluster, TRAIN)[0]  # each TRAIN worker runs one replica now
@@ -175,18 +182,7 @@ def test_a_replica_task_dask_gave_up_on_is_submitted_again(store):
         with adam_dask.cluster.local(
             ps_nodes=3, data_nodes=1, trainers=2, trainer_threads=1, memory_limit="2 GiB"
         ) as client:
-            t = Trainer(
-                store,
-                model=SPEC,
-                client=client,
-                lr=0.05,
-                push_every=64,
-                batch_size=8,
-                progress=False,
-                epoch_quorum=1.0,
-                replicas=2,
-                slow_replicas={0: 0.1, 1: 0.1},
-            )
+            t = _slowed_trainer(store, client, replicas=2)
             th, box = fit_in_background(t, epochs=1)
             _wait_for_images(t, 0, 256, box)
             victim = workers_with_role(client, TRAIN)[0]
