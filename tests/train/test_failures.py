@@ -8,7 +8,7 @@ import dask
 import pytest
 
 import adam_dask
-from adam_dask.cluster import PS, TRAIN, workers_with_role
+from adam_dask.cluster import PS, workers_with_role
 from adam_dask.errors import ClusterError
 from adam_dask.testing import fit_in_background, freeze, synthetic_store, thaw
 from adam_dask.testing import hard_kill as kill_workers
@@ -48,9 +48,27 @@ def _wait_for_images(trainer, epoch, n, box, timeout=300):
     )
 
 
+def _wait_for_a_replica(trainer, epoch, n, box, timeout=480):
+    """Wait until one replica drew ``n`` images of ``epoch`` (some of its pushes landed);
+    returns the worker it runs on. A fresh TRAIN worker's first mini-batch compiles the fused
+    step; beside the busy load that took 250 s once (2 cores), hence the long timeout."""
+    deadline = time.time() + timeout
+    progress = trainer._progress
+    while time.time() < deadline:
+        if "error" in box or "history" in box:
+            raise AssertionError(f"fit ended before a replica reached {n} images: {box}")
+        if trainer.epoch == epoch:
+            for replica, images in list(progress.images.items()):
+                if images >= n and progress.workers.get(replica):
+                    return progress.workers[replica]
+        time.sleep(0.05)
+    raise AssertionError(f"no replica reached {n} images in {timeout}s: {progress.images}")
+
+
 def _slowed_trainer(store, client, **kwargs):
-    """Two replicas slowed to 0.1 s a batch (an epoch long enough to kill one mid-way), the
-    epoch waiting for both."""
+    """Two replicas slowed to 0.8 s a stream batch (64 images: an epoch of 6 s or more, long
+    enough to kill one mid-way; at 0.1 s it lasted under a second, and a kill after some
+    replica's progress often fell after that replica's end), the epoch waiting for both."""
     return Trainer(
         store,
         model=SPEC,
@@ -60,7 +78,7 @@ def _slowed_trainer(store, client, **kwargs):
         batch_size=8,
         progress=False,
         epoch_quorum=1.0,
-        slow_replicas={0: 0.1, 1: 0.1},
+        slow_replicas={0: 0.8, 1: 0.8},
         **kwargs,
     )
 
@@ -69,8 +87,9 @@ def _slowed_trainer(store, client, **kwargs):
 def test_train_worker_killed_mid_epoch(store, cluster):
     t = _slowed_trainer(store, cluster)
     th, box = fit_in_background(t, epochs=2)
-    _wait_for_images(t, 0, 256, box)
-    victim = workers_with_role(cluster, TRAIN)[0]  # each TRAIN worker runs one replica now
+    # the victim: the worker of a replica that drew 3 pushes' worth (64 images each), so the
+    # server holds some of its pushes and its re-run must not train its whole share again
+    victim = _wait_for_a_replica(t, 0, 192, box)
     kill_workers(cluster, [victim])
     th.join(timeout=300)
     assert not th.is_alive()
@@ -184,8 +203,7 @@ def test_a_replica_task_dask_gave_up_on_is_submitted_again(store):
         ) as client:
             t = _slowed_trainer(store, client, replicas=2)
             th, box = fit_in_background(t, epochs=1)
-            _wait_for_images(t, 0, 256, box)
-            victim = workers_with_role(client, TRAIN)[0]
+            victim = _wait_for_a_replica(t, 0, 192, box)
             kill_workers(client, [victim])
             th.join(timeout=300)
             t.close()
