@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from ... import config
 from ...errors import ShardUnavailable
 from ..plane.channels import Channel, Channels, PlaneCalls, Segment
@@ -313,9 +315,15 @@ class Courier:
             pulled = d.pulled()
             missing = tuple(s for s in req.sids if s not in pulled)
             if missing:
-                out = {"out": req.args["out"], "out_base": req.args.get("out_base", 0)}
-                self.deliver(Request("pull", missing, args=out))
+                self.pull(missing, req.args["out"], req.args.get("out_base", 0))
         return d
+
+    def pull(self, sids: tuple[int, ...], out: np.ndarray, base: int = 0) -> None:
+        """Read shards ``sids`` into ``out`` (the parameters from ``base`` on), after the held
+        pushes of moved shards went to their new primaries (a pull sees this handle's own
+        pushes)."""
+        self.replay_moved()
+        self.deliver(Request("pull", sids, args={"out": out, "out_base": base}))
 
     def run(self, plan: Pushing | Settling | Replaying) -> Delivery | None:
         """Carry out ``plan``'s steps (:mod:`~adam_dask.ps.protocol.courier_plan`) until it is

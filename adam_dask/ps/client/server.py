@@ -325,13 +325,8 @@ class ParameterServer:
         overlap it), written into ``out`` (float32 (stop - start,), a new array if omitted)."""
         start, stop = span(start, int(stop) - int(start), self.size)
         out = out_buffer(out, stop - start)
-        self._pull(tuple(overlapping(self.shards, start, stop)), out, start)
+        self._courier.pull(tuple(overlapping(self.shards, start, stop)), out, start)
         return out
-
-    def _pull(self, sids: tuple[int, ...], out: np.ndarray, base: int = 0) -> None:
-        courier = self._courier
-        courier.replay_moved()  # a pull sees this handle's own pushes
-        courier.deliver(Request("pull", sids, args={"out": out, "out_base": base}))
 
     def pull(
         self, shards: Iterable[int] | None = None, *, out: np.ndarray | None = None
@@ -342,7 +337,7 @@ class ParameterServer:
         buffer, zeros if omitted); the rest of ``out`` is left as it is.
         """
         out = out_buffer(out, self.size)
-        self._pull(shard_ids(shards, len(self.shards)), out)
+        self._courier.pull(shard_ids(shards, len(self.shards)), out)
         return out
 
     def marks(self, epoch: int) -> dict[int, dict[int, tuple[Mark, ...]]]:
