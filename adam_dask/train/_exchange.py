@@ -40,6 +40,7 @@ from ._handle import PooledPushes, WholePushes
 from ._position import Marker, Stretch
 from ._updates import Update
 from .replica import HogwildReplica
+from .streams import PushPace
 
 __all__ = ["AsyncExchange", "Exchange", "SyncExchange"]
 
@@ -178,9 +179,8 @@ class AsyncExchange(Exchange):
     a push that falls due while one is in flight joins the next one (at most one in flight).
     ``push_every`` (the paper's *k*) with ``damp``: when the pushes cover more images than
     ``push_every`` (the parameter server is busy), the replica's rate is damped by the period
-    it pushed at, as a longer push period's is (:mod:`~adam_dask.train.streams`):
-    :attr:`HogwildReplica.damping` = ``(k + threads x batch) / period`` at most 1, the period
-    smoothed over the last pushes.
+    it pushed at, as a longer push period's is: :attr:`HogwildReplica.damping` from its
+    :class:`~adam_dask.train.streams.PushPace` (``pace``).
     """
 
     def __init__(
@@ -193,10 +193,7 @@ class AsyncExchange(Exchange):
         **kwargs: Any,
     ):
         super().__init__(replica, server, **kwargs)
-        self.push_every = int(push_every)
-        self._damp = bool(damp and push_every > 0)
-        self.period = float(push_every)
-        """Images per push, smoothed (0 without ``push_every``)."""
+        self.pace = PushPace(push_every, slack=replica.threads * replica.batch_size, damp=damp)
         self._loop = DueLoop(self._send, name="adam-exchange", on_error=lambda _: replica.stop())
 
     def step(self) -> None:
@@ -222,13 +219,9 @@ class AsyncExchange(Exchange):
         self._pace(update.images)
 
     def _pace(self, images: int) -> None:
-        if not self.push_every:
-            return
-        self.period += 0.25 * (images - self.period)
-        if self._damp:
-            rep = self.replica
-            slack = self.push_every + rep.threads * rep.batch_size
-            rep.damping = min(1.0, slack / max(1.0, self.period))
+        damping = self.pace.pushed(images)
+        if self.pace.damp:
+            self.replica.damping = damping
 
     def finish(self) -> None:
         """Wait for the push in flight, push the rest; raise the first error."""

@@ -1,18 +1,18 @@
-"""Partition 0's push groups: the replica's stream cut into groups of whole mini-batches,
-each pushed by every partition as one push (part ``p`` of it from partition ``p``).
+"""What partition 0 feeds its replica with, in push groups of whole mini-batches, each group
+pushed by every partition as one push (part ``p`` of it from partition ``p``).
 
-:func:`push_groups` cuts a stream into groups of about ``push_every`` images, numbered and
-marked in order (a :class:`~adam_dask.train._position.Marker`); :func:`replica_groups` is what
-partition 0 feeds its pipeline with: first the stretches some shard misses (each re-trained
-alone, one group under its own number), then the rest of the share. The runner
-(:mod:`._pipeline`) only takes the groups in order.
+A :class:`ReplicaFeed` gives first the stretches some shard misses (each re-trained alone, one
+fixed :class:`Group` under its own number), then the rest of the share as mini-batches; the
+runner (:mod:`._pipeline`) cuts the rest into groups as it feeds them, a group closing once it
+holds ``push_every`` images and the exchange is free, and the feed numbers and marks each
+group in order (a :class:`~adam_dask.train._position.Marker`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -22,10 +22,9 @@ from .streams import resolve_push_every
 
 if TYPE_CHECKING:
     from ._handle import ReplicaServer
-    from .replica import Flag
     from .task import ReplicaJob
 
-__all__ = ["Group", "minibatches", "push_groups", "replica_groups"]
+__all__ = ["Feed", "Group", "ReplicaFeed", "minibatches"]
 
 
 @dataclass(slots=True)
@@ -53,81 +52,72 @@ def minibatches(
             yield x[a : a + batch_size], y[a : a + batch_size], key
 
 
-def push_groups(
-    items: Iterable[tuple[np.ndarray, np.ndarray, Any]],
-    batch_size: int,
-    push_every: int,
-    marks: Callable[[dict], tuple[int, list]],
-) -> Iterator[Group]:
-    """Groups of the stream ``items`` ((x, y, key) batches): whole mini-batches of up to
-    ``batch_size`` until at least ``push_every`` images, the last group what is left.
-    ``marks(items)`` ({key: images}) numbers a group and says what it covers (a
-    :class:`~adam_dask.train._position.Marker`'s next mark, committed at once: the group
-    is formed in order)."""
-    batches: list[tuple[np.ndarray, np.ndarray]] = []
-    counts: dict[Any, int] = {}
-    n = 0
-    for xs, ys, key in minibatches(items, batch_size):
-        batches.append((xs, ys))
-        counts[key] = counts.get(key, 0) + len(ys)
-        n += len(ys)
-        if n >= push_every:
-            seq, covers = marks(counts)
-            yield Group(seq, covers, batches)
-            batches, counts, n = [], {}, 0
-    if batches:
-        seq, covers = marks(counts)
-        yield Group(seq, covers, batches)
+class Feed(Protocol):
+    """What partition 0 feeds its replica from: the fixed groups first (the stretches some
+    shard misses, each re-trained alone under its number), then the rest of the share as
+    mini-batches, cut into push groups as they are fed (:class:`ReplicaFeed`, or a test's)."""
+
+    push_every: int  # images a group holds at least before it closes (the paper's k)
+
+    def stretches(self) -> Iterator[Group]: ...
+
+    def rest(self) -> Iterator[tuple[np.ndarray, np.ndarray, Any]]: ...
+
+    def lr(self) -> float: ...
+
+    def cut(self, counts: dict, images: int) -> tuple[int, list]: ...
 
 
-def replica_groups(
-    rj: ReplicaJob,
-    server: ReplicaServer,
-    data: Any,
-    stop: Flag,
-    report: Callable[[int], None],
-    stream_stats: dict | None = None,
-) -> Generator[Group, None, None]:
-    """Partition 0's push groups of replica ``rj``'s share: the stretches the shards' marks
-    say to re-train (a :class:`~adam_dask.train._share.Share`), each one group under its
-    number, then the rest of the share from the data service ``data``; ``report(images)`` as
-    each group leaves (the replica's progress events). Stops between groups once ``stop`` is
-    set. ``stream_stats`` receives the share's data stream's figures when it closes (its
-    ``stats()``: the time the replica waited on it among them)."""
-    s = rj.settings
-    share = Share(rj, server)
-    marker = share.marker
-    done = share.images_before
+class ReplicaFeed:
+    """Partition 0's feed of replica ``rj``'s share (a :class:`Feed`): the stretches the
+    shards' marks say to re-train (a :class:`~adam_dask.train._share.Share`), then the rest of
+    the share from the data service ``data`` in mini-batches of ``batch_size``.
 
-    for stretch in share.stretches:
-        if stop.is_set():
-            return
-        stream = share.stretch_stream(data, stretch)
-        try:
-            group = Group(
-                stretch.seq, encode(stretch.items), lr=rj.schedule.at(share.progress(done))
-            )
-            group.batches = [(x, y) for x, y, _ in minibatches(stream, s.batch_size)]
-        finally:
-            stream.close()
-        yield group
-    if stop.is_set():
-        return
-    stream = share.rest_stream(data)
+    :meth:`cut` numbers a group of the rest and says what it covers (the
+    :class:`~adam_dask.train._position.Marker`'s next mark, committed at once: groups close in
+    order) and reports the replica's progress (``report(images)``); :meth:`lr` is the
+    schedule's rate at the share's progress. :meth:`close` closes the rest's stream and
+    returns its figures (``stats()``: the time the replica waited on it among them; {} before
+    the rest began)."""
 
-    def marks(counts: dict) -> tuple[int, list]:
+    def __init__(
+        self, rj: ReplicaJob, server: ReplicaServer, data: Any, report: Callable[[int], None]
+    ):
+        self.job, self.data, self.report = rj, data, report
+        self.share = Share(rj, server)
+        self.done = self.share.images_before
+        self.push_every = resolve_push_every(rj.settings.push_every, rj.replicas)
+        self._stream: Any = None
+
+    def stretches(self) -> Iterator[Group]:
+        share, batch = self.share, self.job.settings.batch_size
+        for stretch in share.stretches:
+            stream = share.stretch_stream(self.data, stretch)
+            try:
+                group = Group(stretch.seq, encode(stretch.items), lr=self.lr())
+                group.batches = [(x, y) for x, y, _ in minibatches(stream, batch)]
+            finally:
+                stream.close()
+            yield group
+
+    def rest(self) -> Iterator[tuple[np.ndarray, np.ndarray, Any]]:
+        self._stream = self.share.rest_stream(self.data)
+        yield from minibatches(self._stream, self.job.settings.batch_size)
+
+    def lr(self) -> float:
+        return self.job.schedule.at(self.share.progress(self.done))
+
+    def cut(self, counts: dict, images: int) -> tuple[int, list]:
+        marker = self.share.marker
         m = marker.marks(counts, 1)[0]
         marker.commit(m)
+        self.done += images
+        self.report(self.done)
         return m.seq, m.covers
 
-    try:
-        every = resolve_push_every(s.push_every, rj.replicas)  # the trainer's plan set it
-        for group in push_groups(stream, s.batch_size, every, marks):
-            group.lr = rj.schedule.at(share.progress(done))
-            done += group.images
-            yield group
-            report(done)
-    finally:
-        if stream_stats is not None:
-            stream_stats.update(stream.stats())
-        stream.close()
+    def close(self) -> dict:
+        if self._stream is None:
+            return {}
+        stats = dict(self._stream.stats())
+        self._stream.close()
+        return stats

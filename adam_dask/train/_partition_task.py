@@ -7,7 +7,7 @@ model's skeleton (it never allocates the whole model), pulls its span, meets its
 (:func:`~adam_dask.train._links.meet`: through a :class:`distributed.Variable` named for the
 replica, the attempt and the partition, and a token) and runs a
 :class:`~adam_dask.train._pipeline.PartitionRunner`. Partition 0 feeds the replica from the
-data service (:func:`~adam_dask.train._groups.replica_groups`), as an unpartitioned replica
+data service (a :class:`~adam_dask.train._groups.ReplicaFeed`), as an unpartitioned replica
 would: first the pushes some shard misses (the stretches of
 :func:`~adam_dask.train._position.replica_plan`), then the rest of its share.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..cluster import TRAIN
-from ._groups import replica_groups
+from ._groups import ReplicaFeed
 from ._links import meet
 from .task import EventPoll, ReplicaJob, Reporter
 
@@ -138,17 +138,19 @@ def _run_partition(job: PartitionJob, server: ReplicaServer, data: Any) -> dict:
         momentum=s.momentum,
     )
     reporter = Reporter(worker, rj, t0)
-    groups = None
-    fed: dict = {}  # partition 0's data stream's figures
+    feed = None
     if job.partition == 0:
-        report = lambda n: reporter.report(n, runner.pushes)  # noqa: E731
-        groups = replica_groups(rj, server, data, stop, report, fed)
-    out = runner.run(groups)
-    if groups is not None:
-        groups.close()  # its stream's figures, also after a stop or a failure
+        report = lambda n: reporter.report(n, runner.exchange.pushes)  # noqa: E731
+        feed = ReplicaFeed(rj, server, data, report)
+    fed: dict = {}  # partition 0's data stream's figures, also after a stop or a failure
+    try:
+        out = runner.run(feed)
+    finally:
+        if feed is not None:
+            fed = feed.close()
     out["stall_fraction"], out["wait_seconds"] = fed.get("stall_fraction"), fed.get("wait_seconds")
     if job.partition == 0:
-        reporter.report(runner.images, runner.pushes, final=True)
+        reporter.report(runner.images, runner.exchange.pushes, final=True)
     # what it pushed is held by every copy before the result counts (ack="replay")
     server.settle(checkpoint=False)
     out["worker"] = worker.address

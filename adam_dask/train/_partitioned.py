@@ -57,6 +57,7 @@ def combine(job: ReplicaJob, parts: Sequence[dict], attempts: int, seconds: floa
         attempts=attempts,
         stall_fraction=first.get("stall_fraction"),  # partition 0 waits on the data stream
         wait_seconds=first.get("wait_seconds"),
+        damping=first.get("damping"),  # partition 0 feeds at the damped rate
     )
 
 

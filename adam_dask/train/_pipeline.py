@@ -4,8 +4,7 @@ and its exchange with the parameter server. No Dask: the task (``_partition_task
 connects the sockets (:mod:`._links`), cuts partition 0's groups (:mod:`._groups`) and gives it
 a parameter-server handle; tests run the partitions of a replica as threads of one process.
 
-**Dataflow.** Partition 0 draws mini-batches (from its push groups, :class:`~._groups.Group`)
-and runs its layers forward; each partition sends its output activations to the next over a
+**Dataflow.** Partition 0 draws mini-batches (from its :class:`~._groups.Feed`) and runs its layers forward; each partition sends its output activations to the next over a
 long-lived socket (a :class:`~._links.Link`); the last partition computes the loss and its
 error terms and the errors travel back the same way. Each partition's ``threads`` threads take
 whatever work is ready (errors coming back first), so several mini-batches are in flight in
@@ -19,16 +18,21 @@ when its errors arrive, not those its forward pass used: updates of the other mi
 flight (at most ``window - 1``) and of pulls in between have landed. PipeDream's weight
 stashing keeps the forward's weights for the backward; we do not (see docs/design.md).
 
-**Push groups.** Partition 0 cuts the stream into groups of about ``push_every`` images (a
-re-trained stretch is one group) and numbers them; every partition pushes its update of a
-group as part ``p`` of that group's push (one :class:`~adam_dask.ps.protocol.shard.Mark`: the group's
-number, the images it covers, ``parts = P``) to the shards of its own span
-and reads its span back in the same round trip (:meth:`ParameterServer.push_range` with ``out``), as a
-whole replica pushes with its pull. A push of a group holds exactly that
-group's mini-batches: each thread accumulates into one of two buffers by the group's parity,
-and partition 0 does not start group ``g + 2`` before group ``g`` came back from every
-partition (each partition takes group ``g``'s buffers when it applied the group's last
-mini-batch, before that mini-batch's errors leave it), so at most two groups are open.
+**Push groups.** Partition 0 cuts what it feeds into groups and numbers them: a re-trained
+stretch is one group; the rest closes a group once it holds ``push_every`` images and partition
+0 has no group waiting to be pushed, so a busy parameter server gets fewer, larger pushes and
+the replica never waits for it (a whole replica's accumulate-then-push), its rate damped for
+the longer period among other replicas (a :class:`~adam_dask.train.streams.PushPace`). A
+group's last mini-batch carries what the group is (its size, number and cover). Every
+partition pushes its update of a group as part ``p`` of that group's push (one
+:class:`~adam_dask.ps.protocol.shard.Mark`: the group's number, the images it covers, ``parts =
+P``) to the shards of its own span and reads its span back in the same round trip
+(:meth:`ParameterServer.push_range` with ``out``), as a whole replica pushes with its pull. A
+push of a group holds exactly that group's mini-batches: each thread accumulates into one of
+two buffers by the group's parity, and partition 0 does not start group ``g + 2`` before group
+``g`` came back from every partition (each partition takes group ``g``'s buffers when it
+applied the group's last mini-batch, before that mini-batch's errors leave it), so at most two
+groups are open.
 """
 
 from __future__ import annotations
@@ -40,18 +44,17 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..model.stage import Stage, StageContext
-from ..ps.protocol.shard import Mark
-from ._communicator import Communicator
-from ._groups import Group
+from ._groups import Feed
 from ._links import Link
-from ._updates import summed
+from ._stage_exchange import StageExchange
+from .streams import PushPace
 
 if TYPE_CHECKING:
     from ._handle import RangedPushes
@@ -63,12 +66,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _Open:
-    """A group open in this partition."""
+    """A group open in this partition; what it is (its mini-batches ``size``, ``seq``,
+    ``covers``, ``images``) arrives with its last mini-batch."""
 
     ordinal: int
-    seq: int
-    size: int  # mini-batches
-    covers: list
+    seq: int = -1
+    size: int | None = None
+    covers: list = field(default_factory=list)
     images: int = 0
     applied: int = 0
 
@@ -106,26 +110,17 @@ class PartitionRunner:
         self.stage, self.index, self.parts = stage, int(index), int(parts)
         self.first, self.last = self.index == 0, self.index == self.parts - 1
         self.threads, self.window = int(threads), max(1, int(window))
-        self.server, self.mark = server, mark
+        self.mark = mark
         self.up, self.down = up, down
         self.stop_flag, self.abort_flag = stop, abort
         self.timeout = float(timeout)
         n = stage.size
-        # accumulators: one per thread and group parity, and whether each may hold updates
-        # (an install adds only those)
-        self._accs = [[np.zeros(n, np.float32) for _ in range(2)] for _ in range(self.threads)]
         # with momentum, each thread's velocity over the stage (as a whole replica's threads)
         m = float(momentum)
         self._steps: list[dict[str, Any]] = [
             {"velocity": np.zeros(n, np.float32), "momentum": m} if m > 0 else {}
             for _ in range(self.threads)
         ]
-        self._touched = [[False, False] for _ in range(self.threads)]
-        # zeroed buffers: a take swaps one in for thread 0's accumulator, which is pushed
-        self._buffers: queue.Queue[np.ndarray] = queue.Queue()
-        for _ in range(2):
-            self._buffers.put(np.zeros(n, np.float32))
-        self._pulled = np.zeros(n, np.float32)  # the span read back with each push
         # a mini-batch's work buffers, kept until its errors come back; a whole model as one
         # stage runs the fused step (a whole replica's) in a context per thread
         self._fused = stage.whole is not None
@@ -137,10 +132,8 @@ class PartitionRunner:
         self._work: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._lock = threading.Lock()
-        self._take_lock = threading.Lock()
         self._groups: dict[int, _Open] = {}
         self._pending: dict[int, tuple[StageContext, dict]] = {}
-        self._unpushed: list[np.ndarray] = []
         self.error: BaseException | None = None
         self.failed: str | None = None
         self._done = threading.Event()
@@ -150,24 +143,30 @@ class PartitionRunner:
         self._in_flight = 0
         self._completed: dict[int, int] = {}  # group ordinal -> mini-batches back
         self._sizes: dict[int, int] = {}
+        self._unsent = 0  # groups closed by the feed and not pushed (or dropped) yet
+        self._mb = 0  # the next mini-batch's number
+        self.batch_size = int(batch_size)
+        self.pace: PushPace | None = None  # partition 0's push period and damping
         # counts
         self.images = 0
         self.loss_sum = 0.0
-        self.pushes = 0
-        self.images_pushed = 0
-        self.ps_seconds = 0.0
-        self.groups_pushed: list[int] = []
-        self._communicator: Communicator[tuple[_Open, np.ndarray]] = Communicator(
-            self._send,
-            name=f"partition-{self.index}-exchange",
+        self.exchange = StageExchange(
+            stage,
+            server,
+            part=(self.index, self.parts),
+            threads=self.threads,
+            mark=mark,
+            dropped=lambda: (
+                self.error is not None or (self.abort_flag is not None and self.abort_flag.is_set())
+            ),
             on_error=lambda exc: self._fail(f"partition {self.index}: push failed ({exc!r})", exc),
-            drop=self._drop,
+            on_left=self._left,
         )
 
     # -- running ----------------------------------------------------------------------------
 
-    def run(self, groups: Iterable[Group] | None = None) -> dict:
-        """Train until partition 0's ``groups`` are done (partition 0) or the end arrives from
+    def run(self, feed: Feed | None = None) -> dict:
+        """Train until partition 0's ``feed`` is done (partition 0) or the end arrives from
         upstream; returns the partition's statistics (``aborted`` with the reason when a
         neighbour was lost or the replica aborted: the complete groups taken before that are
         pushed, nothing else)."""
@@ -183,8 +182,8 @@ class PartitionRunner:
             th.start()
         try:
             if self.first:
-                assert groups is not None
-                self._feed(groups)
+                assert feed is not None
+                self._feed(feed)
             else:
                 while not self._done.wait(0.25):
                     self._watch()
@@ -197,7 +196,7 @@ class PartitionRunner:
             th.join()
         if self.failed is None and self.down is not None:
             self.down.send({"op": "end"})
-        self._communicator.close()
+        self.exchange.close()
         for link in (self.up, self.down):
             if link is not None:
                 link.close()
@@ -207,13 +206,14 @@ class PartitionRunner:
             "partition": self.index,
             "images": self.images,
             "loss_sum": self.loss_sum,
-            "pushes": self.pushes,
-            "images_pushed": self.images_pushed,
-            "groups_pushed": list(self.groups_pushed),
-            "ps_seconds": self.ps_seconds,
+            "pushes": self.exchange.pushes,
+            "images_pushed": self.exchange.images_pushed,
+            "groups_pushed": list(self.exchange.groups_pushed),
+            "ps_seconds": self.exchange.ps_seconds,
             "seconds": time.perf_counter() - t0,
             "bytes_sent": sum(lk.bytes_sent for lk in (self.up, self.down) if lk is not None),
             "aborted": self.failed,
+            "damping": self.pace.damping if self.pace is not None else 1.0,
         }
 
     def _thread(self, fn: Callable, name: str, *args: Any) -> threading.Thread:
@@ -252,46 +252,96 @@ class PartitionRunner:
 
     # -- partition 0: feeding the replica -------------------------------------------------
 
-    def _feed(self, groups: Iterable[Group]) -> None:
-        ordinal = 0
-        mb = 0
-        for group in groups:
-            if self.failed is not None:
-                return
-            if self.stop_flag is not None and self.stop_flag.is_set():
-                break
-            g = ordinal
-            ordinal += 1
-            with self._cond:
-                self._sizes[g] = len(group.batches)
-                # at most two groups open: group g waits for group g - 2 to come back
-                while (
-                    g >= 2
-                    and self.failed is None
-                    and self._completed.get(g - 2, 0) < self._sizes[g - 2]
-                ):
-                    self._wait_cond()
-            info = {
-                "g": g,
-                "seq": group.seq,
-                "gn": len(group.batches),
-                "covers": group.covers,
-                "lr": group.lr,
-                "images": group.images,
-            }
-            for x, y in group.batches:
-                with self._cond:
-                    while self.failed is None and self._in_flight >= self.window:
-                        self._wait_cond()
-                    if self.failed is not None:
-                        return
-                    self._in_flight += 1
-                self._work.put((1, next(self._order), ("f", mb, info, x, y)))
-                mb += 1
+    def _feed(self, feed: Feed) -> None:
+        replicas = self.mark[2]  # among others, the rate is damped for a longer push period
+        slack = self.threads * self.batch_size
+        self.pace = PushPace(feed.push_every, slack=slack, damp=replicas > 1)
+        self._feed_groups(feed)
         with self._cond:  # every mini-batch back from every partition
             while self.failed is None and self._in_flight > 0:
                 self._wait_cond()
         self._done.set()
+
+    def _feed_groups(self, feed: Feed) -> None:
+        assert self.pace is not None
+        """Feed the replica: ``feed``'s fixed groups, then its rest cut into groups as they
+        go, each closing once it holds ``feed.push_every`` images and this partition has no
+        group waiting to be pushed (the paper's accumulate-then-push: a busy parameter server
+        gets fewer, larger groups, and the replica never waits for it), the rate damped for
+        the period it pushes at (``pace``). Stops between groups once the stop flag is set."""
+        g = 0
+        for group in feed.stretches():
+            if not self._open(g):
+                return
+            n = len(group.batches)
+            close = {"gn": n, "seq": group.seq, "covers": group.covers, "images": group.images}
+            for i, (x, y) in enumerate(group.batches):
+                if not self._put(g, group.lr, x, y, close if i == n - 1 else None):
+                    return
+            g += 1
+        opened = self._open(g)  # before the rest's stream opens: not after a stop
+        if not opened:
+            return
+        rest = iter(feed.rest())
+        ahead = next(rest, None)
+        while ahead is not None:
+            if not opened and not self._open(g):
+                return
+            opened = False
+            lr = feed.lr() * self.pace.damping
+            counts: dict = {}
+            images = batches = 0
+            while ahead is not None:
+                x, y, key = ahead
+                ahead = next(rest, None)
+                counts[key] = counts.get(key, 0) + len(y)
+                images += len(y)
+                batches += 1
+                last: dict | None = None
+                if ahead is None or (images >= feed.push_every and self._unsent == 0):
+                    seq, covers = feed.cut(counts, images)
+                    last = {"gn": batches, "seq": seq, "covers": covers, "images": images}
+                    self.pace.pushed(images)
+                if not self._put(g, lr, x, y, last):
+                    return
+                if last is not None:
+                    break
+            g += 1
+
+    def _open(self, g: int) -> bool:
+        """Whether group ``g`` may open (nothing failed, no stop): at most two groups are open,
+        so it waits for group ``g - 2`` to come back."""
+        if self.failed is not None or (self.stop_flag is not None and self.stop_flag.is_set()):
+            return False
+        with self._cond:
+            while (
+                g >= 2
+                and self.failed is None
+                and self._completed.get(g - 2, 0) < self._sizes[g - 2]
+            ):
+                self._wait_cond()
+        return self.failed is None
+
+    def _put(self, g: int, lr: float, x: np.ndarray, y: np.ndarray, close: dict | None) -> bool:
+        """Send mini-batch ``(x, y)`` of group ``g`` into the replica (once fewer than
+        ``window`` are in flight); ``close``: it is the group's last, and what the group is
+        (its mini-batches ``gn``, number ``seq``, ``covers``, ``images``). False once the
+        replica failed."""
+        info: dict[str, Any] = {"g": g, "lr": lr}
+        if close is not None:
+            info.update(close)
+        with self._cond:
+            while self.failed is None and self._in_flight >= self.window:
+                self._wait_cond()
+            if self.failed is not None:
+                return False
+            self._in_flight += 1
+            if close is not None:
+                self._sizes[g] = int(close["gn"])
+                self._unsent += 1
+        self._work.put((1, next(self._order), ("f", self._mb, info, x, y)))
+        self._mb += 1
+        return True
 
     def _wait_cond(self) -> None:
         self._cond.wait(0.25)
@@ -366,7 +416,7 @@ class PartitionRunner:
                         out = stage.forward_into(ctx, values, n)
                         with self._lock:
                             self._pending[mb] = (ctx, info)
-                        header = {k: info[k] for k in ("g", "seq", "gn", "covers", "lr", "images")}
+                        header = dict(info)
                         header.update(
                             op="f", mb=mb, n=n, y=np.ascontiguousarray(y, np.int64).tobytes()
                         )
@@ -376,7 +426,7 @@ class PartitionRunner:
                     with self._lock:
                         ctx, info = self._pending.pop(mb)
                     n = len(values)
-                    acc = self._acc(t, info["g"])
+                    acc = self.exchange.acc(t, info["g"])
                     stage.backward_update(ctx, n, info["lr"], acc, dout=values, **self._steps[t])
                     if self.first:
                         with self._lock:
@@ -394,16 +444,11 @@ class PartitionRunner:
     def _last_step(self, t: int, ctx: Any, x: np.ndarray, y: np.ndarray, n: int, info: dict):
         """The last stage's forward, loss, backward and update of a mini-batch, by thread
         ``t``; a whole model as one stage runs the fused step (one numba call). The loss."""
-        acc, lr = self._acc(t, info["g"]), info["lr"]
+        acc, lr = self.exchange.acc(t, info["g"]), info["lr"]
         if self._fused:
             return self.stage.step(ctx, x, y, n, lr, acc, **self._steps[t])
         self.stage.forward_into(ctx, x, n)
         return self.stage.backward_update(ctx, n, lr, acc, labels=y, **self._steps[t])
-
-    def _acc(self, t: int, g: int) -> np.ndarray:
-        """Thread ``t``'s accumulator for group ``g``, marked as holding updates."""
-        self._touched[t][g % 2] = True
-        return self._accs[t][g % 2]
 
     def _applied(self, info: dict) -> None:
         """A mini-batch of group ``info["g"]`` was applied here; the last one takes the group
@@ -412,87 +457,20 @@ class PartitionRunner:
         with self._lock:
             grp = self._groups.get(g)
             if grp is None:
-                grp = self._groups[g] = _Open(g, info["seq"], info["gn"], info["covers"])
+                grp = self._groups[g] = _Open(g)
             grp.applied += 1
+            if "gn" in info:  # the group's last mini-batch (not always the last applied)
+                grp.size, grp.seq, grp.covers = int(info["gn"]), info["seq"], info["covers"]
+                grp.images = int(info["images"])
             complete = grp.applied == grp.size
             if complete:
                 del self._groups[g]
         if complete:
-            grp.images = int(info["images"])
-            spare = self._buffers.get()
-            parity = g % 2
-            # No thread writes this parity's accumulators now: the group's mini-batches are all
-            # applied here, and group g + 2 starts after this one's errors left every partition.
-            with self._take_lock:  # not while an install reads the accumulators
-                buf = self._accs[0][parity]
-                self._accs[0][parity] = spare
-                self._touched[0][parity] = False
-                for t in range(1, self.threads):
-                    buf += self._accs[t][parity]
-                    self._accs[t][parity][...] = 0.0
-                    self._touched[t][parity] = False
-                self._unpushed.append(buf)
-            self._communicator.put((grp, buf))
+            self.exchange.take(g, grp.seq, grp.covers, grp.images)
 
-    # -- the exchange with the parameter server ----------------------------------------------
-
-    def _forget_unpushed(self, buf: np.ndarray) -> None:
-        """Take ``buf`` out of the unpushed buffers, by identity (``list.remove`` compares
-        arrays with ``==``: elementwise, an error once another buffer comes first)."""
-        for i, u in enumerate(self._unpushed):
-            if u is buf:
-                del self._unpushed[i]
-                return
-
-    def _send(self, item: tuple[_Open, np.ndarray]) -> None:
-        """Push a group's update (``item``: the group and the buffer its update was taken into)
-        as this partition's part of the group's push, with the span read back in the same round
-        trip, and install it; nothing when the replica runs again (it may have been frozen)."""
-        grp, buf = item
-        if self.error is not None or (self.abort_flag is not None and self.abort_flag.is_set()):
-            self._drop(item)
-            return
-        try:
-            t = time.perf_counter()
-            epoch, replica, replicas = self.mark
-            mark = Mark(epoch, replica, grp.seq, self.index, self.parts, replicas, grp.covers)
-            pulled = self.server.push_range(buf, self.stage.start, mark=mark, out=self._pulled)
-            assert pulled is not None
-            with self._take_lock:
-                self._forget_unpushed(buf)
-            with self._lock:
-                self.pushes += 1
-                self.images_pushed += grp.images
-                self.groups_pushed.append(grp.seq)
-            self.ps_seconds += time.perf_counter() - t
-            self._install(pulled)
-        finally:
-            self._recycle(buf)
-
-    def _drop(self, item: tuple[_Open, np.ndarray]) -> None:
-        """A group's update (``item``: the group and its buffer) is not pushed: forgotten, its
-        buffer recycled."""
-        _, buf = item
-        with self._take_lock:
-            self._forget_unpushed(buf)
-        self._recycle(buf)
-
-    def _recycle(self, buf: np.ndarray) -> None:
-        """``buf`` zeroed back to the buffers a take swaps in."""
-        buf[...] = 0.0
-        self._buffers.put(buf)
-
-    def _install(self, pulled: np.ndarray) -> None:
-        """The pulled span, plus what this partition applied and the server does not hold yet
-        (groups taken but not pushed, the accumulators that hold updates), as its weights:
-        summed into ``pulled`` aside (:func:`~adam_dask.train._updates.summed`, under the take
-        lock, so that no group moves from an accumulator to the unpushed meanwhile), then
-        copied over the weights in one pass. The threads train on meanwhile (Hogwild): an
-        update landing during the copy may be lost locally, but it is in its accumulator,
-        pushed, and back with the next pull."""
-        with self._take_lock:
-            addends = list(self._unpushed)
-            for t, pair in enumerate(self._accs):
-                addends += [acc for p, acc in enumerate(pair) if self._touched[t][p]]
-            summed(pulled, pulled, addends)
-        np.copyto(self.stage.flat, pulled)
+    def _left(self) -> None:
+        """A group taken here left the exchange (pushed or dropped): partition 0's feed may
+        close the next one."""
+        if self.first:
+            with self._cond:
+                self._unsent -= 1

@@ -72,6 +72,7 @@ class _Settings(Protocol):
 
 
 __all__ = [
+    "PushPace",
     "StreamPlan",
     "auto_push_every",
     "describe",
@@ -133,6 +134,37 @@ def auto_push_every(replicas: int) -> int:
     images = float(config.get("train.auto-push.images"))
     lo, hi = int(config.get("train.auto-push.min")), int(config.get("train.auto-push.max"))
     return max(lo, min(hi, _floor_pow2(images / max(1, replicas) ** 2)))
+
+
+class PushPace:
+    """The period a replica pushes at and the rate it steps at for it.
+
+    ``period``: images per push, smoothed over the last pushes (it starts at ``push_every``).
+    A replica pushes less often than every ``push_every`` images when its exchange is busy (a
+    push falling due while one is in flight joins the next); with ``damp`` (a replica among
+    others) its rate is then damped as a longer push period's is: ``damping`` = ``(push_every
+    + slack) / period`` at most 1, ``slack`` the images its threads have in hand at a push
+    (threads x batch). Without ``damp`` (or a ``push_every``) ``damping`` stays 1.
+
+    >>> pace = PushPace(32, slack=8, damp=True)
+    >>> [round(pace.pushed(n), 3) for n in (32, 160, 160)]
+    [1.0, 0.625, 0.455]
+    """
+
+    def __init__(self, push_every: int, *, slack: int, damp: bool):
+        self.push_every = int(push_every)
+        self.slack = int(slack)
+        self.damp = bool(damp and self.push_every > 0)
+        self.period = float(self.push_every)
+        self.damping = 1.0
+
+    def pushed(self, images: int) -> float:
+        """A push of ``images`` left: the period follows it; the damping now."""
+        if self.push_every:
+            self.period += 0.25 * (images - self.period)
+            if self.damp:
+                self.damping = min(1.0, (self.push_every + self.slack) / max(1.0, self.period))
+        return self.damping
 
 
 def resolve_push_every(value: object, replicas: int) -> int:

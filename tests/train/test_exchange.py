@@ -184,9 +184,9 @@ def test_pushes_due_while_one_is_in_flight_join_the_next_and_damp_the_rate(damp)
     stats = rep.train(_batches(8000, 16), on_images=lambda r: ex.step(), every=8)
     ex.finish()
     assert stats.images == ex.images_pushed == 8000
-    assert ex.pushes < 8000 // 8 // 2 and ex.period > 16
+    assert ex.pushes < 8000 // 8 // 2 and ex.pace.period > 16
     if damp:
-        assert rep.damping == pytest.approx((8 + 4) / ex.period)
+        assert rep.damping == pytest.approx((8 + 4) / ex.pace.period)
     else:
         assert rep.damping == 1.0
     np.testing.assert_allclose(server.values, net.flat, atol=2e-3)

@@ -159,7 +159,7 @@ def test_a_whole_and_a_partitioned_replica_return_one_result_the_epoch_reads(
     assert whole.images_retrained == 0 and whole.unreplicated_at_end == 0
     assert [part.partitions, len(set(part.workers)), part.attempts] == [2, 2, 1]
     assert part.cross_bytes > 0
-    assert [part.damping, part.images_retrained] == [None] * 2
+    assert part.damping == 1.0 and part.images_retrained is None  # one replica: undamped
     assert records[1]["replica_damping"] == [1.0]
     # partition 0 draws from the data stream: its wait is the replica's, as a whole one's
     for r, rec in ((whole, records[0]), (part, records[1])):

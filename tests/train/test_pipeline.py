@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from adam_dask.model.partition import plan_partitions
 from adam_dask.model.stage import stages_of
 from adam_dask.ps.protocol.shard import Mark
 from adam_dask.testing import synthetic_digits
-from adam_dask.train._groups import push_groups
+from adam_dask.train._groups import minibatches
 from adam_dask.train._links import Link
 from adam_dask.train._pipeline import PartitionRunner
 from adam_dask.train._position import Marker, applied_images
@@ -49,7 +50,7 @@ class RangedStore:
         return out
 
 
-def _replica(net, bounds, store, groups, *, break_after=None, threads=2, momentum=0.0):
+def _replica(net, bounds, store, feed, *, break_after=None, threads=2, momentum=0.0, replicas=1):
     stages = stages_of(net, bounds)
     P = len(stages)
     pairs = [socket.socketpair() for _ in range(P - 1)]
@@ -63,7 +64,7 @@ def _replica(net, bounds, store, groups, *, break_after=None, threads=2, momentu
             batch_size=8,
             window=window,
             server=store,
-            mark=(0, 0, 1),
+            mark=(0, 0, replicas),
             up=Link(pairs[k - 1][1]) if k > 0 else None,
             down=Link(pairs[k][0]) if k < P - 1 else None,
             timeout=30,
@@ -74,7 +75,7 @@ def _replica(net, bounds, store, groups, *, break_after=None, threads=2, momentu
     results: dict[int, dict] = {}
 
     def go(k):
-        results[k] = runners[k].run(groups if k == 0 else None)
+        results[k] = runners[k].run(feed if k == 0 else None)
 
     ths = [threading.Thread(target=go, args=(k,)) for k in range(P)]
     for th in ths:
@@ -86,17 +87,34 @@ def _replica(net, bounds, store, groups, *, break_after=None, threads=2, momentu
     return runners, results
 
 
-def _groups(x, y, marker, lr=0.05):
-    items = ((x[i : i + 64], y[i : i + 64], (0, i // 64)) for i in range(0, len(y), 64))
+class ArrayFeed:
+    """Partition 0's feed (a :class:`~adam_dask.train._groups.Feed`) of ``x, y`` as a stream
+    of 64-image batches, ``passes`` times, its groups marked by ``marker``."""
 
-    def marks(counts):
-        m = marker.marks(counts, 1)[0]
-        marker.commit(m)
+    def __init__(self, x, y, marker, *, lr=0.05, passes=1, push_every=128):
+        self.x, self.y, self.marker, self.passes = x, y, marker, passes
+        self.push_every, self.rate = push_every, lr
+        self.cuts: dict[int, int] = {}  # each group's number -> its images, as cut
+
+    def stretches(self):
+        return iter(())
+
+    def rest(self):
+        for _ in range(self.passes):
+            items = (
+                (self.x[i : i + 64], self.y[i : i + 64], (0, i // 64))
+                for i in range(0, len(self.y), 64)
+            )
+            yield from minibatches(items, 8)
+
+    def lr(self):
+        return self.rate
+
+    def cut(self, counts, images):
+        m = self.marker.marks(counts, 1)[0]
+        self.marker.commit(m)
+        self.cuts[m.seq] = images
         return m.seq, m.covers
-
-    for g in push_groups(items, 8, 128, marks):
-        g.lr = lr
-        yield g
 
 
 @pytest.mark.parametrize(
@@ -118,8 +136,8 @@ def test_a_partitioned_replica_trains_and_pushes_every_group_once_per_partition(
     before = net.evaluate(x, y)
     marker = Marker(0, 0, 1)
     lr = 0.05 * (1 - momentum)  # the same step once the velocity has built up
-    groups = [*_groups(x, y, marker, lr), *_groups(x, y, marker, lr)]
-    runners, results = _replica(net, bounds, store, groups, momentum=momentum)
+    feed = ArrayFeed(x, y, marker, lr=lr, passes=2)
+    runners, results = _replica(net, bounds, store, feed, momentum=momentum)
     assert all(r["aborted"] is None for r in results.values())
     assert results[0]["images"] == results[len(bounds) - 1]["images"] == 2 * len(y)
     # every partition pushed every group, each once
@@ -131,6 +149,42 @@ def test_a_partitioned_replica_trains_and_pushes_every_group_once_per_partition(
     # typically 0.98; asynchronous (Hogwild threads, several mini-batches in flight) and on a
     # loaded machine seen as low as 0.36: well above chance (0.1) is what is asserted
     assert after > before + 0.2, (before, after)
+
+
+class SlowerStore(RangedStore):
+    """A parameter server slower than training: each push takes 50 ms."""
+
+    def push_range(self, values, start, *, mark=None, out=None):
+        time.sleep(0.05)
+        return super().push_range(values, start, mark=mark, out=out)
+
+
+@pytest.mark.parametrize(
+    ("bounds", "replicas"), [([(0, 4)], 2), ([(0, 4)], 1), ([(0, 2), (2, 4)], 2)]
+)
+def test_against_a_slow_server_groups_grow_instead_of_waiting_and_damp_the_rate(bounds, replicas):
+    """A group closes once it holds push_every images *and* no group waits to be pushed: a
+    server slower than training gets fewer, larger groups (every image still pushed once, by
+    every partition), and a replica among others (``replicas`` 2) feeds at a rate damped by
+    the period it pushed at; one alone does not."""
+    net = Network.from_spec(SPEC, input_shape=(1, 12, 12), seed=0)
+    x, y = synthetic_digits(1536, seed=2, size=12)
+    x = x[:, None].astype(np.float32) / 255
+    stages = stages_of(net, bounds)
+    store = SlowerStore(net.flat, [(s.start, s.stop) for s in stages])
+    feed = ArrayFeed(x, y, Marker(0, 0, replicas), passes=2, push_every=16)
+    runners, results = _replica(net, bounds, store, feed, threads=1, replicas=replicas)
+    assert all(r["aborted"] is None for r in results.values()), results
+    assert applied_images(store.marks) == sum(feed.cuts.values()) == 2 * len(y)
+    assert all(sorted(r["groups_pushed"]) == sorted(feed.cuts) for r in results.values())
+    assert len(feed.cuts) < 2 * len(y) // 16 // 2  # fewer, larger groups than every 16
+    assert max(feed.cuts.values()) > 16
+    pace = runners[0].pace
+    if replicas > 1:
+        assert results[0]["damping"] == pytest.approx((16 + 8) / pace.period)
+        assert results[0]["damping"] < 1
+    else:
+        assert results[0]["damping"] == 1.0
 
 
 def test_a_broken_link_stops_every_partition_with_only_whole_groups_pushed():
@@ -146,20 +200,18 @@ def test_a_broken_link_stops_every_partition_with_only_whole_groups_pushed():
         import time
 
         deadline = time.monotonic() + 60
-        while min(r.pushes for r in runners) < 2:  # every partition pushed two groups
+        while min(r.exchange.pushes for r in runners) < 2:  # every partition pushed two groups
             assert all(r.error is None for r in runners), [r.error for r in runners]
-            assert time.monotonic() < deadline, [r.pushes for r in runners]
+            assert time.monotonic() < deadline, [r.exchange.pushes for r in runners]
             time.sleep(0.01)
         runners[1].down.sock.shutdown(socket.SHUT_RDWR)  # the link 1 -> 2 breaks
 
-    runners, results = _replica(
-        net, bounds, store, [g for _ in range(3) for g in _groups(x, y, marker)], break_after=cut
-    )
+    feed = ArrayFeed(x, y, marker, passes=3)
+    runners, results = _replica(net, bounds, store, feed, break_after=cut)
     assert all(r["aborted"] for r in results.values()), results
     # a group counts only when every partition's part of it was pushed
     full = set.intersection(*(set(r["groups_pushed"]) for r in results.values()))
-    per_group = 128
-    assert applied_images(store.marks) == len(full) * per_group
+    assert applied_images(store.marks) == sum(feed.cuts[seq] for seq in full)
     assert len(full) >= 2
 
 
@@ -209,22 +261,22 @@ def test_takes_and_installs_under_concurrent_updates_push_every_update_exactly_o
         info = {"g": g, "seq": g + 1, "gn": per_group, "covers": [], "images": 8 * per_group}
         for k in range(per_group):
             u = rng.integers(-3, 4, stage.size).astype(np.float32)
-            acc = runner._acc(k % threads, g)
+            acc = runner.exchange.acc(k % threads, g)
             flat += u  # a Hogwild write, racing the installs' copies
             acc += u
             total += u
             if g < groups:
                 runner._applied(info)
-    runner._communicator.close()
-    assert runner.error is None and runner.pushes == groups
+    runner.exchange.close()
+    assert runner.error is None and runner.exchange.pushes == groups
     open_group = np.zeros(stage.size, np.float32)
-    for pair in runner._accs:
+    for pair in runner.exchange._accs:
         open_group += pair[groups % 2]
     initial = np.round(net.flat[start:stop] * 100)
     np.testing.assert_array_equal(store.flat[start:stop], initial + total - open_group)
     pulled = np.empty(stage.size, np.float32)
     store.pull_range(start, stop, out=pulled)
-    runner._install(pulled)
+    runner.exchange.install(pulled)
     np.testing.assert_array_equal(flat, store.flat[start:stop] + open_group)
 
 

@@ -1,0 +1,177 @@
+"""A partition's update and its exchange with the parameter server: its threads' accumulators,
+a push group's take, the push (with the span read back) on a communicator thread, and the
+install of what came back. No Dask; the runner (:mod:`._pipeline`) decides when a group is
+complete and takes it.
+
+Each training thread accumulates into one of two buffers by its group's parity (a group's
+push holds exactly that group's mini-batches; at most two groups are open). A take sums the
+group's buffers into one (thread 0's, a zeroed spare swapped in) and queues it; the
+communicator pushes it as this partition's part of the group's push and installs the span read
+back in the same round trip, plus what this partition applied and the server does not hold yet.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..ps.protocol.shard import Mark
+from ._communicator import Communicator
+from ._updates import summed
+
+if TYPE_CHECKING:
+    from ..model.stage import Stage
+    from ._handle import RangedPushes
+
+__all__ = ["StageExchange", "Taken"]
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """A group's update taken for its push: the group's number, what it covers, its images and
+    the buffer its update was summed into."""
+
+    seq: int
+    covers: list
+    images: int
+    buf: np.ndarray
+
+
+class StageExchange:
+    """The update of ``stage`` (``part``: partition ``index`` of ``parts``) by ``threads``
+    threads, and its pushes to ``server`` with ``mark`` = ``(epoch, replica, replicas)``.
+
+    ``dropped()``: whether a taken group is to be dropped, not pushed (the replica failed or
+    runs again); ``on_error(exc)``: a push failed (the partition stops); ``on_left()``: a taken
+    group left (pushed or dropped).
+    """
+
+    def __init__(
+        self,
+        stage: Stage,
+        server: RangedPushes,
+        *,
+        part: tuple[int, int],
+        threads: int,
+        mark: tuple[int, int, int],
+        dropped: Callable[[], bool],
+        on_error: Callable[[BaseException], None],
+        on_left: Callable[[], None],
+    ):
+        self.stage, self.threads = stage, threads
+        self.index, self.parts = part
+        self.server, self.mark = server, mark
+        self._dropped, self._on_left = dropped, on_left
+        n = stage.size
+        # accumulators: one per thread and group parity, and whether each may hold updates
+        # (an install adds only those)
+        self._accs = [[np.zeros(n, np.float32) for _ in range(2)] for _ in range(threads)]
+        self._touched = [[False, False] for _ in range(threads)]
+        # zeroed buffers: a take swaps one in for thread 0's accumulator, which is pushed
+        self._buffers: queue.Queue[np.ndarray] = queue.Queue()
+        for _ in range(2):
+            self._buffers.put(np.zeros(n, np.float32))
+        self._pulled = np.zeros(n, np.float32)  # the span read back with each push
+        self._unpushed: list[np.ndarray] = []
+        self._take_lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self.pushes = 0
+        self.images_pushed = 0
+        self.ps_seconds = 0.0
+        self.groups_pushed: list[int] = []
+        self._communicator: Communicator[Taken] = Communicator(
+            self._send, name=f"partition-{self.index}-exchange", on_error=on_error, drop=self._drop
+        )
+
+    def acc(self, t: int, g: int) -> np.ndarray:
+        """Thread ``t``'s accumulator for group ``g``, marked as holding updates."""
+        self._touched[t][g % 2] = True
+        return self._accs[t][g % 2]
+
+    def take(self, g: int, seq: int, covers: list, images: int) -> None:
+        """Group ``g`` (number ``seq``, covering ``covers``, ``images``) is complete here: its
+        update summed into one buffer and queued for its push. No thread writes this parity's
+        accumulators now: the group's mini-batches are all applied here, and group ``g + 2``
+        starts after this one's errors left every partition."""
+        spare = self._buffers.get()
+        parity = g % 2
+        with self._take_lock:  # not while an install reads the accumulators
+            buf = self._accs[0][parity]
+            self._accs[0][parity] = spare
+            self._touched[0][parity] = False
+            for t in range(1, self.threads):
+                buf += self._accs[t][parity]
+                self._accs[t][parity][...] = 0.0
+                self._touched[t][parity] = False
+            self._unpushed.append(buf)
+        self._communicator.put(Taken(seq, covers, images, buf))
+
+    def close(self) -> None:
+        """Push (or, after an error, drop) what was taken, then end the communicator."""
+        self._communicator.close()
+
+    def _forget_unpushed(self, buf: np.ndarray) -> None:
+        """Take ``buf`` out of the unpushed buffers, by identity (``list.remove`` compares
+        arrays with ``==``: elementwise, an error once another buffer comes first)."""
+        for i, u in enumerate(self._unpushed):
+            if u is buf:
+                del self._unpushed[i]
+                return
+
+    def _send(self, taken: Taken) -> None:
+        """Push a group's update as this partition's part of the group's push, with the span
+        read back in the same round trip, and install it; nothing when ``dropped()``."""
+        if self._dropped():
+            self._drop(taken)
+            return
+        try:
+            t = time.perf_counter()
+            epoch, replica, replicas = self.mark
+            mark = Mark(epoch, replica, taken.seq, self.index, self.parts, replicas, taken.covers)
+            pulled = self.server.push_range(
+                taken.buf, self.stage.start, mark=mark, out=self._pulled
+            )
+            assert pulled is not None
+            with self._take_lock:
+                self._forget_unpushed(taken.buf)
+            with self._count_lock:
+                self.pushes += 1
+                self.images_pushed += taken.images
+                self.groups_pushed.append(taken.seq)
+            self.ps_seconds += time.perf_counter() - t
+            self.install(pulled)
+        finally:
+            self._recycle(taken.buf)
+
+    def _drop(self, taken: Taken) -> None:
+        """A group's update is not pushed: forgotten, its buffer recycled."""
+        with self._take_lock:
+            self._forget_unpushed(taken.buf)
+        self._recycle(taken.buf)
+
+    def _recycle(self, buf: np.ndarray) -> None:
+        """``buf`` zeroed back to the buffers a take swaps in: its group left."""
+        buf[...] = 0.0
+        self._buffers.put(buf)
+        self._on_left()
+
+    def install(self, pulled: np.ndarray) -> None:
+        """The pulled span, plus what this partition applied and the server does not hold yet
+        (groups taken but not pushed, the accumulators that hold updates), as its weights:
+        summed into ``pulled`` aside (:func:`~adam_dask.train._updates.summed`, under the take
+        lock, so that no group moves from an accumulator to the unpushed meanwhile), then
+        copied over the weights in one pass. The threads train on meanwhile (Hogwild): an
+        update landing during the copy may be lost locally, but it is in its accumulator,
+        pushed, and back with the next pull."""
+        with self._take_lock:
+            addends = list(self._unpushed)
+            for t, pair in enumerate(self._accs):
+                addends += [acc for p, acc in enumerate(pair) if self._touched[t][p]]
+            summed(pulled, pulled, addends)
+        np.copyto(self.stage.flat, pulled)
