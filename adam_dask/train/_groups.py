@@ -78,13 +78,20 @@ class ReplicaFeed:
     order) and reports the replica's progress (``report(images)``); :meth:`lr` is the
     schedule's rate at the share's progress. :meth:`close` closes the rest's stream and
     returns its figures (``stats()``: the time the replica waited on it among them; {} before
-    the rest began)."""
+    the rest began). ``synchronous``: each push is a share of a synchronous step (its marks say
+    so)."""
 
     def __init__(
-        self, rj: ReplicaJob, server: ReplicaServer, data: Any, report: Callable[[int], None]
+        self,
+        rj: ReplicaJob,
+        server: ReplicaServer,
+        data: Any,
+        report: Callable[[int], None],
+        *,
+        synchronous: bool = False,
     ):
         self.job, self.data, self.report = rj, data, report
-        self.share = Share(rj, server)
+        self.share = Share(rj, server, synchronous=synchronous)
         self.done = self.share.images_before
         self.push_every = resolve_push_every(rj.settings.push_every, rj.replicas)
         self._stream: Any = None

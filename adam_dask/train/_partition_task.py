@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ..cluster import TRAIN
 from ._groups import ReplicaFeed
 from ._links import meet
-from .task import EventPoll, ReplicaJob, Reporter
+from .task import BarrierRef, EventPoll, ReplicaJob, Reporter
 
 if TYPE_CHECKING:
     from ._handle import ReplicaServer
@@ -75,22 +75,30 @@ def _aborted(job: PartitionJob, reason: str, worker: str, t0: float) -> dict:
     }
 
 
-def run_partition(job: PartitionJob, server: ReplicaServer, data: Any) -> dict:
+def run_partition(
+    job: PartitionJob, server: ReplicaServer, data: Any, barrier: BarrierRef | None = None
+) -> dict:
     """Partition ``job.partition`` of replica ``job.replica.replica`` for one epoch, with the
     worker's switch interval at ``job.switch_interval``; returns its statistics (``aborted``:
-    why it stopped early, None when it finished)."""
+    why it stopped early, None when it finished). ``barrier``: the epoch's
+    :class:`~adam_dask.train.task.SyncBarrier` in synchronous mode (a whole model's one
+    stage), left when the partition ends."""
     from distributed import secede
 
     secede()
     previous = sys.getswitchinterval()
     sys.setswitchinterval(job.switch_interval)
     try:
-        return _run_partition(job, server, data)
+        return _run_partition(job, server, data, barrier)
     finally:
         sys.setswitchinterval(previous)
+        if barrier is not None:
+            barrier.call("leave", job.replica.replica)
 
 
-def _run_partition(job: PartitionJob, server: ReplicaServer, data: Any) -> dict:
+def _run_partition(
+    job: PartitionJob, server: ReplicaServer, data: Any, barrier: BarrierRef | None
+) -> dict:
     from distributed import Event, get_worker
     from distributed.comm.addressing import get_address_host
 
@@ -121,11 +129,17 @@ def _run_partition(job: PartitionJob, server: ReplicaServer, data: Any) -> dict:
         return _aborted(job, f"the neighbours did not meet ({why})", worker.address, t0)
     up, down = links
     stop = EventPoll(Event(rj.stop_name))
+    step = None
+    if barrier is not None:  # one thread, every replica's push of a step before its pull
+
+        def step() -> dict:
+            return barrier.call("wait", rj.replica, s.sync_timeout)
+
     runner = PartitionRunner(
         stage,
         job.partition,
         job.parts,
-        threads=s.threads or worker.state.nthreads,
+        threads=1 if step is not None else (s.threads or worker.state.nthreads),
         batch_size=s.batch_size,
         window=job.window,
         server=server,
@@ -136,12 +150,13 @@ def _run_partition(job: PartitionJob, server: ReplicaServer, data: Any) -> dict:
         abort=abort,
         timeout=job.timeout,
         momentum=s.momentum,
+        barrier=step,
     )
     reporter = Reporter(worker, rj, t0)
     feed = None
     if job.partition == 0:
         report = lambda n: reporter.report(n, runner.exchange.pushes)  # noqa: E731
-        feed = ReplicaFeed(rj, server, data, report)
+        feed = ReplicaFeed(rj, server, data, report, synchronous=step is not None)
     fed: dict = {}  # partition 0's data stream's figures, also after a stop or a failure
     try:
         out = runner.run(feed)
@@ -197,7 +212,7 @@ def cluster_plan(client: Any, net: Any, settings: Any, partitions: int) -> Any:
         unsupported = [
             what
             for what, on in (
-                ("mode='sync'", settings.mode == "sync"),
+                ("mode='sync'", settings.mode == "sync" and partitions > 1),
                 ("offload_dense", settings.offload_dense),
             )
             if on

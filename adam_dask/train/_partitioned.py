@@ -24,7 +24,7 @@ from .. import config
 from ..cluster import TRAIN, workers_with_role
 from ._partition_task import PartitionJob, run_partition
 from ._result import ReplicaResult
-from .task import ReplicaJob
+from .task import ReplicaJob, epoch_barrier
 
 if TYPE_CHECKING:
     from ._handle import ReplicaServer
@@ -90,6 +90,8 @@ class PartitionedReplicas:
         self.aborted_at: dict[int, float] = {}
         self.finished: set[int] = set()
         self.t0 = time.perf_counter()
+        # synchronous mode (a whole model's one stage): the epoch's barrier
+        self._barrier_future, self.barrier = epoch_barrier(client, jobs)
 
     def _pjob(self, r: int, p: int) -> PartitionJob:
         return PartitionJob(
@@ -141,6 +143,7 @@ class PartitionedReplicas:
                 pj,
                 server=self.server,
                 data=self.data,
+                barrier=self.barrier,
                 workers=[free[p]],
                 allow_other_workers=False,
                 resources={TRAIN: 1},
@@ -239,4 +242,7 @@ class PartitionedReplicas:
             Event(self._pjob(r, 0).abort_name, client=self.client).set()
 
     def close(self) -> None:
-        """Nothing of its own outlives the epoch."""
+        """The epoch's barrier (synchronous mode) is released; nothing else of its own
+        outlives the epoch."""
+        if self._barrier_future is not None:
+            self._barrier_future.release()

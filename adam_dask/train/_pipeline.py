@@ -75,6 +75,7 @@ class _Open:
     covers: list = field(default_factory=list)
     images: int = 0
     applied: int = 0
+    stretch: bool = False  # a re-trained stretch (pushed alone, in sync mode too)
 
 
 class PartitionRunner:
@@ -106,6 +107,7 @@ class PartitionRunner:
         abort: Any = None,
         timeout: float = 60.0,
         momentum: float = 0.0,
+        barrier: Callable[[], dict] | None = None,
     ):
         self.stage, self.index, self.parts = stage, int(index), int(parts)
         self.first, self.last = self.index == 0, self.index == self.parts - 1
@@ -147,6 +149,7 @@ class PartitionRunner:
         self._mb = 0  # the next mini-batch's number
         self.batch_size = int(batch_size)
         self.pace: PushPace | None = None  # partition 0's push period and damping
+        self.sync = barrier is not None  # each group a synchronous step
         # counts
         self.images = 0
         self.loss_sum = 0.0
@@ -161,6 +164,8 @@ class PartitionRunner:
             ),
             on_error=lambda exc: self._fail(f"partition {self.index}: push failed ({exc!r})", exc),
             on_left=self._left,
+            barrier=barrier,
+            label=f"replica {mark[1]} in epoch {mark[0]}",
         )
 
     # -- running ----------------------------------------------------------------------------
@@ -255,7 +260,7 @@ class PartitionRunner:
     def _feed(self, feed: Feed) -> None:
         replicas = self.mark[2]  # among others, the rate is damped for a longer push period
         slack = self.threads * self.batch_size
-        self.pace = PushPace(feed.push_every, slack=slack, damp=replicas > 1)
+        self.pace = PushPace(feed.push_every, slack=slack, damp=replicas > 1 and not self.sync)
         self._feed_groups(feed)
         with self._cond:  # every mini-batch back from every partition
             while self.failed is None and self._in_flight > 0:
@@ -274,7 +279,13 @@ class PartitionRunner:
             if not self._open(g):
                 return
             n = len(group.batches)
-            close = {"gn": n, "seq": group.seq, "covers": group.covers, "images": group.images}
+            close = {
+                "gn": n,
+                "seq": group.seq,
+                "covers": group.covers,
+                "images": group.images,
+                "stretch": True,
+            }
             for i, (x, y) in enumerate(group.batches):
                 if not self._put(g, group.lr, x, y, close if i == n - 1 else None):
                     return
@@ -310,10 +321,13 @@ class PartitionRunner:
 
     def _open(self, g: int) -> bool:
         """Whether group ``g`` may open (nothing failed, no stop): at most two groups are open,
-        so it waits for group ``g - 2`` to come back."""
+        so it waits for group ``g - 2`` to come back; a synchronous step waits for the last
+        one's push, barrier and pull (every replica starts each step from the same weights)."""
         if self.failed is not None or (self.stop_flag is not None and self.stop_flag.is_set()):
             return False
         with self._cond:
+            while self.sync and self.failed is None and self._unsent > 0:
+                self._wait_cond()
             while (
                 g >= 2
                 and self.failed is None
@@ -461,12 +475,12 @@ class PartitionRunner:
             grp.applied += 1
             if "gn" in info:  # the group's last mini-batch (not always the last applied)
                 grp.size, grp.seq, grp.covers = int(info["gn"]), info["seq"], info["covers"]
-                grp.images = int(info["images"])
+                grp.images, grp.stretch = int(info["images"]), bool(info.get("stretch"))
             complete = grp.applied == grp.size
             if complete:
                 del self._groups[g]
         if complete:
-            self.exchange.take(g, grp.seq, grp.covers, grp.images)
+            self.exchange.take(g, grp.seq, grp.covers, grp.images, stretch=grp.stretch)
 
     def _left(self) -> None:
         """A group taken here left the exchange (pushed or dropped): partition 0's feed may

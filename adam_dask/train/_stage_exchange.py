@@ -41,6 +41,7 @@ class Taken:
     covers: list
     images: int
     buf: np.ndarray
+    step: bool  # a synchronous step: pushed, then the barrier, then the pull
 
 
 class StageExchange:
@@ -50,6 +51,12 @@ class StageExchange:
     ``dropped()``: whether a taken group is to be dropped, not pushed (the replica failed or
     runs again); ``on_error(exc)``: a push failed (the partition stops); ``on_left()``: a taken
     group left (pushed or dropped).
+
+    ``barrier`` (synchronous mode): blocks until every replica of the step has pushed and
+    returns the :class:`~adam_dask.train.task.SyncBarrier`'s answer; a step's group is pushed
+    at ``scale`` (``1/R``: the server applies the replicas' average), then the barrier, then
+    the span is pulled and installed (a re-trained stretch is pushed alone, as a whole
+    replica's).
     """
 
     def __init__(
@@ -63,11 +70,15 @@ class StageExchange:
         dropped: Callable[[], bool],
         on_error: Callable[[BaseException], None],
         on_left: Callable[[], None],
+        barrier: Callable[[], dict] | None = None,
+        label: str = "the replica",
     ):
         self.stage, self.threads = stage, threads
         self.index, self.parts = part
         self.server, self.mark = server, mark
         self._dropped, self._on_left = dropped, on_left
+        self.barrier, self.label = barrier, label
+        self.scale = 1.0 / mark[2] if barrier is not None else 1.0
         n = stage.size
         # accumulators: one per thread and group parity, and whether each may hold updates
         # (an install adds only those)
@@ -94,9 +105,10 @@ class StageExchange:
         self._touched[t][g % 2] = True
         return self._accs[t][g % 2]
 
-    def take(self, g: int, seq: int, covers: list, images: int) -> None:
-        """Group ``g`` (number ``seq``, covering ``covers``, ``images``) is complete here: its
-        update summed into one buffer and queued for its push. No thread writes this parity's
+    def take(self, g: int, seq: int, covers: list, images: int, *, stretch: bool = False) -> None:
+        """Group ``g`` (number ``seq``, covering ``covers``, ``images``; ``stretch``: a
+        re-trained stretch) is complete here: its update summed into one buffer and queued
+        for its push. No thread writes this parity's
         accumulators now: the group's mini-batches are all applied here, and group ``g + 2``
         starts after this one's errors left every partition."""
         spare = self._buffers.get()
@@ -110,7 +122,8 @@ class StageExchange:
                 self._accs[t][parity][...] = 0.0
                 self._touched[t][parity] = False
             self._unpushed.append(buf)
-        self._communicator.put(Taken(seq, covers, images, buf))
+        step = self.barrier is not None and not stretch
+        self._communicator.put(Taken(seq, covers, images, buf, step))
 
     def close(self) -> None:
         """Push (or, after an error, drop) what was taken, then end the communicator."""
@@ -126,28 +139,52 @@ class StageExchange:
 
     def _send(self, taken: Taken) -> None:
         """Push a group's update as this partition's part of the group's push, with the span
-        read back in the same round trip, and install it; nothing when ``dropped()``."""
+        read back in the same round trip (a synchronous step: pulled after the barrier), and
+        install it; nothing when ``dropped()``. ``ps_seconds`` leaves the barrier out."""
         if self._dropped():
             self._drop(taken)
             return
         try:
             t = time.perf_counter()
             epoch, replica, replicas = self.mark
-            mark = Mark(epoch, replica, taken.seq, self.index, self.parts, replicas, taken.covers)
+            sync = self.barrier is not None
+            mark = Mark(
+                epoch, replica, taken.seq, self.index, self.parts, replicas, taken.covers,
+                synchronous=sync,
+            )  # fmt: skip
+            buf = taken.buf
+            if sync:
+                buf *= np.float32(self.scale)  # in place: the exchange's own buffer
             pulled = self.server.push_range(
-                taken.buf, self.stage.start, mark=mark, out=self._pulled
+                buf, self.stage.start, mark=mark, out=None if taken.step else self._pulled
             )
-            assert pulled is not None
             with self._take_lock:
                 self._forget_unpushed(taken.buf)
             with self._count_lock:
                 self.pushes += 1
                 self.images_pushed += taken.images
                 self.groups_pushed.append(taken.seq)
+            if taken.step:  # every replica's push of the step lands before the pull
+                t += self._wait_barrier()
+                stop = self.stage.start + len(self._pulled)
+                pulled = self.server.pull_range(self.stage.start, stop, out=self._pulled)
+            assert pulled is not None
             self.ps_seconds += time.perf_counter() - t
             self.install(pulled)
         finally:
             self._recycle(taken.buf)
+
+    def _wait_barrier(self) -> float:
+        """Wait at the synchronous step's barrier; the seconds waited. A step that timed out
+        raises the error naming the replicas that never pushed."""
+        from ._exchange import barrier_timeout
+
+        assert self.barrier is not None
+        t = time.perf_counter()
+        answer = self.barrier()
+        if not answer.get("ok"):
+            raise barrier_timeout(answer, self.label)
+        return time.perf_counter() - t
 
     def _drop(self, taken: Taken) -> None:
         """A group's update is not pushed: forgotten, its buffer recycled."""

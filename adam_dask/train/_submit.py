@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import config
-from ..cluster import PS, TRAIN, workers_with_role
+from ..cluster import TRAIN
 from ._epoch import quorum_size
 from ._result import ReplicaResult
-from .task import BarrierRef, ReplicaJob, SyncBarrier, run_replica
+from .task import ReplicaJob, epoch_barrier, run_replica
 
 if TYPE_CHECKING:
     from ._handle import ReplicaServer
@@ -152,25 +152,9 @@ class WholeReplicas:
         self.max_submissions = int(config.get("train.replica-submissions"))
         self.submissions = [1] * len(self.jobs)
         self.job_of: dict[str, ReplicaJob] = {}  # task key -> its replica's job
-        self.barrier: BarrierRef | None = None
-        self._barrier_future: Any = None
         self.all: list[Any] = []
         self.open: list[Any] = []
-        first = jobs[0]
-        if first.settings.mode == "sync":
-            host = workers_with_role(client, PS)[0]
-            # the future is held until the epoch ends: released, the scheduler would forget
-            # the actor and cancel the replicas that take it ("lost dependencies")
-            self._barrier_future = client.submit(
-                SyncBarrier,
-                len(jobs),
-                actor=True,
-                workers=[host],
-                allow_other_workers=False,
-                key=f"adam-{first.run_id}-barrier-{first.epoch}",
-            )
-            self._barrier_future.result()  # the actor is up
-            self.barrier = BarrierRef(host, self._barrier_future.key)
+        self._barrier_future, self.barrier = epoch_barrier(client, jobs)
 
     def submit(self) -> None:
         """One graph for all replicas: the scheduler places them in one pass, each placement

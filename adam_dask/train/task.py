@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +41,7 @@ __all__ = [
     "ReplicaJob",
     "Reporter",
     "SyncBarrier",
+    "epoch_barrier",
     "run_replica",
 ]
 
@@ -241,6 +242,29 @@ class BarrierRef:
             *args,
             timeout=timeout,
         )
+
+
+def epoch_barrier(client: Any, jobs: Sequence[ReplicaJob]) -> tuple[Any, BarrierRef | None]:
+    """In synchronous mode, the epoch's :class:`~adam_dask.train.task.SyncBarrier` actor on a
+    PS worker: its future (hold it until the epoch ends: released, the scheduler would forget
+    the actor and cancel the replicas that take it, "lost dependencies") and where the
+    replicas call it. ``(None, None)`` in asynchronous mode."""
+    from ..cluster import PS, workers_with_role
+
+    first = jobs[0]
+    if first.settings.mode != "sync":
+        return None, None
+    host = workers_with_role(client, PS)[0]
+    future = client.submit(
+        SyncBarrier,
+        len(jobs),
+        actor=True,
+        workers=[host],
+        allow_other_workers=False,
+        key=f"adam-{first.run_id}-barrier-{first.epoch}",
+    )
+    future.result()  # the actor is up
+    return future, BarrierRef(host, future.key)
 
 
 def run_replica(

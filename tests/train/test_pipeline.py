@@ -38,7 +38,11 @@ class RangedStore:
         with self.lock:
             self.flat[start : start + len(values)] += values
             sid = next(s for s, (a, _) in enumerate(self.spans) if a == start)
-            m = Mark(*mark.to_json()[:7], targets=(sid,)) if mark is not None else None
+            m = (
+                Mark(*mark.to_json()[:7], targets=(sid,), synchronous=mark.synchronous)
+                if mark is not None
+                else None
+            )
             self.marks[sid].setdefault(m.replica, []).append(m)
             if out is not None:  # the span after the push
                 out[...] = self.flat[start : start + len(values)]
@@ -50,7 +54,19 @@ class RangedStore:
         return out
 
 
-def _replica(net, bounds, store, feed, *, break_after=None, threads=2, momentum=0.0, replicas=1):
+def _replica(
+    net,
+    bounds,
+    store,
+    feed,
+    *,
+    break_after=None,
+    threads=2,
+    momentum=0.0,
+    replicas=1,
+    replica=0,
+    barrier=None,
+):
     stages = stages_of(net, bounds)
     P = len(stages)
     pairs = [socket.socketpair() for _ in range(P - 1)]
@@ -64,11 +80,12 @@ def _replica(net, bounds, store, feed, *, break_after=None, threads=2, momentum=
             batch_size=8,
             window=window,
             server=store,
-            mark=(0, 0, replicas),
+            mark=(0, replica, replicas),
             up=Link(pairs[k - 1][1]) if k > 0 else None,
             down=Link(pairs[k][0]) if k < P - 1 else None,
             timeout=30,
             momentum=momentum,
+            barrier=barrier,
         )
         for k, s in enumerate(stages)
     ]
@@ -185,6 +202,53 @@ def test_against_a_slow_server_groups_grow_instead_of_waiting_and_damp_the_rate(
         assert results[0]["damping"] < 1
     else:
         assert results[0]["damping"] == 1.0
+
+
+def test_synchronous_replicas_of_one_stage_push_whole_steps_and_end_on_the_same_weights():
+    """Synchronous mode through the pipeline (a whole model, one stage, one thread): each
+    replica's group is a step of exactly push_every images, pushed (marked synchronous), then
+    the barrier, then the pull; the next step waits for it. Two replicas on their own data end
+    with every image applied once and with the server's weights, the same for both (after the
+    last barrier nothing is pushed), and trained well above chance."""
+    net = Network.from_spec(SPEC, input_shape=(1, 12, 12), seed=0)
+    store = RangedStore(net.flat, [(0, net.flat.size)])
+    step = threading.Barrier(2)
+    waits = [0, 0]
+    feeds, results, runners = [], {}, {}
+
+    def replica(r):
+        x, y = synthetic_digits(768, seed=10 + r, size=12)
+        x = x[:, None].astype(np.float32) / 255
+
+        def wait():
+            waits[r] += 1
+            step.wait(60)
+            return {"ok": True, "generation": waits[r]}
+
+        feeds.append(feed := ArrayFeed(x, y, Marker(0, r, 2, synchronous=True), push_every=64))
+        replica_net = Network.from_spec(SPEC, input_shape=(1, 12, 12), seed=0)
+        rs, res = _replica(
+            replica_net, [(0, 4)], store, feed, threads=1, replicas=2, replica=r, barrier=wait
+        )
+        runners[r], results[r] = rs[0], res[0]
+
+    x, y = synthetic_digits(768, seed=12, size=12)
+    x = x[:, None].astype(np.float32) / 255
+    before = net.evaluate(x, y)
+    ths = [threading.Thread(target=replica, args=(r,)) for r in range(2)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(120)
+    assert all(r["aborted"] is None and r["images"] == 768 for r in results.values()), results
+    assert [sorted(f.cuts.values()) for f in feeds] == [[64] * 12] * 2
+    assert waits == [12, 12] and [r["pushes"] for r in results.values()] == [12, 12]
+    assert applied_images(store.marks) == 2 * 768
+    assert all(m.synchronous for per in store.marks.values() for ms in per.values() for m in ms)
+    np.testing.assert_array_equal(runners[0].stage.flat, store.flat)
+    np.testing.assert_array_equal(runners[1].stage.flat, store.flat)
+    net.flat = store.flat
+    assert net.evaluate(x, y) > before + 0.2
 
 
 def test_a_broken_link_stops_every_partition_with_only_whole_groups_pushed():
