@@ -30,7 +30,7 @@ from .network import Network
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BASE_BYTES", "Partition", "PartitionPlan", "plan_partitions"]
+__all__ = ["BASE_BYTES", "Partition", "PartitionPlan", "plan_partitions", "whole_plan"]
 
 #: A TRAIN worker process before it holds a partition: Python, numpy, numba's compiled
 #: kernels, Dask's worker and a data stream (a training worker measured 230-260 MB RSS here).
@@ -276,3 +276,27 @@ def plan_partitions(
     if offset != net.layout.size:  # the pieces tile the flat layout exactly
         raise AssertionError(f"partition spans cover {offset} of {net.layout.size} parameters")
     return PartitionPlan(tuple(parts), net.layout.size, T, B, W)
+
+
+def whole_plan(
+    params: int, *, threads: int, batch_size: int, window: int | None = None
+) -> PartitionPlan:
+    """The plan of a model of ``params`` parameters with no layer list to split (a PyTorch
+    module) as the pipeline's one stage: one partition of every parameter. Its memory is what
+    :func:`plan_partitions` counts for the parameters (weights, two accumulators per thread,
+    two exchange buffers, the replay log's copy) and the process; the module's work buffers
+    are not estimated."""
+    T, n = int(threads), int(params)
+    part = Partition(
+        index=0,
+        first=0,
+        stop=0,
+        start=0,
+        stop_param=n,
+        tokens=("module",),
+        in_size=0,
+        out_size=0,
+        memory=BASE_BYTES + _F * n * (1 + 2 * T + 2 + 1),
+    )
+    W = int(window) if window is not None else T
+    return PartitionPlan((part,), n, T, int(batch_size), W)

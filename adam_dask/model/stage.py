@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from . import fused as F
 from . import kernels as K
-from .context import Context
 from .layout import ParameterLayout
 from .network import Network, parameter_entries
 from .passes import (
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 _NO_VELOCITY = np.zeros(1, np.float32)  # the fused step's velocity without momentum (unused)
 
-__all__ = ["Skeleton", "Stage", "StageContext", "stages_of"]
+__all__ = ["Skeleton", "Stage", "StageContext", "WholeStage", "stages_of"]
 
 
 class Skeleton:
@@ -97,8 +97,6 @@ class Stage:
         # inverted dropout on the network's hidden dense layers (those before ``output``)
         self.dropout, self.output = float(net.dropout), len(net.layers) - 1
         self.rows = None if rows is None or tuple(rows) == (0, 0) else (int(rows[0]), int(rows[1]))
-        #: the whole model as one stage: a :class:`Network` over ``flat`` for the fused step
-        self.whole: Network | None = None
         if self.rows is not None:
             self._init_slice(net, weights)
             return
@@ -111,15 +109,7 @@ class Stage:
             self.stop = entries[-1].offset + entries[-1].size
         else:  # parameter-free layers only (pooling): an empty span where they sit
             self.start = self.stop = _offset_before(net, first)
-        if first == 0 and self.last:
-            d = net.to_dict() if isinstance(net, Network) else net.description
-            self.whole = Network(
-                d["spec"], tuple(d["input_shape"]), d["activation"], self.dropout,
-                self.label_smoothing,
-            )  # fmt: skip
-            self.flat = self.whole.flat  # the same buffer: the fused step moves the stage
-        else:
-            self.flat = np.zeros(self.stop - self.start, np.float32)
+        self.flat = np.zeros(self.stop - self.start, np.float32)
         if weights is None and isinstance(net, Network):
             weights = net.flat
         if weights is not None:  # a Skeleton's stage starts at zeros: pull its weights
@@ -245,32 +235,6 @@ class Stage:
             self.layers, self.parameters, ctx, ctx.x, n, sink, din, self.dropout, self.output
         )
         return loss
-
-    def step(
-        self,
-        ctx: Context,
-        x: np.ndarray,
-        labels: np.ndarray,
-        n: int,
-        lr: float,
-        acc: np.ndarray,
-        *,
-        velocity: np.ndarray | None = None,
-        momentum: float = 0.0,
-    ) -> float:
-        """A whole-model stage's forward, backward and update of ``x[:n]`` in one numba call
-        (:meth:`Network.step_into`, the fused step a whole replica runs; ``ctx`` from
-        :meth:`fused_context`): what :meth:`forward_into` and :meth:`backward_update` do, up to
-        float rounding. Returns the mean loss."""
-        assert self.whole is not None, "only a stage of the whole model runs the fused step"
-        if velocity is None or not momentum > 0.0:
-            return self.whole.step_into(ctx, x, labels, n, lr, 0.0, _NO_VELOCITY, acc=acc)
-        return self.whole.step_into(ctx, x, labels, n, lr, float(momentum), velocity, acc=acc)
-
-    def fused_context(self, batch_size: int) -> Context:
-        """Work buffers for :meth:`step` (one per thread)."""
-        assert self.whole is not None, "only a stage of the whole model runs the fused step"
-        return self.whole.context(batch_size)
 
     def _slice_forward(self, ctx: StageContext, x: np.ndarray, n: int) -> np.ndarray:
         assert self.rows is not None
@@ -439,6 +403,47 @@ def _offset_before(net: Network | Skeleton, first: int) -> int:
             e = net.layout[f"{L.index}.bias"]
             off = e.offset + e.size
     return off
+
+
+class WholeStage:
+    """The whole model as the pipeline's one stage, of either engine (a numba
+    :class:`Network` or a :class:`~adam_dask.model.torch_engine.TorchNetwork`, anything with
+    ``flat``, ``context`` and ``step_into``): the network's own buffer, trained by its fused
+    step, as a whole replica trains it. No layer list is needed (a torch module has none)."""
+
+    def __init__(self, net: Any):
+        self.whole = net
+        self.flat: np.ndarray = net.flat
+        self.start, self.stop = 0, int(net.flat.size)
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    def step(
+        self,
+        ctx: Any,
+        x: np.ndarray,
+        labels: np.ndarray,
+        n: int,
+        lr: float,
+        acc: np.ndarray,
+        *,
+        velocity: np.ndarray | None = None,
+        momentum: float = 0.0,
+    ) -> float:
+        """The forward, backward and update of ``x[:n]`` in one call of the network's fused
+        step (``step_into``, what a whole replica runs; ``ctx`` from :meth:`context`):
+        for the numba engine what a :class:`Stage`'s :meth:`~Stage.forward_into` and
+        :meth:`~Stage.backward_update` do, up to float rounding. ``acc`` receives the update
+        too. Returns the mean loss."""
+        if velocity is None or not momentum > 0.0:
+            return self.whole.step_into(ctx, x, labels, n, lr, 0.0, _NO_VELOCITY, acc=acc)
+        return self.whole.step_into(ctx, x, labels, n, lr, float(momentum), velocity, acc=acc)
+
+    def context(self, batch_size: int) -> Any:
+        """Work buffers for :meth:`step` (one per thread)."""
+        return self.whole.context(batch_size)
 
 
 def stages_of(net: Network | Skeleton, bounds: Sequence[Sequence[int]]) -> list[Stage]:

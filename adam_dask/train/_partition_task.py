@@ -102,7 +102,8 @@ def _run_partition(
     from distributed import Event, get_worker
     from distributed.comm.addressing import get_address_host
 
-    from ..model.stage import Skeleton, Stage
+    from ..model.engines import network_from_dict
+    from ..model.stage import Skeleton, Stage, WholeStage
     from ._pipeline import PartitionRunner
 
     worker = get_worker()
@@ -111,9 +112,13 @@ def _run_partition(
     abort = EventPoll(Event(job.abort_name))
     if abort.is_set():  # a stale run of a lost task: its replica runs again under a new attempt
         return _aborted(job, "superseded", worker.address, t0)
-    first, stop_layer, r0, r1 = job.bounds[job.partition]
     logger.debug("%s-p%d starts on %s", job.name, job.partition, worker.address)
-    stage = Stage(Skeleton(rj.model), first, stop_layer, rows=(r0, r1))
+    stage: Stage | WholeStage
+    if job.parts == 1:  # the whole model, either engine, trained by its fused step
+        stage = WholeStage(network_from_dict(rj.model))
+    else:  # its own layers only: built from the skeleton, never the whole model
+        first, stop_layer, r0, r1 = job.bounds[job.partition]
+        stage = Stage(Skeleton(rj.model), first, stop_layer, rows=(r0, r1))
     server.pull_range(stage.start, stage.stop, out=stage.flat)
     logger.debug("%s-p%d pulled its weights; meeting its neighbours", job.name, job.partition)
     links = meet(
@@ -197,16 +202,16 @@ def cluster_plan(client: Any, net: Any, settings: Any, partitions: int) -> Any:
     from ..cluster import workers_with_role
     from ..errors import PartitionError
     from ..model.engines import TORCH
-    from ..model.partition import plan_partitions
+    from ..model.partition import plan_partitions, whole_plan
 
     staged = pipelined(partitions)
-    if getattr(net, "engine", None) == TORCH:  # a user's nn.Module: no layer list to split
-        if staged:
-            raise PartitionError(
-                f"partitions={partitions}: a PyTorch model trains on one worker per replica",
-                "train a torch model with partitions=1 (partitioning splits the numba "
-                "engine's layers)",
-            )
+    torch = getattr(net, "engine", None) == TORCH  # a user's nn.Module: no layer list to split
+    if torch and partitions > 1:
+        raise PartitionError(
+            f"partitions={partitions}: a PyTorch model trains on one worker per replica",
+            "train a torch model with partitions=1 (partitioning splits the numba engine's layers)",
+        )
+    if torch and not staged:  # a run_replica task: nothing to plan
         return None
     if staged:
         unsupported = [
@@ -232,13 +237,12 @@ def cluster_plan(client: Any, net: Any, settings: Any, partitions: int) -> Any:
         pause = dask.config.get("distributed.worker.memory.pause")
         budget = int(min(limits) * (float(pause) if pause else 1.0))
     window = dask.config.get("adam.train.partition-window")
-    plan = plan_partitions(
-        net,
-        partitions,
-        threads=threads,
-        batch_size=settings.batch_size,
-        window=None if window is None else int(window),
-    )
+    w = None if window is None else int(window)
+    B = settings.batch_size
+    if torch:  # the whole module, one stage
+        plan = whole_plan(net.flat.size, threads=threads, batch_size=B, window=w)
+    else:
+        plan = plan_partitions(net, partitions, threads=threads, batch_size=B, window=w)
     if partitions > 1:
         logger.info("%s", plan.describe(budget))
     if budget is not None:

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..model.stage import Stage, StageContext
+from ..model.stage import Stage, StageContext, WholeStage
 from ._groups import Feed
 from ._links import Link
 from ._stage_exchange import StageExchange
@@ -92,7 +92,7 @@ class PartitionRunner:
 
     def __init__(
         self,
-        stage: Stage,
+        stage: Stage | WholeStage,
         index: int,
         parts: int,
         *,
@@ -124,13 +124,11 @@ class PartitionRunner:
             for _ in range(self.threads)
         ]
         # a mini-batch's work buffers, kept until its errors come back; a whole model as one
-        # stage runs the fused step (a whole replica's) in a context per thread
-        self._fused = stage.whole is not None
+        # stage (a WholeStage, either engine) runs the fused step (a whole replica's) in a
+        # context per thread
         self._contexts: queue.Queue[Any] = queue.Queue()
         for _ in range(self.window if not self.last else self.threads):
-            self._contexts.put(
-                stage.fused_context(batch_size) if self._fused else stage.context(batch_size)
-            )
+            self._contexts.put(stage.context(batch_size))
         self._work: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._lock = threading.Lock()
@@ -376,6 +374,7 @@ class PartitionRunner:
 
     def _receive(self, link: Link, side: str) -> None:
         stage = self.stage
+        assert isinstance(stage, Stage)  # partitions have neighbours, a whole stage none
 
         def shape_of(h: dict) -> tuple[int, ...] | None:
             if h["op"] == "f":
@@ -427,6 +426,7 @@ class PartitionRunner:
                             self.up.send({"op": "b", "mb": mb, "n": n}, ctx.din[:n])
                         self._contexts.put(ctx)
                     else:
+                        assert isinstance(stage, Stage)
                         out = stage.forward_into(ctx, values, n)
                         with self._lock:
                             self._pending[mb] = (ctx, info)
@@ -441,6 +441,7 @@ class PartitionRunner:
                         ctx, info = self._pending.pop(mb)
                     n = len(values)
                     acc = self.exchange.acc(t, info["g"])
+                    assert isinstance(stage, Stage)  # errors come back to a partition
                     stage.backward_update(ctx, n, info["lr"], acc, dout=values, **self._steps[t])
                     if self.first:
                         with self._lock:
@@ -459,10 +460,11 @@ class PartitionRunner:
         """The last stage's forward, loss, backward and update of a mini-batch, by thread
         ``t``; a whole model as one stage runs the fused step (one numba call). The loss."""
         acc, lr = self.exchange.acc(t, info["g"]), info["lr"]
-        if self._fused:
-            return self.stage.step(ctx, x, y, n, lr, acc, **self._steps[t])
-        self.stage.forward_into(ctx, x, n)
-        return self.stage.backward_update(ctx, n, lr, acc, labels=y, **self._steps[t])
+        stage = self.stage
+        if isinstance(stage, WholeStage):
+            return stage.step(ctx, x, y, n, lr, acc, **self._steps[t])
+        stage.forward_into(ctx, x, n)
+        return stage.backward_update(ctx, n, lr, acc, labels=y, **self._steps[t])
 
     def _applied(self, info: dict) -> None:
         """A mini-batch of group ``info["g"]`` was applied here; the last one takes the group

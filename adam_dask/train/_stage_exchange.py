@@ -26,7 +26,7 @@ from ._communicator import Communicator
 from ._updates import summed
 
 if TYPE_CHECKING:
-    from ..model.stage import Stage
+    from ..model.stage import Stage, WholeStage
     from ._handle import RangedPushes
 
 __all__ = ["StageExchange", "Taken"]
@@ -61,7 +61,7 @@ class StageExchange:
 
     def __init__(
         self,
-        stage: Stage,
+        stage: Stage | WholeStage,
         server: RangedPushes,
         *,
         part: tuple[int, int],

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from adam_dask.model import Network
-from adam_dask.model.stage import stages_of
+from adam_dask.model.stage import WholeStage, stages_of
 
 SPECS = [
     ("conv5x5:6,maxpool2,fc32,fc10", (1, 12, 12), [(0, 2), (2, 4)]),
@@ -167,19 +167,17 @@ def test_the_stages_dropout_step_equals_the_whole_networks_with_the_same_draws(s
 @pytest.mark.parametrize(("spec", "shape"), [(s, sh) for s, sh, _ in SPECS[:4]])
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_a_whole_model_stage_runs_the_fused_step_as_its_layer_loops_do(spec, shape, momentum):
-    """The whole model as one stage trains with the fused step (one numba call, a whole
-    replica's) and moves its weights, its accumulator and its velocity as the stage's layer
-    loops do; a stage of part of the model has no fused step."""
+    """The whole model as one stage (a WholeStage) trains with the fused step (one numba
+    call, a whole replica's) and moves its weights, its accumulator and its velocity as a
+    stage of every layer does with its layer loops."""
     net = Network.from_spec(spec, input_shape=shape, activation="relu", seed=4)
-    (fused,), (loops,) = (
-        stages_of(net, [(0, len(net.layers))]),
-        stages_of(net, [(0, len(net.layers))]),
-    )
-    assert fused.whole is not None and fused.flat is fused.whole.flat  # one buffer
-    assert all(s.whole is None for s in stages_of(net, [(0, 1), (1, len(net.layers))]))
+    (loops,) = stages_of(net, [(0, len(net.layers))])
+    fused = WholeStage(Network.from_dict(net.to_dict()))
+    fused.flat[...] = net.flat
+    assert fused.flat is fused.whole.flat and fused.size == loops.size  # one buffer
     acc_f, acc_l = (np.zeros(fused.size, np.float32) for _ in range(2))
     vel_f, vel_l = (np.zeros(fused.size, np.float32) for _ in range(2))
-    ctx_f, ctx_l = fused.fused_context(6), loops.context(6)
+    ctx_f, ctx_l = fused.context(6), loops.context(6)
     rng = np.random.default_rng(5)
     for _ in range(3):
         x = rng.random((6, *shape), dtype=np.float32)

@@ -184,8 +184,9 @@ def test_engine_dispatch_and_bad_factories():
 
 def test_a_torch_model_is_not_partitioned_and_asking_for_it_is_one_error():
     """The partition plan splits the numba engine's layers; a user's module has none to split:
-    partitions=1 plans nothing (the replica is the module on one worker), partitions=2 is
-    refused before anything starts."""
+    partitions=1 plans nothing (the replica is the module on one worker; through the pipeline,
+    ``adam.train.runner: pipeline``, the module is its one stage), partitions=2 is refused
+    before anything starts."""
     from adam_dask.errors import PartitionError
     from adam_dask.train._partition_task import cluster_plan
 

@@ -121,19 +121,11 @@ def test_a_two_partition_replica_trains_with_momentum(store, cluster):
 
 @pytest.mark.timeout(300)
 def test_a_whole_and_a_partitioned_replica_return_one_result_the_epoch_reads(
-    store, cluster, monkeypatch
+    store, cluster, epoch_runs
 ):
-    from adam_dask.train import _epoch_run
     from adam_dask.train._result import ReplicaResult
 
-    runs = []
-    real = _epoch_run.run_replicas
-
-    def spy(*args, **kwargs):  # the one entry of every epoch's replicas, whole or partitioned
-        runs.append(real(*args, **kwargs))
-        return runs[-1]
-
-    monkeypatch.setattr(_epoch_run, "run_replicas", spy)
+    runs = epoch_runs
     records = []
     for partitions in (1, 2):
         t = trainer(store, cluster, replicas=1, partitions=partitions)
@@ -168,20 +160,11 @@ def test_a_whole_and_a_partitioned_replica_return_one_result_the_epoch_reads(
 
 
 @pytest.mark.timeout(300)
-def test_a_whole_model_trains_as_one_stage_of_the_pipeline_when_asked(store, cluster, monkeypatch):
+def test_a_whole_model_trains_as_one_stage_of_the_pipeline_when_asked(store, cluster, epoch_runs):
     """``adam.train.runner: pipeline``: a whole-model replica (partitions 1) runs as the
     pipeline's one stage, not as a run_replica task, asynchronous or synchronous (one thread,
     every step's pushes before its pulls); the runner's name is checked."""
-    from adam_dask.train import _epoch_run
-
-    runs = []
-    real = _epoch_run.run_replicas
-
-    def spy(*args, **kwargs):
-        runs.append(real(*args, **kwargs))
-        return runs[-1]
-
-    monkeypatch.setattr(_epoch_run, "run_replicas", spy)
+    runs = epoch_runs
     with dask.config.set({"adam.train.runner": "pipeline"}):
         t = trainer(store, cluster, replicas=2, partitions=1)
         try:

@@ -13,7 +13,7 @@ import pytest
 
 from adam_dask.model import Network
 from adam_dask.model.partition import plan_partitions
-from adam_dask.model.stage import stages_of
+from adam_dask.model.stage import WholeStage, stages_of
 from adam_dask.ps.protocol.shard import Mark
 from adam_dask.testing import synthetic_digits
 from adam_dask.train._groups import minibatches
@@ -22,6 +22,7 @@ from adam_dask.train._pipeline import PartitionRunner
 from adam_dask.train._position import Marker, applied_images
 
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"
+WHOLE = "whole"  # the whole model as one WholeStage (the fused step), not a stage of its layers
 
 
 class RangedStore:
@@ -54,6 +55,13 @@ class RangedStore:
         return out
 
 
+def _spans(net, bounds):
+    """Each partition's span of the parameters (the stand-in server's shards)."""
+    if bounds == WHOLE:
+        return [(0, net.flat.size)]
+    return [(s.start, s.stop) for s in stages_of(net, bounds)]
+
+
 def _replica(
     net,
     bounds,
@@ -67,7 +75,7 @@ def _replica(
     replica=0,
     barrier=None,
 ):
-    stages = stages_of(net, bounds)
+    stages = [WholeStage(net)] if bounds == WHOLE else stages_of(net, bounds)
     P = len(stages)
     pairs = [socket.socketpair() for _ in range(P - 1)]
     window = plan_partitions(net, P, threads=threads, batch_size=8).window  # the default
@@ -140,7 +148,9 @@ class ArrayFeed:
         ([(0, 2), (2, 4)], 0.0),
         ([(0, 1), (1, 3), (3, 4)], 0.0),
         ([(0, 2), (2, 3, 0, 16), (2, 3, 16, 32), (3, 4)], 0.0),  # a dense layer split by neurons
-        ([(0, 4)], 0.0),  # the whole model, one stage
+        ([(0, 4)], 0.0),  # every layer, one stage (its layer loops)
+        (WHOLE, 0.0),  # the whole model, one stage (the fused step)
+        (WHOLE, 0.9),
         ([(0, 2), (2, 3, 0, 16), (2, 3, 16, 32), (3, 4)], 0.9),  # each thread's velocity
     ],
 )
@@ -148,15 +158,14 @@ def test_a_partitioned_replica_trains_and_pushes_every_group_once_per_partition(
     net = Network.from_spec(SPEC, input_shape=(1, 12, 12), seed=0)
     x, y = synthetic_digits(1536, seed=0, size=12)
     x = x[:, None].astype(np.float32) / 255
-    stages = stages_of(net, bounds)
-    store = RangedStore(net.flat, [(s.start, s.stop) for s in stages])
+    store = RangedStore(net.flat, _spans(net, bounds))
     before = net.evaluate(x, y)
     marker = Marker(0, 0, 1)
     lr = 0.05 * (1 - momentum)  # the same step once the velocity has built up
     feed = ArrayFeed(x, y, marker, lr=lr, passes=2)
     runners, results = _replica(net, bounds, store, feed, momentum=momentum)
     assert all(r["aborted"] is None for r in results.values())
-    assert results[0]["images"] == results[len(bounds) - 1]["images"] == 2 * len(y)
+    assert results[0]["images"] == results[len(results) - 1]["images"] == 2 * len(y)
     # every partition pushed every group, each once
     seqs = [sorted(r["groups_pushed"]) for r in results.values()]
     assert all(s == seqs[0] for s in seqs) and len(set(seqs[0])) == len(seqs[0])
@@ -176,9 +185,7 @@ class SlowerStore(RangedStore):
         return super().push_range(values, start, mark=mark, out=out)
 
 
-@pytest.mark.parametrize(
-    ("bounds", "replicas"), [([(0, 4)], 2), ([(0, 4)], 1), ([(0, 2), (2, 4)], 2)]
-)
+@pytest.mark.parametrize(("bounds", "replicas"), [(WHOLE, 2), (WHOLE, 1), ([(0, 2), (2, 4)], 2)])
 def test_against_a_slow_server_groups_grow_instead_of_waiting_and_damp_the_rate(bounds, replicas):
     """A group closes once it holds push_every images *and* no group waits to be pushed: a
     server slower than training gets fewer, larger groups (every image still pushed once, by
@@ -187,8 +194,7 @@ def test_against_a_slow_server_groups_grow_instead_of_waiting_and_damp_the_rate(
     net = Network.from_spec(SPEC, input_shape=(1, 12, 12), seed=0)
     x, y = synthetic_digits(1536, seed=2, size=12)
     x = x[:, None].astype(np.float32) / 255
-    stages = stages_of(net, bounds)
-    store = SlowerStore(net.flat, [(s.start, s.stop) for s in stages])
+    store = SlowerStore(net.flat, _spans(net, bounds))
     feed = ArrayFeed(x, y, Marker(0, 0, replicas), passes=2, push_every=16)
     runners, results = _replica(net, bounds, store, feed, threads=1, replicas=replicas)
     assert all(r["aborted"] is None for r in results.values()), results
@@ -228,7 +234,7 @@ def test_synchronous_replicas_of_one_stage_push_whole_steps_and_end_on_the_same_
         feeds.append(feed := ArrayFeed(x, y, Marker(0, r, 2, synchronous=True), push_every=64))
         replica_net = Network.from_spec(SPEC, input_shape=(1, 12, 12), seed=0)
         rs, res = _replica(
-            replica_net, [(0, 4)], store, feed, threads=1, replicas=2, replica=r, barrier=wait
+            replica_net, WHOLE, store, feed, threads=1, replicas=2, replica=r, barrier=wait
         )
         runners[r], results[r] = rs[0], res[0]
 
@@ -256,8 +262,7 @@ def test_a_broken_link_stops_every_partition_with_only_whole_groups_pushed():
     x, y = synthetic_digits(1536, seed=1, size=12)
     x = x[:, None].astype(np.float32) / 255
     bounds = [(0, 1), (1, 3), (3, 4)]
-    stages = stages_of(net, bounds)
-    store = RangedStore(net.flat, [(s.start, s.stop) for s in stages])
+    store = RangedStore(net.flat, _spans(net, bounds))
     marker = Marker(0, 0, 1)
 
     def cut(runners):

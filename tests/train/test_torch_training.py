@@ -191,24 +191,33 @@ def _wait_for_images(trainer, n, box, timeout=300):
     raise AssertionError(f"never reached {n} images in {timeout}s: {trainer._progress_state}")
 
 
-def test_sigkill_of_a_train_worker_mid_epoch_applies_every_image_once(
-    torch, store, cluster, tmp_path
-):
+def _module_trainer(torch, store, cluster, **kwargs):
+    """A Trainer of the user's ``Net`` as a module object (the replica jobs carry it), 2
+    replicas at lr 0.1 with momentum, every replica's share applied (images_applied is the
+    split)."""
     from byom_models import Net
 
     torch.manual_seed(0)
-    t = Trainer(
+    return Trainer(
         store,
-        model=Net(),  # a module object: the replica jobs carry it
+        model=Net(),
         client=cluster,
         lr=0.1,
         momentum=0.9,
         push_every=64,
         batch_size=8,
         progress=False,
-        epoch_quorum=1.0,  # every replica's share is applied: images_applied is the split
-        slow_replicas={0: 0.1, 1: 0.1},
-        checkpoint=str(tmp_path / "ckpt"),
+        epoch_quorum=1.0,
+        **kwargs,
+    )
+
+
+def test_sigkill_of_a_train_worker_mid_epoch_applies_every_image_once(
+    torch, store, cluster, tmp_path
+):
+
+    t = _module_trainer(
+        torch, store, cluster, slow_replicas={0: 0.1, 1: 0.1}, checkpoint=str(tmp_path / "ckpt")
     )
     th, box = fit_in_background(t, epochs=1)
     _wait_for_images(t, 256, box)
@@ -223,3 +232,22 @@ def test_sigkill_of_a_train_worker_mid_epoch_applies_every_image_once(
     assert victim not in rec["replica_workers"]
     assert rec["test_accuracy"] > 0.2  # learning, not diverged
     t.close()
+
+
+def test_a_user_module_trains_as_the_pipelines_one_stage_when_asked(
+    torch, store, cluster, epoch_runs
+):
+    """``adam.train.runner: pipeline`` trains a user's module (no layer list) as the
+    partition pipeline's one stage, by the module's own fused step (forward, loss, backward
+    and the update kernel), with each thread's velocity: every image applied once, above
+    chance."""
+    with dask.config.set({"adam.train.runner": "pipeline"}):
+        t = _module_trainer(torch, store, cluster)
+        try:
+            rec = t.fit(epochs=1).records[0]
+        finally:
+            t.close()
+    (run,) = epoch_runs
+    assert [(r.partitions, r.attempts) for r in run.results] == [(1, 1), (1, 1)]
+    assert rec["images_applied"] == 1024
+    assert rec["test_accuracy"] > 0.2  # chance is 0.1
