@@ -411,10 +411,16 @@ class WholeStage:
     ``flat``, ``context`` and ``step_into``): the network's own buffer, trained by its fused
     step, as a whole replica trains it. No layer list is needed (a torch module has none)."""
 
-    def __init__(self, net: Any):
+    def __init__(self, net: Any, offload: Sequence[str] = ()):
         self.whole = net
         self.flat: np.ndarray = net.flat
         self.start, self.stop = 0, int(net.flat.size)
+        #: dense layers whose updates travel as (activations, errors) terms (the paper's
+        #: offload; numba engine): prefix -> (offset, size) of its weight in ``flat``
+        self.offload: dict[str, tuple[int, int]] = {
+            p: (net.layout[f"{p}.weight"].offset, net.layout[f"{p}.weight"].size)
+            for p in sorted(offload)
+        }
 
     @property
     def size(self) -> int:
@@ -431,15 +437,27 @@ class WholeStage:
         *,
         velocity: np.ndarray | None = None,
         momentum: float = 0.0,
+        terms: dict | None = None,
     ) -> float:
         """The forward, backward and update of ``x[:n]`` in one call of the network's fused
         step (``step_into``, what a whole replica runs; ``ctx`` from :meth:`context`):
         for the numba engine what a :class:`Stage`'s :meth:`~Stage.forward_into` and
         :meth:`~Stage.backward_update` do, up to float rounding. ``acc`` receives the update
-        too. Returns the mean loss."""
+        too; ``terms`` (a dict, with :attr:`offload`) the offloaded layers' ``(activations,
+        -lr * errors)``. Returns the mean loss."""
+        dense: dict | None = {} if terms is not None and self.offload else None
         if velocity is None or not momentum > 0.0:
-            return self.whole.step_into(ctx, x, labels, n, lr, 0.0, _NO_VELOCITY, acc=acc)
-        return self.whole.step_into(ctx, x, labels, n, lr, float(momentum), velocity, acc=acc)
+            velocity, momentum = _NO_VELOCITY, 0.0
+        loss = self.whole.step_into(
+            ctx, x, labels, n, lr, float(momentum), velocity, acc=acc, dense_terms=dense
+        )
+        if dense:
+            assert terms is not None
+            for p in self.offload:
+                acts, errs = dense[p]
+                errs *= np.float32(-lr)  # the engine's own copies
+                terms[p] = (acts, errs)
+        return loss
 
     def context(self, batch_size: int) -> Any:
         """Work buffers for :meth:`step` (one per thread)."""

@@ -8,7 +8,8 @@ the least it needs:
   push a dense layer's outer product, pull every weight.
 * :class:`PooledPushes`: the same with the handle's buffer pool, where a delta is pushed and
   weights are pulled without a copy on this side, and a push pulls in the same round trip.
-* :class:`RangedPushes`: a partition of a replica (:mod:`._pipeline`): push and pull its span.
+* :class:`RangedPushes`: a partition of a replica (:mod:`._pipeline`): push and pull its span;
+  :class:`StagePushes` with a whole model's offloaded terms too.
 * :class:`ReplicaServer`: a replica task (:mod:`.task`, :mod:`._partition_task`): the pushes
   of either kind, the marks it plans its start from, and the wait until its pushes are held by
   every copy.
@@ -25,7 +26,14 @@ import numpy as np
 from ..errors import StorageError
 from ..ps.protocol.shard import Mark
 
-__all__ = ["PooledPushes", "RangedPushes", "ReplicaServer", "TrainerServer", "WholePushes"]
+__all__ = [
+    "PooledPushes",
+    "RangedPushes",
+    "ReplicaServer",
+    "StagePushes",
+    "TrainerServer",
+    "WholePushes",
+]
 
 
 class WholePushes(Protocol):
@@ -84,6 +92,11 @@ class RangedPushes(Protocol):
     ) -> np.ndarray | None:
         """Add ``values`` to the parameters ``[start, start + len(values))``; with ``out``,
         read that span back into it after the push, in one round trip."""
+
+
+class StagePushes(WholePushes, RangedPushes, Protocol):
+    """A stage of the pipeline (:mod:`._stage_exchange`): its span's pushes and pulls, and a
+    whole model's push with its offloaded dense layers' terms."""
 
 
 class ReplicaServer(PooledPushes, RangedPushes, Protocol):

@@ -105,6 +105,8 @@ def _run_partition(
     from ..model.engines import network_from_dict
     from ..model.stage import Skeleton, Stage, WholeStage
     from ._pipeline import PartitionRunner
+    from .replica import profitable_offload
+    from .streams import resolve_push_every
 
     worker = get_worker()
     t0 = time.perf_counter()
@@ -115,7 +117,9 @@ def _run_partition(
     logger.debug("%s-p%d starts on %s", job.name, job.partition, worker.address)
     stage: Stage | WholeStage
     if job.parts == 1:  # the whole model, either engine, trained by its fused step
-        stage = WholeStage(network_from_dict(rj.model))
+        net = network_from_dict(rj.model)
+        every = resolve_push_every(s.push_every, rj.replicas)  # the trainer's plan set it
+        stage = WholeStage(net, profitable_offload(net, every) if s.offload_dense else ())
     else:  # its own layers only: built from the skeleton, never the whole model
         first, stop_layer, r0, r1 = job.bounds[job.partition]
         stage = Stage(Skeleton(rj.model), first, stop_layer, rows=(r0, r1))
@@ -218,7 +222,7 @@ def cluster_plan(client: Any, net: Any, settings: Any, partitions: int) -> Any:
             what
             for what, on in (
                 ("mode='sync'", settings.mode == "sync" and partitions > 1),
-                ("offload_dense", settings.offload_dense),
+                ("offload_dense", settings.offload_dense and partitions > 1),
             )
             if on
         ]

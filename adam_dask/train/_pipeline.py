@@ -57,7 +57,7 @@ from ._stage_exchange import StageExchange
 from .streams import PushPace
 
 if TYPE_CHECKING:
-    from ._handle import RangedPushes
+    from ._handle import StagePushes
 
 __all__ = ["PartitionRunner"]
 
@@ -82,7 +82,7 @@ class PartitionRunner:
     """Partition ``index`` of ``parts`` of one replica, training ``stage``.
 
     ``up`` / ``down``: the :class:`Link` to the previous / next partition (None at the ends).
-    ``server``: the span's pushes and pulls (:class:`~adam_dask.train._handle.RangedPushes`).
+    ``server``: the span's pushes and pulls (:class:`~adam_dask.train._handle.StagePushes`).
     ``mark``: ``(epoch, replica, replicas)`` of the pushes' marks. ``stop``: a flag
     (``is_set()``) partition 0 polls between groups (the epoch's quorum); ``abort``: one every
     partition polls (the replica is being re-run). ``timeout``: seconds without a
@@ -99,7 +99,7 @@ class PartitionRunner:
         threads: int,
         batch_size: int,
         window: int,
-        server: RangedPushes,
+        server: StagePushes,
         mark: tuple[int, int, int],
         up: Link | None = None,
         down: Link | None = None,
@@ -462,7 +462,12 @@ class PartitionRunner:
         acc, lr = self.exchange.acc(t, info["g"]), info["lr"]
         stage = self.stage
         if isinstance(stage, WholeStage):
-            return stage.step(ctx, x, y, n, lr, acc, **self._steps[t])
+            if not stage.offload:
+                return stage.step(ctx, x, y, n, lr, acc, **self._steps[t])
+            terms: dict = {}
+            loss = stage.step(ctx, x, y, n, lr, acc, terms=terms, **self._steps[t])
+            self.exchange.record_terms(t, info["g"], terms)
+            return loss
         stage.forward_into(ctx, x, n)
         return stage.backward_update(ctx, n, lr, acc, labels=y, **self._steps[t])
 

@@ -16,18 +16,18 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..ps.protocol.shard import Mark
 from ._communicator import Communicator
-from ._updates import summed
+from ._updates import concat_terms, summed
 
 if TYPE_CHECKING:
     from ..model.stage import Stage, WholeStage
-    from ._handle import RangedPushes
+    from ._handle import StagePushes
 
 __all__ = ["StageExchange", "Taken"]
 
@@ -42,6 +42,7 @@ class Taken:
     images: int
     buf: np.ndarray
     step: bool  # a synchronous step: pushed, then the barrier, then the pull
+    terms: dict = field(default_factory=dict)  # the offload: prefix -> (activations, errors)
 
 
 class StageExchange:
@@ -62,7 +63,7 @@ class StageExchange:
     def __init__(
         self,
         stage: Stage | WholeStage,
-        server: RangedPushes,
+        server: StagePushes,
         *,
         part: tuple[int, int],
         threads: int,
@@ -90,6 +91,10 @@ class StageExchange:
             self._buffers.put(np.zeros(n, np.float32))
         self._pulled = np.zeros(n, np.float32)  # the span read back with each push
         self._unpushed: list[np.ndarray] = []
+        # the offload (a whole model's dense layers, :class:`~adam_dask.model.stage.WholeStage`):
+        # each thread's terms per group parity
+        self.offload: dict[str, tuple[int, int]] = getattr(stage, "offload", {})
+        self._terms: list[list[list[dict]]] = [[[], []] for _ in range(threads)]
         self._take_lock = threading.Lock()
         self._count_lock = threading.Lock()
         self.pushes = 0
@@ -104,6 +109,11 @@ class StageExchange:
         """Thread ``t``'s accumulator for group ``g``, marked as holding updates."""
         self._touched[t][g % 2] = True
         return self._accs[t][g % 2]
+
+    def record_terms(self, t: int, g: int, terms: dict) -> None:
+        """Thread ``t``'s offload terms of a mini-batch of group ``g`` (with its update in
+        :meth:`acc`)."""
+        self._terms[t][g % 2].append(terms)
 
     def take(self, g: int, seq: int, covers: list, images: int, *, stretch: bool = False) -> None:
         """Group ``g`` (number ``seq``, covering ``covers``, ``images``; ``stretch``: a
@@ -122,8 +132,12 @@ class StageExchange:
                 self._accs[t][parity][...] = 0.0
                 self._touched[t][parity] = False
             self._unpushed.append(buf)
+            terms = [d for pair in self._terms for d in pair[parity]]
+            for pair in self._terms:
+                pair[parity] = []
         step = self.barrier is not None and not stretch
-        self._communicator.put(Taken(seq, covers, images, buf, step))
+        taken = Taken(seq, covers, images, buf, step, concat_terms(terms, self.offload))
+        self._communicator.put(taken)
 
     def close(self) -> None:
         """Push (or, after an error, drop) what was taken, then end the communicator."""
@@ -146,18 +160,19 @@ class StageExchange:
             return
         try:
             t = time.perf_counter()
-            epoch, replica, replicas = self.mark
-            sync = self.barrier is not None
-            mark = Mark(
-                epoch, replica, taken.seq, self.index, self.parts, replicas, taken.covers,
-                synchronous=sync,
-            )  # fmt: skip
             buf = taken.buf
-            if sync:
+            if self.barrier is not None:
                 buf *= np.float32(self.scale)  # in place: the exchange's own buffer
-            pulled = self.server.push_range(
-                buf, self.stage.start, mark=mark, out=None if taken.step else self._pulled
-            )
+            # the span read back in the push's round trip, unless a step's pull must wait for
+            # the barrier or the offloaded terms leave after the push
+            back = not taken.step and not taken.terms
+            if taken.terms:
+                self._push_with_terms(taken)
+                pulled = None
+            else:
+                mark = self._mark(taken, self.index, self.parts)
+                out = self._pulled if back else None
+                pulled = self.server.push_range(buf, self.stage.start, mark=mark, out=out)
             with self._take_lock:
                 self._forget_unpushed(taken.buf)
             with self._count_lock:
@@ -166,6 +181,7 @@ class StageExchange:
                 self.groups_pushed.append(taken.seq)
             if taken.step:  # every replica's push of the step lands before the pull
                 t += self._wait_barrier()
+            if not back:
                 stop = self.stage.start + len(self._pulled)
                 pulled = self.server.pull_range(self.stage.start, stop, out=self._pulled)
             assert pulled is not None
@@ -173,6 +189,28 @@ class StageExchange:
             self.install(pulled)
         finally:
             self._recycle(taken.buf)
+
+    def _mark(self, taken: Taken, part: int, parts: int) -> Mark:
+        epoch, replica, replicas = self.mark
+        sync = self.barrier is not None
+        return Mark(
+            epoch, replica, taken.seq, part, parts, replicas, taken.covers, synchronous=sync
+        )
+
+    def _push_with_terms(self, taken: Taken) -> None:
+        """A whole model's push with the offload, as a whole replica's: the delta without the
+        offloaded weights (part 0 of the push), then each offloaded layer's terms (the parts
+        after it), whose products the parameter server computes and applies."""
+        buf, prefixes = taken.buf, list(taken.terms)
+        parts = 1 + len(prefixes)
+        for offset, size in self.offload.values():
+            buf[offset : offset + size] = 0.0  # they travel as terms
+        self.server.push(buf, mark=self._mark(taken, 0, parts))
+        for i, prefix in enumerate(prefixes, start=1):
+            acts, errs = taken.terms[prefix]
+            offset = self.offload[prefix][0]
+            mark = self._mark(taken, i, parts)
+            self.server.push_outer(offset, errs, acts, scale=self.scale, mark=mark)
 
     def _wait_barrier(self) -> float:
         """Wait at the synchronous step's barrier; the seconds waited. A step that timed out

@@ -38,7 +38,7 @@ No Dask, no I/O: tested directly (tests/train/test_exchange.py).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +47,7 @@ import numpy as np
 
 from ..model.fused import sgd_update_into
 
-__all__ = ["Slot", "Update", "Updates", "summed"]
+__all__ = ["Slot", "Update", "Updates", "concat_terms", "summed"]
 
 
 def summed(base: np.ndarray, weights: np.ndarray, addends: list[np.ndarray]) -> np.ndarray:
@@ -218,7 +218,7 @@ class Updates:
                 delta = delta.copy()  # the pushed delta leaves the offloaded weights out
             for offset, size in self.offload.values():
                 delta[offset : offset + size] = 0.0
-        return Update(delta, _concat_terms(terms, self.offload), images, items, ticket)
+        return Update(delta, concat_terms(terms, self.offload), images, items, ticket)
 
     def landed(self, update: Update) -> None:
         """The server holds ``update`` (or it was dropped): installs stop adding it."""
@@ -254,10 +254,12 @@ class Updates:
             np.copyto(flat, summed(self._base, weights, addends))
 
 
-def _concat_terms(
+def concat_terms(
     terms: list[dict[str, tuple[np.ndarray, np.ndarray]]],
-    offload: dict[str, tuple[int, int]],
+    offload: Mapping[str, Any],
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The offload terms of several mini-batches (each ``{prefix: (activations, errors)}``),
+    each layer's stacked into one pair (in ``offload``'s order)."""
     out = {}
     for prefix in offload:
         parts = [t[prefix] for t in terms if prefix in t]

@@ -37,11 +37,11 @@ def cluster():
 def trainer(store, client, **kwargs):
     kwargs.setdefault("partitions", 2)
     kwargs.setdefault("lr", 0.05)
+    kwargs.setdefault("push_every", 64)
     return Trainer(
         store,
         model=SPEC,
         client=client,
-        push_every=64,
         batch_size=8,
         progress=False,
         checkpoint=False,
@@ -162,8 +162,9 @@ def test_a_whole_and_a_partitioned_replica_return_one_result_the_epoch_reads(
 @pytest.mark.timeout(300)
 def test_a_whole_model_trains_as_one_stage_of_the_pipeline_when_asked(store, cluster, epoch_runs):
     """``adam.train.runner: pipeline``: a whole-model replica (partitions 1) runs as the
-    pipeline's one stage, not as a run_replica task, asynchronous or synchronous (one thread,
-    every step's pushes before its pulls); the runner's name is checked."""
+    pipeline's one stage, not as a run_replica task: asynchronous, synchronous (one thread,
+    every step's pushes before its pulls) and with the dense offload (its terms through the
+    parameter server's outer-product pushes); the runner's name is checked."""
     runs = epoch_runs
     with dask.config.set({"adam.train.runner": "pipeline"}):
         t = trainer(store, cluster, replicas=2, partitions=1)
@@ -176,18 +177,26 @@ def test_a_whole_model_trains_as_one_stage_of_the_pipeline_when_asked(store, clu
             sync = t.fit(epochs=1)
         finally:
             t.close()
+        # the dense offload: fc32's terms cost less than its weights at a push every 16
+        t = trainer(store, cluster, replicas=2, partitions=1, offload_dense=True, push_every=16)
+        try:
+            offload = t.fit(epochs=1)
+        finally:
+            t.close()
         # the pipeline's replicas train at once, each on its own worker (run_replica tasks
         # would wait for one in turn)
         with pytest.raises(ClusterError, match=r"3 replica\(s\) of 1 partition\(s\) need 3"):
             trainer(store, cluster, partitions=1, replicas=3).fit(epochs=1)
     results = [r for run in runs for r in run.results]
     # the pipeline's result (attempts counted), one stage on one worker per replica
-    assert [(r.partitions, r.attempts, len(r.workers)) for r in results] == [(1, 1, 1)] * 6
+    assert [(r.partitions, r.attempts, len(r.workers)) for r in results] == [(1, 1, 1)] * 8
     assert hist.column("images_applied") == [N_TRAIN, N_TRAIN]
     assert hist.records[-1]["test_accuracy"] > 0.5  # chance is 0.1
-    assert [r.threads for r in results[4:]] == [1, 1]  # a synchronous replica's one thread
+    assert [r.threads for r in results[4:6]] == [1, 1]  # a synchronous replica's one thread
     assert sync.column("images_applied") == [N_TRAIN]
     assert sync.records[-1]["test_accuracy"] > 0.3
+    assert offload.column("images_applied") == [N_TRAIN]
+    assert offload.records[-1]["test_accuracy"] > 0.3
     with dask.config.set({"adam.train.runner": "stages"}):
         with pytest.raises(adam_dask.errors.ConfigError, match=r"runner='stages'"):
             trainer(store, cluster, partitions=1).fit(epochs=1)

@@ -34,6 +34,7 @@ class RangedStore:
         self.spans = spans
         self.lock = threading.Lock()
         self.marks: dict[int, dict[int, list[Mark]]] = {s: {} for s in range(len(spans))}
+        self.outer = 0  # offloaded terms pushed
 
     def push_range(self, values, start, *, mark=None, out=None):
         with self.lock:
@@ -48,6 +49,22 @@ class RangedStore:
             if out is not None:  # the span after the push
                 out[...] = self.flat[start : start + len(values)]
         return out
+
+    def push(self, delta, *, mark=None):
+        """A whole model's push (with the offload): its mark as a whole replica's."""
+        with self.lock:
+            self.flat += delta
+            if mark is not None:
+                self.marks[0].setdefault(mark.replica, []).append(mark)
+
+    def push_outer(self, offset, errors, activations, scale=1.0, *, mark=None):
+        """An offloaded dense layer's terms: the server computes the (out, in) product."""
+        with self.lock:
+            product = np.float32(scale) * (errors.T @ activations)
+            self.flat[offset : offset + product.size] += product.ravel()
+            self.outer += 1
+            if mark is not None:
+                self.marks[0].setdefault(mark.replica, []).append(mark)
 
     def pull_range(self, start, stop, *, out):
         with self.lock:
@@ -74,8 +91,9 @@ def _replica(
     replicas=1,
     replica=0,
     barrier=None,
+    offload=(),
 ):
-    stages = [WholeStage(net)] if bounds == WHOLE else stages_of(net, bounds)
+    stages = [WholeStage(net, offload)] if bounds == WHOLE else stages_of(net, bounds)
     P = len(stages)
     pairs = [socket.socketpair() for _ in range(P - 1)]
     window = plan_partitions(net, P, threads=threads, batch_size=8).window  # the default
@@ -255,6 +273,64 @@ def test_synchronous_replicas_of_one_stage_push_whole_steps_and_end_on_the_same_
     np.testing.assert_array_equal(runners[1].stage.flat, store.flat)
     net.flat = store.flat
     assert net.evaluate(x, y) > before + 0.2
+
+
+def test_a_whole_stage_offloads_its_dense_layers_as_terms_the_server_multiplies():
+    """The paper's dense-layer offload through the pipeline's whole stage: a group's push is
+    the delta without the offloaded weights, then each offloaded layer's (activations, -lr x
+    errors), whose product the server applies. The server ends where the replica's own steps
+    took its weights (the terms carry the offloaded layer's update exactly, up to float
+    rounding), and a replica trained so learns with every image applied once."""
+    from adam_dask.train._stage_exchange import StageExchange
+    from adam_dask.train.replica import profitable_offload
+
+    net = Network.from_spec(SPEC, input_shape=(1, 12, 12), seed=0)
+    layers = profitable_offload(net, 16)
+    assert layers == ["2"]  # fc32: 16 x (96 + 32) floats of terms < its 96 x 32 weights
+    stage = WholeStage(net, layers)
+    store = RangedStore(net.flat, _spans(net, WHOLE))
+    errors: list = []
+    left: list = []  # a group left the exchange: pushed and installed
+    exchange = StageExchange(
+        stage,
+        store,
+        part=(0, 1),
+        threads=1,
+        mark=(0, 0, 1),
+        dropped=lambda: False,
+        on_error=errors.append,
+        on_left=lambda: left.append(1),
+    )
+    x, y = synthetic_digits(64, seed=3, size=12)
+    x = x[:, None].astype(np.float32) / 255
+    ctx = stage.context(8)
+    for g in range(2):
+        for a in range(0, 32, 8):
+            terms = {}
+            stage.step(ctx, x[a:], y[a:], 8, 0.1, exchange.acc(0, g), terms=terms)
+            exchange.record_terms(0, g, terms)
+        mine = stage.flat.copy()  # the replica's weights after its steps
+        exchange.take(g, g + 1, [], 32)
+        deadline = time.monotonic() + 30
+        while len(left) < g + 1 and not errors:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not errors, errors
+        np.testing.assert_allclose(store.flat, mine, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(stage.flat, mine, rtol=1e-5, atol=1e-6)  # installed
+    exchange.close()
+    assert store.outer == 2
+
+    x, y = synthetic_digits(1536, seed=3, size=12)
+    x = x[:, None].astype(np.float32) / 255
+    net = Network.from_spec(SPEC, input_shape=(1, 12, 12), seed=0)
+    store = RangedStore(net.flat, _spans(net, WHOLE))
+    feed = ArrayFeed(x, y, Marker(0, 0, 1), push_every=16)
+    _, results = _replica(net, WHOLE, store, feed, threads=2, offload=layers)
+    assert results[0]["aborted"] is None and results[0]["images"] == len(y)
+    assert applied_images(store.marks) == len(y) and store.outer == len(feed.cuts)
+    net.flat = store.flat
+    assert net.evaluate(x, y) > 0.5
 
 
 def test_a_broken_link_stops_every_partition_with_only_whole_groups_pushed():
