@@ -10,9 +10,10 @@ Parts (each stores one line in benchmarks/results/partitions.jsonl):
 * ``mnist``: the paper's MNIST net, P = 2 against P = 1 (one replica each, same cluster, same
   seeds): test accuracy per seed.
 * ``runner``: a whole model (P = 1) through each runner (``adam.train.runner``): one
-  ``run_replica`` task (the fused numba step) against the partition pipeline with the model as
-  its one stage (the layer loops); the paper's MNIST net, the same seeds, alternating which
-  goes first: images/s (the ratio pipeline / replica) and test accuracy.
+  ``run_replica`` task against the partition pipeline with the model as its one stage (both
+  the fused numba step); the paper's MNIST net, the same seeds, alternating which goes first,
+  ``--runner-replicas`` replicas of one thread: images/s (the ratio pipeline / replica) and
+  test accuracy.
 * ``cache``: the paper's cache claim (3.2.4), measured in one thread: images/s of each
   partition's layers alone (their weights small enough for L2 / L3) against the same layers run
   unpartitioned (all weights in turn), for a dense net; the pipeline's rate is the slowest
@@ -77,16 +78,26 @@ class _PeakMemory:
         return sorted((round(v / 2**20) for v in self.peak.values()), reverse=True)
 
 
-def _fit(client, store, spec, P, *, epochs, seed, lr, push_every, runner="replica") -> dict:
+def _fit(
+    client, store, spec, P, *, epochs, seed, lr, push_every, runner="replica", replicas=1
+) -> dict:
     import dask
 
     with dask.config.set({"adam.train.runner": runner}):
         return _fit_with(
-            client, store, spec, P, epochs=epochs, seed=seed, lr=lr, push_every=push_every
+            client,
+            store,
+            spec,
+            P,
+            epochs=epochs,
+            seed=seed,
+            lr=lr,
+            push_every=push_every,
+            replicas=replicas,
         )
 
 
-def _fit_with(client, store, spec, P, *, epochs, seed, lr, push_every) -> dict:
+def _fit_with(client, store, spec, P, *, epochs, seed, lr, push_every, replicas=1) -> dict:
     from adam_dask.errors import AdamError
     from adam_dask.train.trainer import Trainer
 
@@ -97,7 +108,7 @@ def _fit_with(client, store, spec, P, *, epochs, seed, lr, push_every) -> dict:
             model=spec,
             client=client,
             partitions=P,
-            replicas=1,
+            replicas=replicas,
             lr=lr,
             push_every=push_every,
             seed=seed,
@@ -140,13 +151,15 @@ def _fit_with(client, store, spec, P, *, epochs, seed, lr, push_every) -> dict:
 MNIST_NET = "conv5x5:10,maxpool2,conv5x5:20,maxpool2,fc400,fc400,fc10"  # the paper's
 
 
-def _mnist_runs(args, variants: dict, *, tag: str | None = None) -> list[dict]:
+def _mnist_runs(args, variants: dict, *, tag: str | None = None, replicas: int = 1) -> list[dict]:
     """Fits of the paper's MNIST net on the subset, for each seed one per ``variants``
     ({name: (partitions, runner)}): in that order, or with ``tag`` reversed on odd seeds and
-    each run's name under ``tag``; each run carries its seed."""
+    each run's name under ``tag``; each run carries its seed. ``replicas`` of one thread
+    each, on as many TRAIN workers (at least 2); one replica pushes every 512 images, more
+    every ``push-every: auto``."""
     store = mnist_subset_store(args.images, args.test_images)
     runs = []
-    with _cluster(2, "2 GiB") as client:
+    with _cluster(max(2, replicas), "2 GiB") as client:
         for seed in range(args.seeds):
             names = list(variants)[:: -1 if tag and seed % 2 else 1]
             for name in names:
@@ -159,8 +172,9 @@ def _mnist_runs(args, variants: dict, *, tag: str | None = None) -> list[dict]:
                     epochs=args.epochs,
                     seed=seed,
                     lr=0.05,
-                    push_every=512,
+                    push_every=512 if replicas == 1 else None,
                     runner=runner,
+                    replicas=replicas,
                 )
                 r.pop("plan", None)
                 runs.append({"seed": seed, **({tag: name} if tag else {}), **r})
@@ -194,12 +208,13 @@ def part_mnist(args) -> dict:
 
 def part_runner(args) -> dict:
     variants = {"replica": (1, "replica"), "pipeline": (1, "pipeline")}
-    runs = _mnist_runs(args, variants, tag="runner")
+    runs = _mnist_runs(args, variants, tag="runner", replicas=args.runner_replicas)
     names = ("replica", "pipeline")
     acc = {n: [r["test_accuracy"] for r in runs if r["runner"] == n] for n in names}
     rate = {n: [r["images_per_second"] for r in runs if r["runner"] == n] for n in names}
     return {
         "part": "runner",
+        "replicas": args.runner_replicas,
         "spec": MNIST_NET,
         "images": args.images,
         "test_images": args.test_images,
@@ -364,6 +379,9 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--cache-spec", default="fc896,fc896,fc896,fc10")
     ap.add_argument("--cache-steps", type=int, default=400)
+    ap.add_argument(
+        "--runner-replicas", type=int, default=1, help="runner part: replicas of one thread"
+    )
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

@@ -10,6 +10,7 @@ group in order (a :class:`~adam_dask.train._position.Marker`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -102,14 +103,22 @@ class ReplicaFeed:
             stream = share.stretch_stream(self.data, stretch)
             try:
                 group = Group(stretch.seq, encode(stretch.items), lr=self.lr())
-                group.batches = [(x, y) for x, y, _ in minibatches(stream, batch)]
+                group.batches = [(x, y) for x, y, _ in minibatches(self._slowed(stream), batch)]
             finally:
                 stream.close()
             yield group
 
     def rest(self) -> Iterator[tuple[np.ndarray, np.ndarray, Any]]:
         self._stream = self.share.rest_stream(self.data)
-        yield from minibatches(self._stream, self.job.settings.batch_size)
+        yield from minibatches(self._slowed(self._stream), self.job.settings.batch_size)
+
+    def _slowed(self, stream: Iterable[Any]) -> Iterator[Any]:
+        """``stream``'s batches, each after ``job.delay`` seconds of sleep when set (a
+        deliberately slow replica, for straggler and fault experiments)."""
+        for item in stream:
+            if self.job.delay:
+                time.sleep(self.job.delay)
+            yield item
 
     def lr(self) -> float:
         return self.job.schedule.at(self.share.progress(self.done))
