@@ -4,9 +4,10 @@ and its exchange with the parameter server. No Dask: the task (``_partition_task
 connects the sockets (:mod:`._links`), cuts partition 0's groups (:mod:`._groups`) and gives it
 a parameter-server handle; tests run the partitions of a replica as threads of one process.
 
-**Dataflow.** Partition 0 draws mini-batches (from its :class:`~._groups.Feed`) and runs its layers forward; each partition sends its output activations to the next over a
-long-lived socket (a :class:`~._links.Link`); the last partition computes the loss and its
-error terms and the errors travel back the same way. Each partition's ``threads`` threads take
+**Dataflow.** Partition 0 draws mini-batches (from its :class:`~._groups.Feed`) and runs its
+layers forward; each partition sends its output activations to the next over a long-lived
+socket (a :class:`~._links.Link`); the last partition computes the loss and its error terms and
+the errors travel back the same way. Each partition's ``threads`` threads take
 whatever work is ready (errors coming back first), so several mini-batches are in flight in
 every partition at once (at most ``window`` in the replica) and the partitions overlap instead
 of waiting for one another. A partition keeps a mini-batch's activations (its
