@@ -491,3 +491,60 @@ def test_a_gathered_send_cut_short_by_the_kernel_goes_on_where_it_stopped():
     assert rest == values.tobytes() + b"!"
     a.close()
     b.close()
+
+
+def test_a_replica_feed_gives_the_rest_of_its_share_slowed_marked_and_reported(monkeypatch):
+    """Partition 0's feed of a replica with no marks yet (no stretch to re-train): the rest of
+    its share from the data service in mini-batches, a slow replica's sleep once per stream
+    batch, each group cut numbered in order with the images it covers and reported as the
+    replica's progress, the rate the schedule's at that progress; closing it closes the
+    stream and hands back its figures."""
+    from types import SimpleNamespace
+
+    from adam_dask.train import _groups
+
+    class Stream:
+        closed = False
+
+        def __iter__(self):
+            x, y = np.zeros((64, 1, 4, 4), np.float32), np.zeros(64, np.int64)
+            return iter([(x, y, (0, b)) for b in range(4)])
+
+        def stats(self):
+            return {"stall_fraction": 0.25, "wait_seconds": 1.5}
+
+        def close(self):
+            self.closed = True
+
+    stream = Stream()
+    asked = []
+
+    class Data:
+        def stream(self, *args, **kwargs):
+            asked.append((args, kwargs))
+            return stream
+
+    class Server:
+        def marks(self, epoch):
+            return {}
+
+    job = SimpleNamespace(
+        replica=1,
+        replicas=2,
+        epoch=3,
+        share_images=256,
+        delay=0.5,
+        settings=SimpleNamespace(batch_size=16, push_every=128),
+        schedule=SimpleNamespace(at=lambda epochs: round(epochs, 3)),
+    )
+    slept, reports = [], []
+    monkeypatch.setattr(_groups.time, "sleep", slept.append)
+    feed = _groups.ReplicaFeed(job, Server(), Data(), reports.append)
+    assert list(feed.stretches()) == [] and feed.push_every == 128
+    assert feed.lr() == 3.0  # the share's start
+    batches = list(feed.rest())
+    assert [len(y) for _, y, _ in batches] == [16] * 16 and slept == [0.5] * 4
+    assert asked == [((1, 2, 3), {"return_key": True, "resume": {}})]
+    assert [feed.cut({(0, 0): 64, (0, 1): 64}, 128)[0], feed.cut({(0, 2): 64}, 64)[0]] == [0, 1]
+    assert reports == [128, 192] and feed.lr() == 3.75  # 192 of 256 images
+    assert feed.close() == {"stall_fraction": 0.25, "wait_seconds": 1.5} and stream.closed
