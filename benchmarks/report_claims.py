@@ -454,8 +454,8 @@ CLAIMS: tuple[Claim, ...] = (
     Claim(
         bench="partitions",
         name="a whole model: pipeline vs run_replica",
-        what="The paper's MNIST net as one replica, through the partition pipeline as one stage "
-        "(adam.train.runner: pipeline) and as one run_replica task, {seeds} seeds, {images} "
+        what="The paper's MNIST net as {who}, through the partition pipeline as one stage "
+        "(adam.train.runner: pipeline) and as run_replica tasks (one a replica), {seeds} seeds, {images} "
         "images x {epochs} epochs",
         when=("part", "runner"),
         needs=("accuracy_pipeline", "accuracy_replica"),

@@ -174,8 +174,9 @@ def partitions_accuracy(line: dict) -> dict[str, Any]:
 
 
 def runner_accuracy(line: dict) -> dict[str, Any]:
-    """A whole model through the pipeline against one run_replica task: mean test accuracy of
-    each, the difference in points, within noise where the seeds overlap."""
+    """A whole model through the pipeline against run_replica tasks: mean test accuracy of
+    each, the difference in points, within noise where the seeds overlap, and how many
+    replicas (``who``)."""
     a_p, a_r = rules.nums(line.get("accuracy_pipeline")), rules.nums(line.get("accuracy_replica"))
     if not a_p or not a_r:
         return {}
@@ -184,7 +185,9 @@ def runner_accuracy(line: dict) -> dict[str, Any]:
     if rules.overlap(a_p, a_r):
         acc += f", within noise: the seeds overlap ({100 * min(a_p):.2f}-{rules.pc(max(a_p))} vs "
         acc += f"{100 * min(a_r):.2f}-{rules.pc(max(a_r))})"
-    return {"acc": acc, "mean_pipeline": m_p, "mean_replica": m_r}
+    R = int(line.get("replicas") or 1)  # lines before --runner-replicas ran one
+    who = "one replica" if R == 1 else f"{R} replicas of one thread each"
+    return {"acc": acc, "mean_pipeline": m_p, "mean_replica": m_r, "who": who}
 
 
 def partitions_large(line: dict) -> dict[str, Any] | None:
