@@ -276,16 +276,17 @@ def _wait_data_workers(client, n: int, timeout: float = 120) -> list[str]:
 @contextlib.contextmanager
 def _evictable_data_worker(client):
     """The cluster's one DATA worker in a ``dask worker`` process of its own; yields
-    ``evict(meanwhile)``: SIGTERM to it from this process, as the kubelet sends, then
-    ``meanwhile()``, then, once it exited, a replacement DATA worker. Both processes end with
-    the block."""
+    ``evict(meanwhile, then)``: SIGTERM to it from this process, as the kubelet sends, then
+    ``meanwhile()``, then, once it exited, ``then()`` and a replacement DATA worker. Both
+    processes end with the block."""
     scheduler = client.scheduler.address
     procs = [role_worker(scheduler, DATA, name="data-evicted")]
 
-    def evict(meanwhile=lambda: None) -> None:
+    def evict(meanwhile=lambda: None, then=lambda: None) -> None:
         procs[0].send_signal(signal.SIGTERM)
         meanwhile()
         assert procs[0].wait(timeout=60) is not None  # its worker closed and it exited
+        then()
         procs.append(role_worker(scheduler, DATA, name="data-replacement"))
 
     try:
@@ -346,7 +347,11 @@ def test_training_goes_on_when_a_data_worker_is_evicted(store):
 
 def slow_reader_task(service, go: str, every: float = 0.1):
     """On a TRAIN worker: a stream read one batch per ``every`` seconds (a replica training),
-    returning to a DATA worker every 0.5 s; until ``go``, a few batches only."""
+    returning to a DATA worker every 0.5 s; until ``go``, a few batches only; sets
+    ``{go}-local`` once it serves a batch itself (its DataServer lost). With 24 batches
+    left and the partition not moved yet, it waits for ``{go}-joined`` (the replacement worker
+    is in the cluster; under load it can take longer than the epoch to start) and then reads
+    one batch per second while the partition is still served here."""
     from distributed import Event
 
     with dask.config.set({"adam.serving.return-interval": 0.5}):
@@ -355,18 +360,28 @@ def slow_reader_task(service, go: str, every: float = 0.1):
         Event(f"{go}-ready").set()
         Event(go).wait(timeout=120)
         moved_at = None
+        told = False
         for batch in stream:
             got.append(batch)
+            if stream.local_batches and not told:
+                told = True
+                Event(f"{go}-local").set()
             if moved_at is None and stream.stats()["returns"]:
                 moved_at = len(got)
-            time.sleep(every)
+            if moved_at is None and len(got) >= N_TRAIN // 8 - 24:
+                Event(f"{go}-joined").wait(timeout=120)
+                time.sleep(1.0)
+            else:
+                time.sleep(every)
         return got, moved_at, stream.stats()
 
 
 def test_an_evicted_data_workers_partition_moves_to_its_replacement(store, arrays):
     """The only DATA worker evicted mid-stream: the stream serves its partition itself, then
     moves it to a DataServer it starts on the replacement worker in the background, and takes
-    its batches from there for the rest of the epoch; every image once."""
+    its batches from there for the rest of the epoch; every image once. The replacement is
+    started once the stream serves locally: started earlier, a stream that notices the loss
+    late (a slow ping beside busy processes) goes to it at once, with nothing to move back."""
     from distributed import Event
 
     with adam_dask.cluster.local(
@@ -376,8 +391,14 @@ def test_an_evicted_data_workers_partition_moves_to_its_replacement(store, array
             svc = DataService.create(client, store, augment=AUG, seed=7, batch_size=8)
             task = client.submit(slow_reader_task, svc, "mv", resources={"TRAIN": 1}, pure=False)
             assert Event("mv-ready", client=client).wait(timeout=120)
-            evict(Event("mv", client=client).set)  # the reader goes on while its worker closes
+
+            def served_locally() -> None:
+                assert Event("mv-local", client=client).wait(timeout=120)
+
+            # the reader goes on while its worker closes, then serves the partition itself
+            evict(Event("mv", client=client).set, served_locally)
             (new,) = _wait_data_workers(client, 1)
+            Event("mv-joined", client=client).set()
             got, moved_at, stats = task.result(timeout=300)
             assert svc.generation(0) >= 1 and svc.servers() == [new]
             svc.close()
