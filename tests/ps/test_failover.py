@@ -45,7 +45,11 @@ def wait_healed(server: ParameterServer, lost: set[str], timeout: float = 90) ->
         if info["healthy"] and not holders & lost and all(len(h) == 3 for h in info["routing"]):
             return info
         time.sleep(0.2)
-    raise AssertionError(f"not healed after {timeout}s: {server.routing_info()}")
+    info = server.routing_info()
+    short = [s for s, h in enumerate(info["routing"]) if len(h) < 3 or set(h) & lost]
+    # why: the controller's story of each shard short of its copies, the newest events
+    stories = {s: server.story(s)["controller"][-12:] for s in short}
+    raise AssertionError(f"not healed after {timeout}s: {info}; the controller's story: {stories}")
 
 
 def check_placement(server: ParameterServer) -> None:
