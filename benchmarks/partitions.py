@@ -9,11 +9,6 @@ Parts (each stores one line in benchmarks/results/partitions.jsonl):
   model and mini-batch size in this process, on the same cores, measured in the same run).
 * ``mnist``: the paper's MNIST net, P = 2 against P = 1 (one replica each, same cluster, same
   seeds): test accuracy per seed.
-* ``runner``: a whole model (P = 1) through each runner (``adam.train.runner``): one
-  ``run_replica`` task against the partition pipeline with the model as its one stage (both
-  the fused numba step); the paper's MNIST net, the same seeds, alternating which goes first,
-  ``--runner-replicas`` replicas of one thread: images/s (the ratio pipeline / replica) and
-  test accuracy.
 * ``cache``: the paper's cache claim (3.2.4), measured in one thread: images/s of each
   partition's layers alone (their weights small enough for L2 / L3) against the same layers run
   unpartitioned (all weights in turn), for a dense net; the pipeline's rate is the slowest
@@ -78,26 +73,7 @@ class _PeakMemory:
         return sorted((round(v / 2**20) for v in self.peak.values()), reverse=True)
 
 
-def _fit(
-    client, store, spec, P, *, epochs, seed, lr, push_every, runner="replica", replicas=1
-) -> dict:
-    import dask
-
-    with dask.config.set({"adam.train.runner": runner}):
-        return _fit_with(
-            client,
-            store,
-            spec,
-            P,
-            epochs=epochs,
-            seed=seed,
-            lr=lr,
-            push_every=push_every,
-            replicas=replicas,
-        )
-
-
-def _fit_with(client, store, spec, P, *, epochs, seed, lr, push_every, replicas=1) -> dict:
+def _fit(client, store, spec, P, *, epochs, seed, lr, push_every, replicas=1) -> dict:
     from adam_dask.errors import AdamError
     from adam_dask.train.trainer import Trainer
 
@@ -151,19 +127,16 @@ def _fit_with(client, store, spec, P, *, epochs, seed, lr, push_every, replicas=
 MNIST_NET = "conv5x5:10,maxpool2,conv5x5:20,maxpool2,fc400,fc400,fc10"  # the paper's
 
 
-def _mnist_runs(args, variants: dict, *, tag: str | None = None, replicas: int = 1) -> list[dict]:
-    """Fits of the paper's MNIST net on the subset, for each seed one per ``variants``
-    ({name: (partitions, runner)}): in that order, or with ``tag`` reversed on odd seeds and
-    each run's name under ``tag``; each run carries its seed. ``replicas`` of one thread
-    each, on as many TRAIN workers (at least 2); one replica pushes every 512 images, more
-    every ``push-every: auto``."""
+def _mnist_runs(args, partitions: tuple[int, ...], replicas: int = 1) -> list[dict]:
+    """Fits of the paper's MNIST net on the subset, for each seed one per number of
+    ``partitions``, in that order; each run carries its seed. ``replicas`` of one thread each,
+    on as many TRAIN workers (at least 2); one replica pushes every 512 images, more every
+    ``push-every: auto``."""
     store = mnist_subset_store(args.images, args.test_images)
     runs = []
     with _cluster(max(2, replicas), "2 GiB") as client:
         for seed in range(args.seeds):
-            names = list(variants)[:: -1 if tag and seed % 2 else 1]
-            for name in names:
-                P, runner = variants[name]
+            for P in partitions:
                 r = _fit(
                     client,
                     store,
@@ -173,17 +146,16 @@ def _mnist_runs(args, variants: dict, *, tag: str | None = None, replicas: int =
                     seed=seed,
                     lr=0.05,
                     push_every=512 if replicas == 1 else None,
-                    runner=runner,
                     replicas=replicas,
                 )
                 r.pop("plan", None)
-                runs.append({"seed": seed, **({tag: name} if tag else {}), **r})
+                runs.append({"seed": seed, **r})
                 print(runs[-1], flush=True)
     return runs
 
 
 def part_mnist(args) -> dict:
-    runs = _mnist_runs(args, {1: (1, "replica"), 2: (2, "replica")})
+    runs = _mnist_runs(args, (1, 2))
     acc = {P: [r["test_accuracy"] for r in runs if r["partitions"] == P] for P in (1, 2)}
     rate = {P: [r["images_per_second"] for r in runs if r["partitions"] == P] for P in (1, 2)}
     mean = {P: sum(v) / len(v) for P, v in acc.items()}
@@ -202,29 +174,6 @@ def part_mnist(args) -> dict:
         "images_per_second_p1": rate[1],
         "images_per_second_p2": rate[2],
         "rate_ratio_p2_vs_p1": (sum(rate[2]) / sum(rate[1])),
-        "runs": runs,
-    }
-
-
-def part_runner(args) -> dict:
-    variants = {"replica": (1, "replica"), "pipeline": (1, "pipeline")}
-    runs = _mnist_runs(args, variants, tag="runner", replicas=args.runner_replicas)
-    names = ("replica", "pipeline")
-    acc = {n: [r["test_accuracy"] for r in runs if r["runner"] == n] for n in names}
-    rate = {n: [r["images_per_second"] for r in runs if r["runner"] == n] for n in names}
-    return {
-        "part": "runner",
-        "replicas": args.runner_replicas,
-        "spec": MNIST_NET,
-        "images": args.images,
-        "test_images": args.test_images,
-        "epochs": args.epochs,
-        "seeds": args.seeds,
-        "accuracy_replica": acc["replica"],
-        "accuracy_pipeline": acc["pipeline"],
-        "images_per_second_replica": rate["replica"],
-        "images_per_second_pipeline": rate["pipeline"],
-        "rate_ratio_pipeline_vs_replica": sum(rate["pipeline"]) / sum(rate["replica"]),
         "runs": runs,
     }
 
@@ -379,16 +328,13 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--cache-spec", default="fc896,fc896,fc896,fc10")
     ap.add_argument("--cache-steps", type=int, default=400)
-    ap.add_argument(
-        "--runner-replicas", type=int, default=1, help="runner part: replicas of one thread"
-    )
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     for part in [p.strip() for p in args.parts.split(",") if p.strip()]:
         load = [round(v, 2) for v in os.getloadavg()]
-        parts = {"large": part_large, "mnist": part_mnist, "runner": part_runner}
-        line = {**parts, "cache": part_cache}[part](args)
+        parts = {"large": part_large, "mnist": part_mnist, "cache": part_cache}
+        line = parts[part](args)
         line["load"] = load
         line["load_after"] = [round(v, 2) for v in os.getloadavg()]
         record("partitions", line, save=not args.no_save)

@@ -15,7 +15,7 @@ recordings (``--nonblocking``, raw stacks with thread ids):
 
 Each sample's stack is put in one category (first rule that matches, see ``RULES``): the
 engine's kernels (numba, ``step_into`` / ``forward``), PS push / pull (``ps/client/server.py``,
-``train/_exchange.py``), update bookkeeping (``train/_updates.py``), serialization
+``train/_stage_exchange.py``), update bookkeeping (``train/_updates.py``), serialization
 (``distributed/protocol``, pickle), comm I/O (``distributed/comm``, tornado streams), data
 (``data/serving``, zarr, augmentation), the event loop, waiting (queue / lock / select / sleep).
 Per process role and thread, a category's wall samples split into *GIL held*, *running without
@@ -47,10 +47,10 @@ RULES = [
     ("kernels", re.compile(r"\(adam_dask/model/(fused|kernels|network)\.py")),
     ("serialization", re.compile(r"distributed/protocol/|pickle|msgpack|\b(dumps|loads) \(")),
     ("comm", re.compile(r"distributed/comm/|tornado/iostream|asyncio/(selector_events|sslproto)")),
-    ("exchange wait", re.compile(r"Exchange\.step \(adam_dask/train/_exchange\.py")),
-    ("updates", re.compile(r"adam_dask/train/_updates\.py")),
-    ("ps push", re.compile(r"\b_?push(_outer)? \(adam_dask/(ps/server|train/_exchange)\.py")),
-    ("ps pull", re.compile(r"\b_?pull \(adam_dask/(ps/server|train/_exchange)\.py")),
+    ("exchange wait", re.compile(r"_wait_barrier \(adam_dask/train/_stage_exchange\.py")),
+    ("updates", re.compile(r"adam_dask/train/_updates\.py|\b(take|install) \(adam_dask/train/_st")),
+    ("ps push", re.compile(r"\bpush(_range|_outer)? \(adam_dask/ps/client/server\.py")),
+    ("ps pull", re.compile(r"\bpull(_range)? \(adam_dask/ps/client/server\.py")),
     ("ps node", re.compile(r"adam_dask/ps/")),
     ("data", re.compile(r"adam_dask/data/|zarr/|numcodecs/|fsspec/")),
     ("replica", re.compile(r"adam_dask/train/")),

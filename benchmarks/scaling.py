@@ -15,7 +15,7 @@ the same cores, each training run stopping at the first epoch at or above ``--ta
   training, as the CLI's result line counts them; null when the target was not reached);
   ``push_images``, ``exchange_seconds`` and ``damping_min`` per epoch (images per push, seconds
   per push and pull, the lowest damping of a replica's rate for pushing less often than
-  planned: ``AsyncExchange``); ``images_per_second_vs_engine``: its median images/s over the epochs after the first (the
+  planned: ``PushPace``); ``images_per_second_vs_engine``: its median images/s over the epochs after the first (the
   first alone when only one ran; ``images_per_second_epochs`` says which) over the engine's.
 * ``peer: "ddp"``: PyTorch DistributedDataParallel, gloo on CPU, P processes x t threads filling
   the same cores (P the replicas the defaults ran, t = cores // P, at least 1), the same network

@@ -1,6 +1,6 @@
 """docs/push_path.md lists the functions one push crosses (its spine, both legs), and a real
 push on a small cluster crosses those: tools/push_path.py profiles every thread of one
-push-and-pull by a whole replica's exchange and of the nodes serving it. The test fails when
+push-and-pull by a whole replica's stage exchange and of the nodes serving it. The test fails when
 the code's path changes and the document (which docs/design.md walks) was not made again."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def test_the_documented_path_is_the_one_a_push_takes():
     measured = set(tool.spines(tool.document(legs)))
     listed = set(tool.spines(tool.DOC.read_text()))
     # both legs were seen: the replica's exchange and a node applying the push
-    assert "train/_updates.py:Updates.take" in measured
+    assert "train/_stage_exchange.py:StageExchange.take" in measured
     assert "ps/protocol/shard_kernels.py:apply_all" in measured
     assert measured == listed, (
         f"new: {sorted(measured - listed)}, gone: {sorted(listed - measured)}; "

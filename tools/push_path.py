@@ -1,14 +1,15 @@
 """The functions one push crosses, measured: a real push of the paper's MNIST net, both legs.
 
 Starts a small embedded cluster (3 PS workers, the data plane on), creates a parameter server
-for the default net, and builds a whole replica's :class:`~adam_dask.train._exchange.AsyncExchange`
-in this process as a TRAIN task does. After a warm-up push (connections opened, kernels
-compiled), it profiles every thread here and every *new* thread on the PS workers
-(``threading.setprofile``, installed on the workers before any handle connects, so their
-connection threads are profiled), makes a fresh handle as a TRAIN task gets one, trains the
-replica on a few mini-batches untraced, and then traces one exchange:
-``step()`` on this thread (what a training thread calls when a push is due), the exchange
-thread's push-and-pull, and each node's connection thread serving it. The forward to the
+for the default net, and builds a whole replica's one stage and its
+:class:`~adam_dask.train._stage_exchange.StageExchange` in this process as a TRAIN task's
+pipeline does. After a warm-up push (connections opened, kernels compiled), it profiles every
+thread here and every *new* thread on the PS workers (``threading.setprofile``, installed on
+the workers before any handle connects, so their connection threads are profiled), makes a
+fresh handle as a TRAIN task gets one, trains a push group of mini-batches untraced, and then
+traces one exchange: the group's ``take`` on this thread (what the training thread that
+applied the group's last mini-batch calls), the exchange thread's push-and-pull and install,
+and each node's connection thread serving it. The forward to the
 backups is not part of the push (it goes on the forwarder's timer, set to a minute here so
 that none falls in the window measured).
 
@@ -33,22 +34,19 @@ from pathlib import Path
 
 ROOT = str(Path(__file__).resolve().parent.parent / "adam_dask") + os.sep
 SKIP = ("<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>", "<lambda>")
-# A push's landmarks: the steps that do its work (take the update, check it, send and read it
-# on the wire, keep it for replay, apply it, read the weights back, install them). The
+# A push's landmarks: the steps that do its work (take the group's update, check it, send and
+# read it on the wire, keep it for replay, apply it, read the weights back, install them). The
 # functions on the stack at a landmark are the push's spine: what a reader follows; the rest
 # are helpers those call.
 LANDMARKS = {
-    "DueLoop.due",
-    "Updates.take",
-    "scan_delta",
+    "StageExchange.take",
+    "first_nonfinite",
     "send_msg",
     "recv_msg",
     "ReplayLog.add",
     "apply_all",
     "NodeState.read_into",
-    "Updates.install",
-    "Updates.landed",
-    "Pool.release",
+    "StageExchange.install",
 }
 
 
@@ -143,18 +141,11 @@ def measure() -> dict:
     import adam_dask
     from adam_dask.model.network import Network
     from adam_dask.ps import ParameterServer
-    from adam_dask.train._exchange import AsyncExchange
-    from adam_dask.train._position import Marker
-    from adam_dask.train.replica import HogwildReplica
 
     net = Network.from_spec()
     rng = np.random.default_rng(0)
     x = rng.random((256, 1, 28, 28), dtype=np.float32)
     y = rng.integers(0, 10, 256)
-
-    def batches(p: int) -> list:
-        """Eight mini-batches keyed as a data service's stream keys them (partition, batch)."""
-        return [(x[i : i + 32], y[i : i + 32], (p, i)) for i in range(0, 256, 32)]
 
     # the forward to the backups is not part of the push: out of the window it is measured in
     with (
@@ -166,11 +157,10 @@ def measure() -> dict:
         client.run(_node_install, ROOT, workers=_ps_workers(client))
         server = ParameterServer.create(client, layout=net.layout, init=net.flat)
         try:
-            rep = HogwildReplica(net, threads=1, batch_size=32)
-            warm = AsyncExchange(rep, server, marker=Marker(0, 0, 1), push_every=256)
-            rep.train(batches(0))
-            warm.step()
-            warm.finish()
+            warm = _Replica(net, server, replica=0)
+            warm.group(x, y)  # connections opened, kernels compiled
+            warm.wait(1)
+            warm.close()
 
             client.run(_node_record, workers=_ps_workers(client))
             here: list = []
@@ -178,22 +168,19 @@ def measure() -> dict:
             profile = _recorder(ROOT, here, since)
             threading.setprofile(profile)
             fresh = pickle.loads(pickle.dumps(server))  # a TRAIN task's handle
-            rep2 = HogwildReplica(net, threads=1, batch_size=32)
-            first = AsyncExchange(rep2, fresh, marker=Marker(0, 1, 2), push_every=256)
-            rep2.train(batches(1))
-            first.step()  # this handle's first push opens its connections: not measured
-            _wait_pushes(first, 1)
-            rep2.train(batches(2))
+            first = _Replica(net, fresh, replica=1)
+            first.group(x, y)  # this handle's first push opens its connections: not measured
+            first.wait(1)
             t0 = time.monotonic()
             since.append(True)
             sys.setprofile(profile)
-            first.step()
+            first.group(x, y)
             sys.setprofile(None)
-            _wait_pushes(first, 2)
+            first.wait(2)
             since.clear()
             t1 = time.monotonic()
             threading.setprofile(None)
-            first.finish()
+            first.close()
             fresh.settle(checkpoint=False)
             node = client.run(_node_calls, t0, t1, workers=_ps_workers(client))
         finally:
@@ -201,19 +188,59 @@ def measure() -> dict:
     return {"client": here, "nodes": [c for calls in node.values() for c in calls]}
 
 
+class _Replica:
+    """A whole replica's one stage and its exchange, as a TRAIN task's pipeline builds them:
+    :meth:`group` trains one push group (eight mini-batches of 32, untraced) on this thread
+    and takes it, as the training thread that applies a group's last mini-batch does; the
+    exchange's thread pushes it, reads the weights back in the same round trip and installs
+    them."""
+
+    def __init__(self, net, server, replica: int):
+        from adam_dask.model.stage import WholeStage
+        from adam_dask.train._stage_exchange import StageExchange
+
+        self.stage = WholeStage(net.copy(), ())
+        self.ctx = self.stage.context(32)
+        self.errors: list = []
+        self.left: list = []
+        self.g = 0
+        self.exchange = StageExchange(
+            self.stage,
+            server,
+            part=(0, 1),
+            threads=1,
+            mark=(0, replica, 2),
+            dropped=lambda: False,
+            on_error=self.errors.append,
+            on_left=lambda: self.left.append(1),
+        )
+
+    def group(self, x, y) -> None:
+        acc = self.exchange.acc(0, self.g)
+        tracing = sys.getprofile()
+        sys.setprofile(None)  # the training steps are not the push
+        for a in range(0, 256, 32):
+            self.stage.step(self.ctx, x[a : a + 32], y[a : a + 32], 32, 0.01, acc)
+        sys.setprofile(tracing)
+        self.exchange.take(self.g, self.g + 1, [[[0, self.g, 256]]], 256)
+        self.g += 1
+
+    def wait(self, n: int, timeout: float = 60.0) -> None:
+        end = time.monotonic() + timeout
+        while len(self.left) < n:
+            if self.errors:
+                raise self.errors[0]
+            if time.monotonic() > end:
+                raise TimeoutError(f"the exchange pushed {len(self.left)} groups of {n}")
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        self.exchange.close()
+
+
 def _ps_workers(client) -> list[str]:
     info = client.scheduler_info()["workers"]
     return [a for a, w in info.items() if "PS" in (w.get("resources") or {})]
-
-
-def _wait_pushes(exchange, n: int, timeout: float = 60.0) -> None:
-    end = time.monotonic() + timeout
-    while exchange.pushes < n:
-        if exchange._loop.error is not None:
-            raise exchange._loop.error
-        if time.monotonic() > end:
-            raise TimeoutError(f"the exchange made {exchange.pushes} pushes of {n} in {timeout} s")
-        time.sleep(0.001)
 
 
 def summary(legs: dict) -> dict:
@@ -250,7 +277,7 @@ def document(legs: dict) -> str:
         "# One push, measured",
         "",
         "Generated by `python tools/push_path.py --write` (do not edit): one push-and-pull of",
-        "the default net by a whole replica's exchange on the data plane, every thread",
+        "the default net by a whole replica's stage exchange on the data plane, every thread",
         "profiled (docs/design.md, *One push, function by function*, walks it).",
         "",
         f"**The spine** (the functions on the stack where the push does its work): "

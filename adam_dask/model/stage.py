@@ -409,7 +409,7 @@ class WholeStage:
     """The whole model as the pipeline's one stage, of either engine (a numba
     :class:`Network` or a :class:`~adam_dask.model.torch_engine.TorchNetwork`, anything with
     ``flat``, ``context`` and ``step_into``): the network's own buffer, trained by its fused
-    step, as a whole replica trains it. No layer list is needed (a torch module has none)."""
+    step, as the engine alone (:class:`~adam_dask.train.replica.HogwildReplica`) trains it. No layer list is needed (a torch module has none)."""
 
     def __init__(self, net: Any, offload: Sequence[str] = ()):
         self.whole = net
@@ -440,7 +440,7 @@ class WholeStage:
         terms: dict | None = None,
     ) -> float:
         """The forward, backward and update of ``x[:n]`` in one call of the network's fused
-        step (``step_into``, what a whole replica runs; ``ctx`` from :meth:`context`):
+        step (``step_into``, the engine's; ``ctx`` from :meth:`context`):
         for the numba engine what a :class:`Stage`'s :meth:`~Stage.forward_into` and
         :meth:`~Stage.backward_update` do, up to float rounding. ``acc`` receives the update
         too; ``terms`` (a dict, with :attr:`offload`) the offloaded layers' ``(activations,

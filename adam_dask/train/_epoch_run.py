@@ -17,7 +17,6 @@ from ..cluster import TRAIN, workers_with_role
 from ..errors import ClusterError
 from ..model.engines import shipped
 from ._epoch import epoch_record, replica_count, share_sizes
-from ._partition_task import pipelined
 from ._position import applied_images, recorded_replicas
 from ._settings import RunSettings
 from ._submit import run_replicas
@@ -55,7 +54,7 @@ def train_threads(client: Any) -> int:
 def replicas_now(client: Any, fixed: int | None, partitions: int) -> int:
     """``fixed``, or one replica per TRAIN worker (per ``partitions`` of them) present now."""
     workers = len(train_workers(client))
-    if not pipelined(partitions):  # run_replica tasks wait for a TRAIN worker in turn
+    if partitions == 1:  # whole replicas beyond the TRAIN workers wait for one in turn
         return replica_count(fixed, workers)
     R = replica_count(fixed, max(1, workers // partitions))
     if partitions * R > workers:  # every partition of every replica at once
@@ -89,15 +88,13 @@ def replica_jobs(
     schedule: Schedule,
     images: int,
     slow: Mapping[int, float],
-    partition_plan: PartitionPlan | None = None,
+    partition_plan: PartitionPlan,
 ) -> list[ReplicaJob]:
     """The jobs of an epoch's ``replicas``: each a share of the ``images`` (``slow``: seconds
     per batch of the deliberately slowed replicas), each over the partitions of
-    ``partition_plan`` when it is not None."""
+    ``partition_plan`` (one: the whole model)."""
     model, shares = shipped(net), share_sizes(images, replicas)
-    parts = None
-    if partition_plan is not None:
-        parts = Partitioning(tuple(partition_plan.bounds()), partition_plan.window)
+    parts = Partitioning(tuple(partition_plan.bounds()), partition_plan.window)
     return [
         ReplicaJob(
             run_id=run_id,

@@ -95,6 +95,7 @@ class ReplicaFeed:
         self.share = Share(rj, server, synchronous=synchronous)
         self.done = self.share.images_before
         self.push_every = resolve_push_every(rj.settings.push_every, rj.replicas)
+        self.retrained = 0  # images of the stretches fed
         self._stream: Any = None
 
     def stretches(self) -> Iterator[Group]:
@@ -106,6 +107,7 @@ class ReplicaFeed:
                 group.batches = [(x, y) for x, y, _ in minibatches(self._slowed(stream), batch)]
             finally:
                 stream.close()
+            self.retrained += group.images
             yield group
 
     def rest(self) -> Iterator[tuple[np.ndarray, np.ndarray, Any]]:

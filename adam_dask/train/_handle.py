@@ -4,22 +4,19 @@
 in-process stand-ins that implement the part their code under test calls. Each role asks for
 the least it needs:
 
-* :class:`WholePushes`: a whole-model replica's exchange (:mod:`._exchange`): push a delta,
-  push a dense layer's outer product, pull every weight.
-* :class:`PooledPushes`: the same with the handle's buffer pool, where a delta is pushed and
-  weights are pulled without a copy on this side, and a push pulls in the same round trip.
-* :class:`RangedPushes`: a partition of a replica (:mod:`._pipeline`): push and pull its span;
-  :class:`StagePushes` with a whole model's offloaded terms too.
-* :class:`ReplicaServer`: a replica task (:mod:`.task`, :mod:`._partition_task`): the pushes
-  of either kind, the marks it plans its start from, and the wait until its pushes are held by
-  every copy.
+* :class:`WholePushes`: a whole model's push with its offloaded dense layers' terms: push a
+  delta, push a dense layer's outer product.
+* :class:`RangedPushes`: a stage of a replica (:mod:`._stage_exchange`): push and pull its
+  span; :class:`StagePushes` with a whole model's offloaded terms too.
+* :class:`ReplicaServer`: a replica's task (:mod:`._partition_task`): a stage's pushes, the
+  marks it plans its start from, and the wait until its pushes are held by every copy.
 * :class:`TrainerServer`: the driver (:mod:`.trainer`, :mod:`.run_state`, :mod:`._epoch_run`):
   flushes and checkpoints, figures, the routing record, the run's epoch and meta.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,7 +24,6 @@ from ..errors import StorageError
 from ..ps.protocol.shard import Mark
 
 __all__ = [
-    "PooledPushes",
     "RangedPushes",
     "ReplicaServer",
     "StagePushes",
@@ -57,25 +53,6 @@ class WholePushes(Protocol):
         """The current flat parameters."""
 
 
-@runtime_checkable
-class PooledPushes(WholePushes, Protocol):
-    """:class:`WholePushes` with the handle's buffer pool."""
-
-    def buffer(self) -> np.ndarray:
-        """A float32 array of the server's size from the pool (give it back: :meth:`release`)."""
-
-    def release(self, array: np.ndarray) -> None:
-        """The caller is done with a :meth:`buffer`."""
-
-    def pull(self, *, out: np.ndarray | None = None) -> np.ndarray:
-        """The current flat parameters, written into ``out`` when given."""
-
-    def push_pull(
-        self, delta: np.ndarray, out: np.ndarray | None = None, *, mark: Mark | None = None
-    ) -> np.ndarray:
-        """:meth:`push`, then the parameters read back into ``out`` in the same round trip."""
-
-
 class RangedPushes(Protocol):
     """Pushes and pulls of a span ``[start, stop)`` of the parameters."""
 
@@ -99,7 +76,7 @@ class StagePushes(WholePushes, RangedPushes, Protocol):
     whole model's push with its offloaded dense layers' terms."""
 
 
-class ReplicaServer(PooledPushes, RangedPushes, Protocol):
+class ReplicaServer(StagePushes, Protocol):
     """What a replica task asks of the parameter server."""
 
     def marks(self, epoch: int) -> dict[int, dict[int, tuple[Mark, ...]]]:

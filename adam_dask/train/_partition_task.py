@@ -28,7 +28,7 @@ from .task import BarrierRef, EventPoll, ReplicaJob, Reporter
 if TYPE_CHECKING:
     from ._handle import ReplicaServer
 
-__all__ = ["PartitionJob", "cluster_plan", "pipelined", "run_partition"]
+__all__ = ["PartitionJob", "cluster_plan", "run_partition"]
 
 logger = logging.getLogger(__name__)
 
@@ -173,28 +173,18 @@ def _run_partition(
         if feed is not None:
             fed = feed.close()
     out["stall_fraction"], out["wait_seconds"] = fed.get("stall_fraction"), fed.get("wait_seconds")
-    if job.partition == 0:
-        reporter.report(runner.images, runner.exchange.pushes, final=True)
     # what it pushed is held by every copy before the result counts (ack="replay")
     server.settle(checkpoint=False)
+    if feed is not None:
+        reporter.report(feed.done, runner.exchange.pushes, final=True)
+        out["lr_end"] = runner.lr_end
+        out["images_before"] = feed.share.images_before
+        out["images_retrained"] = feed.retrained
+        out["unreplicated_at_end"] = server.held()["unreplicated"]
     out["worker"] = worker.address
     out["threads"] = runner.threads
     out["stopped"] = bool(stop.is_set())
     return out
-
-
-def pipelined(partitions: int) -> bool:
-    """Whether a replica of ``partitions`` trains through the partition pipeline: always over
-    several partitions; a whole model too when ``adam.train.runner`` is ``pipeline`` (one
-    stage; ``replica``, the default, runs it as one :func:`~adam_dask.train.task.run_replica`
-    task)."""
-    from .. import config
-    from ..errors import ConfigError
-
-    runner = config.get("train.runner")
-    if runner not in ("replica", "pipeline"):
-        raise ConfigError(f"adam.train.runner={runner!r}", "use 'replica' or 'pipeline'")
-    return partitions > 1 or runner == "pipeline"
 
 
 def cluster_plan(client: Any, net: Any, settings: Any, partitions: int) -> Any:
@@ -208,29 +198,25 @@ def cluster_plan(client: Any, net: Any, settings: Any, partitions: int) -> Any:
     from ..model.engines import TORCH
     from ..model.partition import plan_partitions, whole_plan
 
-    staged = pipelined(partitions)
     torch = getattr(net, "engine", None) == TORCH  # a user's nn.Module: no layer list to split
     if torch and partitions > 1:
         raise PartitionError(
             f"partitions={partitions}: a PyTorch model trains on one worker per replica",
             "train a torch model with partitions=1 (partitioning splits the numba engine's layers)",
         )
-    if torch and not staged:  # a run_replica task: nothing to plan
-        return None
-    if staged:
-        unsupported = [
-            what
-            for what, on in (
-                ("mode='sync'", settings.mode == "sync" and partitions > 1),
-                ("offload_dense", settings.offload_dense and partitions > 1),
-            )
-            if on
-        ]
-        if unsupported:
-            raise PartitionError(
-                f"a partitioned replica does not train with {', '.join(unsupported)}",
-                "train with partitions=1, or turn those off",
-            )
+    unsupported = [
+        what
+        for what, on in (
+            ("mode='sync'", settings.mode == "sync" and partitions > 1),
+            ("offload_dense", settings.offload_dense and partitions > 1),
+        )
+        if on
+    ]
+    if unsupported:
+        raise PartitionError(
+            f"a partitioned replica does not train with {', '.join(unsupported)}",
+            "train with partitions=1, or turn those off",
+        )
     train = set(workers_with_role(client, TRAIN))
     info = client.scheduler_info(n_workers=-1)["workers"] if train else {}
     ws = [w for a, w in info.items() if a in train]

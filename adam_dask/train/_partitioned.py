@@ -51,13 +51,17 @@ def combine(job: ReplicaJob, parts: Sequence[dict], attempts: int, seconds: floa
         stopped=bool(first.get("stopped")),
         workers=tuple(p["worker"] for p in parts),
         threads=int(first.get("threads", 1)),
-        lr_end=job.schedule.at(job.epoch + 1),
+        lr_end=float(first.get("lr_end", job.schedule.at(job.epoch + 1))),
         partitions=len(parts),
         cross_bytes=sum(int(p["bytes_sent"]) for p in parts),
-        attempts=attempts,
-        stall_fraction=first.get("stall_fraction"),  # partition 0 waits on the data stream
+        # partition 0 feeds the replica: its share, its data stream, its damped rate
+        images_retrained=first.get("images_retrained"),
+        images_before=first.get("images_before"),
+        stall_fraction=first.get("stall_fraction"),
         wait_seconds=first.get("wait_seconds"),
-        damping=first.get("damping"),  # partition 0 feeds at the damped rate
+        damping=first.get("damping"),
+        unreplicated_at_end=first.get("unreplicated_at_end"),
+        attempts=attempts,
     )
 
 
@@ -71,7 +75,6 @@ class PartitionedReplicas:
         self, client: Any, jobs: Sequence[ReplicaJob], *, server: ReplicaServer, data: Any
     ):
         part = jobs[0].partitioning
-        assert part is not None, "a partitioned epoch's jobs carry their partitioning"
         self.client, self.jobs, self.server, self.data = client, list(jobs), server, data
         self.bounds, self.window = part.bounds, part.window
         self.timeout = float(config.get("train.partition-timeout"))

@@ -1,6 +1,6 @@
-"""One partition of a partitioned model replica at work (paper 3.2, Figure 6): its stage's
-Hogwild threads, the messages to and from its neighbour partitions, its push groups' accounting
-and its exchange with the parameter server. No Dask: the task (``_partition_task.py``)
+"""One stage of a replica at work, the one way a replica trains (the whole model, or a partition
+of it: paper 3.2, Figure 6): its Hogwild threads, its messages to and from its neighbours, its
+push groups and its exchange with the parameter server. No Dask: the task (``_partition_task``)
 connects the sockets (:mod:`._links`), cuts partition 0's groups (:mod:`._groups`) and gives it
 a parameter-server handle; tests run the partitions of a replica as threads of one process.
 
@@ -22,13 +22,13 @@ stashing keeps the forward's weights for the backward; we do not (see docs/desig
 **Push groups.** Partition 0 cuts what it feeds into groups and numbers them: a re-trained
 stretch is one group; the rest closes a group once it holds ``push_every`` images and partition
 0 has no group waiting to be pushed, so a busy parameter server gets fewer, larger pushes and
-the replica never waits for it (a whole replica's accumulate-then-push), its rate damped for
+the replica never waits for it (the paper's accumulate-then-push), its rate damped for
 the longer period among other replicas (a :class:`~adam_dask.train.streams.PushPace`). A
 group's last mini-batch carries what the group is (its size, number and cover). Every
 partition pushes its update of a group as part ``p`` of that group's push (one
 :class:`~adam_dask.ps.protocol.shard.Mark`: the group's number, the images it covers, ``parts =
 P``) to the shards of its own span and reads its span back in the same round trip
-(:meth:`ParameterServer.push_range` with ``out``), as a whole replica pushes with its pull. A
+(:meth:`ParameterServer.push_range` with ``out``). A
 push of a group holds exactly that group's mini-batches: each thread accumulates into one of
 two buffers by the group's parity, and partition 0 does not start group ``g + 2`` before group
 ``g`` came back from every partition (each partition takes group ``g``'s buffers when it
@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..errors import AdamError
 from ..model.stage import Stage, StageContext, WholeStage
 from ._groups import Feed
 from ._links import Link
@@ -118,14 +119,14 @@ class PartitionRunner:
         self.stop_flag, self.abort_flag = stop, abort
         self.timeout = float(timeout)
         n = stage.size
-        # with momentum, each thread's velocity over the stage (as a whole replica's threads)
+        # with momentum, each thread's velocity over the stage
         m = float(momentum)
         self._steps: list[dict[str, Any]] = [
             {"velocity": np.zeros(n, np.float32), "momentum": m} if m > 0 else {}
             for _ in range(self.threads)
         ]
         # a mini-batch's work buffers, kept until its errors come back; a whole model as one
-        # stage (a WholeStage, either engine) runs the fused step (a whole replica's) in a
+        # stage (a WholeStage, either engine) runs the fused step (the engine's) in a
         # context per thread
         self._contexts: queue.Queue[Any] = queue.Queue()
         for _ in range(self.window if not self.last else self.threads):
@@ -148,6 +149,7 @@ class PartitionRunner:
         self._mb = 0  # the next mini-batch's number
         self.batch_size = int(batch_size)
         self.pace: PushPace | None = None  # partition 0's push period and damping
+        self.lr_end = 0.0  # partition 0: the rate of its last group
         self.sync = barrier is not None  # each group a synchronous step
         # counts
         self.images = 0
@@ -166,8 +168,6 @@ class PartitionRunner:
             barrier=barrier,
             label=f"replica {mark[1]} in epoch {mark[0]}",
         )
-
-    # -- running ----------------------------------------------------------------------------
 
     def run(self, feed: Feed | None = None) -> dict:
         """Train until partition 0's ``feed`` is done (partition 0) or the end arrives from
@@ -204,7 +204,7 @@ class PartitionRunner:
         for link in (self.up, self.down):
             if link is not None:
                 link.close()
-        if self.error is not None and self.failed is None:
+        if isinstance(self.error, AdamError):  # a diverged model, a sync step timed out
             raise self.error
         return {
             "partition": self.index,
@@ -260,6 +260,7 @@ class PartitionRunner:
         replicas = self.mark[2]  # among others, the rate is damped for a longer push period
         slack = self.threads * self.batch_size
         self.pace = PushPace(feed.push_every, slack=slack, damp=replicas > 1 and not self.sync)
+        self.lr_end = feed.lr()
         self._feed_groups(feed)
         with self._cond:  # every mini-batch back from every partition
             while self.failed is None and self._in_flight > 0:
@@ -267,12 +268,11 @@ class PartitionRunner:
         self._done.set()
 
     def _feed_groups(self, feed: Feed) -> None:
-        assert self.pace is not None
         """Feed the replica: ``feed``'s fixed groups, then its rest cut into groups as they
-        go, each closing once it holds ``feed.push_every`` images and this partition has no
-        group waiting to be pushed (the paper's accumulate-then-push: a busy parameter server
-        gets fewer, larger groups, and the replica never waits for it), the rate damped for
-        the period it pushes at (``pace``). Stops between groups once the stop flag is set."""
+        go, each closing once it holds ``feed.push_every`` images and no group of this
+        partition waits to be pushed (accumulate-then-push: see the module), the rate damped
+        for the period it pushes at (``pace``). Stops between groups once the stop is set."""
+        assert self.pace is not None
         g = 0
         for group in feed.stretches():
             if not self._open(g):
@@ -285,6 +285,7 @@ class PartitionRunner:
                 "images": group.images,
                 "stretch": True,
             }
+            self.lr_end = group.lr
             for i, (x, y) in enumerate(group.batches):
                 if not self._put(g, group.lr, x, y, close if i == n - 1 else None):
                     return
@@ -298,7 +299,7 @@ class PartitionRunner:
             if not opened and not self._open(g):
                 return
             opened = False
-            lr = feed.lr() * self.pace.damping
+            lr = self.lr_end = feed.lr() * self.pace.damping
             counts: dict = {}
             images = batches = 0
             while ahead is not None:

@@ -1,6 +1,6 @@
 """A replica's share of one epoch as the parameter server's marks leave it, written once for
-both kinds of replica: a whole one (:func:`~adam_dask.train.task.run_replica`) and a
-partitioned one's partition 0 (:class:`~adam_dask.train._groups.ReplicaFeed`).
+partition 0 of every replica (:class:`~adam_dask.train._groups.ReplicaFeed`), whole or
+partitioned.
 
 A run of a replica (the first, or one after its worker was lost) reads every shard's marks
 (:func:`~adam_dask.train._position.replica_plan`): first the stretches some shard misses, each

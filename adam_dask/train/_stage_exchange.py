@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..errors import ClusterError, UpdateRejected
 from ..ps.protocol.shard import Mark
 from ._communicator import Communicator
 from ._updates import concat_terms, summed
@@ -166,13 +167,21 @@ class StageExchange:
             # the span read back in the push's round trip, unless a step's pull must wait for
             # the barrier or the offloaded terms leave after the push
             back = not taken.step and not taken.terms
-            if taken.terms:
-                self._push_with_terms(taken)
-                pulled = None
-            else:
-                mark = self._mark(taken, self.index, self.parts)
-                out = self._pulled if back else None
-                pulled = self.server.push_range(buf, self.stage.start, mark=mark, out=out)
+            try:  # the server checks every value (NaN/Inf refused, nothing applied)
+                if taken.terms:
+                    self._push_with_terms(taken)
+                    pulled = None
+                else:
+                    mark = self._mark(taken, self.index, self.parts)
+                    out = self._pulled if back else None
+                    pulled = self.server.push_range(buf, self.stage.start, mark=mark, out=out)
+            except UpdateRejected as exc:
+                raise UpdateRejected(
+                    f"{self.label} produced a non-finite update (the model diverged): "
+                    f"{exc.message}",
+                    "lower the learning rate (--lr) or push_every",
+                    shard=exc.shard,
+                ) from exc
             with self._take_lock:
                 self._forget_unpushed(taken.buf)
             with self._count_lock:
@@ -198,7 +207,7 @@ class StageExchange:
         )
 
     def _push_with_terms(self, taken: Taken) -> None:
-        """A whole model's push with the offload, as a whole replica's: the delta without the
+        """A whole model's push with the offload: the delta without the
         offloaded weights (part 0 of the push), then each offloaded layer's terms (the parts
         after it), whose products the parameter server computes and applies."""
         buf, prefixes = taken.buf, list(taken.terms)
@@ -215,13 +224,18 @@ class StageExchange:
     def _wait_barrier(self) -> float:
         """Wait at the synchronous step's barrier; the seconds waited. A step that timed out
         raises the error naming the replicas that never pushed."""
-        from ._exchange import barrier_timeout
-
         assert self.barrier is not None
         t = time.perf_counter()
         answer = self.barrier()
         if not answer.get("ok"):
-            raise barrier_timeout(answer, self.label)
+            missing = ", ".join(str(r) for r in answer.get("missing") or []) or "unknown"
+            raise ClusterError(
+                f"synchronous step {answer.get('generation')}: {self.label} waited "
+                f"{answer.get('timeout')} s for replica(s) {missing}, which never pushed (their "
+                "TRAIN worker is frozen, overloaded or lost)",
+                "check those workers, raise adam.train.sync-timeout, or train with "
+                "mode='async', which does not wait for stragglers",
+            )
         return time.perf_counter() - t
 
     def _drop(self, taken: Taken) -> None:

@@ -3,10 +3,11 @@
 The Dask side of the Trainer's epoch (the arithmetic is in ``_epoch.py``). Every replica goes
 the same way: :func:`run_replicas` submits the epoch's jobs, collects a
 :class:`~adam_dask.train._result.ReplicaResult` per replica as it finishes, stops the rest at
-the quorum, and on an error or interrupt stops them all and waits for their tasks. What it
-submits for a replica is one :func:`~adam_dask.train.task.run_replica` task
-(:class:`WholeReplicas`) or, for jobs that carry a partitioning, its partitions' tasks
-(:class:`~adam_dask.train._partitioned.PartitionedReplicas`).
+the quorum, and on an error or interrupt stops them all and waits for their tasks. Every
+replica trains through the partition pipeline
+(:func:`~adam_dask.train._partition_task.run_partition`); a whole model is its one stage, a
+task the scheduler places and re-runs (:class:`WholeReplicas`), a model over several workers
+its partitions' tasks, pinned (:class:`~adam_dask.train._partitioned.PartitionedReplicas`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .. import config
 from ..cluster import TRAIN
 from ._epoch import quorum_size
+from ._partition_task import PartitionJob, run_partition
+from ._partitioned import combine
 from ._result import ReplicaResult
-from .task import ReplicaJob, epoch_barrier, run_replica
+from .task import ReplicaJob, epoch_barrier
 
 if TYPE_CHECKING:
     from ._handle import ReplicaServer
@@ -131,8 +134,8 @@ def run_replicas(
 def _tasks(
     client: Any, jobs: Sequence[ReplicaJob], *, server: ReplicaServer, data: Any
 ) -> ReplicaTasks:
-    """The tasks of ``jobs``: their partitions' where the jobs carry a partitioning."""
-    if jobs[0].partitioning is not None:
+    """The tasks of ``jobs``: their partitions' where a replica spans several workers."""
+    if len(jobs[0].partitioning.bounds) > 1:
         from ._partitioned import PartitionedReplicas
 
         return PartitionedReplicas(client, jobs, server=server, data=data)
@@ -140,20 +143,25 @@ def _tasks(
 
 
 class WholeReplicas:
-    """One epoch's whole-model replicas: a :func:`~adam_dask.train.task.run_replica` task
-    each, with ``resources={"TRAIN": 1}`` (one replica per worker at once; Dask runs a
-    replica again elsewhere when its worker dies), and in sync mode the epoch's
-    :class:`~adam_dask.train.task.SyncBarrier` actor on a PS worker."""
+    """One epoch's whole-model replicas: each the partition pipeline with the model as its one
+    stage (:func:`~adam_dask.train._partition_task.run_partition`, partition 0 of 1), a task
+    with ``resources={"TRAIN": 1}`` (one replica per worker at once, the others queued) and not
+    pinned (Dask runs a replica again elsewhere when its worker dies), and in sync mode the
+    epoch's :class:`~adam_dask.train.task.SyncBarrier` actor on a PS worker."""
 
     def __init__(
         self, client: Any, jobs: Sequence[ReplicaJob], *, server: ReplicaServer, data: Any
     ):
         self.client, self.jobs, self.server, self.data = client, list(jobs), server, data
+        self.part = jobs[0].partitioning
+        self.timeout = float(config.get("train.partition-timeout"))
+        self.switch = float(config.get("train.partition-switch-interval"))
         self.max_submissions = int(config.get("train.replica-submissions"))
         self.submissions = [1] * len(self.jobs)
         self.job_of: dict[str, ReplicaJob] = {}  # task key -> its replica's job
         self.all: list[Any] = []
         self.open: list[Any] = []
+        self.t0 = time.perf_counter()
         self._barrier_future, self.barrier = epoch_barrier(client, jobs)
 
     def submit(self) -> None:
@@ -162,9 +170,17 @@ class WholeReplicas:
         by one, a replica that already seceded leaves its worker looking idle, and the next
         could queue there behind the held TRAIN resource; pinning instead breaks the rerun of
         a replica whose worker died.)"""
+        self.t0 = time.perf_counter()
         keys = [self._key(job) for job in self.jobs]
-        self.all = self.client.map(run_replica, self.jobs, pure=False, key=keys, **self._kw())
+        pjobs = [self._pjob(job) for job in self.jobs]
+        self.all = self.client.map(run_partition, pjobs, pure=False, key=keys, **self._kw())
         self.open = list(self.all)
+
+    def _pjob(self, job: ReplicaJob) -> PartitionJob:
+        """Replica ``job``'s one stage, in its current submission."""
+        bounds = self.part.bounds
+        attempt = self.submissions[job.replica] - 1
+        return PartitionJob(job, 0, 1, bounds, attempt, self.part.window, self.timeout, self.switch)
 
     def _kw(self) -> dict:
         return {
@@ -184,11 +200,14 @@ class WholeReplicas:
         return key
 
     def collect(self) -> list[ReplicaResult]:
-        """The replicas whose task ended since the last call; raises a replica's error. A task
-        Dask gave up on (``KilledWorker``: the workers running it died, ``allowed-failures``
-        + 1 of them) is submitted again, ``adam.train.replica-submissions`` times in all: it
-        resumes from the server's marks as Dask's own re-runs do."""
+        """The replicas whose task ended since the last call; raises a replica's error. A
+        replica whose run gave up (a push that failed) or whose task Dask gave up on
+        (``KilledWorker``: the workers running it died, ``allowed-failures`` + 1 of them) is
+        submitted again, ``adam.train.replica-submissions`` times in all: it resumes from the
+        server's marks as Dask's own re-runs do."""
         from distributed import KilledWorker
+
+        from ..errors import ClusterError
 
         done = [f for f in self.open if f.done()]
         self.open = [f for f in self.open if not f.done()]
@@ -196,23 +215,35 @@ class WholeReplicas:
         for f in done:
             job = self.job_of[f.key]
             lost = f.status == "error" and isinstance(f.exception(), KilledWorker)
-            if lost and self.submissions[job.replica] < self.max_submissions:
-                self.submissions[job.replica] += 1
-                logger.warning(
-                    "epoch %d: replica %d's task was lost with every worker that ran it; "
-                    "submitting it again (%d of adam.train.replica-submissions %d)",
-                    job.epoch,
-                    job.replica,
-                    self.submissions[job.replica],
-                    self.max_submissions,
-                )
-                again = self.client.submit(
-                    run_replica, job, pure=False, key=self._key(job), **self._kw()
-                )
-                self.all.append(again)
-                self.open.append(again)
+            out: dict = {} if lost else f.result()
+            why = "every worker that ran it died" if lost else out.get("aborted")
+            if why is None:
+                n = self.submissions[job.replica]
+                results.append(combine(job, [out], n, time.perf_counter() - self.t0))
                 continue
-            results.append(f.result())
+            if self.submissions[job.replica] >= self.max_submissions:
+                if lost:
+                    f.result()  # Dask's own error
+                raise ClusterError(
+                    f"replica {job.replica} of epoch {job.epoch}: its {self.max_submissions} "
+                    f"submissions failed (the last: {why})",
+                    "check the TRAIN workers, or raise adam.train.replica-submissions",
+                )
+            self.submissions[job.replica] += 1
+            logger.warning(
+                "epoch %d: replica %d's task ended early (%s); submitting it again "
+                "(%d of adam.train.replica-submissions %d)",
+                job.epoch,
+                job.replica,
+                why,
+                self.submissions[job.replica],
+                self.max_submissions,
+            )
+            again = self.client.submit(
+                run_partition, self._pjob(job), pure=False, key=self._key(job), **self._kw()
+            )
+            self.all.append(again)
+            self.open.append(again)
         return results
 
     def futures(self) -> list[Any]:

@@ -32,7 +32,7 @@ every thread until the slowest finished its mini-batch.)
 A taker never starves behind a thread that re-takes its lock at once: it closes the slot's
 gate first, and a thread waits at the gate before its next mini-batch.
 
-No Dask, no I/O: tested directly (tests/train/test_exchange.py).
+No Dask, no I/O: tested directly (tests/train/test_updates.py).
 """
 
 from __future__ import annotations

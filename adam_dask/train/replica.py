@@ -1,8 +1,8 @@
 """A model replica in one process: T threads train one set of weights lock-free (Hogwild).
 
-This is the compute core of a model-training machine (Adam paper, section 3.2), free of Dask:
-the distributed trainer wraps it in a long-running task (task.py) whose exchange (_exchange.py)
-talks to the parameter server.
+The compute core of a model-training machine (Adam paper, section 3.2), free of Dask, trained
+alone (benchmarks measure it so); on a cluster a replica runs the same fused step as the
+pipeline's one stage (:mod:`._pipeline`), whose exchange talks to the parameter server.
 
 * The T threads share ``net.flat`` and add their updates to it without a common lock. Updates
   are sums, so they commute; a rare update lost between two threads is noise SGD tolerates.

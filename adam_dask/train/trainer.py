@@ -6,9 +6,10 @@ Usage (on a cluster, so not a doctest)::
     trainer.fit(epochs=5, target_accuracy=0.99); trainer.history.plot()
 
 The Trainer runs on the client (a notebook, the CLI, a pipeline). Each epoch it submits one
-long-running task per replica (:func:`~adam_dask.train.task.run_replica`) to the TRAIN workers:
+long-running task per replica (per partition of it: :mod:`._submit`) to the TRAIN workers:
 with ``replicas=None`` (the default) one per TRAIN worker present when it starts (workers added
-in a run train from the next epoch on); a replica whose worker dies is re-run elsewhere. The epoch ends when ``epoch_quorum`` of its replicas have
+in a run train from the next epoch on); a replica whose worker dies is re-run elsewhere. The
+epoch ends when ``epoch_quorum`` of its replicas have
 finished their share (paper section 3.2.5): the Trainer then sets the epoch's stop event, the
 stragglers stop at once, and the test set is evaluated on the parameter server's weights.
 """
@@ -26,7 +27,7 @@ from ..errors import ConfigError
 from ._epoch import say_epoch
 from ._epoch_run import epoch_replicas, replica_jobs, replicas_now, run_epoch, train_threads
 from ._handle import TrainerServer
-from ._partition_task import cluster_plan, pipelined
+from ._partition_task import cluster_plan
 from ._services import connect, require_ps, restore_server, start_data, start_server
 from ._settings import RunSettings, network_for, resolve_augment, warn_if_nothing_to_offload
 from .metrics import EpochProgress, History
@@ -361,7 +362,7 @@ class Trainer:
             schedule=plan.applied(self.schedule),
             images=len(self.train_split),
             slow=self.slow_replicas,
-            partition_plan=self.partition_plan if pipelined(self.partitions) else None,
+            partition_plan=self.check_partitions(),
         )
         self._progress.begin(epoch, len(self.train_split), self.progress)
         try:

@@ -183,15 +183,13 @@ def test_engine_dispatch_and_bad_factories():
 
 
 def test_a_torch_model_is_not_partitioned_and_asking_for_it_is_one_error():
-    """The partition plan splits the numba engine's layers; a user's module has none to split:
-    partitions=1 plans nothing (the replica is the module on one worker; through the pipeline,
-    ``adam.train.runner: pipeline``, the module is its one stage), partitions=2 is refused
-    before anything starts."""
+    """The partition plan splits the numba engine's layers; a user's module has none to split
+    (it is the pipeline's one stage, on one worker): partitions=2 is refused before anything
+    starts."""
     from adam_dask.errors import PartitionError
     from adam_dask.train._partition_task import cluster_plan
 
     net = TorchNetwork.build("adam_dask.model.torch_examples:tiny_residual_net", (1, 28, 28))
-    assert cluster_plan(None, net, None, 1) is None
     with pytest.raises(PartitionError, match="partitions=2: a PyTorch model trains on one worker"):
         cluster_plan(None, net, None, 2)
 

@@ -1,15 +1,13 @@
-"""The communicator thread both replica runners exchange through: items sent in order, at most
-one waiting behind the one in flight, the first error kept and every later item dropped; the
-whole-model exchange's loop: sends that fall due while one runs join into one."""
+"""The communicator thread a replica's stages exchange through: items sent in order, at most one
+waiting behind the one in flight, the first error kept and every later item dropped."""
 
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
-from adam_dask.train._communicator import Communicator, DueLoop
+from adam_dask.train._communicator import Communicator
 
 
 def test_items_are_sent_in_order_and_close_sends_what_was_put():
@@ -62,42 +60,3 @@ def test_the_first_error_is_kept_and_reported_and_later_items_are_dropped_unsent
     comm.close()
     assert sent == [0, 1, 2] and dropped == [4, 5, 6, 7]
     assert isinstance(comm.error, ValueError) and errors == [comm.error]
-
-
-def test_sends_due_while_one_runs_join_into_one_and_due_never_blocks():
-    release, started = threading.Event(), threading.Event()
-    calls: list[int] = []
-
-    def send() -> None:
-        calls.append(1)
-        started.set()
-        release.wait(10)
-
-    loop = DueLoop(send, name="t", on_error=pytest.fail)
-    loop.due()
-    assert started.wait(10)  # the first send in flight
-    for _ in range(100):
-        loop.due()  # none blocks
-    release.set()
-    deadline = time.monotonic() + 10
-    while len(calls) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)
-    loop.close()
-    assert len(calls) == 2 and loop.error is None  # the hundred dues: one more send
-
-
-def test_the_loops_first_error_is_kept_reported_and_ends_the_sending():
-    errors: list[BaseException] = []
-    calls: list[int] = []
-
-    def send() -> None:
-        calls.append(1)
-        raise ValueError("boom")
-
-    loop = DueLoop(send, name="t", on_error=errors.append)
-    loop.due()
-    loop._thread.join(10)
-    loop.due()
-    loop.close()
-    assert calls == [1] and isinstance(loop.error, ValueError) and errors == [loop.error]

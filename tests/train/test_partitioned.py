@@ -13,7 +13,7 @@ import pytest
 
 import adam_dask
 from adam_dask.cluster import TRAIN, workers_with_role
-from adam_dask.errors import ClusterError, PartitionError
+from adam_dask.errors import PartitionError
 from adam_dask.testing import fit_in_background, hard_kill, synthetic_store
 from adam_dask.train.trainer import Trainer
 
@@ -140,18 +140,13 @@ def test_a_whole_and_a_partitioned_replica_return_one_result_the_epoch_reads(
         assert r.pushes > 0 and r.loss == r.loss and r.threads == 1 and not r.stopped
         assert rec["replica_workers"] == [",".join(r.workers)]
         assert rec["cross_partition_bytes"] == r.cross_bytes
-    # what one kind measures and the other does not is None, not a missing key
-    assert [whole.partitions, len(whole.workers), whole.cross_bytes, whole.attempts] == [
-        1,
-        1,
-        0,
-        None,
-    ]
-    assert whole.damping == 1.0 and whole.stall_fraction is not None
-    assert whole.images_retrained == 0 and whole.unreplicated_at_end == 0
+    # one runner: both measure the same fields (partition 0 feeds the replica)
+    assert [whole.partitions, len(whole.workers), whole.cross_bytes, whole.attempts] == [1, 1, 0, 1]
     assert [part.partitions, len(set(part.workers)), part.attempts] == [2, 2, 1]
     assert part.cross_bytes > 0
-    assert part.damping == 1.0 and part.images_retrained is None  # one replica: undamped
+    for r in (whole, part):  # one replica: undamped, nothing to re-train, every push held
+        assert r.damping == 1.0 and r.images_retrained == 0 and r.images_before == 0
+        assert r.unreplicated_at_end == 0 and r.lr_end > 0
     assert records[1]["replica_damping"] == [1.0]
     # partition 0 draws from the data stream: its wait is the replica's, as a whole one's
     for r, rec in ((whole, records[0]), (part, records[1])):
@@ -160,36 +155,37 @@ def test_a_whole_and_a_partitioned_replica_return_one_result_the_epoch_reads(
 
 
 @pytest.mark.timeout(300)
-def test_a_whole_model_trains_as_one_stage_of_the_pipeline_when_asked(store, cluster, epoch_runs):
-    """``adam.train.runner: pipeline``: a whole-model replica (partitions 1) runs as the
-    pipeline's one stage, not as a run_replica task: asynchronous, synchronous (one thread,
-    every step's pushes before its pulls) and with the dense offload (its terms through the
-    parameter server's outer-product pushes); the runner's name is checked."""
+def test_a_whole_model_trains_as_the_pipelines_one_stage(store, cluster, epoch_runs):
+    """A whole-model replica (partitions 1) runs as the partition pipeline's one stage, a
+    task each: asynchronous, synchronous (one thread, every step's pushes before its pulls)
+    and with the dense offload (its terms through the parameter server's outer-product
+    pushes); replicas beyond the TRAIN workers wait for one in turn."""
     runs = epoch_runs
-    with dask.config.set({"adam.train.runner": "pipeline"}):
-        t = trainer(store, cluster, replicas=2, partitions=1)
-        try:
-            hist = t.fit(epochs=2)
-        finally:
-            t.close()
-        t = trainer(store, cluster, replicas=2, partitions=1, mode="sync")
-        try:
-            sync = t.fit(epochs=1)
-        finally:
-            t.close()
-        # the dense offload: fc32's terms cost less than its weights at a push every 16
-        t = trainer(store, cluster, replicas=2, partitions=1, offload_dense=True, push_every=16)
-        try:
-            offload = t.fit(epochs=1)
-        finally:
-            t.close()
-        # the pipeline's replicas train at once, each on its own worker (run_replica tasks
-        # would wait for one in turn)
-        with pytest.raises(ClusterError, match=r"3 replica\(s\) of 1 partition\(s\) need 3"):
-            trainer(store, cluster, partitions=1, replicas=3).fit(epochs=1)
+    t = trainer(store, cluster, replicas=2, partitions=1)
+    try:
+        hist = t.fit(epochs=2)
+    finally:
+        t.close()
+    t = trainer(store, cluster, replicas=2, partitions=1, mode="sync")
+    try:
+        sync = t.fit(epochs=1)
+    finally:
+        t.close()
+    # the dense offload: fc32's terms cost less than its weights at a push every 16
+    t = trainer(store, cluster, replicas=2, partitions=1, offload_dense=True, push_every=16)
+    try:
+        offload = t.fit(epochs=1)
+    finally:
+        t.close()
+    # three replicas on the module's two TRAIN workers: the third waits for one
+    t = trainer(store, cluster, replicas=3, partitions=1)
+    try:
+        queued = t.fit(epochs=1)
+    finally:
+        t.close()
     results = [r for run in runs for r in run.results]
     # the pipeline's result (attempts counted), one stage on one worker per replica
-    assert [(r.partitions, r.attempts, len(r.workers)) for r in results] == [(1, 1, 1)] * 8
+    assert [(r.partitions, r.attempts, len(r.workers)) for r in results] == [(1, 1, 1)] * 11
     assert hist.column("images_applied") == [N_TRAIN, N_TRAIN]
     assert hist.records[-1]["test_accuracy"] > 0.5  # chance is 0.1
     assert [r.threads for r in results[4:6]] == [1, 1]  # a synchronous replica's one thread
@@ -197,9 +193,8 @@ def test_a_whole_model_trains_as_one_stage_of_the_pipeline_when_asked(store, clu
     assert sync.records[-1]["test_accuracy"] > 0.3
     assert offload.column("images_applied") == [N_TRAIN]
     assert offload.records[-1]["test_accuracy"] > 0.3
-    with dask.config.set({"adam.train.runner": "stages"}):
-        with pytest.raises(adam_dask.errors.ConfigError, match=r"runner='stages'"):
-            trainer(store, cluster, partitions=1).fit(epochs=1)
+    assert queued.column("images_applied") == [N_TRAIN]
+    assert len({r.workers for r in results[8:]}) == 2  # three replicas, two workers
 
 
 @pytest.mark.timeout(300)

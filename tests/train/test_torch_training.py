@@ -234,19 +234,15 @@ def test_sigkill_of_a_train_worker_mid_epoch_applies_every_image_once(
     t.close()
 
 
-def test_a_user_module_trains_as_the_pipelines_one_stage_when_asked(
-    torch, store, cluster, epoch_runs
-):
-    """``adam.train.runner: pipeline`` trains a user's module (no layer list) as the
-    partition pipeline's one stage, by the module's own fused step (forward, loss, backward
-    and the update kernel), with each thread's velocity: every image applied once, above
-    chance."""
-    with dask.config.set({"adam.train.runner": "pipeline"}):
-        t = _module_trainer(torch, store, cluster)
-        try:
-            rec = t.fit(epochs=1).records[0]
-        finally:
-            t.close()
+def test_a_user_module_trains_as_the_pipelines_one_stage(torch, store, cluster, epoch_runs):
+    """A user's module (no layer list) trains as the partition pipeline's one stage, by the
+    module's own fused step (forward, loss, backward and the update kernel), with each
+    thread's velocity: every image applied once, above chance."""
+    t = _module_trainer(torch, store, cluster)
+    try:
+        rec = t.fit(epochs=1).records[0]
+    finally:
+        t.close()
     (run,) = epoch_runs
     assert [(r.partitions, r.attempts) for r in run.results] == [(1, 1), (1, 1)]
     assert rec["images_applied"] == 1024

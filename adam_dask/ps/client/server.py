@@ -309,7 +309,7 @@ class ParameterServer:
         span; a shard straddling its edge gets zeros outside it). ``mark`` as for ``push``
         (its ``targets`` become those shards). With ``out`` (float32 like ``values``) the span
         is read back into it after the push, in the same round trip per primary on the data
-        plane (a partition's exchange, as :meth:`push_pull` is a whole replica's), and
+        plane (a replica's stage exchange), and
         returned. Raises :class:`UpdateRejected` (nothing applied) on NaN/Inf."""
         push_id = self._rng.getrandbits(62)
         req = range_request(values, start, self.size, self.shards, push_id, ack or self.ack, mark)
