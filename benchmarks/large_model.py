@@ -226,8 +226,8 @@ def payload_bytes(spec: str, push_every: int, offload: list[str]) -> dict:
 
 def train_once(client, store: str, spec: str, args, offload: bool) -> dict:
     from adam_dask.cluster import workers_with_role
+    from adam_dask.model.partition import profitable_offload
     from adam_dask.train import Trainer
-    from adam_dask.train.replica import profitable_offload
 
     trainers = workers_with_role(client, "TRAIN")
     trainer = Trainer(

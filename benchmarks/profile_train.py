@@ -15,7 +15,7 @@ recordings (``--nonblocking``, raw stacks with thread ids):
 
 Each sample's stack is put in one category (first rule that matches, see ``RULES``): the
 engine's kernels (numba, ``step_into`` / ``forward``), PS push / pull (``ps/client/server.py``,
-``train/_stage_exchange.py``), update bookkeeping (``train/_updates.py``), serialization
+``train/_stage_exchange.py``), update bookkeeping (a stage exchange's take and install), serialization
 (``distributed/protocol``, pickle), comm I/O (``distributed/comm``, tornado streams), data
 (``data/serving``, zarr, augmentation), the event loop, waiting (queue / lock / select / sleep).
 Per process role and thread, a category's wall samples split into *GIL held*, *running without
@@ -48,7 +48,7 @@ RULES = [
     ("serialization", re.compile(r"distributed/protocol/|pickle|msgpack|\b(dumps|loads) \(")),
     ("comm", re.compile(r"distributed/comm/|tornado/iostream|asyncio/(selector_events|sslproto)")),
     ("exchange wait", re.compile(r"_wait_barrier \(adam_dask/train/_stage_exchange\.py")),
-    ("updates", re.compile(r"adam_dask/train/_updates\.py|\b(take|install) \(adam_dask/train/_st")),
+    ("updates", re.compile(r"\b(take|install|summed) \(adam_dask/train/_stage_exchange\.py")),
     ("ps push", re.compile(r"\bpush(_range|_outer)? \(adam_dask/ps/client/server\.py")),
     ("ps pull", re.compile(r"\bpull(_range)? \(adam_dask/ps/client/server\.py")),
     ("ps node", re.compile(r"adam_dask/ps/")),

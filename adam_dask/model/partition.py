@@ -30,7 +30,14 @@ from .network import Network
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BASE_BYTES", "Partition", "PartitionPlan", "plan_partitions", "whole_plan"]
+__all__ = [
+    "BASE_BYTES",
+    "Partition",
+    "PartitionPlan",
+    "plan_partitions",
+    "profitable_offload",
+    "whole_plan",
+]
 
 #: A TRAIN worker process before it holds a partition: Python, numpy, numba's compiled
 #: kernels, Dask's worker and a data stream (a training worker measured 230-260 MB RSS here).
@@ -300,3 +307,18 @@ def whole_plan(
     )
     W = int(window) if window is not None else T
     return PartitionPlan((part,), n, T, int(batch_size), W)
+
+
+def profitable_offload(net: Network, push_every: int) -> list[str]:
+    """The dense layers worth offloading: those whose ``k * (in + out)`` floats of activations
+    and error terms per push are fewer than the ``in * out`` of their weight delta (the paper's
+    rule for sending terms instead of updates). None for a torch model (numba engine only)."""
+    if getattr(net, "engine", None) is not None:
+        return []
+    out = []
+    for name, view in net.parameters.items():
+        if name.endswith(".weight") and view.ndim == 2:
+            o, i = view.shape
+            if push_every * (i + o) < i * o:
+                out.append(name.rsplit(".", 1)[0])
+    return out

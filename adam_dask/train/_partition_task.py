@@ -103,9 +103,9 @@ def _run_partition(
     from distributed.comm.addressing import get_address_host
 
     from ..model.engines import network_from_dict
+    from ..model.partition import profitable_offload
     from ..model.stage import Skeleton, Stage, WholeStage
     from ._pipeline import PartitionRunner
-    from .replica import profitable_offload
     from .streams import resolve_push_every
 
     worker = get_worker()

@@ -270,8 +270,8 @@ def network_for(model: Any, split: Any, url: str, seed: int, loss: Any = None) -
 
 def warn_if_nothing_to_offload(net: Any, push_every: int) -> None:
     """Warn when ``offload_dense`` is asked but no dense layer of ``net`` qualifies at
-    ``push_every`` (:func:`~adam_dask.train.replica.profitable_offload`)."""
-    from .replica import profitable_offload
+    ``push_every`` (:func:`~adam_dask.model.partition.profitable_offload`)."""
+    from ..model.partition import profitable_offload
 
     if not profitable_offload(net, push_every):
         logging.getLogger(__name__).warning(

@@ -15,22 +15,21 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import ClusterError, UpdateRejected
 from ..ps.protocol.shard import Mark
 from ._communicator import Communicator
-from ._updates import concat_terms, summed
 
 if TYPE_CHECKING:
     from ..model.stage import Stage, WholeStage
     from ._handle import StagePushes
 
-__all__ = ["StageExchange", "Taken"]
+__all__ = ["StageExchange", "Taken", "concat_terms", "summed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +252,7 @@ class StageExchange:
     def install(self, pulled: np.ndarray) -> None:
         """The pulled span, plus what this partition applied and the server does not hold yet
         (groups taken but not pushed, the accumulators that hold updates), as its weights:
-        summed into ``pulled`` aside (:func:`~adam_dask.train._updates.summed`, under the take
+        summed into ``pulled`` aside (:func:`summed`, under the take
         lock, so that no group moves from an accumulator to the unpushed meanwhile), then
         copied over the weights in one pass. The threads train on meanwhile (Hogwild): an
         update landing during the copy may be lost locally, but it is in its accumulator,
@@ -264,3 +263,32 @@ class StageExchange:
                 addends += [acc for p, acc in enumerate(pair) if self._touched[t][p]]
             summed(pulled, pulled, addends)
         np.copyto(self.stage.flat, pulled)
+
+
+def summed(base: np.ndarray, weights: np.ndarray, addends: list[np.ndarray]) -> np.ndarray:
+    """``base = weights + sum(addends)``, written into ``base`` (which may be ``weights``
+    itself): an install's values, summed aside so that the stage's weights are then written
+    in one pass, a lock-free write like a Hogwild thread's, while the threads train on."""
+    if addends:
+        np.add(weights, addends[0], out=base)
+        for a in addends[1:]:
+            base += a
+    elif base is not weights:
+        np.copyto(base, weights)
+    return base
+
+
+def concat_terms(
+    terms: list[dict[str, tuple[np.ndarray, np.ndarray]]], offload: Mapping[str, Any]
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The offload terms of several mini-batches (each ``{prefix: (activations, errors)}``),
+    each layer's stacked into one pair (in ``offload``'s order)."""
+    out = {}
+    for prefix in offload:
+        parts = [t[prefix] for t in terms if prefix in t]
+        if parts:
+            out[prefix] = (
+                np.concatenate([a for a, _ in parts]),
+                np.concatenate([e for _, e in parts]),
+            )
+    return out

@@ -15,10 +15,8 @@ pipeline's one stage (:mod:`._pipeline`), whose exchange talks to the parameter 
   one image's dense layers reuse no weight row from cache. The paper's MNIST net, 2 threads, 2
   shared cores (``benchmarks/engine.py --granularity``), images/s by batch size: 1: 5.9k,
   2: 8.5k, 4: 11.3k, 8: 12.9k, 16: 16.0k, 32: 14.0k.
-* The delta for the parameter server is kept exactly (:mod:`._updates`): each thread also adds
-  its update to its own accumulator, swapped out at a mini-batch boundary by :meth:`take`, and
-  pulled weights are installed by :meth:`install` while no thread applies: no update is dropped
-  or pushed twice. The rate follows the schedule of the run's progress (:meth:`set_progress`).
+* The rate follows the schedule of the run's progress (:meth:`set_progress`); ``on_images``
+  runs a caller's code every ``every`` images (one thread at a time) while the others train.
 
 >>> from adam_dask.model import Network
 >>> net = Network.from_spec("conv3x3:4,maxpool2,fc10", input_shape=(1, 8, 8), seed=0)
@@ -41,11 +39,10 @@ from .. import config, sizing
 from ..data.augment import to_float
 from ..errors import ConfigError, InputShapeError
 from ..model.network import Network
-from ._updates import Update, Updates
 from .schedule import Schedule
 from .streams import resolve_push_every
 
-__all__ = ["HogwildReplica", "TrainStats", "profitable_offload"]
+__all__ = ["HogwildReplica", "TrainStats"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,26 +71,23 @@ class TrainStats:
 
 
 class _SafeIterator:
-    """An iterator several threads may pull from: ``next()`` returns ``(n, item)``, ``n`` the
-    item's draw number (0, 1, ...), or None when exhausted."""
+    """An iterator several threads may pull from: ``next()`` returns the next item, or None
+    once exhausted."""
 
     def __init__(self, iterable: Iterable):
         self._it = iter(iterable)
         self._lock = threading.Lock()
         self._done = False
-        self._n = 0
 
-    def next(self) -> tuple[int, object] | None:
+    def next(self) -> object | None:
         with self._lock:
             if self._done:
                 return None
             try:
-                item = next(self._it)
+                return next(self._it)
             except StopIteration:
                 self._done = True
                 return None
-            n, self._n = self._n, self._n + 1
-            return n, item
 
 
 class _Gather:
@@ -106,24 +100,8 @@ class _Gather:
         self.idx = idx
 
 
-def profitable_offload(net: Network, push_every: int) -> list[str]:
-    """The dense layers worth offloading: those whose ``k * (in + out)`` floats of activations
-    and error terms per push are fewer than the ``in * out`` of their weight delta (the paper's
-    rule for sending terms instead of updates). None for a torch model (numba engine only)."""
-    if getattr(net, "engine", None) is not None:
-        return []
-    out = []
-    for name, view in net.parameters.items():
-        if name.endswith(".weight") and view.ndim == 2:
-            o, i = view.shape
-            if push_every * (i + o) < i * o:
-                out.append(name.rsplit(".", 1)[0])
-    return out
-
-
 class HogwildReplica:
-    """T threads training ``net`` in place, lock-free, with an exact update ready for a
-    parameter server.
+    """T threads training ``net`` in place, lock-free.
 
     Parameters
     ----------
@@ -139,9 +117,6 @@ class HogwildReplica:
     batch_size : int, optional
         Images per update in each thread (config ``adam.train.batch-size``); 1 = the paper's
         per-image updates.
-    offload : iterable of str, optional
-        Dense layers (prefixes such as ``"4"``) whose weight updates also leave as
-        (activations, -lr * errors) terms (:func:`profitable_offload`).
     schedule : Schedule, optional
         The learning rate over the run, applied by :meth:`set_progress` (default: constant
         ``lr``).
@@ -154,7 +129,6 @@ class HogwildReplica:
         lr: float | None = None,
         momentum: float | None = None,
         batch_size: int | None = None,
-        offload: Iterable[str] | None = None,
         schedule: Schedule | None = None,
     ):
         self.net = net
@@ -193,28 +167,6 @@ class HogwildReplica:
         self._ybufs = [np.zeros(self.batch_size, np.int64) for _ in range(self.threads)]
         n = net.layout.size if self.momentum > 0 else 1
         self._velocity = [np.zeros(n, np.float32) for _ in range(self.threads)]
-        # dense layers whose updates leave as (activations, -lr * errors) terms
-        self.offload = sorted(set(offload or ()))
-        for prefix in self.offload:
-            if (
-                f"{prefix}.weight" not in net.parameters
-                or len(net.parameters[f"{prefix}.weight"].shape) != 2
-            ):
-                raise ConfigError(
-                    f"layer {prefix} is not a dense layer; only dense layers offload",
-                    "name dense layers, e.g. offload=['4', '5']",
-                )
-        if self.offload and self.momentum > 0:
-            raise ConfigError(
-                "offloading dense layers needs momentum 0 (the server applies "
-                "plain outer-product updates)",
-                "set momentum=0 or offload=None",
-            )
-        spans = {}
-        for p in self.offload:
-            entry = net.layout[f"{p}.weight"]
-            spans[p] = (entry.offset, entry.size)
-        self._updates = Updates(net.layout.size, self.threads, spans)
         self._stop = threading.Event()
         self._count_lock = threading.Lock()
         self._since = 0
@@ -238,41 +190,9 @@ class HogwildReplica:
             self.lr = self.schedule.at(epochs) * self.damping
         return self.lr
 
-    # -- parameter-server sync ------------------------------------------------------------------
-
-    def take(self, in_transit: bool = False, out: np.ndarray | None = None) -> Update:
-        """The updates applied since the last take (whole mini-batches, each exactly once), with
-        the images and stream items they cover; the offloaded dense weights travel as terms.
-        Safe while the threads train. ``in_transit``: :meth:`install` keeps it on top of the
-        weights it writes until :meth:`landed`. ``out``: where to write the delta."""
-        return self._updates.take(in_transit, out)
-
-    def landed(self, update: Update) -> None:
-        """The server holds ``update`` (taken in transit), or it was dropped."""
-        self._updates.landed(update)
-
-    def take_update(self) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
-        """``(delta, terms)`` of :meth:`take`."""
-        u = self.take()
-        return u.delta, u.terms
-
-    def take_delta(self) -> np.ndarray:
-        """The delta of :meth:`take` (without offloaded layers: every update since the last
-        take, the sum of what the threads applied)."""
-        return self.take().delta
-
-    def peek_delta(self) -> np.ndarray:
-        """The updates not yet taken, without taking them."""
-        return self._updates.pending()
-
-    def install(self, weights: np.ndarray) -> None:
-        """Pulled weights in, the updates not yet taken re-applied on top (and still pending).
-        Safe while the threads train: it waits for their current mini-batch applies."""
-        self._updates.install(self.net.flat, self._check_weights(weights), keep_pending=True)
-
-    def set_weights(self, weights: np.ndarray, keep_pending: bool = False) -> None:
-        """Copy new weights in and drop the pending updates (or keep them: :meth:`install`)."""
-        self._updates.install(self.net.flat, self._check_weights(weights), keep_pending)
+    def set_weights(self, weights: np.ndarray) -> None:
+        """Copy ``weights`` (flat float32, the model's size) over the replica's."""
+        np.copyto(self.net.flat, self._check_weights(weights))
 
     def _check_weights(self, weights: np.ndarray) -> np.ndarray:
         weights = np.asarray(weights, dtype=np.float32)
@@ -309,12 +229,12 @@ class HogwildReplica:
         batches : iterable of (x, y)
             x float32 (B, C, H, W), y integer (B,). The threads pull from it (one at a time,
             under a lock); a batch larger than ``batch_size`` is split into updates of
-            ``batch_size`` images. The n-th batch drawn is stream item n of :meth:`take`;
-            a batch ``(x, y, key)`` is stream item ``key`` instead.
+            ``batch_size`` images. A batch ``(x, y, key)`` (a data service's stream) trains
+            as ``(x, y)``.
         on_images : callable(replica), optional
             Called about every ``every`` images (config ``adam.train.push-every``) by one of the
-            training threads, while the others go on; never two calls at once. The place to
-            :meth:`take`, push, pull and :meth:`install`.
+            training threads, while the others go on; never two calls at once (a progress
+            report, a change of ``lr``, a look at the weights).
         stop_event : threading.Event, optional
             Also stop when this event (anything with ``is_set()``) is set (besides
             :meth:`stop`); asked once per mini-batch.
@@ -438,14 +358,12 @@ class HogwildReplica:
         vel = self._velocity[t]
         bs = self.batch_size
         stop = self._stop
-        updates = self._updates
         images, loss_sum = 0, 0.0
         ctx.grad[...] = 0.0  # the fused step leaves it zero; start from zero too
         while not stop.is_set() and (stop_event is None or not stop_event.is_set()):
-            drawn = it.next()
-            if drawn is None:
+            item = it.next()
+            if item is None:
                 break
-            seq, item = drawn
             if isinstance(item, _Gather):
                 n = len(item.idx)
                 assert self._data is not None  # train_images set it
@@ -455,10 +373,7 @@ class HogwildReplica:
                 x, y = xbuf, ybuf
                 chunks = [(0, n)]
             else:
-                if len(item) == 3:  # (x, y, key): the item's identity in the data
-                    x, y, seq = item
-                else:
-                    x, y = item
+                x, y = item[0], item[1]  # (x, y) or (x, y, key)
                 x = net.check_input(x)
                 y = net.check_labels(y, x.shape[0])
                 n = x.shape[0]
@@ -466,18 +381,7 @@ class HogwildReplica:
             for s, m in chunks:
                 xs = x[s : s + m] if s else x
                 ys = y[s : s + m] if s else y
-                terms: dict | None = {} if self.offload else None
-                lr = self.lr
-                with updates.hold(t) as slot:  # the update goes to the weights and slot.acc
-                    loss = net.step_into(
-                        ctx, xs, ys, m, lr, self.momentum, vel, acc=slot.acc, dense_terms=terms
-                    )
-                    if terms:
-                        scale = np.float32(-lr)
-                        for prefix in self.offload:
-                            terms[prefix][1][...] *= scale
-                        terms = {p: terms[p] for p in self.offload}
-                    slot.record(m, seq, terms)
+                loss = net.step_into(ctx, xs, ys, m, self.lr, self.momentum, vel)
                 images += m
                 loss_sum += loss * m
                 if every:

@@ -71,3 +71,14 @@ def test_more_partitions_than_pieces_is_refused():
         plan_partitions(_net("maxpool2,fc2"), 3, threads=1, batch_size=8)
     with pytest.raises(PartitionError, match="partitions=0"):
         plan_partitions(_net(MNIST), 0, threads=1, batch_size=8)
+
+
+def test_the_offload_rule_picks_the_dense_layers_whose_terms_cost_less_than_their_delta():
+    """The paper's rule: a dense layer's ``k * (in + out)`` floats of activations and errors
+    per push against its ``in * out`` weight delta (its terms' product is checked against the
+    replica's own steps in tests/train/test_pipeline.py)."""
+    from adam_dask.model.partition import profitable_offload
+
+    net = Network.from_spec("conv3x3:4,maxpool2,fc32,fc4", (1, 10, 10), seed=1)
+    assert profitable_offload(net, 16) == ["2"]  # fc32: 16 * 96 < 2048; fc4: 16 * 36 > 128
+    assert profitable_offload(net, 64) == []  # 64 * 96 > 2048

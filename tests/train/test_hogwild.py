@@ -1,4 +1,4 @@
-"""HogwildReplica: threads learn lock-free, the delta is exact, callbacks and stop work."""
+"""HogwildReplica, the engine alone: threads learn lock-free, callbacks and stop work."""
 
 from __future__ import annotations
 
@@ -90,63 +90,53 @@ def test_uint8_images_and_per_image_updates():
     assert rep.train_images(x8, y).images == 64
 
 
-def test_delta_is_the_sum_of_updates_and_resets(data):
+def test_set_weights_copies_them_in_and_refuses_the_wrong_size(data):
     x, y = data
     net = Network.from_spec(SPEC, SHAPE, seed=0)
-    start = net.flat.copy()
     rep = HogwildReplica(net, threads=2, lr=0.1, momentum=0.0, batch_size=4)
-    rep.train(batches(x, y, 32))
-    d = rep.take_delta()
-    # the delta is summed apart from the weights: equal up to float32 rounding (a few ulps)
-    np.testing.assert_allclose(start + d, net.flat, atol=1e-5)
-    assert not rep.take_delta().any()
-    rep.train(batches(x[:64], y[:64], 32))
-    mid = net.flat.copy()
-    d2 = rep.peek_delta()
-    assert d2.any()
-    # a pull: new weights in, delta zero
-    pulled = np.zeros_like(net.flat)
+    pulled = np.linspace(-0.1, 0.1, net.flat.size).astype(np.float32)
     rep.set_weights(pulled)
     np.testing.assert_array_equal(net.flat, pulled)
-    assert not rep.take_delta().any()
-    # keep_pending re-applies the updates not yet pushed
-    rep.set_weights(mid)
-    rep.train(batches(x[:32], y[:32], 32))
-    pending = rep.peek_delta()
-    rep.set_weights(np.ones_like(mid), keep_pending=True)
-    np.testing.assert_allclose(rep.peek_delta(), pending, atol=1e-6)
-    np.testing.assert_allclose(net.flat, 1 + pending, atol=1e-6)
+    rep.train(batches(x[:64], y[:64], 32))  # trains on from them
+    assert not np.array_equal(net.flat, pulled)
     with pytest.raises(InputShapeError):
         rep.set_weights(np.zeros(3, np.float32))
 
 
 def test_callback_every_k_images_while_training(data):
+    """``on_images`` runs every ``every`` images on one training thread, never two at once,
+    and what it changes (here the rate) is what the threads step with next."""
     x, y = data
     net = Network.from_spec(SPEC, SHAPE, seed=0)
     rep = HogwildReplica(net, threads=2, lr=0.05, batch_size=4)
     calls, active, overlap = [], [0], []
-    pushed = np.zeros_like(net.flat)
 
-    def push(r):
+    def halve(r):
         active[0] += 1
         overlap.append(active[0])
-        pushed[...] += r.take_delta()
-        calls.append(time.perf_counter())
+        time.sleep(0.002)  # a callback that takes a while: the other thread trains on
+        r.lr /= 2
+        calls.append(r.lr)
         active[0] -= 1
 
-    start = net.flat.copy()
-    stats = rep.train(batches(x, y, 16), on_images=push, every=64)
-    pushed += rep.take_delta()
+    stats = rep.train(batches(x, y, 16), on_images=halve, every=64)
     # at most 512 / 64; fewer when images arrive while a callback runs (one call covers them)
     assert 1 <= len(calls) <= 8
     assert max(overlap) == 1  # never two callbacks at once
-    np.testing.assert_allclose(start + pushed, net.flat, atol=1e-5)
+    assert rep.lr == pytest.approx(0.05 / 2 ** len(calls))
     assert stats.images == 512
-    # one thread: exactly every 64 images
-    calls.clear()
+    # one thread: exactly every 64 images, and a rate of 0 from then on leaves the weights be
     solo = HogwildReplica(Network.from_spec(SPEC, SHAPE, seed=0), threads=1, lr=0.05, batch_size=4)
-    assert solo.train(batches(x, y, 16), on_images=push, every=64).images == 512
-    assert len(calls) == 8
+    seen = []
+
+    def freeze(r):
+        seen.append(r.net.flat.copy())
+        r.lr = 1e-30
+
+    assert solo.train(batches(x, y, 16), on_images=freeze, every=64).images == 512
+    assert len(seen) == 8
+    assert not np.array_equal(seen[0], Network.from_spec(SPEC, SHAPE, seed=0).flat)
+    np.testing.assert_allclose(seen[-1], seen[0], atol=1e-6)
 
 
 def test_stop_interrupts_promptly(data):
@@ -195,42 +185,3 @@ def test_config_defaults_and_bad_settings():
         HogwildReplica(net, momentum=1.5)
     with pytest.raises(ConfigError):
         HogwildReplica(net, batch_size=0)
-
-
-# -- dense-layer offload (the paper's "send activations and error terms") -----------------------
-
-
-def test_offload_terms_reproduce_the_dense_update():
-    from adam_dask.train.replica import profitable_offload
-
-    net = Network.from_spec("conv3x3:4,maxpool2,fc32,fc4", (1, 10, 10), seed=1)
-    rng = np.random.default_rng(0)
-    x = rng.random((96, 1, 10, 10), dtype=np.float32)
-    y = rng.integers(0, 4, 96)
-    rep = HogwildReplica(net, threads=1, lr=0.1, momentum=0.0, batch_size=8, offload=["2"])
-    before = net.flat.copy()
-    rep.train([(x[i : i + 16], y[i : i + 16]) for i in range(0, 96, 16)])
-    applied = net.flat - before
-    delta, terms = rep.take_update()
-    w = net.layout["2.weight"]
-    acts, errs = terms["2"]
-    assert acts.shape == (96, 64) and errs.shape == (96, 32)
-    np.testing.assert_allclose(
-        (errs.T @ acts).ravel(), applied[w.offset : w.offset + w.size], atol=1e-5
-    )
-    assert not delta[w.offset : w.offset + w.size].any()  # travels as terms instead
-    rest = np.ones(delta.size, bool)
-    rest[w.offset : w.offset + w.size] = False
-    np.testing.assert_allclose(delta[rest], applied[rest], atol=1e-5)  # conv, biases, fc4
-    assert rep.take_update()[1] == {}  # taken once
-    # the rule: k * (in + out) < in * out
-    assert profitable_offload(net, 16) == ["2"]  # 16 * 96 < 2048; fc4: 16 * 36 > 128
-    assert profitable_offload(net, 64) == []
-
-
-def test_offload_refuses_momentum_and_non_dense_layers():
-    net = Network.from_spec(SPEC, SHAPE, seed=0)
-    with pytest.raises(ConfigError, match="momentum"):
-        HogwildReplica(net, momentum=0.9, offload=["2"])
-    with pytest.raises(ConfigError, match="not a dense layer"):
-        HogwildReplica(net, momentum=0.0, offload=["0"])

@@ -281,8 +281,8 @@ def test_a_whole_stage_offloads_its_dense_layers_as_terms_the_server_multiplies(
     errors), whose product the server applies. The server ends where the replica's own steps
     took its weights (the terms carry the offloaded layer's update exactly, up to float
     rounding), and a replica trained so learns with every image applied once."""
+    from adam_dask.model.partition import profitable_offload
     from adam_dask.train._stage_exchange import StageExchange
-    from adam_dask.train.replica import profitable_offload
 
     net = Network.from_spec(SPEC, input_shape=(1, 12, 12), seed=0)
     layers = profitable_offload(net, 16)

@@ -229,7 +229,7 @@ def test_resume_continues_history(store, adam_cluster, tmp_path):
 def test_offload_dense_learns(store, adam_cluster):
     """Dense layers send activations and error terms; the PS computes their updates."""
     from adam_dask.model import Network
-    from adam_dask.train.replica import profitable_offload
+    from adam_dask.model.partition import profitable_offload
 
     spec = "conv5x5:6,maxpool2,fc256,fc10"
     assert profitable_offload(Network.from_spec(spec, (1, 28, 28)), 64) == ["2"]
