@@ -51,7 +51,7 @@ def combine(job: ReplicaJob, parts: Sequence[dict], attempts: int, seconds: floa
         stopped=bool(first.get("stopped")),
         workers=tuple(p["worker"] for p in parts),
         threads=int(first.get("threads", 1)),
-        lr_end=float(first.get("lr_end", job.schedule.at(job.epoch + 1))),
+        lr_end=float(first["lr_end"]),  # partition 0 fed the replica at it
         partitions=len(parts),
         cross_bytes=sum(int(p["bytes_sent"]) for p in parts),
         # partition 0 feeds the replica: its share, its data stream, its damped rate
