@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .. import config
 from ..cluster import TRAIN
 from ._groups import ReplicaFeed
 from ._links import meet
@@ -45,6 +46,22 @@ class PartitionJob:
     window: int
     timeout: float
     switch_interval: float  # sys.setswitchinterval while the partition runs
+
+    @classmethod
+    def of(cls, replica: ReplicaJob, partition: int, attempt: int) -> PartitionJob:
+        """Partition ``partition`` of ``replica`` (planned by its ``partitioning``) in attempt
+        ``attempt``, with the neighbours' timeout and the switch interval of the config."""
+        part = replica.partitioning
+        return cls(
+            replica,
+            partition,
+            len(part.bounds),
+            part.bounds,
+            attempt,
+            part.window,
+            float(config.get("train.partition-timeout")),
+            float(config.get("train.partition-switch-interval")),
+        )
 
     @property
     def name(self) -> str:

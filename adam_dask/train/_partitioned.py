@@ -76,10 +76,9 @@ class PartitionedReplicas:
     ):
         part = jobs[0].partitioning
         self.client, self.jobs, self.server, self.data = client, list(jobs), server, data
-        self.bounds, self.window = part.bounds, part.window
+        self.bounds = part.bounds
         self.timeout = float(config.get("train.partition-timeout"))
         self.max_attempts = int(config.get("train.partition-attempts"))
-        self.switch = float(config.get("train.partition-switch-interval"))
         self.start_timeout = float(config.get("cluster.start-timeout"))
         R = len(jobs)
         self.attempt = dict.fromkeys(range(R), 0)
@@ -97,16 +96,7 @@ class PartitionedReplicas:
         self._barrier_future, self.barrier = epoch_barrier(client, jobs)
 
     def _pjob(self, r: int, p: int) -> PartitionJob:
-        return PartitionJob(
-            self.jobs[r],
-            p,
-            len(self.bounds),
-            self.bounds,
-            self.attempt[r],
-            self.window,
-            self.timeout,
-            self.switch,
-        )
+        return PartitionJob.of(self.jobs[r], p, self.attempt[r])
 
     def submit(self) -> None:
         """Submit every replica's partitions (the epoch starts now)."""

@@ -153,9 +153,6 @@ class WholeReplicas:
         self, client: Any, jobs: Sequence[ReplicaJob], *, server: ReplicaServer, data: Any
     ):
         self.client, self.jobs, self.server, self.data = client, list(jobs), server, data
-        self.part = jobs[0].partitioning
-        self.timeout = float(config.get("train.partition-timeout"))
-        self.switch = float(config.get("train.partition-switch-interval"))
         self.max_submissions = int(config.get("train.replica-submissions"))
         self.submissions = [1] * len(self.jobs)
         self.job_of: dict[str, ReplicaJob] = {}  # task key -> its replica's job
@@ -178,9 +175,7 @@ class WholeReplicas:
 
     def _pjob(self, job: ReplicaJob) -> PartitionJob:
         """Replica ``job``'s one stage, in its current submission."""
-        bounds = self.part.bounds
-        attempt = self.submissions[job.replica] - 1
-        return PartitionJob(job, 0, 1, bounds, attempt, self.part.window, self.timeout, self.switch)
+        return PartitionJob.of(job, 0, self.submissions[job.replica] - 1)
 
     def _kw(self) -> dict:
         return {
