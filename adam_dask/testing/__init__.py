@@ -58,6 +58,7 @@ __all__ = [
     "synthetic_digits",
     "synthetic_store",
     "thaw",
+    "wait_for_pushes",
     "wait_workers_gone",
     "worker_pids",
     "write_idx",
@@ -347,3 +348,21 @@ def fit_in_background(trainer: Any, epochs: int) -> tuple[threading.Thread, dict
     th = threading.Thread(target=target, daemon=True, name="fit-in-background")
     th.start()
     return th, box
+
+
+def wait_for_pushes(trainer: Any, box: dict, n: int, timeout: float = 300.0) -> None:
+    """Wait until the parameter server of ``trainer`` (fitting in the background:
+    :func:`fit_in_background`'s ``box``) has applied ``n`` shard updates: a fault sent then
+    falls mid-training. AssertionError when the fit ended first or ``timeout`` passed (with
+    the count reached)."""
+    deadline = time.monotonic() + timeout
+    applied = 0
+    while time.monotonic() < deadline:
+        if "error" in box or "history" in box:
+            raise AssertionError(f"fit ended before {n} shard updates: {box}")
+        if trainer.server is not None:
+            applied = trainer.server.stats()["pushes_applied"]
+            if applied >= n:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"{applied} shard updates in {timeout} s, fewer than {n}")

@@ -13,7 +13,7 @@ import pytest
 
 import adam_dask
 from adam_dask.cluster import TRAIN, workers_with_role
-from adam_dask.testing import fit_in_background, synthetic_store, worker_pids
+from adam_dask.testing import fit_in_background, synthetic_store, wait_for_pushes, worker_pids
 from adam_dask.testing.noise import CpuQuota
 from adam_dask.train.trainer import Trainer
 
@@ -49,21 +49,6 @@ def trainer(store, client, slow=0.15, **kwargs):
         slow_replicas={0: slow, 1: slow},
         **kwargs,
     )
-
-
-def pushes(t) -> int:
-    return t.server.stats()["pushes_applied"]
-
-
-def wait_for_pushes(t, box, n, timeout=300):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if "error" in box or "history" in box:
-            raise AssertionError(f"fit ended before {n} shard updates: {box}")
-        if t.server is not None and pushes(t) >= n:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"fewer than {n} shard updates in {timeout}s")
 
 
 def hold_under_quota(client, t, box, addr: str) -> dict:

@@ -19,6 +19,7 @@ from adam_dask.testing import (
     role_worker,
     synthetic_store,
     thaw,
+    wait_for_pushes,
 )
 from adam_dask.train.trainer import Trainer
 
@@ -72,17 +73,6 @@ def check_every_image_applied_once_on_the_plane(t, hist):
     nodes = [n for n in t.server.stats()["nodes"].values() if isinstance(n, dict)]
     moved = {k: sum(n["by_transport"][k] for n in nodes) for k in ("plane", "dask")}
     assert moved["plane"] > 0 and moved["dask"] == 0, moved
-
-
-def wait_for_pushes(t, box, n, timeout=300):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if "error" in box or "history" in box:
-            raise AssertionError(f"fit ended before {n} shard updates: {box}")
-        if t.server is not None and t.server.stats()["pushes_applied"] >= n:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"fewer than {n} shard updates in {timeout}s")
 
 
 @pytest.mark.usefixtures("busy_load")  # beside 3 busy processes per core

@@ -25,7 +25,7 @@ import adam_dask
 from adam_dask.errors import ConfigError, StorageError
 from adam_dask.ps import ParameterServer
 from adam_dask.ps.checkpoint import read_checkpoint, read_manifest
-from adam_dask.testing import fit_in_background, hard_kill, synthetic_store
+from adam_dask.testing import fit_in_background, hard_kill, synthetic_store, wait_for_pushes
 from adam_dask.train.metrics import History
 from adam_dask.train.run_state import HISTORY, far_hosts, history_url, run_folder
 from adam_dask.train.trainer import Trainer
@@ -89,11 +89,7 @@ def test_a_default_run_survives_the_loss_of_every_copy_of_a_shard(store, runs_di
         assert t.checkpoint is not None and t.checkpoint.startswith(str(runs_dir) + "/")
         th, box = fit_in_background(t, epochs=2)
         try:
-            deadline = time.time() + 300
-            while t.server is None or t.server.stats()["pushes_applied"] < 40:
-                assert "error" not in box and "history" not in box, box
-                assert time.time() < deadline, "no pushes in 300 s"
-                time.sleep(0.1)
+            wait_for_pushes(t, box, 40)
             holders = t.server.placement()[1]
             hard_kill(client, holders)  # every copy of shard 1 at once
             th.join(timeout=600)

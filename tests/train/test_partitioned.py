@@ -14,7 +14,7 @@ import pytest
 import adam_dask
 from adam_dask.cluster import TRAIN, workers_with_role
 from adam_dask.errors import PartitionError
-from adam_dask.testing import fit_in_background, hard_kill, synthetic_store
+from adam_dask.testing import fit_in_background, hard_kill, synthetic_store, wait_for_pushes
 from adam_dask.train.trainer import Trainer
 
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"
@@ -205,15 +205,7 @@ def test_sigkill_of_a_partitions_worker_mid_epoch_keeps_images_applied_exact(
     t = trainer(store, cluster)
     th, box = fit_in_background(t, epochs=1)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:  # mid-epoch: some pushes applied
-            if "error" in box or "history" in box:
-                raise AssertionError(f"fit ended before the fault: {box}")
-            if t.server is not None and t.server.stats()["pushes_applied"] >= 6:
-                break
-            time.sleep(0.02)
-        else:
-            raise AssertionError("no pushes within 120 s")
+        wait_for_pushes(t, box, 6, timeout=120)  # mid-epoch: some pushes applied
         train = workers_with_role(cluster, TRAIN)
         assert len(train) == 2
         hard_kill(cluster, [train[1]])  # one partition's worker, mid-epoch
