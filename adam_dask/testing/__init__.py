@@ -51,6 +51,7 @@ __all__ = [
     "fit_in_background",
     "freeze",
     "hard_kill",
+    "join_fit",
     "netns_problem",
     "push_on",
     "role_worker",
@@ -58,6 +59,7 @@ __all__ = [
     "synthetic_digits",
     "synthetic_store",
     "thaw",
+    "thread_stacks",
     "wait_for_pushes",
     "wait_workers_gone",
     "worker_pids",
@@ -348,6 +350,53 @@ def fit_in_background(trainer: Any, epochs: int) -> tuple[threading.Thread, dict
     th = threading.Thread(target=target, daemon=True, name="fit-in-background")
     th.start()
     return th, box
+
+
+def join_fit(th: threading.Thread, client: Any, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for a fit started by :func:`fit_in_background` (thread
+    ``th``) to return. A fit still running then is a stall: AssertionError with where every
+    thread of this process and of each of ``client``'s workers waits, so that a run that
+    stalled once says why."""
+    th.join(timeout=timeout)
+    if th.is_alive():
+        raise AssertionError(
+            f"the fit did not end within {timeout} s (a stall)\n{thread_stacks(client)}"
+        )
+
+
+def _stacks_here() -> str:
+    import sys
+    import traceback
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = []
+    for ident, frame in sys._current_frames().items():
+        out.append(f"--- thread {names.get(ident, ident)}")
+        out.append("".join(traceback.format_stack(frame)).rstrip())
+    return "\n".join(out)
+
+
+def thread_stacks(client: Any, timeout: float = 30.0) -> str:
+    """The stack of every thread of this process and of each worker of ``client`` (the
+    workers' own report; one that does not answer within ``timeout`` says so)."""
+    parts = [f"=== this process ({os.getpid()})", _stacks_here()]
+    got: dict = {}
+
+    def ask() -> None:  # on a daemon thread: a frozen worker must not hold the report
+        try:
+            got["stacks"] = client.run(_stacks_here, on_error="return")
+        except Exception as exc:  # best effort: the stall may be the cluster's
+            got["error"] = exc
+
+    asker = threading.Thread(target=ask, daemon=True, name="thread-stacks")
+    asker.start()
+    asker.join(timeout)
+    stacks = got.get("stacks") or {
+        "?": f"the workers did not report within {timeout} s: {got.get('error')!r}"
+    }
+    for addr, text in sorted(stacks.items()):
+        parts += [f"=== worker {addr}", str(text)]
+    return "\n".join(parts)
 
 
 def wait_for_pushes(trainer: Any, box: dict, n: int, timeout: float = 300.0) -> None:

@@ -20,6 +20,7 @@ from adam_dask.testing import (
     fit_in_background,
     freeze,
     hard_kill,
+    join_fit,
     role_worker,
     synthetic_store,
     thaw,
@@ -336,8 +337,7 @@ def test_training_goes_on_when_a_data_worker_is_evicted(store):
         with _evictable_data_worker(client) as evict:
             t, th, box = _fit_under_way(store, client)
             evict()
-            th.join(timeout=300)
-            assert not th.is_alive()
+            join_fit(th, client, 300)
             assert "error" not in box, box.get("error")
             h = box["history"]
             assert h.column("images_applied") == [N_TRAIN, N_TRAIN]  # none lost, none twice

@@ -13,7 +13,13 @@ import pytest
 
 import adam_dask
 from adam_dask.cluster import TRAIN, workers_with_role
-from adam_dask.testing import fit_in_background, synthetic_store, wait_for_pushes, worker_pids
+from adam_dask.testing import (
+    fit_in_background,
+    join_fit,
+    synthetic_store,
+    wait_for_pushes,
+    worker_pids,
+)
 from adam_dask.testing.noise import CpuQuota
 from adam_dask.train.trainer import Trainer
 
@@ -97,8 +103,7 @@ def test_training_through_a_ps_worker_under_a_cpu_quota(store, cluster):
         seen = hold_under_quota(cluster, t, box, victim)
         check_held_back(seen["quota"])
         assert seen["pushes"] > 0, seen  # training went on meanwhile
-        th.join(timeout=600)
-        assert not th.is_alive()
+        join_fit(th, cluster, 600)
         check_every_image_once(box)
         info = t.server.routing_info()
         # it answered, slowly: no fail-over, it still serves its shards
@@ -120,8 +125,7 @@ def test_training_through_a_train_worker_under_a_cpu_quota(store, cluster):
         seen = hold_under_quota(cluster, t, box, victim)
         check_held_back(seen["quota"])
         assert seen["pushes"] > 0, seen  # the other replica trained on
-        th.join(timeout=600)
-        assert not th.is_alive()
+        join_fit(th, cluster, 600)
         check_every_image_once(box)
         # the slow replica was waited for, not lost: both replicas finished every epoch
         hist = box["history"]

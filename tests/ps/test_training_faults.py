@@ -16,6 +16,7 @@ from adam_dask.testing import (
     fit_in_background,
     freeze,
     hard_kill,
+    join_fit,
     role_worker,
     synthetic_store,
     thaw,
@@ -97,8 +98,7 @@ def test_training_through_a_frozen_primary(store, cluster):
         thaw(frozen)
         frozen = {}
         assert victim not in r["nodes"], r
-        th.join(timeout=600)
-        assert not th.is_alive()
+        join_fit(th, cluster, 600)
         assert "error" not in box, box.get("error")
         assert box["history"].last["test_accuracy"] >= 0.8
         check_every_image_applied_once_on_the_plane(t, box["history"])
@@ -121,8 +121,7 @@ def test_training_through_the_loss_of_every_copy_of_a_shard(store, cluster, tmp_
         before = t.server.placement()
         holders = before[1]
         hard_kill(cluster, holders)  # every copy of shard 1 at once
-        th.join(timeout=600)
-        assert not th.is_alive()
+        join_fit(th, cluster, 600)
         assert "error" not in box, box.get("error")
         assert box["history"].last["test_accuracy"] >= 0.8
         check_every_image_applied_once_on_the_plane(t, box["history"])
@@ -165,8 +164,7 @@ def test_training_through_a_ps_worker_evicted(store, tmp_path):
             assert any("127.0.0.9:" in a for a in held), held  # the evicted worker held copies
             proc.send_signal(signal.SIGTERM)  # from outside, as the kubelet does
             assert proc.wait(timeout=60) is not None
-            th.join(timeout=600)
-            assert not th.is_alive()
+            join_fit(th, client, 600)
             assert "error" not in box, box.get("error")
             hist = box["history"]
             assert hist.column("images_applied") == hist.column("images"), hist.records

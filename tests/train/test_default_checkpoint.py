@@ -25,7 +25,13 @@ import adam_dask
 from adam_dask.errors import ConfigError, StorageError
 from adam_dask.ps import ParameterServer
 from adam_dask.ps.checkpoint import read_checkpoint, read_manifest
-from adam_dask.testing import fit_in_background, hard_kill, synthetic_store, wait_for_pushes
+from adam_dask.testing import (
+    fit_in_background,
+    hard_kill,
+    join_fit,
+    synthetic_store,
+    wait_for_pushes,
+)
 from adam_dask.train.metrics import History
 from adam_dask.train.run_state import HISTORY, far_hosts, history_url, run_folder
 from adam_dask.train.trainer import Trainer
@@ -92,8 +98,7 @@ def test_a_default_run_survives_the_loss_of_every_copy_of_a_shard(store, runs_di
             wait_for_pushes(t, box, 40)
             holders = t.server.placement()[1]
             hard_kill(client, holders)  # every copy of shard 1 at once
-            th.join(timeout=600)
-            assert not th.is_alive()
+            join_fit(th, client, 600)
             assert "error" not in box, box.get("error")
             restored = {r["shard"] for r in t.server.stats()["restored"]}
             assert 1 in restored  # rebuilt from the run folder's checkpoint
@@ -238,8 +243,7 @@ def test_training_goes_on_through_a_storage_outage_at_epochs_ends(
         stopped = False
         # the end of fit waits flush-timeout for the last commit: room for a loaded machine
         with dask.config.set({"adam.ps.flush-timeout": 120}):
-            th.join(timeout=600)
-        assert not th.is_alive()
+            join_fit(th, short_cluster, 600)
         assert "error" not in box, box.get("error")
         n = len(t.train_split)
         assert t.history.column("images_applied") == [n] * EPOCHS

@@ -11,7 +11,7 @@ import pytest
 
 import adam_dask
 from adam_dask.cluster import TRAIN, workers_with_role
-from adam_dask.testing import fit_in_background, role_worker, synthetic_store
+from adam_dask.testing import fit_in_background, join_fit, role_worker, synthetic_store
 from adam_dask.train.trainer import Trainer
 
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"
@@ -95,8 +95,7 @@ def test_a_train_worker_evicted_mid_epoch_loses_no_image(store):
                 time.sleep(0.05)
             proc.send_signal(signal.SIGTERM)  # from outside, as the kubelet does
             assert proc.wait(timeout=60) is not None  # its worker closed and it exited
-            th.join(timeout=300)
-            assert not th.is_alive()
+            join_fit(th, client, 300)
             assert "error" not in box, box.get("error")
             rec = box["history"].records[0]
             assert rec["images_applied"] == 768  # nothing lost, nothing applied twice

@@ -10,7 +10,7 @@ import pytest
 import adam_dask
 from adam_dask.cluster import PS, workers_with_role
 from adam_dask.errors import ClusterError
-from adam_dask.testing import fit_in_background, freeze, synthetic_store, thaw
+from adam_dask.testing import fit_in_background, freeze, join_fit, synthetic_store, thaw
 from adam_dask.testing import hard_kill as kill_workers
 from adam_dask.train.trainer import Trainer
 
@@ -91,8 +91,7 @@ def test_train_worker_killed_mid_epoch(store, cluster):
     # server holds some of its pushes and its re-run must not train its whole share again
     victim = _wait_for_a_replica(t, 0, 192, box)
     kill_workers(cluster, [victim])
-    th.join(timeout=300)
-    assert not th.is_alive()
+    join_fit(th, cluster, 300)
     assert "error" not in box, box.get("error")
     h = box["history"]
     assert h.column("epoch") == [0, 1]
@@ -123,8 +122,7 @@ def test_ps_worker_killed_mid_epoch(store, cluster):
     placement = t.server.placement()
     victim = placement[0][0]  # the primary of shard 0
     kill_workers(cluster, [victim])
-    th.join(timeout=300)
-    assert not th.is_alive()
+    join_fit(th, cluster, 300)
     assert "error" not in box, box.get("error")
     h = box["history"]
     assert h.last["test_accuracy"] >= 0.8
@@ -180,8 +178,7 @@ def _sync_step_waiting_for_a_frozen_replica(store, cluster):
         time.sleep(0.05)
     frozen = freeze(cluster, [t.replica_workers[1]])
     try:
-        th.join(timeout=120)
-        assert not th.is_alive()
+        join_fit(th, cluster, 120)
     finally:
         thaw(frozen)
     assert isinstance(box.get("error"), ClusterError), box

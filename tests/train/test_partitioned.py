@@ -14,7 +14,13 @@ import pytest
 import adam_dask
 from adam_dask.cluster import TRAIN, workers_with_role
 from adam_dask.errors import PartitionError
-from adam_dask.testing import fit_in_background, hard_kill, synthetic_store, wait_for_pushes
+from adam_dask.testing import (
+    fit_in_background,
+    hard_kill,
+    join_fit,
+    synthetic_store,
+    wait_for_pushes,
+)
 from adam_dask.train.trainer import Trainer
 
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"
@@ -209,8 +215,7 @@ def test_sigkill_of_a_partitions_worker_mid_epoch_keeps_images_applied_exact(
         train = workers_with_role(cluster, TRAIN)
         assert len(train) == 2
         hard_kill(cluster, [train[1]])  # one partition's worker, mid-epoch
-        th.join(240)
-        assert not th.is_alive(), "the fit did not end"
+        join_fit(th, cluster, 240)
         assert "error" not in box, box.get("error")
         assert "running it again" in caplog.text  # the replica was re-run after the loss
         hist = box["history"]

@@ -10,7 +10,7 @@ import pytest
 
 import adam_dask
 from adam_dask.cluster import TRAIN, workers_with_role
-from adam_dask.testing import fit_in_background, hard_kill, synthetic_store
+from adam_dask.testing import fit_in_background, hard_kill, join_fit, synthetic_store
 from adam_dask.train.placement import Slots, plan_moves
 from adam_dask.train.trainer import Trainer
 
@@ -86,8 +86,7 @@ def test_a_lost_replica_reruns_on_the_replacement_worker(store):
             before = set(workers_with_role(client, TRAIN))
             victim = sorted(before)[0]
             hard_kill(client, [victim])
-            th.join(timeout=300)
-            assert not th.is_alive()
+            join_fit(th, client, 300)
             assert "error" not in box, box.get("error")
             rec = box["history"].records[0]
             assert rec["images_applied"] == 1024 and rec["replicas_finished"] == 2, rec

@@ -17,7 +17,7 @@ import adam_dask
 from adam_dask.cli import run
 from adam_dask.cluster import TRAIN, workers_with_role
 from adam_dask.ps.checkpoint import read_checkpoint
-from adam_dask.testing import fit_in_background, hard_kill, synthetic_store
+from adam_dask.testing import fit_in_background, hard_kill, join_fit, synthetic_store
 from adam_dask.train.trainer import Trainer
 
 # the user's package: a module with padding, a strided convolution and a residual block
@@ -223,8 +223,7 @@ def test_sigkill_of_a_train_worker_mid_epoch_applies_every_image_once(
     _wait_for_images(t, 256, box)
     victim = workers_with_role(cluster, TRAIN)[0]
     hard_kill(cluster, [victim])
-    th.join(timeout=300)
-    assert not th.is_alive()
+    join_fit(th, cluster, 300)
     assert "error" not in box, box.get("error")
     rec = box["history"].records[0]
     assert rec["images_applied"] == 1024  # nothing lost, nothing applied twice
