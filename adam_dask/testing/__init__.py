@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -365,9 +366,6 @@ def join_fit(th: threading.Thread, client: Any, timeout: float) -> None:
 
 
 def _stacks_here() -> str:
-    import sys
-    import traceback
-
     names = {t.ident: t.name for t in threading.enumerate()}
     out = []
     for ident, frame in sys._current_frames().items():
