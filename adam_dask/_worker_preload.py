@@ -1,5 +1,6 @@
-"""A Dask worker preload of the embedded cluster: the worker process ignores SIGINT, and its
-log records are redacted (:mod:`adam_dask._secrets`) from its start.
+"""A Dask worker preload of the embedded cluster: the worker process ignores SIGINT, its log
+records are redacted (:mod:`adam_dask._secrets`) from its start, and Dask's task profiler is
+off where it can deadlock the worker.
 
 The embedded cluster's workers are children of the process that started it (a notebook's
 kernel, ``adam-dask train`` in a terminal), in its process group. A Jupyter kernel's stop button
@@ -13,25 +14,98 @@ the credentials of storage options join when the worker first opens storage
 gateway) have no preload: :class:`RedactLogs`, a worker plugin, does the same there (a parameter
 server registers it when made). Both also give the library's records the time and logger
 Dask's own records show (:func:`stamp_library_logs`).
+
+Dask's task profiler (the dashboard's Profile page) samples the stack of every thread running
+a task each ``distributed.worker.profile.interval`` (10 ms) with ``sys._current_frames()``. On
+CPython 3.11 that call can deadlock the whole process (CPython gh-106883: it holds the
+interpreter's thread-list lock while it allocates, and a garbage collection run inside it can
+wait for the GIL held by a thread that waits for that lock); Dask turns its event-loop profiler
+off on 3.11 for this reason, not the task profiler, which samples for as long as a replica's
+task runs. A TRAIN worker froze so for 556 s (no heartbeat) until Dask restarted it. With
+``adam.cluster.task-profiler`` (``auto``: off on 3.11 only) the preload keeps the profiler from
+starting and :class:`TaskProfiler`, a worker plugin a parameter server registers, stops it on
+the workers of other clusters (:func:`settle_task_profiler`).
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import sys
 from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from . import config
 from ._secrets import install
+from .errors import ConfigError
 
-__all__ = ["RedactLogs", "dask_setup", "stamp_library_logs"]
+__all__ = [
+    "RedactLogs",
+    "TaskProfiler",
+    "dask_setup",
+    "settle_task_profiler",
+    "stamp_library_logs",
+    "task_profiler_allowed",
+]
+
+logger = logging.getLogger(__name__)
+
+#: the worker's periodic callbacks of Dask's task profiler (``Worker.__init__``)
+PROFILER_CALLBACKS = ("profile", "profile-cycle")
 
 
 def dask_setup(worker: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     install()
     stamp_library_logs()
+    settle_task_profiler(worker, config.get("cluster.task-profiler"))
+
+
+def task_profiler_allowed(setting: Any, version: tuple[int, ...] | None = None) -> bool:
+    """Whether a worker on Python ``version`` (this one's if omitted) keeps Dask's task profiler
+    under ``adam.cluster.task-profiler`` ``setting``: ``auto`` keeps it except on CPython 3.11
+    (see the module doc), ``true``/``false`` force it.
+
+    >>> task_profiler_allowed("auto", (3, 11, 7)), task_profiler_allowed("auto", (3, 12, 1))
+    (False, True)
+    >>> task_profiler_allowed(True, (3, 11, 7))
+    True
+    """
+    if isinstance(setting, bool):
+        return setting
+    word = str(setting).lower()  # an environment variable's value is a string
+    if word in ("true", "false"):
+        return word == "true"
+    if word != "auto":
+        raise ConfigError(
+            f"adam.cluster.task-profiler is {setting!r}",
+            "set it to auto, true or false",
+        )
+    v = tuple(sys.version_info) if version is None else tuple(version)
+    return not (sys.implementation.name == "cpython" and v[:2] == (3, 11))
+
+
+def settle_task_profiler(worker: Any, setting: Any) -> bool:
+    """Stop Dask's task profiler on ``worker`` unless ``setting`` allows it here
+    (:func:`task_profiler_allowed`); returns whether it was stopped. Its callbacks leave the
+    worker's periodic callbacks, so a worker still starting never starts them."""
+    if task_profiler_allowed(setting):
+        return False
+    stopped = False
+    for name in PROFILER_CALLBACKS:
+        pc = worker.periodic_callbacks.pop(name, None)
+        if pc is not None:
+            pc.stop()
+            stopped = True
+    if stopped:
+        logger.info(
+            "Dask's task profiler is off on this worker: on CPython %d.%d its stack sampling "
+            "can deadlock the process (CPython gh-106883); adam.cluster.task-profiler: true "
+            "turns it on",
+            *sys.version_info[:2],
+        )
+    return stopped
 
 
 def stamp_library_logs() -> None:
@@ -58,3 +132,19 @@ class RedactLogs(WorkerPlugin):
     def setup(self, worker: Any) -> None:
         install()
         stamp_library_logs()
+
+
+class TaskProfiler(WorkerPlugin):
+    """Dask's task profiler off where ``setting`` (``adam.cluster.task-profiler`` where the
+    plugin is made) does not allow it, judged on each worker by its own Python
+    (:func:`settle_task_profiler`)."""
+
+    name = "adam-task-profiler"
+    idempotent = True
+
+    def __init__(self, setting: Any = None):
+        self.setting = config.get("cluster.task-profiler", setting)
+        task_profiler_allowed(self.setting)  # a bad setting fails here, not on each worker
+
+    def setup(self, worker: Any) -> None:
+        settle_task_profiler(worker, self.setting)

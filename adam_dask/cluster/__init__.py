@@ -27,6 +27,7 @@ from typing import Any
 from distributed import Client, Nanny, Scheduler
 
 from .. import config, sizing
+from .._worker_preload import task_profiler_allowed
 from ..errors import ClusterError, ConfigError
 from ._embedded import EmbeddedClient, EmbeddedCluster
 
@@ -156,6 +157,8 @@ def local_spec(
         )
     if ps_nodes + data_nodes + trainers == 0:
         raise ConfigError("the cluster would have no workers", "ask for at least one worker")
+    # the workers' preload reads it: a bad setting fails here, not in each worker's start
+    task_profiler_allowed(config.get("cluster.task-profiler"))
     if dashboard_address is not None:
         dashboard_address = _free_dashboard_address(str(dashboard_address))
     tls = {"protocol": "tls://", "security": security} if security is not None else {}

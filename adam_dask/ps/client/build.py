@@ -15,7 +15,7 @@ import numpy as np
 
 from ... import config
 from ..._secrets import redact_url
-from ..._worker_preload import RedactLogs
+from ..._worker_preload import RedactLogs, TaskProfiler
 from ...errors import ConfigError, StorageError, UpdateRejected
 from ...model.layout import ParameterLayout, shard_ranges
 from ...storage import normalize_url
@@ -196,6 +196,7 @@ def build_server(
     }
     client.register_plugin(ShardPlacement(), name=PLUGIN_NAME)
     client.register_plugin(RedactLogs())  # the workers of any cluster redact their logs
+    client.register_plugin(TaskProfiler())  # and run no profiler that can deadlock them
     routing = client.sync(
         client.scheduler.adam_ps_create,
         server_id=server_id,
