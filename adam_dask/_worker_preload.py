@@ -17,11 +17,13 @@ Dask's own records show (:func:`stamp_library_logs`).
 
 Dask's task profiler (the dashboard's Profile page) samples the stack of every thread running
 a task each ``distributed.worker.profile.interval`` (10 ms) with ``sys._current_frames()``. On
-CPython 3.11 that call can deadlock the whole process (CPython gh-106883: it holds the
-interpreter's thread-list lock while it allocates, and a garbage collection run inside it can
-wait for the GIL held by a thread that waits for that lock); Dask turns its event-loop profiler
-off on 3.11 for this reason, not the task profiler, which samples for as long as a replica's
-task runs. A TRAIN worker froze so for 556 s (no heartbeat) until Dask restarted it. With
+CPython 3.11 that call can deadlock the whole process (CPython gh-106883): it holds the
+interpreter's thread-list lock while it makes frame objects, a garbage collection can run
+there, and an object it frees may take that lock again (a ``threading.local``) or run Python
+code that lets a thread waiting for the lock take the GIL. Dask turns its event-loop profiler
+off on 3.11 for this, not the task profiler, which samples for as long as a replica's task
+runs: a TRAIN worker froze so for 556 s (the collector freeing a ``Network``'s
+``threading.local``; networks hold none since) until Dask restarted it. With
 ``adam.cluster.task-profiler`` (``auto``: off on 3.11 only) the preload keeps the profiler from
 starting and :class:`TaskProfiler`, a worker plugin a parameter server registers, stops it on
 the workers of other clusters (:func:`settle_task_profiler`).

@@ -135,7 +135,11 @@ class Network:
         self.layout = ParameterLayout(parameter_entries(self.layers))
         self._flat = self.layout.allocate()
         self.parameters: dict[str, np.ndarray] = self.layout.views(self._flat)
-        self._local = threading.local()
+        # the public passes' work buffers, by (thread, batch size): a plain dict, not a
+        # threading.local, whose collection by the GC inside sys._current_frames() deadlocks
+        # CPython 3.11 (gh-106883; a worker's Network is cyclic garbage, and Dask's task
+        # profiler calls it every 10 ms: adam.cluster.task-profiler)
+        self._contexts: dict[tuple[int, int], Context] = {}
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -274,14 +278,14 @@ class Network:
         return Context(self, batch_size)
 
     def _thread_context(self, batch_size: int) -> Context:
-        cache = getattr(self._local, "contexts", None)
-        if cache is None:
-            cache = self._local.contexts = {}
-        ctx = cache.get(batch_size)
+        """This thread's work buffers for ``batch_size`` (a thread's own key: no other thread
+        reads or replaces them; ended threads' are dropped with the rest past a bound)."""
+        key = (threading.get_ident(), int(batch_size))
+        ctx = self._contexts.get(key)
         if ctx is None:
-            if len(cache) > 4:
-                cache.clear()
-            ctx = cache[batch_size] = Context(self, batch_size)
+            if len(self._contexts) > 32:
+                self._contexts.clear()  # a thread holding one keeps it for its pass
+            ctx = self._contexts[key] = Context(self, batch_size)
         return ctx
 
     # -- the passes (no checks: callers validated x and y) -------------------------------------
