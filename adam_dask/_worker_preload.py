@@ -38,7 +38,7 @@ from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from . import config
+from . import config, sizing
 from ._secrets import install
 from .errors import ConfigError
 
@@ -79,7 +79,7 @@ def task_profiler_allowed(setting: Any, version: tuple[int, ...] | None = None) 
     word = str(setting).lower()  # an environment variable's value is a string
     if word in ("true", "false"):
         return word == "true"
-    if word != "auto":
+    if word != sizing.AUTO:
         raise ConfigError(
             f"adam.cluster.task-profiler is {setting!r}",
             "set it to auto, true or false",
@@ -88,12 +88,12 @@ def task_profiler_allowed(setting: Any, version: tuple[int, ...] | None = None) 
     return not (sys.implementation.name == "cpython" and v[:2] == (3, 11))
 
 
-def settle_task_profiler(worker: Any, setting: Any) -> bool:
+def settle_task_profiler(worker: Any, setting: Any) -> None:
     """Stop Dask's task profiler on ``worker`` unless ``setting`` allows it here
-    (:func:`task_profiler_allowed`); returns whether it was stopped. Its callbacks leave the
-    worker's periodic callbacks, so a worker still starting never starts them."""
+    (:func:`task_profiler_allowed`). Its callbacks leave the worker's periodic callbacks, so a
+    worker still starting never starts them."""
     if task_profiler_allowed(setting):
-        return False
+        return
     stopped = False
     for name in PROFILER_CALLBACKS:
         pc = worker.periodic_callbacks.pop(name, None)
@@ -107,7 +107,6 @@ def settle_task_profiler(worker: Any, setting: Any) -> bool:
             "turns it on",
             *sys.version_info[:2],
         )
-    return stopped
 
 
 def stamp_library_logs() -> None:
