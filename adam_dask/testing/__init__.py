@@ -25,16 +25,18 @@ Work under way while the faults land
 
 from __future__ import annotations
 
+import faulthandler
 import gzip
 import logging
 import os
+import re
 import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -366,12 +368,27 @@ def join_fit(th: threading.Thread, client: Any, timeout: float) -> None:
 
 
 def _stacks_here() -> str:
+    """Every thread's stack in this process, most recent call first, each headed
+    ``--- thread NAME``. Read by :mod:`faulthandler`, which walks the threads without making a
+    Python object: ``sys._current_frames()`` makes frames while it holds the interpreter's
+    thread lock and on CPython 3.11 can deadlock there (gh-106883; docs/setup.md), and a
+    stall's report must not freeze the worker it asks."""
     names = {t.ident: t.name for t in threading.enumerate()}
-    out = []
-    for ident, frame in sys._current_frames().items():
-        out.append(f"--- thread {names.get(ident, ident)}")
-        out.append("".join(traceback.format_stack(frame)).rstrip())
-    return "\n".join(out)
+
+    def header(m: re.Match) -> str:
+        ident = int(m.group(1), 16)
+        return f"--- thread {names.get(ident, m.group(1))} ({m.group(1)}, most recent call first):"
+
+    with tempfile.TemporaryFile("w+") as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+        f.seek(0)
+        text = f.read()
+    return _THREAD_HEADER.sub(header, text).rstrip()
+
+
+_THREAD_HEADER = re.compile(
+    r"^(?:Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):", re.M
+)
 
 
 def thread_stacks(client: Any, timeout: float = 30.0) -> str:
