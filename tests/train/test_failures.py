@@ -15,10 +15,11 @@ from adam_dask.testing import hard_kill as kill_workers
 from adam_dask.train.trainer import Trainer
 
 # beside three busy processes per core (tests/conftest.py): noisy neighbours, the bounds
-# those of a quiet machine. Each test starts a cluster of 8 processes and trains beside the
-# 6 busy ones on 2 cores: late in a whole CI run (2026-11-29) a cluster took 113-118 s to start
-# and the fit ran past 180 s before the kill, so pytest's 300 s default ended tests that were
-# still making progress; 900 s, as the others here (the stall bounds are join_fit's, inside).
+# those of a quiet machine. Each test starts a cluster of 6-7 worker processes and trains beside
+# the 6 busy ones on 2 cores: late in a whole CI run (2026-11-29) a cluster took 113-118 s to
+# start and the fit ran past 180 s before the kill, so pytest's 300 s default ended tests that
+# were still making progress; 900 s, as tests/ps/test_training_faults.py has (the stall bounds
+# are join_fit's and the waits', inside the tests).
 pytestmark = [pytest.mark.usefixtures("busy_load"), pytest.mark.timeout(900)]
 
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"
