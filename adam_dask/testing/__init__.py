@@ -64,6 +64,7 @@ __all__ = [
     "thaw",
     "thread_stacks",
     "wait_for_pushes",
+    "wait_role_workers",
     "wait_workers_gone",
     "worker_pids",
     "write_idx",
@@ -174,6 +175,20 @@ def wait_workers_gone(client: Any, addrs: Iterable[str], timeout: float = 60.0) 
             raise TimeoutError(f"workers {sorted(addrs)} were still listed after {timeout}s")
         time.sleep(0.02)
     return time.monotonic() - start
+
+
+def wait_role_workers(client: Any, role: str, n: int, timeout: float = 120.0) -> list[str]:
+    """Block until exactly ``n`` running workers have ``role`` (e.g. a nanny's fresh worker after
+    :func:`hard_kill`, or one added or retired) and return their addresses; a replica count is
+    taken from the workers present, so a test that asserts one waits for them first."""
+    from adam_dask.cluster import workers_with_role
+
+    deadline = time.monotonic() + timeout
+    while len(found := workers_with_role(client, role)) != n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"expected {n} {role} workers after {timeout}s, found {found}")
+        time.sleep(0.2)
+    return found
 
 
 def _signal(pids: Iterable[int], sig: signal.Signals) -> None:

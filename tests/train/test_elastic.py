@@ -10,8 +10,14 @@ import time
 import pytest
 
 import adam_dask
-from adam_dask.cluster import TRAIN, workers_with_role
-from adam_dask.testing import fit_in_background, join_fit, role_worker, synthetic_store
+from adam_dask.cluster import TRAIN
+from adam_dask.testing import (
+    fit_in_background,
+    join_fit,
+    role_worker,
+    synthetic_store,
+    wait_role_workers,
+)
 from adam_dask.train.trainer import Trainer
 
 SPEC = "conv5x5:6,maxpool2,fc32,fc10"
@@ -20,16 +26,6 @@ SPEC = "conv5x5:6,maxpool2,fc32,fc10"
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     return synthetic_store(tmp_path_factory.mktemp("elastic-data"), n_train=768, n_test=256)
-
-
-def _wait_trainers(client, n: int, timeout: float = 120) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = workers_with_role(client, TRAIN)
-        if len(found) == n:
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"expected {n} TRAIN workers, found {workers_with_role(client, TRAIN)}")
 
 
 def test_a_train_worker_added_between_epochs_gets_a_replica(store):
@@ -45,14 +41,16 @@ def test_a_train_worker_added_between_epochs_gets_a_replica(store):
             t.fit(epochs=1)
             assert t.history.last["replicas"] == 1
             proc = role_worker(client.scheduler.address, TRAIN, name="train-added", nthreads=1)
-            added = set(_wait_trainers(client, 2)) - set(t.history.last["replica_workers"])
+            added = set(wait_role_workers(client, TRAIN, 2)) - set(
+                t.history.last["replica_workers"]
+            )
             t.fit(epochs=2)
             rec = t.history.last
             assert rec["replicas"] == 2 and rec["replicas_finished"] == 2
             assert added <= set(rec["replica_workers"])  # the new worker trained a replica
             assert rec["images"] == 768  # the epoch's shares, split two ways, each once
             client.retire_workers(list(added))
-            _wait_trainers(client, 1)
+            wait_role_workers(client, TRAIN, 1)
             t.fit(epochs=3)
             assert t.history.last["replicas"] == 1
             assert t.history.column("replicas") == [1, 2, 1]
@@ -74,7 +72,7 @@ def test_a_train_worker_evicted_mid_epoch_loses_no_image(store):
         proc = role_worker(client.scheduler.address, TRAIN, name="train-added", nthreads=1)
         t = None
         try:
-            _wait_trainers(client, 2)
+            wait_role_workers(client, TRAIN, 2)
             workers = client.scheduler_info(n_workers=-1)["workers"]
             victim = next(a for a, w in workers.items() if w.get("name") == "train-added")
             t = Trainer(

@@ -17,7 +17,13 @@ import adam_dask
 from adam_dask.cli import run
 from adam_dask.cluster import TRAIN, workers_with_role
 from adam_dask.ps.checkpoint import read_checkpoint
-from adam_dask.testing import fit_in_background, hard_kill, join_fit, synthetic_store
+from adam_dask.testing import (
+    fit_in_background,
+    hard_kill,
+    join_fit,
+    synthetic_store,
+    wait_role_workers,
+)
 from adam_dask.train.trainer import Trainer
 
 # the user's package: a module with padding, a strided convolution and a residual block
@@ -231,12 +237,16 @@ def test_sigkill_of_a_train_worker_mid_epoch_applies_every_image_once(
     assert victim not in rec["replica_workers"]
     assert rec["test_accuracy"] > 0.2  # learning, not diverged
     t.close()
+    # and the cluster heals: the victim's nanny starts a fresh TRAIN worker
+    assert victim not in wait_role_workers(cluster, TRAIN, 2)
 
 
 def test_a_user_module_trains_as_the_pipelines_one_stage(torch, store, cluster, epoch_runs):
     """A user's module (no layer list) trains as the partition pipeline's one stage, by the
     module's own fused step (forward, loss, backward and the update kernel), with each
     thread's velocity: every image applied once, above chance."""
+    # a replica per TRAIN worker present: both, not one while a killed one's nanny restarts it
+    wait_role_workers(cluster, TRAIN, 2)
     t = _module_trainer(torch, store, cluster)
     try:
         rec = t.fit(epochs=1).records[0]
