@@ -20,6 +20,7 @@ from adam_dask.testing import (
     join_fit,
     synthetic_store,
     wait_for_pushes,
+    wait_role_workers,
 )
 from adam_dask.train.trainer import Trainer
 
@@ -207,7 +208,7 @@ def test_a_whole_model_trains_as_the_pipelines_one_stage(store, cluster, epoch_r
 def test_sigkill_of_a_partitions_worker_mid_epoch_keeps_images_applied_exact(
     store, cluster, caplog
 ):
-    # the last test on the module's cluster: it loses a worker (its nanny starts a new one)
+    # it loses a worker: the tests after it wait for the nanny's new one (wait_role_workers)
     t = trainer(store, cluster)
     th, box = fit_in_background(t, epochs=1)
     try:
@@ -223,6 +224,7 @@ def test_sigkill_of_a_partitions_worker_mid_epoch_keeps_images_applied_exact(
         assert hist.records[0]["test_accuracy"] > 0.2
     finally:
         t.close()
+    assert train[1] not in wait_role_workers(cluster, TRAIN, 2)  # the cluster heals
 
 
 @pytest.mark.timeout(300)
@@ -230,6 +232,7 @@ def test_a_two_partition_replica_trains_with_dropout(store, cluster):
     """Dropout on the hidden dense layers in a partitioned replica: each stage drops its hidden
     dense layers' outputs in training (the training loss shows it: 0.78 against 0.33 without,
     measured), and the net still learns."""
+    wait_role_workers(cluster, TRAIN, 2)  # a stage per worker, after a kill's replacement
     loss = {}
     for p in (0.0, 0.5):
         with dask.config.set({"adam.model.dropout": p}):
