@@ -4,7 +4,9 @@ header over TCP, with the Dask actor path behind it. Real clusters, real signals
 
 from __future__ import annotations
 
+import gc
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -233,3 +235,66 @@ def test_a_connection_without_the_nodes_token_is_closed_and_changes_nothing(ps_c
         np.testing.assert_array_equal(s.pull(), before + 1)
     finally:
         s.close()
+
+
+def _memfds(creator: int, pid: int | None = None) -> int:
+    """How many descriptors of segments made by ``creator`` the process ``pid`` (default: this
+    one) holds open."""
+    fd_dir = f"/proc/{pid or os.getpid()}/fd"
+    n = 0
+    for fd in os.listdir(fd_dir):
+        try:
+            n += os.readlink(f"{fd_dir}/{fd}").startswith(f"/memfd:adam-ps-{creator}-")
+        except OSError:  # closed meanwhile
+            pass
+    return n
+
+
+def test_a_closed_or_dropped_handle_lets_go_of_its_segments(ps_client):
+    """Closing a handle closes the descriptors of its segments (free ones, those the replay log
+    held, the caller's buffer once the caller drops it), here and in the PS nodes' forwarders;
+    a copy of the handle (a task's) that is dropped unclosed lets go of its own when collected:
+    a notebook that trains again and again, or a worker that serves run after run, does not
+    gather shared memory."""
+    me = os.getpid()
+    nodes = ps_client.run(os.getpid)
+
+    def on_nodes() -> dict:
+        return {a: ps_client.run(_memfds, p, workers=[a])[a] for a, p in nodes.items()}
+
+    before, before_nodes = _memfds(me), on_nodes()
+    s = ParameterServer.create(ps_client, size=N, shard_bytes=SHARD, name="plane-close")
+    try:
+        kept = s.buffer()  # the caller's, never given back
+        kept[:] = 1.0
+        s.push(kept)
+        out = np.zeros(N, np.float32)
+        for _ in range(5):
+            s.push_pull(np.ones(N, np.float32), out)
+        assert _memfds(me) > before  # the segments, shared with the nodes
+        mine = _memfds(me)
+        copy = pickle.loads(pickle.dumps(s))  # as a task gets it: a courier of its own
+        copy.push(np.ones(N, np.float32))
+        copy.flush()
+        np.testing.assert_array_equal(copy.pull(), np.full(N, 7.0, np.float32))
+        assert _memfds(me) > mine
+        del copy  # unclosed: collected once its settler thread ends
+        _wait_memfds(me, mine)
+    finally:
+        s.close()
+    np.testing.assert_array_equal(kept, np.ones(N, np.float32))  # still the caller's to read
+    del kept  # its mapping holds a descriptor of its own until then
+    _wait_memfds(me, before)
+    assert on_nodes() == before_nodes
+
+
+def _wait_memfds(creator: int, n: int, timeout: float = 60.0) -> None:
+    """Until this process holds ``n`` descriptors of ``creator``'s segments (a dropped handle's
+    go when the collector finds them)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        if _memfds(creator) == n:
+            return
+        assert time.monotonic() < deadline, f"{_memfds(creator)} segment descriptors, not {n}"
+        time.sleep(0.2)

@@ -464,6 +464,9 @@ class Courier:
                 )
 
     def close(self) -> None:
+        """The server is closed: the held pushes are let go (nowhere to replay them) and the
+        data plane's connections and segments closed."""
         self.control.closed = True
+        self.log.clear()
         if self.channels is not None:
             self.channels.close()

@@ -26,6 +26,7 @@ import select
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -50,25 +51,39 @@ class Segment:
     or plain memory. ``refs``: the caller's and the held pushes'; ``poisoned``: a node may
     still read it, so it is never written again."""
 
-    __slots__ = ("array", "fd", "id", "poisoned", "pool", "refs")
+    __slots__ = ("__weakref__", "_closer", "array", "fd", "id", "poisoned", "pool", "refs")
 
-    def __init__(self, pool: Pool, sid: int, floats: int):
+    def __init__(self, pool: Pool, sid: int, floats: int, shareable: bool = True):
         self.pool, self.id, self.refs, self.poisoned = pool, sid, 0, False
         self.fd: int | None = None
-        if hasattr(os, "memfd_create"):
+        self._closer: weakref.finalize | None = None
+        if shareable and hasattr(os, "memfd_create"):
             self.fd = os.memfd_create(f"adam-ps-{os.getpid()}-{sid}", os.MFD_CLOEXEC)
+            # closed with the segment if nothing closed it before (a handle copied into a task
+            # and dropped with it), or the process would keep the memory
+            self._closer = weakref.finalize(self, os.close, self.fd)
             os.ftruncate(self.fd, max(floats * 4, 1))
             self.array = np.frombuffer(mmap.mmap(self.fd, max(floats * 4, 1)), np.float32)
             self.array = self.array[:floats]
-        else:  # pragma: no cover - not Linux: TCP only
+        else:  # not Linux (TCP only), or taken from a closed pool
             self.array = np.empty(floats, np.float32)
 
     def release(self) -> None:
         self.pool.release(self)
 
+    def close_fd(self) -> None:
+        """Close the descriptor: it is shared with no node again (those that mapped it keep
+        their mapping; so does :attr:`array`)."""
+        if self._closer is not None:
+            self._closer()
+            self._closer = None
+        self.fd = None
+
 
 class Pool:
-    """Segments of one server's size, reused once nothing refers to them."""
+    """Segments of one server's size, reused once nothing refers to them. :meth:`close` (the
+    handle's) closes every segment's descriptor; a segment's memory goes once no array of it is
+    referenced here and no node maps it."""
 
     def __init__(self, floats: int):
         self.floats = int(floats)
@@ -76,16 +91,28 @@ class Pool:
         self._by_array: dict[int, Segment] = {}
         self._ids = 0
         self._lock = threading.Lock()
+        self.closed = False
 
     def take(self) -> Segment:
         with self._lock:
             seg = self._free.pop() if self._free else None
             if seg is None:
                 self._ids += 1
-                seg = Segment(self, self._ids, self.floats)
-                self._by_array[id(seg.array)] = seg
+                seg = Segment(self, self._ids, self.floats, shareable=not self.closed)
+                if not self.closed:
+                    self._by_array[id(seg.array)] = seg
             seg.refs = 1
             return seg
+
+    def close(self) -> None:
+        """Close every segment's descriptor (arrays still referenced stay readable: the mapping
+        holds the memory); a segment taken after is plain memory, shared with no node."""
+        with self._lock:
+            self.closed = True
+            for seg in self._by_array.values():
+                seg.close_fd()
+            self._by_array.clear()
+            self._free.clear()
 
     def of(self, array: np.ndarray) -> Segment | None:
         """The segment whose array ``array`` is (not a view of it)."""
@@ -99,13 +126,11 @@ class Pool:
     def release(self, seg: Segment) -> None:
         with self._lock:
             seg.refs -= 1
-            if seg.refs == 0 and not seg.poisoned:
+            if seg.refs == 0 and not seg.poisoned and not self.closed:
                 self._free.append(seg)
             elif seg.refs == 0:
                 self._by_array.pop(id(seg.array), None)
-                if seg.fd is not None:  # nodes that mapped it keep their mapping
-                    os.close(seg.fd)
-                    seg.fd = None
+                seg.close_fd()  # nodes that mapped it keep their mapping
 
     def poison(self, seg: Segment) -> None:
         with self._lock:
@@ -243,9 +268,11 @@ class Channels:
             ch.pull_seg = None
 
     def close(self) -> None:
+        """Close every connection and the pool's segments (:meth:`Pool.close`)."""
         for ch in self._open.values():
             ch.close()
         self._open.clear()
+        self.pool.close()
 
 
 def rebuilt_error(reply: dict) -> Exception:

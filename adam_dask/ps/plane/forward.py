@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 from typing import Any
 
@@ -187,6 +186,5 @@ class ForwardChannels:
 
 def _close(seg: Segment | None) -> None:
     """Let go of a segment's descriptor (the mappings stay while anyone maps it)."""
-    if seg is not None and seg.fd is not None:
-        os.close(seg.fd)
-        seg.fd = None
+    if seg is not None:
+        seg.close_fd()
