@@ -32,16 +32,14 @@ def net():
 
 @pytest.fixture
 def server(net):
-    from adam_dask.cluster import PS, workers_with_role
+    from adam_dask.cluster import PS
+    from adam_dask.testing import wait_role_workers
 
     net.heal()
     client = net.client()
     # a PS worker retired by the previous test's fault is replaced by its nanny: wait for it,
     # so the server starts with three hosts for its three copies
-    deadline = time.monotonic() + 90
-    while len(workers_with_role(client, PS)) < 3:
-        assert time.monotonic() < deadline, workers_with_role(client, PS)
-        time.sleep(0.2)
+    wait_role_workers(client, PS, 3, timeout=90)
     s = ParameterServer.create(client, size=N, shard_bytes=SHARD)
     yield s
     net.heal()

@@ -279,25 +279,20 @@ def test_a_closed_or_dropped_handle_lets_go_of_its_segments(ps_client):
         np.testing.assert_array_equal(copy.pull(), np.full(N, 7.0, np.float32))
         assert _memfds(me) > mine
         del copy  # unclosed: collected once its settler thread ends
-        _wait_memfds(me, mine)
+        _until(lambda: _memfds(me), mine)
     finally:
         s.close()
     np.testing.assert_array_equal(kept, np.ones(N, np.float32))  # still the caller's to read
     del kept  # its mapping holds a descriptor of its own until then
-    _wait_memfds(me, before)
-    deadline = time.monotonic() + 60  # the nodes' forwarders close theirs as the nodes stop
-    while (now := on_nodes()) != before_nodes:
-        assert time.monotonic() < deadline, (now, before_nodes)
-        time.sleep(0.2)
+    _until(lambda: _memfds(me), before)
+    _until(on_nodes, before_nodes)  # the nodes' forwarders close theirs as the nodes stop
 
 
-def _wait_memfds(creator: int, n: int, timeout: float = 60.0) -> None:
-    """Until this process holds ``n`` descriptors of ``creator``'s segments (a dropped handle's
-    go when the collector finds them)."""
+def _until(read, want, timeout: float = 60.0) -> None:
+    """Until ``read()`` gives ``want`` (segment descriptors: a dropped handle's go when the
+    collector finds them, a node's when it stops)."""
     deadline = time.monotonic() + timeout
-    while True:
+    while (got := read()) != want:
+        assert time.monotonic() < deadline, f"{got}, not {want}"
         gc.collect()
-        if _memfds(creator) == n:
-            return
-        assert time.monotonic() < deadline, f"{_memfds(creator)} segment descriptors, not {n}"
         time.sleep(0.2)
