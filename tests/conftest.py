@@ -62,15 +62,34 @@ def s3(s3_server, request):
 # -- noisy neighbours: adam_dask.testing.noise ---------------------------------------------------
 
 
+_BUSY = pytest.StashKey["object"]()
+
+
 @pytest.fixture
-def busy_load():
-    """Three busy processes per core beside the test, at the same priority (other tenants of a
-    shared server). The fault and interrupt tests run under it: what they wait for must happen
-    within the same bounds as on a quiet machine."""
+def busy_load(request):
+    """Three busy processes per core beside the test's body, at the same priority (other
+    tenants of a shared server). The fault and interrupt tests run under it: what they wait for
+    must happen within the same bounds as on a quiet machine. The load starts as the body
+    starts and ends with it (``pytest_runtest_call`` below): the clusters the test's fixtures
+    start come up, and go, on a quiet machine, as a job's workers do before a neighbour gets
+    busy; the faults, and whatever cluster the body starts itself, meet the load."""
     from adam_dask.testing.noise import BusyLoad
 
-    with BusyLoad(per_core=3) as load:
+    load = BusyLoad(per_core=3)
+    request.node.stash[_BUSY] = load
+    try:
         yield load
+    finally:
+        load.__exit__(None, None, None)  # a body that never ran, or one that raised
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    load = item.stash.get(_BUSY, None)
+    if load is None:
+        return (yield)
+    with load:
+        return (yield)
 
 
 # -- clusters --------------------------------------------------------------------------------------
@@ -87,9 +106,12 @@ def adam_cluster():
         yield client
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def local_client():
-    """A plain LocalCluster (2 workers, processes) for ingest and other role-free work."""
+    """A plain LocalCluster (2 workers, processes) for ingest and other role-free work; one per
+    module, not per session: an idle scheduler in this process costs about 7% of a core, which
+    the fault tests beside busy load would otherwise share with it (their cluster and this
+    process are one scheduling group among the busy processes')."""
     from distributed import Client, LocalCluster
 
     with (

@@ -87,3 +87,9 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_busy_load_fixture_runs_beside_the_body(busy_load):
+    """The fault tests' load runs while their body does (their fixtures' clusters start quiet)."""
+    assert busy_load.count == 3 * (os.cpu_count() or 1)
+    assert busy_load.alive == busy_load.count
