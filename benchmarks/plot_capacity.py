@@ -13,9 +13,9 @@ import argparse
 import sys
 from pathlib import Path
 
-import report
+import plot_data
 
-OUT = report.ROOT / "docs" / "capacity.png"
+OUT = plot_data.ROOT / "docs" / "capacity.png"
 STYLE = {"ours": ("tab:blue", "-"), "socket sink": ("tab:grey", "--")}
 
 
@@ -27,7 +27,7 @@ def plot(line: dict, out: Path) -> list[str]:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    curves = report.capacity_curves(line)
+    curves = plot_data.capacity_curves(line)
     if not curves:
         raise SystemExit("no capacity line with a curve: run benchmarks/capacity.py first")
     fig, (lat, mb) = plt.subplots(1, 2, figsize=(10, 4.2))
@@ -72,7 +72,7 @@ def plot(line: dict, out: Path) -> list[str]:
         fontsize=10,
     )
     labels = [ln.get_label() for ln in lat.get_lines() if not ln.get_label().startswith("_")]
-    report.save_figure(fig, out)
+    plot_data.save_figure(fig, out)
     return labels
 
 
@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
-    path = report.RESULTS / "capacity.jsonl"
-    lines = report.read_lines(path) if path.exists() else []
+    path = plot_data.RESULTS / "capacity.jsonl"
+    lines = plot_data.read_lines(path) if path.exists() else []
     plot(lines[-1] if lines else {}, args.out)
     print(args.out)
     return 0

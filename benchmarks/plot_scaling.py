@@ -14,10 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
-import report
+import plot_data
 from report_scaling import scaling_series
 
-OUT = report.ROOT / "docs" / "scaling.png"
+OUT = plot_data.ROOT / "docs" / "scaling.png"
 MARKERS = {"ours": "-o", "defaults": "*", "ddp": "s"}
 NAMES = {"ours": "ours, --trainers R", "defaults": "ours, the defaults", "ddp": "PyTorch DDP"}
 
@@ -72,7 +72,7 @@ def plot(lines: list[dict], out: Path) -> list[str]:
     ax_epochs.yaxis.get_major_locator().set_params(integer=True)
     fig.legend(fontsize=7, loc="lower center", ncol=2)
     fig.suptitle(f"Scaling by replica count: {len(drawn)} stored scaling line(s)", fontsize=10)
-    report.save_figure(fig, out, rect=(0, 0.03 + 0.035 * ((len(labels) + 1) // 2), 1, 1))
+    plot_data.save_figure(fig, out, rect=(0, 0.03 + 0.035 * ((len(labels) + 1) // 2), 1, 1))
     return labels
 
 
@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
-    path = report.RESULTS / "scaling.jsonl"
-    plot(report.read_lines(path) if path.exists() else [], args.out)
+    path = plot_data.RESULTS / "scaling.jsonl"
+    plot(plot_data.read_lines(path) if path.exists() else [], args.out)
     print(args.out)
     return 0
 

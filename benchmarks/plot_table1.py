@@ -1,7 +1,7 @@
 """Draw Table 1's learning curves from the stored lines: ``docs/table1-curves.png``.
 
-For each recipe docs/table1.md's Table 1 block shows (:func:`report.plain_and_newest`, then each
-other server optimizer's, :func:`report.other_optimizers`), the test
+For each recipe docs/table1.md's Table 1 block shows (:func:`report_table1.plain_and_newest`, then each
+other server optimizer's, :func:`report_table1.other_optimizers`), the test
 accuracy after every epoch, averaged over the seeds the block lists, asynchronous (solid) and
 synchronous (dashed), beside the paper's two figures. Needs matplotlib (``pip install
 ".[plot]"``). Usage: ``python benchmarks/plot_table1.py [--out PATH]``
@@ -13,9 +13,10 @@ import argparse
 import sys
 from pathlib import Path
 
-import report
+import plot_data
+from report_table1 import other_optimizers, plain_and_newest, regularisers_used, table1_pairs
 
-OUT = report.ROOT / "docs" / "table1-curves.png"
+OUT = plot_data.ROOT / "docs" / "table1-curves.png"
 COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
 
 
@@ -35,14 +36,14 @@ def plot(lines: list[dict], out: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = report.plain_and_newest(lines)
+    shown = plain_and_newest(lines)
     if not shown:
         raise SystemExit("no table1 line with both modes: run benchmarks/table1.py first")
-    named = [(report.regularisers_used(ln) or "no unnamed regulariser", ln) for ln in shown]
-    named += [(f"server {opt}", ln) for opt, ln in report.other_optimizers(lines).items()]
+    named = [(regularisers_used(ln) or "no unnamed regulariser", ln) for ln in shown]
+    named += [(f"server {opt}", ln) for opt, ln in other_optimizers(lines).items()]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for colour, (name, like) in zip(COLOURS, named, strict=False):
-        pairs = report.table1_pairs(lines, like)
+        pairs = table1_pairs(lines, like)
         for mode, style, idx in (("async", "-", 1), ("sync", "--", 2)):
             curve = mean_curve([p[idx] for p in pairs.values()])
             if curve:
@@ -62,7 +63,7 @@ def plot(lines: list[dict], out: Path) -> list[str]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     labels = [str(ln.get_label()) for ln in ax.get_lines()]
-    report.save_figure(fig, out)
+    plot_data.save_figure(fig, out)
     return labels
 
 
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
-    plot(report.read_lines(report.RESULTS / "table1.jsonl"), args.out)
+    plot(plot_data.read_lines(plot_data.RESULTS / "table1.jsonl"), args.out)
     print(args.out)
     return 0
 

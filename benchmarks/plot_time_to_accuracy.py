@@ -14,9 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
-import report
+import plot_data
 
-OUT = report.ROOT / "docs" / "time-to-accuracy.png"
+OUT = plot_data.ROOT / "docs" / "time-to-accuracy.png"
 STYLES = ("-o", "--s", ":^")
 
 
@@ -27,7 +27,7 @@ def plot(line: dict, out: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves = report.tta_curves(line)
+    curves = plot_data.tta_curves(line)
     if not curves:
         raise SystemExit("no time_to_accuracy line with curves: run time_to_accuracy.py first")
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -47,7 +47,7 @@ def plot(line: dict, out: Path) -> list[str]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     labels = [str(ln.get_label()) for ln in ax.get_lines()]
-    report.save_figure(fig, out)
+    plot_data.save_figure(fig, out)
     return labels
 
 
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
-    lines = report.read_lines(report.RESULTS / "time_to_accuracy.jsonl")
+    lines = plot_data.read_lines(plot_data.RESULTS / "time_to_accuracy.jsonl")
     plot(lines[-1] if lines else {}, args.out)
     print(args.out)
     return 0

@@ -33,12 +33,11 @@ Usage: ``python benchmarks/report.py [--check]``
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-import report_helpers
 import report_rules as rules
+from plot_data import RESULTS, ROOT, capacity_curves, read_lines, target, tta_curves
 from report_claims import CLAIMS
 from report_optimizer import optimizer_block
 from report_record import figure
@@ -63,8 +62,6 @@ __all__ = [
     "table1_pairs",
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 SETUP_MD, TABLE1_MD, BENCHMARKS_MD = DOCS / "setup.md", DOCS / "table1.md", DOCS / "benchmarks.md"
@@ -79,21 +76,6 @@ PAGES: dict[Path, tuple[str, ...]] = {
 RESULTS_LINK = "docs/results.md"  # from the README, where the figures block is
 TTA_PNG_LINK, CAPACITY_PNG_LINK = "docs/time-to-accuracy.png", "docs/capacity.png"
 STAMP = ("date", "commit", "cpus", "benchmark", *rules.LOAD_KEYS)
-
-
-def save_figure(fig, out: Path, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> None:
-    """Lay out ``fig`` within ``rect`` (of the figure: room left below for a figure legend),
-    write it to ``out`` (its folder made) and close it: every plot's end."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout(rect=rect)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-
-
-def read_lines(path: Path) -> list[dict]:
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
 
 def load_results(folder: Path = RESULTS) -> dict[str, list[dict]]:
@@ -228,56 +210,6 @@ def results_page(results: dict[str, list[dict]]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-# --- the plots' data (drawn by plot_time_to_accuracy.py and plot_capacity.py) ---
-
-TTA_RUNS = (
-    ("ours", "ours: adam-dask train, embedded cluster"),
-    ("engine", "the engine alone"),
-    ("torch", "PyTorch"),
-)
-
-
-def _target(line: dict) -> str:
-    return f"{100 * line.get('target', 0.99):g}%"
-
-
-def tta_curves(line: dict) -> dict[str, list[float]]:
-    """label -> test accuracy after each epoch, for each run the time_to_accuracy line holds a
-    curve of (ours, the engine alone, PyTorch), the label saying its seconds to the target."""
-    out = {}
-    for key, name in TTA_RUNS:
-        curve = line.get(f"{key}_curve")
-        if not curve:
-            continue
-        secs = rules.get(line, f"{key}_seconds_to_target")
-        reached = (
-            f"{_target(line)} in {rules.num(secs)} s"
-            if rules.is_num(secs)
-            else "target not reached"
-        )
-        out[f"{name} ({reached})"] = list(curve)
-    return out
-
-
-def capacity_curves(line: dict) -> dict[str, dict[str, list]]:
-    """``{"ours": ..., "socket sink": ...}`` from a capacity line's ``curve`` and
-    ``sink_curve``, each ``{"replicas": [...], "p99_ms": [...], "mb_per_s": [...],
-    "within": [...]}`` (``within``: the count met the line's bound); empty without a curve."""
-    out = {}
-    for name, key in (("ours", "curve"), ("socket sink", "sink_curve")):
-        points = [p for p in line.get(key) or [] if isinstance(p, dict) and "replicas" in p]
-        if not points:
-            continue
-        p99 = report_helpers.p99_key(points[0])
-        out[name] = {
-            "replicas": [p["replicas"] for p in points],
-            "p99_ms": [p.get(p99) if p99 else None for p in points],
-            "mb_per_s": [p.get("mb_per_s") for p in points],
-            "within": [bool(p.get("within", True)) for p in points],
-        }
-    return out if "ours" in out else {}
-
-
 # --- the generated blocks: the README's figures; the sizing sentence, Table 1, the server
 # optimizer and scaling in docs/ ---
 
@@ -304,7 +236,7 @@ def figures_block(results: dict[str, list[dict]]) -> str:
             f"![Test accuracy per epoch: ours, the engine alone, PyTorch]({TTA_PNG_LINK})\n\n"
             f"Test accuracy after each epoch in the newest `time_to_accuracy` run "
             f"({rules.run_stamp(ln)}), plotted per epoch: the line stores no time per epoch (the "
-            f"seconds to {_target(ln)} are in the legend and the table). "
+            f"seconds to {target(ln)} are in the legend and the table). "
             "`python benchmarks/plot_time_to_accuracy.py` draws it."
         )
     cap = results.get("capacity") or []
