@@ -3,7 +3,9 @@ use from worker tasks, checkpoint and restore."""
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
 import threading
 import time
 from pathlib import Path
@@ -140,6 +142,28 @@ def test_pickled_server_in_tasks_on_train_worker(ps_client, make_server):
     train = set(workers_with_role(ps_client, "TRAIN"))
     assert {addr for addr, _, _ in results} <= train
     np.testing.assert_array_equal(s.pull(), results[0][1] + results[1][1])
+
+
+class _ShipsNoItertools(pickle.Pickler):
+    """Pickles as a client ships an object, refusing an itertools iterator: Python 3.12 warns on
+    pickling one (an error where warnings are) and 3.14 refuses."""
+
+    def reducer_override(self, obj):
+        if type(obj).__module__ == "itertools":
+            raise AssertionError(f"an itertools.{type(obj).__name__} would be shipped")
+        return NotImplemented
+
+
+def test_what_a_client_ships_pickles_on_every_python(ps_client, make_server):
+    """The controller plugin and the worker plugins a server's creation registers, and the
+    handle each replica's task gets, pickle without an itertools iterator in them."""
+    from adam_dask._worker_preload import RedactLogs, TaskProfiler
+    from adam_dask.ps.runtime.plugin import ShardPlacement
+
+    s = make_server(size=N, shard_bytes=SHARD)
+    s.push(np.ones(N, np.float32))  # the handle's connections and log exist
+    for obj in (ShardPlacement(), RedactLogs(), TaskProfiler(), s):
+        _ShipsNoItertools(io.BytesIO()).dump(obj)
 
 
 def test_attach_by_name(ps_client, make_server):

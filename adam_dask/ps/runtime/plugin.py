@@ -19,7 +19,6 @@ or preload it: ``dask scheduler --preload adam_dask.ps``.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 import warnings
@@ -78,7 +77,9 @@ class ShardPlacement(SchedulerPlugin):
         self.info: dict[str, dict] = {}
         self.scheduler: Any = None
         self._keeper: NodeKeeper | None = None  # node actors and workers
-        self._reqs = itertools.count()
+        # a plain counter: a client pickles the plugin to register it, and Python 3.12 warns
+        # on pickling an itertools.count (3.14 refuses)
+        self._next_req = 0
         self._validate = validating()  # adam.ps.validate: check the invariants each event
         self._futures: dict[int, asyncio.Future] = {}
         self._calls: dict[tuple[str, int], asyncio.Task] = {}
@@ -179,7 +180,8 @@ class ShardPlacement(SchedulerPlugin):
                 raise TypeError(f"unknown controller action {a!r}")
 
     async def _ask(self, server_id: str, make: Any, stimulus_id: str) -> Any:
-        req = next(self._reqs)
+        req = self._next_req
+        self._next_req += 1
         fut = asyncio.get_running_loop().create_future()
         self._futures[req] = fut
         self._feed(server_id, replace(make(req), stimulus_id=stimulus_id))
