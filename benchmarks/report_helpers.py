@@ -180,7 +180,8 @@ def runner_accuracy(line: dict) -> dict[str, Any]:
     a_p, a_r = rules.nums(line.get("accuracy_pipeline")), rules.nums(line.get("accuracy_replica"))
     if not a_p or not a_r:
         return {}
-    m_p, m_r = sum(a_p) / len(a_p), sum(a_r) / len(a_r)
+    m_p, m_r = rules.mean(a_p), rules.mean(a_r)
+    assert m_p is not None and m_r is not None
     acc = f"accuracy {100 * (m_p - m_r):+.2f} points"
     if rules.overlap(a_p, a_r):
         acc += f", within noise: the seeds overlap ({100 * min(a_p):.2f}-{rules.pc(max(a_p))} vs "

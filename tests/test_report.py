@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _bench(name: str):
     """benchmarks/NAME.py as a module, with benchmarks/ on sys.path while it loads (as when it
-    runs as a script: plot_table1 imports report)."""
+    runs as a script: report imports report_rules and the rest)."""
     path = str(ROOT / "benchmarks")
     sys.path.insert(0, path)
     try:
@@ -525,6 +525,14 @@ def test_the_claims_are_records_the_same_rules_apply_to():
     assert "no claim of speed: measured at load 34.4 on 2 CPUs" in row
     assert "the MB/s of a raw actor transfer" not in row
     assert row.count("; the dense offload sends 1.13x the bytes per image") == 1
+
+
+def test_a_mean_has_the_same_digits_on_every_python():
+    """Python 3.12 sums floats with compensation and 3.11 does not: the pages' means must not
+    depend on which one made them (3.11 wrote +0.04 and 3.12 +0.03 from the same lines)."""
+    _report()
+    rules = sys.modules["report_rules"]
+    assert rules.mean([0.1] * 10) == 0.1  # a plain sum on 3.11: 0.09999999999999999
 
 
 def test_docs_results_lists_every_stored_run():
