@@ -1,10 +1,10 @@
 """Draw Table 1's learning curves from the stored lines: ``docs/table1-curves.png``.
 
-For each recipe docs/table1.md's Table 1 block shows (:func:`report_table1.plain_and_newest`, then each
-other server optimizer's, :func:`report_table1.other_optimizers`), the test
-accuracy after every epoch, averaged over the seeds the block lists, asynchronous (solid) and
-synchronous (dashed), beside the paper's two figures. Needs matplotlib (``pip install
-".[plot]"``). Usage: ``python benchmarks/plot_table1.py [--out PATH]``
+For each recipe docs/table1.md's Table 1 block shows
+(:func:`report_table1.plain_and_newest`, then each other server optimizer's,
+:func:`report_table1.other_optimizers`), the test accuracy after every epoch, averaged over the
+seeds the block lists, asynchronous (solid) and synchronous (dashed), beside the paper's two
+figures. Needs matplotlib (``pip install ".[plot]"``). Usage: ``python benchmarks/plot_table1.py [--out PATH]``
 """
 
 from __future__ import annotations

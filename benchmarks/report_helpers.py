@@ -10,6 +10,7 @@ say only what the line holds, and go through ``report_rules`` for what a line ma
 from __future__ import annotations
 
 from collections import Counter
+from statistics import fmean
 from typing import Any
 
 import report_record as record
@@ -180,8 +181,7 @@ def runner_accuracy(line: dict) -> dict[str, Any]:
     a_p, a_r = rules.nums(line.get("accuracy_pipeline")), rules.nums(line.get("accuracy_replica"))
     if not a_p or not a_r:
         return {}
-    m_p, m_r = rules.mean(a_p), rules.mean(a_r)
-    assert m_p is not None and m_r is not None
+    m_p, m_r = fmean(a_p), fmean(a_r)
     acc = f"accuracy {100 * (m_p - m_r):+.2f} points"
     if rules.overlap(a_p, a_r):
         acc += f", within noise: the seeds overlap ({100 * min(a_p):.2f}-{rules.pc(max(a_p))} vs "

@@ -15,7 +15,7 @@ Every claim of the README's table goes through these, so each rule is written on
 
 from __future__ import annotations
 
-from math import fsum
+from statistics import fmean
 from typing import Any
 
 # a line whose highest recorded load average is above this many runnable tasks per CPU was
@@ -78,7 +78,7 @@ def mean(v: object) -> float | None:
     """The mean of a list's numbers, or the number itself; None without one."""
     if isinstance(v, list):
         v = nums(v)
-        return fsum(v) / len(v) if v else None  # fsum: the same digits on every Python
+        return fmean(v) if v else None  # fmean sums exactly: the same digits on every Python
     return float(v) if isinstance(v, int | float) else None
 
 

@@ -15,7 +15,7 @@ and docs/setup.md).
 from __future__ import annotations
 
 import json
-from math import fsum
+from statistics import fmean
 
 from report_rules import is_num as _is_num
 from report_rules import num as _num
@@ -129,8 +129,8 @@ def table1_by_seed(lines: list[dict], like: dict | None = None) -> str:
         )
     n = len(diffs)
     rows.append(
-        f"| mean of {n} | | {_pct(fsum(finals['async']) / n)} | {_pct(fsum(finals['sync']) / n)} "
-        f"| {100 * fsum(diffs) / n:+.2f} |"
+        f"| mean of {n} | | {_pct(fmean(finals['async']))} | {_pct(fmean(finals['sync']))} "
+        f"| {100 * fmean(diffs):+.2f} |"
     )
     last = like
     shown = {k: last[k] for k in RECIPE if k in last and k not in ("overrides", "augment")}
@@ -151,11 +151,7 @@ def _means(lines: list[dict], like: dict) -> tuple[int, float, float]:
     ``like``'s recipe."""
     pairs = table1_pairs(lines, like).values()
     n = len(pairs)
-    return (
-        n,
-        fsum(a["accuracy"] for _, a, _ in pairs) / n,
-        fsum(s["accuracy"] for *_, s in pairs) / n,
-    )
+    return n, fmean(a["accuracy"] for _, a, _ in pairs), fmean(s["accuracy"] for *_, s in pairs)
 
 
 def other_optimizers(lines: list[dict]) -> dict[str, dict]:
@@ -242,7 +238,7 @@ def sizing_sentence(lines: list[dict]) -> str:
             median = (
                 rates[len(rates) // 2]
                 if len(rates) % 2
-                else fsum(rates[len(rates) // 2 - 1 : len(rates) // 2 + 1]) / 2
+                else sum(rates[len(rates) // 2 - 1 : len(rates) // 2 + 1]) / 2
             )
             parts.append(
                 f"{epochs} epochs with {replicas} replica{'s' * (replicas != 1)}"
